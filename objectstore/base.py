@@ -16,6 +16,7 @@ import abc
 import dataclasses
 import datetime as dt
 from collections.abc import Iterator, Mapping
+from typing import BinaryIO
 
 
 class StoreError(Exception):
@@ -112,6 +113,10 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
         """Unconditional write (for outputs, whose path already carries the fencing token)."""
+
+    @abc.abstractmethod
+    def open_read(self, name: str) -> BinaryIO:
+        """A seekable binary file that reads the object lazily (ranged reads on GCS). Raises NotFound."""
 
     @abc.abstractmethod
     def list_page(

@@ -1,0 +1,219 @@
+"""Tokenisation and fixed-shape batches: documents in, `[batch_size, bucket]` int32 arrays out.
+
+XLA compiles one program per input shape, so every batch has the job's batch size and one of a
+few bucket lengths; a batch takes the smallest bucket that holds its longest sample. To keep
+padding low, samples are sorted by length within a window of `WINDOW_BATCHES * batch_size`
+samples before being cut into batches; the writer puts them back in slice order.
+
+Windows never straddle a shard boundary and are aligned to absolute slice positions. A run
+resumed at a shard boundary therefore forms exactly the same batches as an uninterrupted run,
+which makes its activations bit-identical on a deterministic backend.
+
+Tokenisation: the checkpoint's own tokenizer, `add_special_tokens=False` (Qwen adds no BOS
+anyway, and no EOS is appended), truncated to `max_seq_len`. Text that spells a special token
+(`<|endoftext|>`) is encoded as ordinary text (`split_special_tokens=True`): web documents are
+data, not control sequences. An empty text has zero tokens; it is stored with an empty span and
+never occupies a batch row.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from extract.data import Document
+
+log = logging.getLogger(__name__)
+
+#: Samples sorted together, in batches: larger means less padding but more reordering in the writer.
+WINDOW_BATCHES = 8
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSample:
+    position: int  # within the task's slice
+    sample_id: int  # global, see extract.job
+    token_ids: np.ndarray  # int32 [n_tokens], no padding
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Row r of `token_ids` holds `samples[r]` right-padded; rows past len(samples) are all padding.
+
+    `empty` carries zero-token samples of the same window to the writer without a device row.
+    `token_ids` is None when a window held only empty samples.
+    """
+
+    samples: tuple[TokenizedSample, ...]
+    token_ids: np.ndarray | None
+    empty: tuple[TokenizedSample, ...] = ()
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n_tokens for s in self.samples)
+
+    @property
+    def bucket(self) -> int:
+        return 0 if self.token_ids is None else int(self.token_ids.shape[1])
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= length; `buckets` is sorted and ends at max_seq_len."""
+    index = bisect.bisect_left(buckets, length)
+    if index == len(buckets):
+        raise ValueError(f"length {length} exceeds the largest bucket {buckets[-1]}")
+    return buckets[index]
+
+
+def window_bounds(start: int, end: int, window: int, shard_size: int) -> Iterator[tuple[int, int]]:
+    """Windows covering [start, end), cut at every multiple of `window` and of `shard_size`."""
+    position = start
+    while position < end:
+        stop = min((position // window + 1) * window, (position // shard_size + 1) * shard_size, end)
+        yield position, stop
+        position = stop
+
+
+class Tokenizer:
+    """The checkpoint's tokenizer with the pipeline's fixed settings."""
+
+    def __init__(self, model_dir: Any, max_seq_len: int):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        self.max_seq_len = max_seq_len
+        pad = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.hf.eos_token_id
+        # Padding is never read back (attention is causal and padding sits on the right), so any id works.
+        self.pad_id = int(pad) if pad is not None else 0
+        self.name = getattr(self.hf, "name_or_path", str(model_dir))
+
+    def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if not texts:
+            return []
+        encoded = self.hf(
+            list(texts),
+            add_special_tokens=False,
+            split_special_tokens=True,
+            truncation=True,
+            max_length=self.max_seq_len,
+            return_attention_mask=False,
+        )["input_ids"]
+        return [np.asarray(ids, dtype=np.int32) for ids in encoded]
+
+
+def make_batches(
+    window: Sequence[TokenizedSample], batch_size: int, buckets: Sequence[int], pad_id: int
+) -> list[Batch]:
+    """Sort one window by length (longest first, ties by position) and cut it into padded batches."""
+    empty = tuple(s for s in window if s.n_tokens == 0)
+    ordered = sorted((s for s in window if s.n_tokens > 0), key=lambda s: (-s.n_tokens, s.position))
+    if not ordered:
+        return [Batch(samples=(), token_ids=None, empty=empty)] if empty else []
+    batches = []
+    for first in range(0, len(ordered), batch_size):
+        rows = ordered[first : first + batch_size]
+        length = bucket_for(rows[0].n_tokens, buckets)
+        token_ids = np.full((batch_size, length), pad_id, dtype=np.int32)
+        for r, sample in enumerate(rows):
+            token_ids[r, : sample.n_tokens] = sample.token_ids
+        batches.append(Batch(samples=tuple(rows), token_ids=token_ids, empty=empty if first == 0 else ()))
+    return batches
+
+
+def batches_for_slice(
+    documents: Iterable[Document],
+    tokenizer: Tokenizer,
+    *,
+    start: int,
+    end: int,
+    batch_size: int,
+    shard_size: int,
+    buckets: Sequence[int],
+) -> Iterator[Batch]:
+    """Positions [start, end) of the slice as batches; `documents` must start at `start`."""
+    if buckets[-1] < tokenizer.max_seq_len:
+        raise ValueError(f"largest bucket {buckets[-1]} is below max_seq_len {tokenizer.max_seq_len}")
+    docs = iter(documents)
+    window_size = WINDOW_BATCHES * batch_size
+    for lo, hi in window_bounds(start, end, window_size, shard_size):
+        window_docs = []
+        for expected in range(lo, hi):
+            doc = next(docs, None)
+            if doc is None:
+                raise ValueError(f"the data ended at position {expected}, before the slice's end {end}")
+            if doc.position != expected:
+                raise ValueError(f"document at position {doc.position} arrived where {expected} was expected")
+            window_docs.append(doc)
+        encoded = tokenizer.encode([d.text for d in window_docs])
+        samples = [TokenizedSample(d.position, d.sample_id, ids) for d, ids in zip(window_docs, encoded)]
+        yield from make_batches(samples, batch_size, buckets, tokenizer.pad_id)
+
+
+class _End:
+    pass
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Prefetcher(Generic[T]):
+    """Runs an iterator on a background thread, `depth` items ahead of the consumer.
+
+    Host work (reading parquet, tokenising) then overlaps the device. An exception raised by the
+    iterator is re-raised in the consuming thread at the point it would have occurred.
+    """
+
+    def __init__(self, source: Iterable[T], depth: int, name: str = "prefetch"):
+        self._source = source
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for item in self._source:
+                if not self._put(item):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread, which re-raises it
+            self._put(_Failed(exc))
+            return
+        self._put(_End())
+
+    def __iter__(self) -> Iterator[T]:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, _End):
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    def close(self) -> None:
+        """Stop producing; the thread exits at its next hand-off."""
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,304 @@
+"""The extraction engine: one loaded, sharded Qwen model and a compiled forward per bucket length.
+
+The data pipeline hands it right-padded token batches and gets back the requested hidden states as device arrays,
+dispatched asynchronously; it decides when to block (when it copies a batch to the host for writing).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import re
+import tempfile
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from extract import sharding as shd
+from extract.config import QwenConfig
+from extract.errors import BadInput
+from extract.model import QwenModel
+from extract.weights import Checkpoint, load_state, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# Dense bf16 peak FLOP/s per device, from the vendors' spec sheets (without structured sparsity). Matched against
+# `device.device_kind` in order, so more specific names come first.
+_PEAK_BF16_FLOPS = (
+    (r"TPU v6|TPU v6 lite|TPU v6e", 918e12),
+    (r"TPU v5 lite|TPU v5e|TPU v5litepod", 197e12),
+    (r"TPU v5p|TPU v5\b", 459e12),
+    (r"TPU v4", 275e12),
+    (r"TPU v3", 123e12),
+    (r"TPU v2", 45e12),
+    (r"B200", 2250e12),
+    (r"H200", 989e12),
+    (r"H100.*PCIe", 756e12),
+    (r"H100", 989e12),
+    (r"A100", 312e12),
+    (r"L40S", 362e12),
+    (r"\bL4\b", 121e12),
+)
+
+
+def device_peak_flops(device: jax.Device) -> float | None:
+    if device.platform == "cpu":
+        return None
+    for pattern, flops in _PEAK_BF16_FLOPS:
+        if re.search(pattern, device.device_kind):
+            return flops
+    return None
+
+
+def normalize_layers(layers: Sequence[int], num_hidden_layers: int) -> tuple[int, ...]:
+    """Sorted, de-duplicated, non-negative hidden-state indices in 0..num_hidden_layers (negatives count back)."""
+    count = num_hidden_layers + 1
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise BadInput(f"layers={layers!r} must be a list of hidden-state indices such as [0, 12, -1]")
+    normalized = set()
+    for index in layers:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise BadInput(f"layers: {index!r} is not an integer hidden-state index")
+        if not -count <= index < count:
+            raise BadInput(
+                f"layers: index {index} is out of range for a model with num_hidden_layers={num_hidden_layers}: "
+                f"use 0..{num_hidden_layers} (0 = embeddings, {num_hidden_layers} = final norm) or -{count}..-1"
+            )
+        normalized.add(int(index) % count)
+    if not normalized:
+        raise BadInput("layers is empty: request at least one hidden-state index")
+    return tuple(sorted(normalized))
+
+
+def _dtype(field: str, name: str):
+    if name not in DTYPES:
+        raise BadInput(f"{field}={name!r} is not supported: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _positive_int(field: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise BadInput(f"{field}={value!r} must be a positive integer")
+    return int(value)
+
+
+class Engine:
+    """A Qwen model loaded onto a ("data", "model") mesh, computing hidden states up to the deepest requested layer.
+
+    `layers` uses transformers' `output_hidden_states` numbering: 0 = embedding output, i = output of layer i,
+    `num_hidden_layers` = final-norm output; negative indices count from the end (-1 = final norm).
+    """
+
+    model_dir: pathlib.Path
+    config: QwenConfig
+    layers: tuple[int, ...]
+    mesh: jax.sharding.Mesh
+    batch_size: int
+    compiled_programs: int
+
+    def __init__(
+        self,
+        model: str,
+        layers: Sequence[int],
+        *,
+        batch_size: int,
+        max_seq_len: int,
+        compute_dtype: str = "bfloat16",
+        out_dtype: str = "bfloat16",
+        mesh: str | None = None,
+        devices: Sequence[jax.Device] | None = None,
+    ):
+        """`devices` defaults to every local device; tests pass a subset to get a single-device reference."""
+        started = time.monotonic()
+        self._configure(batch_size, max_seq_len, compute_dtype, out_dtype)
+        self.model_dir = resolve_model_dir(model)
+        self.config = QwenConfig.from_file(self.model_dir / "config.json")
+        checkpoint = Checkpoint(self.model_dir)  # fail on missing files before any device work
+        self._place(layers, mesh, devices)
+        self._state = load_state(checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype)
+        self._log_ready(model, time.monotonic() - started)
+
+    @classmethod
+    def with_random_weights(
+        cls,
+        config: QwenConfig,
+        layers: Sequence[int],
+        *,
+        batch_size: int,
+        max_seq_len: int,
+        compute_dtype: str = "bfloat16",
+        out_dtype: str = "bfloat16",
+        mesh: str | None = None,
+        devices: Sequence[jax.Device] | None = None,
+        seed: int = 0,
+    ) -> Engine:
+        """An engine whose weights are drawn on the devices (for benchmarks of models too large to write to disk)."""
+        started = time.monotonic()
+        engine = cls.__new__(cls)
+        engine._configure(batch_size, max_seq_len, compute_dtype, out_dtype)
+        engine.config = config
+        engine.model_dir = pathlib.Path(tempfile.mkdtemp(prefix="random-qwen-"))
+        (engine.model_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        engine._place(layers, mesh, devices)
+        engine._state = engine._random_state(seed)
+        engine._log_ready("random", time.monotonic() - started)
+        return engine
+
+    # -- construction ----------------------------------------------------------------------------------------------
+
+    def _configure(self, batch_size, max_seq_len, compute_dtype, out_dtype) -> None:
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.max_seq_len = _positive_int("max_seq_len", max_seq_len)
+        self.compute_dtype, self.out_dtype = compute_dtype, out_dtype
+        self._compute_dtype = _dtype("compute_dtype", compute_dtype)
+        self._out_dtype = _dtype("out_dtype", out_dtype)
+        self._programs: dict[int, jax.stages.Compiled] = {}
+        self.compiled_programs = 0
+
+    def _place(self, layers, mesh: str | None, devices) -> None:
+        """Choose the mesh and shardings, and build the abstract (shapes-only) model truncated at the deepest layer."""
+        self.layers = normalize_layers(layers, self.config.num_hidden_layers)
+        self.num_computed_layers = max(self.layers)  # the final-norm index needs the whole stack
+        devices = list(devices) if devices is not None else jax.local_devices()
+        if not devices:
+            raise BadInput("devices is empty: the engine needs at least one device")
+        if mesh is not None:
+            if not isinstance(mesh, str):
+                raise BadInput(f"mesh={mesh!r} must be a string such as 'data=2,model=2', or unset")
+            shape = shd.parse_mesh(mesh, len(devices))
+        else:
+            shape = shd.choose_mesh_shape(
+                self.config,
+                devices,
+                num_layers=self.num_computed_layers,
+                batch_size=self.batch_size,
+                seq_len=self.max_seq_len,
+                compute_bytes=jnp.dtype(self._compute_dtype).itemsize,
+                out_bytes=jnp.dtype(self._out_dtype).itemsize,
+                num_outputs=len(self.layers),
+            )
+        if self.batch_size % shape[0]:
+            raise BadInput(
+                f"batch_size={self.batch_size} is not a multiple of the mesh's data axis ({shape[0]}): "
+                f"use a multiple of {shape[0]}"
+            )
+        self.mesh = shd.make_mesh(shape, devices)
+        self._rules = shd.ShardingRules.for_config(self.config, shape[1])
+        self._token_sharding = NamedSharding(self.mesh, self._rules.tokens)
+        self._hidden_sharding = NamedSharding(self.mesh, self._rules.activations)
+        config, depth, dtype, mesh_, rules = (
+            self.config, self.num_computed_layers, self._compute_dtype, self.mesh, self._rules,
+        )  # fmt: skip
+        abstract = nnx.eval_shape(lambda: QwenModel(config, depth, dtype, nnx.Rngs(0), mesh_, rules))
+        self._graphdef, self._abstract_state = nnx.split(abstract)
+
+    def _param_shardings(self) -> dict:
+        shardings: dict = {}
+        for path, variable in nnx.to_flat_state(self._abstract_state):
+            node = shardings
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = NamedSharding(self.mesh, getattr(self._rules, variable.get_metadata()["role"]))
+        return shardings
+
+    def _random_state(self, seed: int) -> nnx.State:
+        config, depth, dtype = self.config, self.num_computed_layers, self._compute_dtype
+
+        def init():
+            return nnx.to_pure_dict(nnx.state(QwenModel(config, depth, dtype, nnx.Rngs(seed))))
+
+        values = jax.jit(init, out_shardings=self._param_shardings())()
+        nnx.replace_by_pure_dict(self._abstract_state, values)
+        return self._abstract_state
+
+    def _log_ready(self, source: str, seconds: float) -> None:
+        params = sum(v.size for v in jax.tree.leaves(nnx.to_pure_dict(self._state)))
+        log.info(
+            "event=engine_ready model=%s model_type=%s layers=%s computed_layers=%d params=%d mesh=%s "
+            "compute_dtype=%s out_dtype=%s batch_size=%d seconds=%.1f",
+            source, self.config.model_type, ",".join(map(str, self.layers)), self.num_computed_layers, params,
+            shd.mesh_summary(self.mesh), self.compute_dtype, self.out_dtype, self.batch_size, seconds,
+        )  # fmt: skip
+
+    # -- forward ---------------------------------------------------------------------------------------------------
+
+    def _program(self, seq_len: int) -> jax.stages.Compiled:
+        program = self._programs.get(seq_len)
+        if program is not None:
+            return program
+        started = time.monotonic()
+        graphdef, keep, out_dtype = self._graphdef, self.layers, self._out_dtype
+
+        def forward(state, token_ids):
+            hidden = nnx.merge(graphdef, state)(token_ids, keep)
+            return {index: hidden[index].astype(out_dtype) for index in keep}
+
+        tokens = jax.ShapeDtypeStruct((self.batch_size, seq_len), jnp.int32, sharding=self._token_sharding)
+        jitted = jax.jit(forward, out_shardings={index: self._hidden_sharding for index in keep})
+        program = jitted.lower(self._state, tokens).compile()
+        self._programs[seq_len] = program
+        self.compiled_programs += 1
+        log.info(
+            "event=compile seq_len=%d batch_size=%d layers=%s mesh=%s seconds=%.2f programs=%d",
+            seq_len, self.batch_size, ",".join(map(str, keep)), shd.mesh_summary(self.mesh),
+            time.monotonic() - started, self.compiled_programs,
+        )  # fmt: skip
+        return program
+
+    def forward(self, token_ids: np.ndarray) -> dict[int, jax.Array]:
+        """{layer: [batch_size, T, hidden] in out_dtype} for an int [batch_size, T] right-padded batch.
+
+        Returns without waiting for the devices. Every distinct T compiles one program, so callers should use a
+        small set of bucket lengths.
+        """
+        token_ids = np.asarray(token_ids)
+        if token_ids.ndim != 2 or token_ids.shape[0] != self.batch_size:
+            raise ValueError(f"token_ids has shape {token_ids.shape}; expected [{self.batch_size}, T]")
+        seq_len = token_ids.shape[1]
+        if not 1 <= seq_len <= self.max_seq_len:
+            raise ValueError(f"token_ids length {seq_len} is outside 1..max_seq_len={self.max_seq_len}")
+        if not np.issubdtype(token_ids.dtype, np.integer):
+            raise ValueError(f"token_ids has dtype {token_ids.dtype}; expected integers")
+        low, high = int(token_ids.min()), int(token_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            # jnp.take would silently return NaN rows for such ids.
+            raise BadInput(
+                f"token id {high if high >= self.config.vocab_size else low} is outside the model's "
+                f"vocab_size={self.config.vocab_size}: the tokenizer does not match the model"
+            )
+        program = self._program(seq_len)
+        tokens = jax.device_put(token_ids.astype(np.int32, copy=False), self._token_sharding)
+        return program(self._state, tokens)
+
+    # -- accounting ------------------------------------------------------------------------------------------------
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token up to the deepest requested layer (matmuls only, 2 per multiply-add).
+
+        Projections: 2 * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) per layer. Attention: 2 * 2 * N*H * seq_len per layer
+        for scores and the weighted sum, counted over all seq_len keys because that is what runs (the causal mask
+        is applied to a full score matrix). Embedding lookup, norms and the final norm are not counted.
+        """
+        c = self.config
+        d, f, n, k, h = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        projections = 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f)
+        attention = 4 * n * h * seq_len
+        return float(self.num_computed_layers * (projections + attention))
+
+    def peak_flops(self) -> float | None:
+        """Sum of the mesh devices' dense bf16 peak FLOP/s; None when unknown (CPU, unlisted accelerators)."""
+        total = 0.0
+        for device in self.mesh.devices.flat:
+            peak = device_peak_flops(device)
+            if peak is None:
+                return None
+            total += peak
+        return total

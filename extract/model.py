@@ -1,0 +1,196 @@
+"""The Qwen2 / Qwen2.5 / Qwen3 decoder in Flax NNX, truncated at the deepest hidden state the caller wants.
+
+transformers has no Flax Qwen, so this is ours. One module covers the family; `QwenConfig` says which parts exist:
+q/k/v biases (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), an output bias (Qwen3 with attention_bias), sliding
+windows per layer. There is no LM head and no KV cache: the model only ever runs one causal forward over a
+right-padded batch, and only as deep as needed.
+
+Einsum letters: B batch, T query position, S key position, D hidden, N query heads, K key/value heads, G query heads
+per key/value head, H head dim, F MLP intermediate, V vocabulary.
+
+Every parameter carries a `role` (a field name of `ShardingRules`), so placement is data, not code in the layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from extract.config import QwenConfig
+from extract.sharding import ShardingRules
+
+# Stands in for -inf in masked attention logits: exp() underflows to exactly 0 and no row is ever all-masked
+# (a token always sees itself), so no NaN can appear.
+_MASKED = float(np.finfo(np.float32).min)
+
+_init = nnx.initializers.normal(stddev=0.02)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, role: str) -> nnx.Param:
+    return nnx.Param(_init(rngs.params(), shape, dtype), role=role)
+
+
+def _ones(shape: tuple[int, ...], dtype, role: str) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), role=role)
+
+
+def _zeros(shape: tuple[int, ...], dtype, role: str) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), role=role)
+
+
+class RMSNorm(nnx.Module):
+    """Normalise in float32, cast back to the input dtype, then scale: the order Qwen's reference uses."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.scale = _ones((dim,), dtype, "replicated")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """sin, cos of shape [T, H/2] in float32 for positions 0..T-1 (right padding keeps positions from 0)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on [B, T, heads, H], computed in float32 so bf16 runs do not round the angles."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(seq_len: int, window: int | None) -> jax.Array:
+    """[T, S] boolean: key s is visible from query t when s <= t (and t - s < window for sliding layers)."""
+    t = jnp.arange(seq_len)[:, None]
+    s = jnp.arange(seq_len)[None, :]
+    visible = s <= t
+    if window is not None:
+        visible &= t - s < window
+    return visible
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: QwenConfig, window: int | None, dtype, rngs: nnx.Rngs):
+        d, n, k, h = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_proj = _param(rngs, (d, n, h), dtype, "q_proj")
+        self.k_proj = _param(rngs, (d, k, h), dtype, "kv_proj")
+        self.v_proj = _param(rngs, (d, k, h), dtype, "kv_proj")
+        self.o_proj = _param(rngs, (n, h, d), dtype, "o_proj")
+        self.q_bias = _zeros((n, h), dtype, "q_bias") if config.qkv_bias else None
+        self.k_bias = _zeros((k, h), dtype, "kv_bias") if config.qkv_bias else None
+        self.v_bias = _zeros((k, h), dtype, "kv_bias") if config.qkv_bias else None
+        self.o_bias = _zeros((d,), dtype, "replicated") if config.o_bias else None
+        self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.window = window
+        self.groups = config.num_query_groups
+        self.scale = config.head_dim**-0.5
+
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
+        k = jnp.einsum("BSD,DKH->BSKH", x, self.k_proj[...])
+        v = jnp.einsum("BSD,DKH->BSKH", x, self.v_proj[...])
+        if self.q_bias is not None:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+
+        b, t, n, h = q.shape
+        q = q.reshape(b, t, n // self.groups, self.groups, h)
+        logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * self.scale
+        logits = jnp.where(attention_mask(t, self.window), logits, _MASKED)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        mixed = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(b, t, n, h)
+        out = jnp.einsum("BTNH,NHD->BTD", mixed, self.o_proj[...])
+        if self.o_bias is not None:
+            out = out + self.o_bias[...]
+        return out
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: QwenConfig, dtype, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _param(rngs, (d, f), dtype, "mlp_in")
+        self.up_proj = _param(rngs, (d, f), dtype, "mlp_in")
+        self.down_proj = _param(rngs, (f, d), dtype, "mlp_out")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...])
+        up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...])
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: QwenConfig, window: int | None, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attention = Attention(config, window, dtype, rngs)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+        with jax.named_scope("attention"):
+            x = x + self.attention(self.input_norm(x), sin, cos)
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.post_attention_norm(x))
+
+
+class QwenModel(nnx.Module):
+    """Embedding, the first `num_layers` decoder layers, and the final norm only when `num_layers` is the full stack.
+
+    `__call__(token_ids, keep)` returns {index: hidden state} in transformers' `output_hidden_states` numbering:
+    0 is the embedding output, i the output of layer i, `config.num_hidden_layers` the final-norm output.
+    """
+
+    def __init__(
+        self,
+        config: QwenConfig,
+        num_layers: int,
+        dtype,
+        rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
+        rules: ShardingRules | None = None,
+    ):
+        if not 0 <= num_layers <= config.num_hidden_layers:
+            raise ValueError(f"num_layers={num_layers} outside 0..{config.num_hidden_layers}")
+        self.config = config
+        self.embedding = _param(rngs, (config.vocab_size, config.hidden_size), dtype, "embedding")
+        self.layers = nnx.List(
+            [DecoderLayer(config, config.sliding_windows[i], dtype, rngs) for i in range(num_layers)]
+        )
+        full_stack = num_layers == config.num_hidden_layers
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if full_stack else None
+        # Static: pins the residual stream to the batch split so XLA never gathers activations across "data".
+        self.activation_sharding = NamedSharding(mesh, rules.activations) if mesh is not None and rules else None
+
+    def _pin(self, x: jax.Array) -> jax.Array:
+        if self.activation_sharding is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.activation_sharding)
+
+    def __call__(self, token_ids: jax.Array, keep: tuple[int, ...]) -> dict[int, jax.Array]:
+        final_index = self.config.num_hidden_layers
+        with jax.named_scope("embedding"):
+            x = self._pin(jnp.take(self.embedding[...], token_ids, axis=0))
+        hidden = {0: x} if 0 in keep else {}
+        sin, cos = rope_tables(token_ids.shape[1], self.config.head_dim, self.config.rope_theta)
+        for index, layer in enumerate(self.layers, start=1):
+            with jax.named_scope(f"layer_{index}"):
+                x = self._pin(layer(x, sin, cos))
+            if index in keep and index != final_index:
+                hidden[index] = x
+        if self.final_norm is not None and final_index in keep:
+            with jax.named_scope("final_norm"):
+                hidden[final_index] = self._pin(self.final_norm(x))
+        return hidden

@@ -1,0 +1,220 @@
+"""How the model is laid out on devices: the ("data", "model") mesh and one PartitionSpec per tensor role.
+
+Policy. Every local device joins one mesh. Batches are split over "data". Over "model" we split attention heads
+and the MLP intermediate dimension (tensor parallelism), each only where its size divides the axis; key/value heads
+that are fewer than the axis, or do not divide it, stay replicated. The automatic choice is pure data parallelism
+whenever one replica (weights plus one micro-batch's activations) fits a device, because that needs no collectives
+at all; otherwise the smallest model axis that makes it fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from extract.config import QwenConfig
+from extract.errors import BadInput
+
+log = logging.getLogger(__name__)
+
+DATA, MODEL = "data", "model"
+AXES = (DATA, MODEL)
+
+#: Fraction of a device's memory the automatic choice may plan for; XLA needs the rest for scratch and fragmentation.
+MEMORY_HEADROOM = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """One PartitionSpec per tensor role; shapes in the comments use the model's einsum letters."""
+
+    embedding: P  # [V, D]
+    q_proj: P  # [D, N, H]
+    kv_proj: P  # [D, K, H]
+    o_proj: P  # [N, H, D]
+    q_bias: P  # [N, H]
+    kv_bias: P  # [K, H]
+    mlp_in: P  # [D, F] gate and up projections
+    mlp_out: P  # [F, D] down projection
+    replicated: P  # norm scales, output bias
+    tokens: P  # [B, T]
+    activations: P  # [B, T, D], also every returned hidden state
+
+    @classmethod
+    def for_config(cls, config: QwenConfig, model_axis_size: int) -> ShardingRules:
+        def split_if_divides(size: int) -> str | None:
+            return MODEL if model_axis_size > 1 and size % model_axis_size == 0 else None
+
+        heads = split_if_divides(config.num_attention_heads)
+        # Query heads are grouped by key/value head, so both splits line up only when both divide the axis.
+        kv_heads = split_if_divides(config.num_key_value_heads) if heads else None
+        ffw = split_if_divides(config.intermediate_size)
+        hidden = split_if_divides(config.hidden_size)
+        return cls(
+            embedding=P(None, hidden),
+            q_proj=P(None, heads, None),
+            kv_proj=P(None, kv_heads, None),
+            o_proj=P(heads, None, None),
+            q_bias=P(heads, None),
+            kv_bias=P(kv_heads, None),
+            mlp_in=P(None, ffw),
+            mlp_out=P(ffw, None),
+            replicated=P(),
+            tokens=P(DATA, None),
+            activations=P(DATA, None, None),
+        )
+
+
+def parse_mesh(spec: str, device_count: int) -> tuple[int, int]:
+    """`"data=2,model=2"` -> (2, 2). An axis left out has size 1; the product must equal `device_count`."""
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+        name, sep, value = part.strip().partition("=")
+        name = name.strip()
+        if not sep or name not in AXES or name in sizes:
+            raise BadInput(
+                f"mesh={spec!r} is not valid: write it as 'data=D,model=M' with each of {', '.join(AXES)} at most once"
+            )
+        try:
+            size = int(value)
+        except ValueError:
+            raise BadInput(f"mesh={spec!r}: axis {name} has size {value.strip()!r}, which is not an integer") from None
+        if size < 1:
+            raise BadInput(f"mesh={spec!r}: axis {name} must have size >= 1")
+        sizes[name] = size
+    shape = (sizes.get(DATA, 1), sizes.get(MODEL, 1))
+    if shape[0] * shape[1] != device_count:
+        raise BadInput(
+            f"mesh={spec!r} spans {shape[0] * shape[1]} devices but {device_count} are present: "
+            f"make data * model = {device_count}, or leave mesh unset for the automatic choice"
+        )
+    return shape
+
+
+def make_mesh(shape: tuple[int, int], devices: Sequence[jax.Device]) -> Mesh:
+    # Auto axes: XLA propagates shardings from the weights and the batch; the model pins only the activations.
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=list(devices))
+
+
+def named(mesh: Mesh, spec: P) -> NamedSharding:
+    return NamedSharding(mesh, spec)
+
+
+def device_memory_bytes(device: jax.Device) -> int | None:
+    """Usable memory of one device, or None where the runtime does not say (CPU: treated as ample)."""
+    try:
+        stats = device.memory_stats()
+    except (RuntimeError, NotImplementedError):  # some backends raise instead of returning None
+        return None
+    if not stats:
+        return None
+    limit = stats.get("bytes_limit") or stats.get("bytes_reservable_limit")
+    return int(limit) if limit else None
+
+
+def replica_bytes(
+    config: QwenConfig,
+    num_layers: int,
+    batch_per_replica: int,
+    seq_len: int,
+    compute_bytes: int,
+    out_bytes: int,
+    num_outputs: int,
+    model_axis_size: int = 1,
+) -> int:
+    """Estimated device memory for one replica: weights of the computed layers plus one micro-batch's activations.
+
+    The activation term is the peak inside one layer (residual stream, q/k/v, the float32 attention scores and
+    probabilities, the MLP intermediate) plus the hidden states being returned, counted twice because the caller
+    may hold one batch's outputs while the next is computed.
+    """
+    rules = ShardingRules.for_config(config, model_axis_size)
+    m = model_axis_size
+
+    def share(spec: P) -> int:
+        return m if MODEL in tuple(spec) else 1
+
+    d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
+    n, k = config.num_attention_heads, config.num_key_value_heads
+    per_layer = (
+        d * n * h / share(rules.q_proj)
+        + 2 * d * k * h / share(rules.kv_proj)
+        + n * h * d / share(rules.o_proj)
+        + 2 * d * f / share(rules.mlp_in)
+        + f * d / share(rules.mlp_out)
+        + (n + 2 * k) * h  # biases, norms: small either way
+        + 2 * d
+    )
+    weights = (config.vocab_size * d / share(rules.embedding) + num_layers * per_layer + d) * compute_bytes
+    tokens = batch_per_replica * seq_len
+    heads_here = n / share(rules.q_proj)
+    layer_peak = (
+        tokens * (4 * d + (heads_here + 2 * k) * h + 3 * f / share(rules.mlp_in)) * compute_bytes
+        + 2 * batch_per_replica * heads_here * seq_len * seq_len * 4
+    )
+    outputs = 2 * num_outputs * tokens * d * out_bytes
+    return int(weights + layer_peak + outputs)
+
+
+def choose_mesh_shape(
+    config: QwenConfig,
+    devices: Sequence[jax.Device],
+    *,
+    num_layers: int,
+    batch_size: int,
+    seq_len: int,
+    compute_bytes: int,
+    out_bytes: int,
+    num_outputs: int,
+) -> tuple[int, int]:
+    """(data, model) for the automatic policy described in the module docstring."""
+    count = len(devices)
+    memory = device_memory_bytes(devices[0])
+    candidates = [m for m in range(1, count + 1) if count % m == 0]
+    fitting = []
+    for m in candidates:
+        data = count // m
+        need = replica_bytes(
+            config, num_layers, max(1, batch_size // data), seq_len, compute_bytes, out_bytes, num_outputs, m
+        )
+        if memory is None or need <= MEMORY_HEADROOM * memory:
+            fitting.append(m)
+    if not fitting:
+        log.warning(
+            "event=mesh_memory_tight devices=%d device_memory=%s: no layout fits the estimate; using model=%d",
+            count, memory, count,
+        )  # fmt: skip
+        return 1, count
+    usable = [m for m in fitting if batch_size % (count // m) == 0]
+    if not usable:
+        data = count // fitting[0]
+        raise BadInput(
+            f"batch_size={batch_size} is not a multiple of the data axis size {data} chosen for {count} devices: "
+            f"use a multiple of {data}, or set mesh explicitly"
+        )
+    m = usable[0]
+    return count // m, m
+
+
+def mesh_summary(mesh: Mesh) -> str:
+    return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
+__all__ = [
+    "AXES",
+    "DATA",
+    "MODEL",
+    "ShardingRules",
+    "choose_mesh_shape",
+    "device_memory_bytes",
+    "make_mesh",
+    "mesh_summary",
+    "named",
+    "parse_mesh",
+    "replica_bytes",
+]

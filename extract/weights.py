@@ -1,0 +1,365 @@
+"""Where a checkpoint comes from and how its tensors reach the devices.
+
+Sources: a local directory, a Hugging Face hub id (`snapshot_download`, config/tokenizer/safetensors only), or a
+`gs://` directory mirrored there by `tools/mirror_model.py` (downloaded once per machine into a cache directory).
+
+Loading follows the abstract-model pattern: the model is first built with `nnx.eval_shape` (shapes only, no
+memory), then each parameter is read from its safetensors file, converted to the compute dtype and put straight
+onto its `NamedSharding`, one tensor at a time. The host therefore holds at most one tensor, never the model, and
+only the layers the caller needs are read; the LM head never is.
+
+Tensors are read through a memory map of the safetensors layout (an 8-byte header length, a JSON header, raw
+little-endian data) rather than `safe_open(framework="numpy")`, because numpy's backend of safetensors cannot
+represent bfloat16, the dtype Qwen checkpoints ship in; `ml_dtypes` (a JAX dependency) can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+import objectstore
+from extract.config import QwenConfig
+from extract.errors import BadInput, TransientIOError
+from extract.sharding import ShardingRules
+
+log = logging.getLogger(__name__)
+
+#: The files a model directory needs; anything else in a hub repo (pytorch_model.bin, onnx, images) is skipped.
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+)
+INDEX_FILE = "model.safetensors.index.json"
+CACHE_ENV = "EXTRACT_MODEL_CACHE"
+_COPY_CHUNK = 16 * 1024 * 1024
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+
+
+def is_model_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILE_PATTERNS)
+
+
+# -- sources ------------------------------------------------------------------------------------------------------
+
+
+def resolve_model_dir(model: str, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """A local directory holding config.json, tokenizer files and *.safetensors for `model`.
+
+    `model` is a local directory, a `gs://bucket/prefix` directory, or a hub id such as `Qwen/Qwen2.5-7B`.
+    """
+    if not isinstance(model, str) or not model:
+        raise BadInput(f"model={model!r} must be a local directory, a gs:// directory or a hub id")
+    if model.startswith("gs://"):
+        return fetch_from_store(model, pathlib.Path(cache_dir) if cache_dir else default_cache_dir(model))
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if _HUB_ID.match(model) and not model.startswith("."):
+        return download_hub_snapshot(model, revision=revision)
+    raise BadInput(f"model={model!r} is not an existing directory, a gs:// directory or a hub id (org/name)")
+
+
+def default_cache_dir(url: str) -> pathlib.Path:
+    root = pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "gcs-spawner" / "models")
+    return root / url.removeprefix("gs://").strip("/")
+
+
+def fetch_from_store(url: str, cache_dir: pathlib.Path) -> pathlib.Path:
+    """Download a mirrored model directory into `cache_dir`, skipping files already fetched at the same generation.
+
+    Each file is streamed to a temporary name and renamed into place, so a killed download is never mistaken for
+    a complete one; `.fetched.json` records the generation of every file that arrived whole.
+    """
+    store = objectstore.open_store(url)
+    try:
+        entries = [e for e in store.list("") if "/" not in e.name and is_model_file(e.name)]
+    except objectstore.StoreUnavailable as exc:
+        raise TransientIOError(f"model={url!r}: listing failed: {exc}") from exc
+    names = {e.name for e in entries}
+    if "config.json" not in names:
+        raise BadInput(
+            f"model={url!r} holds no config.json: mirror the checkpoint there first with "
+            f"tools/mirror_model.py HUB_ID {url}"
+        )
+    if not any(name.endswith(".safetensors") for name in names):
+        raise BadInput(f"model={url!r} holds no *.safetensors files: the checkpoint must be in safetensors format")
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = cache_dir / ".fetched.json"
+    try:
+        fetched = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        fetched = {}
+    except (OSError, json.JSONDecodeError):
+        log.warning("event=model_cache_manifest_unreadable path=%s action=refetch", manifest_path)
+        fetched = {}
+
+    started = time.monotonic()
+    downloaded = 0
+    for entry in sorted(entries, key=lambda e: e.name):
+        target = cache_dir / entry.name
+        if fetched.get(entry.name) == entry.generation and target.is_file() and target.stat().st_size == entry.size:
+            continue
+        partial = cache_dir / f".{entry.name}.part{os.getpid()}"
+        try:
+            with store.open_read(entry.name) as source, open(partial, "wb") as sink:
+                shutil.copyfileobj(source, sink, _COPY_CHUNK)
+            if partial.stat().st_size != entry.size:
+                raise TransientIOError(
+                    f"model={url!r}: {entry.name} arrived with {partial.stat().st_size} bytes, expected {entry.size}"
+                )
+            os.replace(partial, target)
+        except (objectstore.StoreUnavailable, objectstore.NotFound, OSError) as exc:
+            raise TransientIOError(f"model={url!r}: downloading {entry.name} failed: {exc}") from exc
+        finally:
+            partial.unlink(missing_ok=True)
+        fetched[entry.name] = entry.generation
+        downloaded += entry.size
+        manifest_path.write_text(json.dumps(fetched, indent=1, sort_keys=True))
+    log.info(
+        "event=model_fetched url=%s cache=%s files=%d downloaded_bytes=%d seconds=%.1f",
+        url, cache_dir, len(entries), downloaded, time.monotonic() - started,
+    )  # fmt: skip
+    return cache_dir
+
+
+def download_hub_snapshot(
+    hub_id: str, *, revision: str | None = None, local_dir: str | os.PathLike | None = None
+) -> pathlib.Path:
+    """`snapshot_download` restricted to MODEL_FILE_PATTERNS; hub errors become BadInput or TransientIOError."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        DisabledRepoError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        path = snapshot_download(
+            hub_id, revision=revision, allow_patterns=list(MODEL_FILE_PATTERNS), local_dir=local_dir
+        )
+    except (RepositoryNotFoundError, RevisionNotFoundError, DisabledRepoError, HFValidationError) as exc:
+        raise BadInput(f"model={hub_id!r} (revision={revision!r}) is not available on the hub: {exc}") from exc
+    except OSError as exc:  # network failures, timeouts, offline mode without a cached copy
+        raise TransientIOError(f"model={hub_id!r}: downloading from the hub failed: {exc}") from exc
+    return pathlib.Path(path)
+
+
+def upload_model_dir(local_dir: str | os.PathLike, dest_url: str) -> list[str]:
+    """Copy a model directory's files into `dest_url`; return the names written.
+
+    config.json goes last: `fetch_from_store` treats a prefix without it as not mirrored, so a copy interrupted
+    half-way is never loaded as a model.
+    """
+    local_dir = pathlib.Path(local_dir)
+    files = sorted(p for p in local_dir.iterdir() if p.is_file() and is_model_file(p.name))
+    names = [p.name for p in files]
+    if "config.json" not in names:
+        raise BadInput(f"{local_dir} has no config.json: it is not a model directory")
+    if not any(name.endswith(".safetensors") for name in names):
+        raise BadInput(f"{local_dir} has no *.safetensors files: only safetensors checkpoints can be mirrored")
+    store = objectstore.open_store(dest_url)
+    ordered = [p for p in files if p.name != "config.json"] + [local_dir / "config.json"]
+    for path in ordered:
+        # One file in memory at a time: the store interface writes whole objects.
+        store.put(path.name, path.read_bytes())
+        log.info("event=model_file_uploaded dest=%s name=%s bytes=%d", dest_url, path.name, path.stat().st_size)
+    return [p.name for p in ordered]
+
+
+def mirror_hub_snapshot(hub_id: str, dest_url: str, *, revision: str | None = None) -> list[str]:
+    """Copy a hub snapshot into an object store prefix, so that a fleet reads the bucket instead of the hub."""
+    with tempfile.TemporaryDirectory(prefix="mirror-") as scratch:
+        local = download_hub_snapshot(hub_id, revision=revision, local_dir=scratch)
+        return upload_model_dir(local, dest_url)
+
+
+# -- safetensors --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLocation:
+    file: pathlib.Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in `file`
+
+
+def read_safetensors_header(path: pathlib.Path) -> dict[str, TensorLocation]:
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) != 8:
+                raise BadInput(f"weights file {path} is not a safetensors file (shorter than 8 bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > 100 * 1024 * 1024:
+                raise BadInput(f"weights file {path} is not a safetensors file (header length {header_len})")
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError:
+        raise BadInput(f"weights file {path} is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"weights file {path} has an unreadable safetensors header: {exc}") from exc
+    except OSError as exc:
+        raise TransientIOError(f"weights file {path} could not be read: {exc}") from exc
+    data_start = 8 + header_len
+    tensors = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(spec.get("dtype"))
+        shape = tuple(spec.get("shape", ()))
+        begin, end = spec.get("data_offsets", (0, -1))
+        if dtype is not None and end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+            raise BadInput(f"weights file {path}: tensor {name} has data_offsets that do not match its shape")
+        tensors[name] = TensorLocation(path, dtype, shape, data_start + begin)
+    return tensors
+
+
+class Checkpoint:
+    """The safetensors files of one model directory: which file holds each tensor, and where in it."""
+
+    def __init__(self, model_dir: pathlib.Path):
+        self.model_dir = model_dir
+        index_path = model_dir / INDEX_FILE
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise BadInput(f"weights index {index_path} is unreadable or has no weight_map: {exc}") from exc
+            files = sorted({model_dir / name for name in weight_map.values()})
+            for file in files:
+                if not file.is_file():
+                    raise BadInput(f"weights file {file.name} named by {INDEX_FILE} is missing from {model_dir}")
+        else:
+            files = sorted(model_dir.glob("*.safetensors"))
+            if not files:
+                raise BadInput(f"model directory {model_dir} has no *.safetensors weights (model.safetensors or shards)")
+        self.tensors: dict[str, TensorLocation] = {}
+        for file in files:
+            self.tensors.update(read_safetensors_header(file))
+        # Checkpoints saved from the bare Qwen2Model carry no "model." prefix.
+        self.prefix = "model." if any(name.startswith("model.") for name in self.tensors) else ""
+
+    def read(self, name: str) -> np.ndarray:
+        """A read-only memory map of one tensor (no copy until the caller converts it)."""
+        location = self.tensors.get(name)
+        if location is None:
+            raise BadInput(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
+        if location.dtype is None:
+            raise BadInput(f"tensor {name} in {location.file.name} has a dtype that is not a float type")
+        try:
+            if not location.shape or 0 in location.shape:
+                return np.zeros(location.shape, location.dtype)
+            return np.memmap(location.file, dtype=location.dtype, mode="r", offset=location.offset, shape=location.shape)
+        except OSError as exc:
+            raise TransientIOError(f"tensor {name} in {location.file} could not be read: {exc}") from exc
+
+
+# -- parameters ---------------------------------------------------------------------------------------------------
+
+_LAYER_TENSORS = {
+    ("input_norm", "scale"): "input_layernorm.weight",
+    ("post_attention_norm", "scale"): "post_attention_layernorm.weight",
+    ("attention", "q_proj"): "self_attn.q_proj.weight",
+    ("attention", "k_proj"): "self_attn.k_proj.weight",
+    ("attention", "v_proj"): "self_attn.v_proj.weight",
+    ("attention", "o_proj"): "self_attn.o_proj.weight",
+    ("attention", "q_bias"): "self_attn.q_proj.bias",
+    ("attention", "k_bias"): "self_attn.k_proj.bias",
+    ("attention", "v_bias"): "self_attn.v_proj.bias",
+    ("attention", "o_bias"): "self_attn.o_proj.bias",
+    ("attention", "q_norm", "scale"): "self_attn.q_norm.weight",
+    ("attention", "k_norm", "scale"): "self_attn.k_norm.weight",
+    ("mlp", "gate_proj"): "mlp.gate_proj.weight",
+    ("mlp", "up_proj"): "mlp.up_proj.weight",
+    ("mlp", "down_proj"): "mlp.down_proj.weight",
+}
+
+
+def checkpoint_name(path: Sequence, prefix: str) -> str:
+    """The Hugging Face tensor name of one model parameter path."""
+    if tuple(path) == ("embedding",):
+        return f"{prefix}embed_tokens.weight"
+    if tuple(path) == ("final_norm", "scale"):
+        return f"{prefix}norm.weight"
+    if len(path) >= 3 and path[0] == "layers":
+        suffix = _LAYER_TENSORS.get(tuple(path[2:]))
+        if suffix is not None:
+            return f"{prefix}layers.{path[1]}.{suffix}"
+    raise KeyError(f"model parameter {'/'.join(map(str, path))} has no checkpoint tensor")
+
+
+def to_model_layout(name: str, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """torch Linear weights are [out, in]; the model keeps them [in, ..., out-split] for its einsums."""
+    if name.endswith("_proj.weight"):
+        if tensor.ndim != 2:
+            raise BadInput(f"tensor {name} has shape {tensor.shape}; a linear weight must be 2-D")
+        tensor = tensor.T
+    if tensor.size != int(np.prod(shape, dtype=np.int64)):
+        raise BadInput(f"tensor {name} has shape {tensor.shape}, which does not fit the config's shape {shape}")
+    return tensor.reshape(shape)
+
+
+def load_state(
+    checkpoint: Checkpoint,
+    abstract_state: nnx.State,
+    mesh: Mesh,
+    rules: ShardingRules,
+    dtype,
+    progress: Callable[[str, int], None] | None = None,
+) -> nnx.State:
+    """Fill `abstract_state` (from `nnx.eval_shape`) with checkpoint tensors placed on their shardings."""
+    target_dtype = np.dtype(dtype)
+    values: dict = {}
+    for path, variable in nnx.to_flat_state(abstract_state):
+        name = checkpoint_name(path, checkpoint.prefix)
+        shape = tuple(variable.get_value().shape)
+        sharding = NamedSharding(mesh, getattr(rules, variable.get_metadata()["role"]))
+        host = to_model_layout(name, checkpoint.read(name), shape)
+        # astype copies out of the memory map (and converts); skip the copy when the layout already matches.
+        host = np.ascontiguousarray(host.astype(target_dtype, copy=False))
+        placed = jax.device_put(host, sharding)
+        # Wait for the transfer before reading the next tensor, so the host holds only one at a time.
+        placed.block_until_ready()
+        del host
+        node = values
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = placed
+        if progress is not None:
+            progress(name, placed.nbytes)
+    nnx.replace_by_pure_dict(abstract_state, values)
+    return abstract_state

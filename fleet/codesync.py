@@ -1,0 +1,206 @@
+"""Mirroring this checkout to a bucket prefix, which every machine syncs its code from at boot.
+
+With gcloud on PATH the work is done by `gcloud storage rsync`; without it, by a small
+checksum-comparing sync on google-cloud-storage. Both skip the same things (one regular
+expression, built from globs, serves both) and both delete objects whose files are gone.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import google_crc32c
+from google.cloud import storage
+
+log = logging.getLogger(__name__)
+
+# Never needed on a worker, and some of them are large.
+DEFAULT_EXCLUDES = (
+    ".git",
+    ".venv",
+    "venv",
+    "__pycache__",
+    "*.pyc",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".ipynb_checkpoints",
+    "*.egg-info",
+    "build",
+    "dist",
+    ".DS_Store",
+)
+
+
+class CodeSyncError(Exception):
+    """The sync could not run or did not finish; the message names the command or object."""
+
+
+def _glob_regex(glob: str) -> str:
+    out = []
+    for ch in glob:
+        out.append("[^/]*" if ch == "*" else "[^/]" if ch == "?" else re.escape(ch))
+    return "".join(out)
+
+
+def exclude_regex(globs: Iterable[str]) -> str:
+    """One regular expression, matched from the start of a relative path (as gcloud does).
+
+    A glob without '/' matches any single path component (`*.egg-info`, `.git`); a glob with '/'
+    matches from the top (`data/*.parquet`). Either way everything under a match goes too."""
+    parts = []
+    for glob in globs:
+        glob = glob.strip().strip("/")
+        if not glob:
+            continue
+        if "/" in glob:
+            parts.append(f"{_glob_regex(glob)}(/.*)?$")
+        else:
+            parts.append(f"(.*/)?{_glob_regex(glob)}(/.*)?$")
+    # gcloud splits --exclude at commas, so alternatives are joined with '|' into one pattern.
+    return "|".join(f"(?:{p})" for p in parts)
+
+
+def split_url(url: str) -> tuple[str, str]:
+    if not url.startswith("gs://"):
+        raise CodeSyncError(f"destination {url!r} must be a gs://bucket/prefix URL")
+    bucket, _, prefix = url[len("gs://") :].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or not prefix:
+        raise CodeSyncError(f"destination {url!r} needs a bucket and a prefix, e.g. gs://my-bucket/code/run1")
+    return bucket, prefix
+
+
+def local_files(root: Path, excludes: Sequence[str]) -> dict[str, Path]:
+    """Relative POSIX path -> file, for every regular file not excluded (symlinks skipped, as gcloud does)."""
+    pattern = re.compile(exclude_regex(excludes)) if excludes else None
+    files = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        rel_dir = "" if rel_dir == "." else rel_dir + "/"
+        dirnames[:] = sorted(
+            d for d in dirnames
+            if not os.path.islink(os.path.join(dirpath, d)) and not (pattern and pattern.match(rel_dir + d))
+        )
+        for name in filenames:
+            rel, path = rel_dir + name, Path(dirpath, name)
+            if path.is_symlink() or not path.is_file() or (pattern and pattern.match(rel)):
+                continue
+            files[rel] = path
+    return files
+
+
+def _crc32c_b64(path: Path) -> str:
+    checksum = google_crc32c.Checksum()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            checksum.update(chunk)
+    return base64.b64encode(checksum.digest()).decode()
+
+
+def _md5_b64(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return base64.b64encode(digest.digest()).decode()
+
+
+def _same(path: Path, crc32c: str | None, md5: str | None) -> bool:
+    if crc32c:
+        return _crc32c_b64(path) == crc32c
+    if md5:
+        return _md5_b64(path) == md5
+    return False
+
+
+@dataclasses.dataclass
+class SyncReport:
+    uploaded: list[str] = dataclasses.field(default_factory=list)
+    deleted: list[str] = dataclasses.field(default_factory=list)
+    unchanged: int = 0
+
+
+def sync_with_client(source: Path, dest_url: str, excludes: Sequence[str], client, parallel: int = 8) -> SyncReport:
+    """Upload new or changed files (by crc32c, or md5 where the listing has no crc32c) and delete
+    objects under the prefix that no longer have a file. Excluded names are left alone remotely."""
+    bucket_name, prefix = split_url(dest_url)
+    bucket = client.bucket(bucket_name)
+    files = local_files(source, excludes)
+    pattern = re.compile(exclude_regex(excludes)) if excludes else None
+    remote = {}
+    for blob in client.list_blobs(bucket_name, prefix=prefix + "/"):
+        remote[blob.name[len(prefix) + 1 :]] = (blob.crc32c, blob.md5_hash)
+    report = SyncReport()
+    to_upload = []
+    for rel, path in sorted(files.items()):
+        if rel in remote and _same(path, *remote[rel]):
+            report.unchanged += 1
+        else:
+            to_upload.append(rel)
+    to_delete = sorted(rel for rel in remote if rel not in files and not (pattern and pattern.match(rel)))
+
+    def upload(rel: str) -> None:
+        bucket.blob(f"{prefix}/{rel}").upload_from_filename(str(files[rel]), checksum="crc32c")
+        log.info("event=code_uploaded object=gs://%s/%s/%s", bucket_name, prefix, rel)
+
+    def delete(rel: str) -> None:
+        bucket.blob(f"{prefix}/{rel}").delete()
+        log.info("event=code_deleted object=gs://%s/%s/%s", bucket_name, prefix, rel)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        # list() drains the results so that the first failed upload or delete raises here.
+        list(pool.map(upload, to_upload))
+        list(pool.map(delete, to_delete))
+    report.uploaded, report.deleted = to_upload, to_delete
+    return report
+
+
+def gcloud_argv(gcloud: str, source: Path, dest_url: str, excludes: Sequence[str]) -> list[str]:
+    argv = [gcloud, "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects"]
+    if excludes:
+        argv.append(f"--exclude={exclude_regex(excludes)}")
+    return [*argv, str(source), dest_url.rstrip("/")]
+
+
+def sync_code(
+    source: Path,
+    dest_url: str,
+    extra_excludes: Sequence[str] = (),
+    client=None,
+    gcloud: str | None = None,
+    use_gcloud: bool | None = None,
+) -> SyncReport | None:
+    """Mirror `source` to `dest_url`. Uses gcloud when found on PATH (unless use_gcloud=False),
+    returning None as gcloud reports for itself; otherwise the client sync and its report."""
+    split_url(dest_url)
+    if not source.is_dir():
+        raise CodeSyncError(f"source {str(source)!r} is not a directory")
+    excludes = [*DEFAULT_EXCLUDES, *extra_excludes]
+    gcloud = gcloud or (shutil.which("gcloud") if use_gcloud is not False else None)
+    if gcloud:
+        argv = gcloud_argv(gcloud, source, dest_url, excludes)
+        log.info("event=code_sync method=gcloud argv=%s", argv)
+        result = subprocess.run(argv, check=False)
+        if result.returncode != 0:
+            raise CodeSyncError(f"{' '.join(argv[:3])} exited with {result.returncode}; see its output above")
+        return None
+    if client is None:
+        client = storage.Client()
+    log.info("event=code_sync method=python source=%s dest=%s", source, dest_url)
+    report = sync_with_client(source, dest_url, excludes, client)
+    log.info(
+        "event=code_synced uploaded=%d deleted=%d unchanged=%d dest=%s",
+        len(report.uploaded), len(report.deleted), report.unchanged, dest_url,
+    )
+    return report

@@ -1,0 +1,93 @@
+"""What the Compute Engine and Cloud TPU calls share: where the clients connect, how a request
+is shown for `--dry-run`, and how a batch of requests is sent and waited for.
+
+Requests are the client libraries' own request messages (`compute_v1.InsertInstanceTemplateRequest`,
+`tpu_v2.CreateNodeRequest`, ...), built first and sent second, so a dry run prints exactly what a
+real run would send.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import proto
+from google.api_core import exceptions as api_exceptions
+from google.api_core.client_options import ClientOptions
+from google.auth.credentials import AnonymousCredentials
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(Exception):
+    """A Compute or TPU request failed; the message names each request and the API's answer."""
+
+
+def client_args(endpoint_env: str) -> dict:
+    """Constructor arguments for a Google API client, honouring an endpoint override.
+
+    `endpoint_env` names a variable (FLEET_COMPUTE_ENDPOINT, FLEET_TPU_ENDPOINT) that, when set,
+    redirects the client, for private endpoints and for tests. A plain `http://` endpoint can only
+    be a local test server, so it gets anonymous credentials; anything else uses Application
+    Default Credentials as usual.
+    """
+    endpoint = os.environ.get(endpoint_env)
+    if not endpoint:
+        return {}
+    args: dict = {"client_options": ClientOptions(api_endpoint=endpoint), "transport": "rest"}
+    if endpoint.startswith("http://"):
+        args["credentials"] = AnonymousCredentials()
+    return args
+
+
+def describe(request: proto.Message) -> dict:
+    """The request as the JSON the REST API receives (camelCase field names)."""
+    return {"request": type(request).__name__, "body": json.loads(type(request).to_json(request))}
+
+
+def print_dry_run(requests: Sequence[proto.Message]) -> None:
+    print(json.dumps([describe(r) for r in requests], indent=2, sort_keys=True))
+
+
+def target_of(request: proto.Message) -> str:
+    """A short name for log lines and error messages: the resource the request acts on."""
+    body = type(request).to_dict(request)
+    for key in ("name", "node_id", "queued_resource_id", "instance_group_manager", "instance_template", "instance"):
+        if body.get(key):
+            return str(body[key])
+    for resource in ("instance_template_resource", "instance_group_manager_resource"):
+        if body.get(resource, {}).get("name"):
+            return str(body[resource]["name"])
+    return type(request).__name__
+
+
+def run_all(
+    send: Callable[[proto.Message], None], requests: Sequence[proto.Message], parallel: int = 8
+) -> None:
+    """Send every request (in parallel), wait for each, and raise one LaunchError naming all failures."""
+    failures: list[str] = []
+
+    def one(request: proto.Message) -> None:
+        kind, target = type(request).__name__, target_of(request)
+        log.info("event=request_sent request=%s target=%s", kind, target)
+        send(request)
+        log.info("event=request_done request=%s target=%s", kind, target)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(requests)))) as pool:
+        futures = {pool.submit(one, r): r for r in requests}
+        for future in concurrent.futures.as_completed(futures):
+            request = futures[future]
+            try:
+                future.result()
+            except (api_exceptions.GoogleAPIError, concurrent.futures.TimeoutError) as err:
+                line = f"{type(request).__name__} {target_of(request)}: {err}"
+                log.error("event=request_failed request=%s target=%s error=%s", type(request).__name__, target_of(request), err)
+                failures.append(line)
+    if failures:
+        raise LaunchError(
+            f"{len(failures)} of {len(requests)} requests failed (fix the cause and re-run; teardown.py removes "
+            "what was created):\n  " + "\n  ".join(sorted(failures))
+        )

@@ -1,0 +1,87 @@
+"""The job-level index: one JSON document listing every shard a finished job wrote.
+
+Built only from done markers (`done/<id>.json` under the queue prefix), whose `outputs` are the
+progress records the spawner committed for that task, so the index lists exactly the shards that
+count and none that a preempted holder left half-written.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as dt
+import json
+import logging
+
+from objectstore import ObjectStore
+
+log = logging.getLogger(__name__)
+
+DONE_PREFIX = "done/"
+INDEX_NAME = "index.json"
+_RECORD_FIELDS = {"shard": str, "bytes": int, "crc32c": str, "sample_start": int, "sample_end": int, "samples": int, "tokens": int}
+
+
+class JobIndexError(Exception):
+    """A done marker or one of its progress records is malformed or inconsistent; the message names it."""
+
+
+def _shards_of(name: str, raw: bytes) -> tuple[str, list[dict]]:
+    try:
+        marker = json.loads(raw)
+    except ValueError as err:
+        raise JobIndexError(f"done marker {name!r} is not valid JSON: {err}") from None
+    if not isinstance(marker, dict) or not isinstance(marker.get("outputs"), list) or "task" not in marker:
+        raise JobIndexError(f"done marker {name!r} needs 'task' and an 'outputs' list")
+    task = str(marker["task"])
+    shards = {}
+    for i, record in enumerate(marker["outputs"]):
+        for field, kind in _RECORD_FIELDS.items():
+            value = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise JobIndexError(f"done marker {name!r}: outputs[{i}] field {field!r} must be {kind.__name__}, got {value!r}")
+        # A holder may report the same shard twice (its last record re-sent on SIGTERM); it is one shard.
+        shards[record["shard"]] = {
+            "url": record["shard"],
+            "bytes": record["bytes"],
+            "crc32c": record["crc32c"],
+            "task": task,
+            "sample_start": record["sample_start"],
+            "sample_end": record["sample_end"],
+            "samples": record["samples"],
+            "tokens": record["tokens"],
+        }
+    ordered = sorted(shards.values(), key=lambda s: (s["sample_start"], s["sample_end"], s["url"]))
+    for before, after in zip(ordered, ordered[1:]):
+        if after["sample_start"] < before["sample_end"]:
+            raise JobIndexError(
+                f"done marker {name!r}: shards {before['url']} and {after['url']} cover overlapping samples "
+                f"[{before['sample_start']}, {before['sample_end']}) and [{after['sample_start']}, {after['sample_end']})"
+            )
+    return task, ordered
+
+
+def build_index(store: ObjectStore, parallel: int = 16) -> dict:
+    """Read every done marker under `store` (a queue prefix) and return the index document."""
+    names = [e.name for e in store.list(DONE_PREFIX) if e.name.endswith(".json")]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        per_task = list(pool.map(lambda n: _shards_of(n, store.read(n).data), names))
+    shards = sorted((s for _, task_shards in per_task for s in task_shards), key=lambda s: (s["task"], s["sample_start"], s["url"]))
+    return {
+        "queue": store.root_url,
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "totals": {
+            "tasks": len(per_task),
+            "shards": len(shards),
+            "samples": sum(s["samples"] for s in shards),
+            "tokens": sum(s["tokens"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+        },
+        "shards": shards,
+    }
+
+
+def write_index(store: ObjectStore, index: dict, name: str = INDEX_NAME) -> str:
+    store.put(name, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    url = store.url(name)
+    log.info("event=index_written url=%s tasks=%d shards=%d", url, index["totals"]["tasks"], index["totals"]["shards"])
+    return url

@@ -1,0 +1,212 @@
+"""A machine deleting itself when its queue is empty, so an idle fleet stops costing money.
+
+What to delete depends on how the machine was made, which it learns from the metadata server:
+
+- a managed instance group member (attribute `created-by`) asks its group to delete it
+  (`instanceGroupManagers.deleteInstances`, zonal or regional), which also lowers the group's
+  target size; a plain `instances.delete` would make the group recreate it;
+- a standalone VM deletes its instance;
+- a TPU VM (attribute `tpu-env`) deletes the queued resource that made it (with force, which
+  takes the node along) when there is one, else its node.
+
+API errors are retried with exponential backoff and jitter, a bounded number of times. A machine
+that still cannot delete itself logs why and powers off, which at least stops the VM's
+compute charges (a stopped TPU VM or disk may still cost; the log line says so).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import shutil
+import subprocess
+
+import requests
+import tenacity
+from google.api_core import exceptions as api_exceptions
+from google.auth import exceptions as auth_exceptions
+
+from fleet import compute, tpu
+from fleet.gapi import target_of
+from fleet.metadata import MetadataClient, MetadataError
+from fleet.specs import ATTR_QUEUED_RESOURCE
+
+log = logging.getLogger(__name__)
+
+
+class SelfDeleteError(Exception):
+    """This machine could not work out what to delete, or the deletion failed for good."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What this machine is, as far as deleting it goes."""
+
+    project: str
+    zone: str
+    instance: str
+    created_by: str | None = None  # set on managed instance group members
+    tpu_node: str | None = None  # NODE_ID from tpu-env on TPU VMs
+    queued_resource: str | None = None  # from our own attribute on nodes made by a queued resource
+
+
+def parse_tpu_env(text: str) -> dict[str, str]:
+    """`tpu-env` is one `KEY: 'value'` per line."""
+    env = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip():
+            env[key.strip()] = value.strip().strip("'\"")
+    return env
+
+
+def read_identity(metadata: MetadataClient) -> Identity:
+    project = metadata.text("project/project-id").strip()
+    zone = metadata.text("instance/zone").strip().rsplit("/", 1)[-1]  # projects/NUMBER/zones/ZONE
+    instance = metadata.text("instance/name").strip()
+    tpu_env = metadata.attribute("tpu-env")
+    node = None
+    if tpu_env is not None:
+        env = parse_tpu_env(tpu_env)
+        node = env.get("NODE_ID")
+        zone = env.get("ZONE", zone)
+        if not node:
+            raise SelfDeleteError("attribute tpu-env has no NODE_ID; cannot tell which TPU node this is")
+    return Identity(
+        project=project,
+        zone=zone,
+        instance=instance,
+        created_by=metadata.attribute("created-by"),
+        tpu_node=node,
+        queued_resource=metadata.attribute(ATTR_QUEUED_RESOURCE),
+    )
+
+
+def _transient(err: BaseException) -> bool:
+    # 4xx other than 429 will not change by retrying: permission, not-found, bad request.
+    return isinstance(
+        err,
+        (
+            api_exceptions.TooManyRequests,
+            api_exceptions.ServerError,
+            api_exceptions.RetryError,
+            requests.ConnectionError,
+            requests.Timeout,
+        ),
+    )
+
+
+@dataclasses.dataclass
+class SelfDeleter:
+    """Works out and performs the one call that deletes this machine. Clients are made on first use
+    (from Application Default Credentials, or FLEET_COMPUTE_ENDPOINT / FLEET_TPU_ENDPOINT) unless given."""
+
+    metadata: MetadataClient
+    compute_clients: compute.ComputeClients | None = None
+    tpu_clients: tpu.TpuClients | None = None
+    attempts: int = 6
+    max_wait_s: float = 30.0
+    # The operation normally ends with this machine; if it is still up after this, power off.
+    operation_wait_s: float = 300.0
+
+    def _compute(self) -> compute.ComputeClients:
+        if self.compute_clients is None:
+            self.compute_clients = compute.ComputeClients.connect()
+        return self.compute_clients
+
+    def _tpu(self) -> tpu.TpuClients:
+        if self.tpu_clients is None:
+            self.tpu_clients = tpu.TpuClients.connect()
+        return self.tpu_clients
+
+    def _retrying(self) -> tenacity.Retrying:
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_transient),
+            stop=tenacity.stop_after_attempt(self.attempts),
+            wait=tenacity.wait_random_exponential(multiplier=1, max=self.max_wait_s),
+            before_sleep=lambda state: log.warning(
+                "event=self_delete_retry attempt=%d error=%s", state.attempt_number, state.outcome.exception()
+            ),
+            reraise=True,
+        )
+
+    def queued_resource_of(self, identity: Identity) -> str | None:
+        """Full name of the queued resource that made this TPU node, if any.
+
+        Our tool records it in the node's metadata; a node made some other way is asked about
+        through the TPU API (Node.queued_resource)."""
+        location = tpu.location(identity.project, identity.zone)
+        if identity.queued_resource:
+            return f"{location}/queuedResources/{identity.queued_resource}"
+        node = self._retrying()(self._tpu().get_node, f"{location}/nodes/{identity.tpu_node}")
+        return node.queued_resource or None
+
+    def plan(self, identity: Identity):
+        """(what, request, send): the deletion this machine should ask for."""
+        if identity.tpu_node:
+            queued = self.queued_resource_of(identity)
+            if queued:
+                return "tpu_queued_resource", tpu.delete_queued_resource(queued), self._tpu().send
+            node = f"{tpu.location(identity.project, identity.zone)}/nodes/{identity.tpu_node}"
+            return "tpu_node", tpu.delete_node(node), self._tpu().send
+        if identity.created_by:
+            group = compute.GroupRef.parse(identity.created_by)
+            request = compute.remove_group_member(identity.project, group, identity.zone, identity.instance)
+            return "group_member", request, self._compute().send
+        return "instance", compute.delete_instance(identity.project, identity.zone, identity.instance), self._compute().send
+
+    def run(self) -> None:
+        identity = read_identity(self.metadata)
+        what, request, send = self.plan(identity)
+        log.info(
+            "event=self_delete_requested kind=%s project=%s zone=%s instance=%s target=%s",
+            what, identity.project, identity.zone, identity.instance, target_of(request),
+        )
+        self._retrying()(send, request, timeout_s=self.operation_wait_s)
+        log.info("event=self_delete_accepted kind=%s target=%s", what, target_of(request))
+
+
+def power_off() -> None:
+    """Last resort: stop the machine from inside (argument lists, no shell)."""
+    argv = ["systemctl", "poweroff"] if shutil.which("systemctl") else ["shutdown", "-h", "now"]
+    log.critical("event=power_off argv=%s", " ".join(argv))
+    try:
+        subprocess.run(argv, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as err:
+        log.critical("event=power_off_failed argv=%s error=%s", " ".join(argv), err)
+
+
+def delete_self(
+    metadata: MetadataClient | None = None,
+    compute_clients: compute.ComputeClients | None = None,
+    tpu_clients: tpu.TpuClients | None = None,
+    attempts: int = 6,
+    max_wait_s: float = 30.0,
+) -> None:
+    """Delete this machine; if that fails for good, log why and power off."""
+    deleter = SelfDeleter(
+        metadata or MetadataClient(), compute_clients, tpu_clients, attempts=attempts, max_wait_s=max_wait_s
+    )
+    try:
+        deleter.run()
+        return
+    except (
+        MetadataError,
+        SelfDeleteError,
+        compute.GroupRefError,
+        api_exceptions.GoogleAPIError,
+        requests.RequestException,
+        # No usable credentials on the machine.
+        auth_exceptions.GoogleAuthError,
+        # The delete was accepted but has not finished while this machine still runs.
+        concurrent.futures.TimeoutError,
+    ) as err:
+        log.critical(
+            "event=self_delete_failed error_type=%s error=%s action=power_off hint=%s",
+            type(err).__name__,
+            str(err).replace("\n", " "),
+            "check the VM's service account roles and scopes (docs/CLOUD.md, IAM)",
+        )
+    power_off()
+

@@ -1,0 +1,276 @@
+"""The object-store contract on Google Cloud Storage, through the official `google-cloud-storage` client.
+
+Retries are ours, not the client's: every call passes `retry=None` and is wrapped in tenacity
+(capped exponential backoff with full jitter), because only then do we know whether a request was
+sent more than once. That knowledge is what resolves the ambiguous conditional write: a create
+whose first attempt was applied but whose response was lost comes back as 412 on the retry. A 412
+after a retry is therefore read back, and the write is ours exactly when the object carries the
+nonce this call put in its custom metadata. A 412 on the first attempt is unambiguous.
+
+`STORAGE_EMULATOR_HOST` is honoured by the client itself; with it set we use anonymous credentials.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from typing import BinaryIO, TypeVar
+
+import requests
+import tenacity
+from google.api_core import exceptions as gexc
+from google.auth import exceptions as auth_exceptions
+from google.cloud import storage
+
+from objectstore.base import (
+    MAX_LIST_PAGE,
+    Blob,
+    Entry,
+    NotFound,
+    ObjectStore,
+    Page,
+    PreconditionFailed,
+    StoreUnavailable,
+    check_name,
+)
+
+log = logging.getLogger(__name__)
+
+#: Custom-metadata key holding the per-call nonce of conditional writes. Hidden from listings.
+NONCE_KEY = "spawn-write-nonce"
+
+_TRANSIENT_API_ERRORS = (
+    gexc.TooManyRequests,
+    gexc.InternalServerError,
+    gexc.BadGateway,
+    gexc.ServiceUnavailable,
+    gexc.GatewayTimeout,
+)
+_TRANSIENT_TRANSPORT_ERRORS = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    auth_exceptions.TransportError,
+    ConnectionError,
+    TimeoutError,
+)
+
+T = TypeVar("T")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """429, 5xx, connection resets and timeouts: worth another try."""
+    if isinstance(exc, _TRANSIENT_API_ERRORS + _TRANSIENT_TRANSPORT_ERRORS):
+        return True
+    # 408 Request Timeout has no class of its own in api_core.
+    return isinstance(exc, gexc.GoogleAPICallError) and exc.code == 408
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Full-jitter exponential backoff: sleep uniform(0, min(cap, initial * 2**n))."""
+
+    initial_s: float = 0.1
+    cap_s: float = 8.0
+    deadline_s: float = 120.0
+    timeout_s: float = 60.0  # per HTTP request
+
+
+def make_client(project: str | None = None) -> storage.Client:
+    """A storage client for production (ADC) or, with STORAGE_EMULATOR_HOST set, for a local server."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project=project or "local-test", credentials=AnonymousCredentials())
+    return storage.Client(project=project)
+
+
+class _Attempts:
+    """Counts how many times one logical call reached the wire."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @property
+    def retried(self) -> bool:
+        return self.count > 1
+
+
+class GCSStore(ObjectStore):
+    def __init__(self, bucket: str, prefix: str = "", client: storage.Client | None = None, policy: RetryPolicy | None = None):
+        self._client = client if client is not None else make_client()
+        self._bucket = self._client.bucket(bucket)
+        self._prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self._policy = policy or RetryPolicy()
+        self.root_url = f"gs://{bucket}/{self._prefix}".rstrip("/")
+
+    @classmethod
+    def from_url(cls, url: str, client: storage.Client | None = None) -> "GCSStore":
+        if not url.startswith("gs://") or len(url) <= len("gs://"):
+            raise ValueError(f"{url!r} is not a gs://bucket[/prefix] URL")
+        bucket, _, prefix = url[len("gs://") :].partition("/")
+        return cls(bucket, prefix, client=client)
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return self._prefix + check_name(name)
+
+    def _blob(self, name: str) -> storage.Blob:
+        return self._bucket.blob(self._key(name))
+
+    def _call(self, what: str, fn: Callable[[], T], attempts: _Attempts | None = None) -> T:
+        attempts = attempts if attempts is not None else _Attempts()
+        policy = self._policy
+
+        def once() -> T:
+            attempts.count += 1
+            return fn()
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            wait=tenacity.wait_random_exponential(multiplier=policy.initial_s, max=policy.cap_s),
+            stop=tenacity.stop_after_delay(policy.deadline_s),
+            before_sleep=lambda state: log.warning(
+                "event=store_retry call=%s attempt=%d error=%r", what, state.attempt_number, state.outcome.exception()
+            ),
+            reraise=True,
+        )
+        try:
+            return retrying(once)
+        except gexc.NotFound as exc:
+            raise NotFound(f"{what}: not found ({exc.code})") from exc
+        except gexc.PreconditionFailed as exc:
+            raise PreconditionFailed(f"{what}: precondition failed ({exc.code})") from exc
+        except Exception as exc:
+            if is_transient(exc):
+                raise StoreUnavailable(
+                    f"{what}: still failing after {attempts.count} attempts over {policy.deadline_s:.0f}s: {exc}"
+                ) from exc
+            raise
+
+    def _conditional_upload(self, name: str, data: bytes, if_generation: int, metadata: Mapping[str, str] | None) -> int:
+        nonce = uuid.uuid4().hex
+        blob = self._blob(name)
+        blob.metadata = {**(metadata or {}), NONCE_KEY: nonce}
+        attempts = _Attempts()
+        what = f"{'create' if if_generation == 0 else 'write'} {self.url(name)}"
+        try:
+            self._call(
+                what,
+                lambda: blob.upload_from_string(
+                    data,
+                    content_type="application/octet-stream",
+                    if_generation_match=if_generation,
+                    retry=None,
+                    timeout=self._policy.timeout_s,
+                ),
+                attempts,
+            )
+        except PreconditionFailed:
+            if not attempts.retried:
+                raise
+            return self._resolve_ambiguous(name, nonce, what)
+        return int(blob.generation)
+
+    def _resolve_ambiguous(self, name: str, nonce: str, what: str) -> int:
+        """A 412 after a retry: our lost first attempt, or somebody else's object?"""
+        blob = self._blob(name)
+        try:
+            self._call(f"read back {self.url(name)}", lambda: blob.reload(retry=None, timeout=self._policy.timeout_s))
+        except NotFound:
+            raise PreconditionFailed(f"{what}: precondition failed, and the object is gone now") from None
+        if (blob.metadata or {}).get(NONCE_KEY) == nonce:
+            log.info("event=ambiguous_write_resolved object=%s outcome=ours generation=%s", self.url(name), blob.generation)
+            return int(blob.generation)
+        log.info("event=ambiguous_write_resolved object=%s outcome=theirs", self.url(name))
+        raise PreconditionFailed(f"{what}: precondition failed (another writer's object is there)")
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def read(self, name: str) -> Blob:
+        blob = self._blob(name)
+        data = self._call(
+            f"read {self.url(name)}", lambda: blob.download_as_bytes(retry=None, timeout=self._policy.timeout_s)
+        )
+        return Blob(name=name, generation=int(blob.generation), data=data)
+
+    def create(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
+        return self._conditional_upload(name, data, 0, metadata)
+
+    def write(self, name: str, data: bytes, if_generation: int, metadata: Mapping[str, str] | None = None) -> int:
+        if if_generation <= 0:
+            raise ValueError(f"write {name!r}: if_generation must be a positive generation, got {if_generation}")
+        return self._conditional_upload(name, data, if_generation, metadata)
+
+    def delete(self, name: str, if_generation: int | None = None) -> None:
+        blob = self._blob(name)
+        attempts = _Attempts()
+        try:
+            self._call(
+                f"delete {self.url(name)}",
+                lambda: blob.delete(if_generation_match=if_generation, retry=None, timeout=self._policy.timeout_s),
+                attempts,
+            )
+        except NotFound:
+            # After a retry, 404 means our lost first attempt deleted it: only the holder of a
+            # generation ever deletes at that generation.
+            if attempts.retried and if_generation is not None:
+                return
+            raise
+
+    def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
+        blob = self._blob(name)
+        blob.metadata = dict(metadata) if metadata else None
+        self._call(
+            f"put {self.url(name)}",
+            lambda: blob.upload_from_string(
+                data, content_type="application/octet-stream", retry=None, timeout=self._policy.timeout_s
+            ),
+        )
+        return int(blob.generation)
+
+    def open_read(self, name: str) -> BinaryIO:
+        blob = self._blob(name)
+        self._call(f"stat {self.url(name)}", lambda: blob.reload(retry=None, timeout=self._policy.timeout_s))
+        # Ranged reads are idempotent, so the client's own retry object is the right tool here.
+        return blob.open("rb", chunk_size=8 * 1024 * 1024)
+
+    def list_page(
+        self, prefix: str, page_token: str | None = None, start_offset: str | None = None, page_size: int = MAX_LIST_PAGE
+    ) -> Page:
+        page_size = max(1, min(page_size, MAX_LIST_PAGE))
+
+        def fetch() -> tuple[list[storage.Blob], str | None]:
+            iterator = self._client.list_blobs(
+                self._bucket,
+                prefix=self._prefix + prefix,
+                start_offset=self._prefix + start_offset if start_offset else None,
+                page_size=page_size,
+                page_token=page_token,
+                retry=None,
+                timeout=self._policy.timeout_s,
+            )
+            page = next(iterator.pages)
+            return list(page), iterator.next_page_token
+
+        blobs, token = self._call(f"list {self.url(prefix)}*", fetch)
+        entries = [
+            Entry(
+                name=blob.name[len(self._prefix) :],
+                generation=int(blob.generation),
+                size=int(blob.size or 0),
+                updated=blob.updated,
+                metadata={k: v for k, v in (blob.metadata or {}).items() if k != NONCE_KEY},
+            )
+            for blob in blobs
+        ]
+        return Page(entries, token)
+
+    def child(self, prefix: str) -> "GCSStore":
+        return GCSStore(
+            self._bucket.name, self._prefix + check_name(prefix.strip("/")), client=self._client, policy=self._policy
+        )

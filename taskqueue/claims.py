@@ -1,0 +1,384 @@
+"""Finding and claiming tasks: the worker's view of the queue and the claim loop (docs/PROTOCOL.md, "Claim").
+
+`Claimer` is an iterator of claimed tasks. The view is built from a few listings instead of a GET
+per task; it only has to be fresh enough to keep the claim cheap, because every state change is
+still decided by a conditional write.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import logging
+import random
+import threading
+from collections.abc import Iterator
+
+from objectstore import NotFound, ObjectStore, PreconditionFailed, StoreError, StoreUnavailable
+from taskqueue import layout
+from taskqueue.clock import Clock
+from taskqueue.lease import DEAD, HELD, RELEASED, HeldLease, encode, new_lease_body
+
+log = logging.getLogger(__name__)
+
+MAX_FRESH_CLAIMS = 16  # claims between re-lists of done/ when the road ahead is long
+
+
+@dataclasses.dataclass
+class Sighting:
+    """A lease generation as first seen by this worker, on its own monotonic clock."""
+
+    generation: int
+    state: str
+    worker: str
+    ttl_s: float
+    first_seen: float
+
+
+@dataclasses.dataclass
+class Claim:
+    task_id: str
+    lease: HeldLease
+    manifest: dict | None  # None when the manifest is bad; `problem` says why
+    problem: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimOptions:
+    worker: str
+    lease_ttl_s: float = 120.0
+    idle_timeout_s: float = 300.0
+    poll_min_s: float = 1.0
+    poll_max_s: float = 30.0
+    seed: int | None = None
+
+
+class QueueView:
+    """What one worker knows about the queue, from listings."""
+
+    def __init__(self, store: ObjectStore, clock: Clock):
+        self.store = store
+        self.clock = clock
+        self.order: list[str] = []
+        self.position: dict[str, int] = {}
+        self.manifests: dict[str, bytes | None] = {}
+        self.sizes: dict[str, int] = {}
+        self.finished: set[str] = set()
+        self.leases: dict[str, Sighting] = {}
+        self.fresh: tuple[int, int] | None = None  # ring positions covered by the last done/ re-list
+
+    def scan_tasks(self) -> int:
+        """List tasks/; returns how many ids are new."""
+        before = len(self.order)
+        for entry in self.store.list(layout.TASKS):
+            task_id = layout.id_from_object(entry.name, layout.TASKS)
+            if task_id is None or task_id in self.sizes:
+                continue
+            copy = entry.metadata.get("manifest")
+            self.manifests[task_id] = copy.encode() if copy is not None else None
+            self.sizes[task_id] = entry.size
+        self.order = sorted(self.sizes)
+        self.position = {task_id: i for i, task_id in enumerate(self.order)}
+        return len(self.order) - before
+
+    def scan_finished(self) -> None:
+        for prefix in (layout.DONE, layout.FAILED):
+            for entry in self.store.list(prefix):
+                task_id = layout.id_from_object(entry.name, prefix)
+                if task_id is not None:
+                    self.finished.add(task_id)
+
+    def scan_leases(self) -> None:
+        now = self.clock.monotonic()
+        sightings: dict[str, Sighting] = {}
+        for entry in self.store.list(layout.LEASES):
+            task_id = layout.id_from_object(entry.name, layout.LEASES)
+            if task_id is None:
+                continue
+            state = entry.metadata.get("state", HELD)
+            if state == DEAD:
+                self.finished.add(task_id)
+                continue
+            seen = self.leases.get(task_id)
+            first_seen = seen.first_seen if seen and seen.generation == entry.generation else now
+            sightings[task_id] = Sighting(
+                entry.generation, state, entry.metadata.get("worker", "?"), _float(entry.metadata.get("ttl_s")), first_seen
+            )
+        self.leases = sightings
+
+    def relist_done_from(self, task_id: str) -> None:
+        """One listing of done/ from `task_id` on; marks the positions it covers as fresh."""
+        page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id))
+        last = None
+        for entry in page.entries:
+            done_id = layout.id_from_object(entry.name, layout.DONE)
+            if done_id is not None:
+                self.finished.add(done_id)
+                last = done_id
+        start = self.position[task_id]
+        if page.next_token is None or last is None:
+            end = len(self.order) - 1
+        else:
+            end = bisect.bisect_right(self.order, last) - 1
+        self.fresh = (start, end)
+
+    def is_fresh(self, task_id: str) -> bool:
+        return self.fresh is not None and self.fresh[0] <= self.position[task_id] <= self.fresh[1]
+
+    def live(self, task_id: str) -> bool:
+        """Held by someone and not yet seen unchanged for a whole TTL."""
+        sighting = self.leases.get(task_id)
+        if sighting is None or sighting.state != HELD:
+            return False
+        return self.clock.monotonic() - sighting.first_seen < sighting.ttl_s
+
+    def pending(self) -> list[str]:
+        return [t for t in self.order if t not in self.finished]
+
+
+def _float(text: str | None) -> float:
+    try:
+        return float(text) if text is not None else float("inf")
+    except ValueError:
+        return float("inf")
+
+
+class Claimer:
+    """`for claim in Claimer(store, options): ...` yields claimed tasks until the queue is empty.
+
+    After each yielded claim the caller must finish with its lease (complete, release, dead
+    letter, or lose it) before asking for the next one.
+    """
+
+    def __init__(self, store: ObjectStore, options: ClaimOptions, clock: Clock | None = None):
+        self.store = store
+        self.options = options
+        self.clock = clock or Clock()
+        self.view = QueueView(store, self.clock)
+        self.rng = random.Random(options.seed)
+        self.stop_event = threading.Event()
+        self.exit_reason = "running"
+        self._cursor: int | None = None
+        self._claims_since_fresh = 0
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Claim]:
+        self._retrying(self._full_scan)
+        idle_since: float | None = None
+        backoff = self.options.poll_min_s
+        while not self.stop_event.is_set():
+            claim = self._retrying(self._try_claim)
+            if isinstance(claim, Claim):
+                idle_since, backoff = None, self.options.poll_min_s
+                yield claim
+                self._learn_outcome(claim.lease)
+                continue
+            if claim is False:  # the view changed (a collision, finished work ahead): go round again at once
+                continue
+            if not self.view.pending():
+                if self._retrying(self.view.scan_tasks) == 0:
+                    self.exit_reason = "drained"
+                    log.info("event=queue_drained tasks=%d", len(self.view.order))
+                    return
+                continue
+            now = self.clock.monotonic()
+            idle_since = idle_since if idle_since is not None else now
+            if now - idle_since >= self.options.idle_timeout_s:
+                self.exit_reason = "idle"
+                log.info("event=idle_timeout waited_s=%.1f pending=%d", now - idle_since, len(self.view.pending()))
+                return
+            # Everything left is leased by someone else: wait for it to finish or expire.
+            self.stop_event.wait(self.rng.uniform(0, backoff))
+            backoff = min(backoff * 2, self.options.poll_max_s)
+            self._retrying(self._poll)
+        self.exit_reason = "stopped"
+
+    def _retrying(self, step):
+        """Storage outages must not kill the worker: back off and try again until stopped."""
+        delay = self.options.poll_min_s
+        while True:
+            try:
+                return step()
+            except StoreUnavailable as exc:
+                log.warning("event=store_unavailable step=%s error=%s retry_in_s=%.1f", step.__name__, exc, delay)
+                if self.stop_event.wait(self.rng.uniform(0, delay)):
+                    return None
+                delay = min(delay * 2, self.options.poll_max_s)
+
+    def _full_scan(self) -> None:
+        self.view.scan_tasks()
+        self.view.scan_finished()
+        self.view.scan_leases()
+        if self.view.order:
+            self._cursor = self.rng.randrange(len(self.view.order))
+        log.info(
+            "event=scan tasks=%d finished=%d leases=%d",
+            len(self.view.order),
+            len(self.view.finished),
+            len(self.view.leases),
+        )
+
+    def _poll(self) -> None:
+        self.view.scan_leases()
+        pending = self.view.pending()
+        if pending:
+            self.view.relist_done_from(pending[0])
+
+    # -- one claim --------------------------------------------------------------------------
+
+    def _next_candidate(self) -> str | None:
+        order = self.view.order
+        if not order:
+            return None
+        if self._cursor is None:
+            self._cursor = self.rng.randrange(len(order))
+        for step in range(len(order)):
+            task_id = order[(self._cursor + step) % len(order)]
+            if task_id in self.view.finished or self.view.live(task_id):
+                continue
+            self._cursor = (self._cursor + step) % len(order)
+            return task_id
+        return None
+
+    def _gap_ahead(self, task_id: str) -> int:
+        """Ring distance from `task_id` to the next task someone else holds."""
+        here = self.view.position[task_id]
+        n = len(self.view.order)
+        held = sorted(
+            (self.view.position[t] - here) % n
+            for t in self.view.leases
+            if t in self.view.position and self.view.live(t) and t != task_id
+        )
+        return held[0] if held else n
+
+    def _try_claim(self) -> Claim | None | bool:
+        """A claim; None when nothing is claimable; False when the view changed and it is worth going again."""
+        task_id = self._next_candidate()
+        if task_id is None:
+            return None
+        budget = max(1, min(MAX_FRESH_CLAIMS, self._gap_ahead(task_id) // 4))
+        if not self.view.is_fresh(task_id) or self._claims_since_fresh >= budget:
+            self.view.relist_done_from(task_id)
+            self._claims_since_fresh = 0
+            if task_id in self.view.finished:
+                self._jump()
+                return False
+        lease = self._acquire(task_id)
+        if lease is None:
+            self.view.scan_leases()
+            self.view.relist_done_from(task_id)
+            self._claims_since_fresh = 0
+            self._jump()
+            return False
+        self._claims_since_fresh += 1
+        self._cursor = (self.view.position[task_id] + 1) % len(self.view.order)
+        return self._with_manifest(task_id, lease)
+
+    def _learn_outcome(self, lease: HeldLease) -> None:
+        """What this worker did with a claim is news its view can use without a listing."""
+        state = lease.body["state"]
+        if lease.lost:
+            self.view.leases.pop(lease.task_id, None)
+        elif state == RELEASED:
+            self.view.leases[lease.task_id] = Sighting(
+                lease.generation, RELEASED, self.options.worker, float(lease.body["ttl_s"]), self.clock.monotonic()
+            )
+        else:  # completed (lease deleted) or dead-lettered
+            self.view.finished.add(lease.task_id)
+            self.view.leases.pop(lease.task_id, None)
+
+    def _acquire(self, task_id: str) -> HeldLease | None:
+        """Create, take over or steal the lease; None when someone else won."""
+        sighting = self.view.leases.get(task_id)
+        name = layout.lease_object(task_id)
+        if sighting is None:
+            body = new_lease_body(task_id, self.options.worker, self.options.lease_ttl_s, self.clock)
+            data, metadata = encode(body)
+            try:
+                generation = self.store.create(name, data, metadata=metadata)
+            except PreconditionFailed:
+                log.debug("event=claim_collision task=%s", task_id)
+                return None
+            log.info("event=claimed task=%s token=%d attempt=%d", task_id, generation, body["attempt"])
+            return HeldLease(self.store, body, generation, self.clock)
+        # Released, or expired by observation: read it, then rewrite at the generation we saw.
+        try:
+            current = self.store.read(name)
+        except NotFound:
+            self.view.leases.pop(task_id, None)
+            return None
+        if current.generation != sighting.generation:
+            self.view.leases[task_id] = dataclasses.replace(
+                sighting, generation=current.generation, first_seen=self.clock.monotonic()
+            )
+            return None
+        previous = json.loads(current.data)
+        if previous.get("state") == DEAD:
+            self.view.finished.add(task_id)
+            return None
+        body = new_lease_body(task_id, self.options.worker, self.options.lease_ttl_s, self.clock, previous)
+        data, metadata = encode(body)
+        try:
+            generation = self.store.write(name, data, if_generation=sighting.generation, metadata=metadata)
+        except PreconditionFailed:
+            return None
+        how = "takeover" if previous.get("state") == RELEASED else "steal"
+        log.info(
+            "event=%s task=%s token=%d attempt=%d previous_worker=%s committed=%d",
+            how,
+            task_id,
+            generation,
+            body["attempt"],
+            previous.get("worker"),
+            len(body["progress"]),
+        )
+        return HeldLease(self.store, body, generation, self.clock)
+
+    def _jump(self) -> None:
+        """Move to the middle of the largest stretch of pending tasks between live leases."""
+        order = self.view.order
+        n = len(order)
+        pending_positions = [i for i, t in enumerate(order) if t not in self.view.finished]
+        if not pending_positions:
+            return
+        held = sorted(
+            self.view.position[t] for t in self.view.leases if t in self.view.position and self.view.live(t)
+        )
+        if not held:
+            self._cursor = self.rng.choice(pending_positions)
+            return
+        best_len, best_mid = -1, pending_positions[0]
+        for k, start in enumerate(held):
+            end = held[(k + 1) % len(held)] if len(held) > 1 else start + n
+            if end <= start:
+                end += n
+            stretch = [p % n for p in range(start + 1, end) if order[p % n] not in self.view.finished]
+            if len(stretch) > best_len:
+                best_len, best_mid = len(stretch), (stretch[len(stretch) // 2] if stretch else start)
+        self._cursor = best_mid
+
+    def _with_manifest(self, task_id: str, lease: HeldLease) -> Claim:
+        where = self.store.url(layout.task_object(task_id))
+        try:
+            if self.view.sizes.get(task_id, 0) > layout.MAX_MANIFEST_BYTES:
+                raise layout.BadManifest(
+                    f"{where}: manifest is {self.view.sizes[task_id]} bytes, over the "
+                    f"{layout.MAX_MANIFEST_BYTES}-byte limit"
+                )
+            data = self.view.manifests.get(task_id)
+            if data is None:
+                data = self.store.read(layout.task_object(task_id)).data
+            return Claim(task_id, lease, layout.parse_manifest(data, task_id, where))
+        except layout.BadManifest as exc:
+            return Claim(task_id, lease, None, problem=str(exc))
+        except NotFound:
+            return Claim(task_id, lease, None, problem=f"{where}: manifest object is missing")
+        except StoreError:
+            # Could not read it now: give the task back rather than guessing.
+            lease.release()
+            raise

@@ -1,0 +1,108 @@
+"""Command-line parsing and logging set-up for the worker; `spawn.py` composes it with the cloud hooks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import shlex
+import signal
+import socket
+import sys
+from collections.abc import Callable
+
+from objectstore import open_store
+from taskqueue.clock import Clock
+from taskqueue.spawner import SpawnOptions, Spawner, resolve_consumer
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr)
+    # The client libraries log every retry at WARNING; ours already say the same in one line.
+    logging.getLogger("google").setLevel(logging.ERROR)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spawn.py",
+        description="Claim tasks from a queue (gs://bucket/prefix or a local directory), run the consumer on each, "
+        "mark them done, and exit when no work is left. See docs/PROTOCOL.md.",
+    )
+    p.add_argument("queue", help="gs://bucket/prefix or a local directory")
+    p.add_argument("--consumer", required=True, help="command run for each task, e.g. 'python consume.py'")
+    p.add_argument("--worker-id", default=None, help="name in leases and logs (default: host-pid-random)")
+    p.add_argument("--lease-ttl", type=float, default=120.0, help="seconds a silent lease lives (default 120)")
+    p.add_argument("--heartbeat", type=float, default=None, help="seconds between renewals (default TTL/4)")
+    p.add_argument("--max-attempts", type=int, default=3, help="failed attempts before a task is dead-lettered")
+    p.add_argument("--max-tasks", type=int, default=None, help="exit after this many tasks")
+    p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for leased work before exiting")
+    p.add_argument("--poll", type=float, default=1.0, help="shortest wait between polls of a busy queue (seconds)")
+    p.add_argument("--on-empty", choices=("exit", "delete"), default="exit", help="delete this machine when done")
+    p.add_argument(
+        "--preemption-watch",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="watch the metadata server for preemption (auto: when on Google Cloud)",
+    )
+    p.add_argument("--log-level", default=os.environ.get("SPAWN_LOG_LEVEL", "INFO"))
+    return p
+
+
+def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner]:
+    args = parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        options = SpawnOptions(
+            consumer=resolve_consumer(shlex.split(args.consumer)),
+            worker=args.worker_id or default_worker_id(),
+            lease_ttl_s=args.lease_ttl,
+            heartbeat_s=args.heartbeat if args.heartbeat is not None else args.lease_ttl / 4,
+            max_attempts=args.max_attempts,
+            max_tasks=args.max_tasks,
+            idle_timeout_s=args.idle_timeout,
+            poll_min_s=args.poll,
+            poll_max_s=max(args.poll, min(30.0, args.lease_ttl / 2)),
+        )
+    except ValueError as exc:
+        parser().error(str(exc))
+    return args, Spawner(open_store(args.queue), options, Clock.from_env())
+
+
+def install_stop_signals(spawner: Spawner) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda s, _frame: spawner.request_stop(signal.Signals(s).name))
+
+
+def run(
+    argv: list[str] | None = None,
+    self_delete: Callable[[], None] | None = None,
+    watch_preemption: Callable[[Callable[[], None], bool], object | None] | None = None,
+) -> int:
+    """Parse, run until the queue is empty or a stop, then delete the machine if asked to.
+
+    `watch_preemption(on_preempted, required)` starts a watcher (or returns None when not on a
+    cloud machine and not required); `self_delete()` is the `--on-empty delete` hook.
+    """
+    args, spawner = build(argv)
+    install_stop_signals(spawner)
+    watcher = None
+    if args.preemption_watch != "off" and watch_preemption is not None:
+        watcher = watch_preemption(lambda: spawner.request_stop("preempted"), args.preemption_watch == "on")
+    try:
+        reason = spawner.run()
+    finally:
+        if watcher is not None:
+            watcher.stop()
+    if reason in ("drained", "idle") and args.on_empty == "delete":
+        if self_delete is None:
+            raise SystemExit("--on-empty delete: this build has no self-delete hook")
+        self_delete()
+    return 0

@@ -1,0 +1,32 @@
+"""Wall and monotonic time, with a deliberate skew for tests.
+
+Only the monotonic clock decides anything (lease expiry is observed on it); the wall clock only
+stamps records for people. `SPAWN_CLOCK_SKEW_S` shifts the wall clock and `SPAWN_CLOCK_RATE`
+scales the monotonic one, so tests can run workers whose clocks disagree.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+
+
+class Clock:
+    def __init__(self, skew_s: float = 0.0, rate: float = 1.0):
+        self.skew_s = skew_s
+        self.rate = rate
+        self._origin = time.monotonic()
+
+    @classmethod
+    def from_env(cls) -> "Clock":
+        return cls(float(os.environ.get("SPAWN_CLOCK_SKEW_S", "0")), float(os.environ.get("SPAWN_CLOCK_RATE", "1")))
+
+    def monotonic(self) -> float:
+        return self._origin + (time.monotonic() - self._origin) * self.rate
+
+    def wall(self) -> dt.datetime:
+        return dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=self.skew_s)
+
+    def wall_iso(self) -> str:
+        return self.wall().isoformat(timespec="milliseconds")

@@ -1,0 +1,76 @@
+"""Where everything lives under a queue prefix, and what a valid task id and manifest are."""
+
+from __future__ import annotations
+
+import json
+import re
+
+JOB = "job.json"
+TASKS = "tasks/"
+LEASES = "leases/"
+DONE = "done/"
+FAILED = "failed/"
+OUT = "out/"
+
+TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_MANIFEST_BYTES = 64 * 1024
+#: Manifests up to this size ride along in the tasks/ listing as custom metadata (GCS allows 8 KiB).
+MANIFEST_METADATA_BYTES = 4 * 1024
+
+
+class BadManifest(ValueError):
+    """A task manifest that no worker can run; the message says what is wrong with it."""
+
+
+def task_object(task_id: str) -> str:
+    return f"{TASKS}{task_id}.json"
+
+
+def lease_object(task_id: str) -> str:
+    return f"{LEASES}{task_id}.json"
+
+
+def done_object(task_id: str) -> str:
+    return f"{DONE}{task_id}.json"
+
+
+def failed_object(task_id: str) -> str:
+    return f"{FAILED}{task_id}.json"
+
+
+def output_prefix(task_id: str, token: int) -> str:
+    return f"{OUT}{task_id}/{token}"
+
+
+def id_from_object(name: str, prefix: str) -> str | None:
+    """`tasks/t1.json` -> `t1`; None for anything that is not a queue object of that prefix."""
+    if not name.startswith(prefix) or not name.endswith(".json"):
+        return None
+    task_id = name[len(prefix) : -len(".json")]
+    return task_id if TASK_ID.fullmatch(task_id) else None
+
+
+def check_task_id(task_id: object, where: str) -> str:
+    if not isinstance(task_id, str) or not TASK_ID.fullmatch(task_id):
+        raise BadManifest(
+            f"{where}: field 'id' must be a string of letters, digits, '.', '_' or '-' "
+            f"(at most 128, not starting with a symbol), got {task_id!r}"
+        )
+    return task_id
+
+
+def parse_manifest(data: bytes, expected_id: str, where: str) -> dict:
+    """The manifest as a dict, or BadManifest naming the problem."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise BadManifest(f"{where}: manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        manifest = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadManifest(f"{where}: manifest is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise BadManifest(f"{where}: manifest must be a JSON object, got {type(manifest).__name__}")
+    if "id" not in manifest:
+        raise BadManifest(f"{where}: manifest is missing field 'id'")
+    if check_task_id(manifest["id"], where) != expected_id:
+        raise BadManifest(f"{where}: field 'id' is {manifest['id']!r} but the object is named for {expected_id!r}")
+    return manifest

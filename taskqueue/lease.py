@@ -1,0 +1,168 @@
+"""A lease as its holder sees it: every write conditional on the holder's own last generation.
+
+The holder's fencing token is the generation of the write that gave it the lease. Each later write
+(heartbeat, release, completion, dead letter) must match the generation of the holder's previous
+write, so once anyone else has written the lease, the old holder can commit nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+
+from objectstore import NotFound, ObjectStore, PreconditionFailed
+from taskqueue import layout
+from taskqueue.clock import Clock
+
+log = logging.getLogger(__name__)
+
+HELD, RELEASED, DEAD = "held", "released", "dead"
+
+
+class LeaseLost(Exception):
+    """Someone else wrote or removed the lease: the holder must stop and commit nothing."""
+
+
+def new_lease_body(task_id: str, worker: str, ttl_s: float, clock: Clock, previous: dict | None = None) -> dict:
+    """The body a worker writes to claim a task; carries over progress, errors and takeovers."""
+    previous = previous or {}
+    errors = list(previous.get("errors", []))
+    now = clock.wall_iso()
+    return {
+        "task": task_id,
+        "state": HELD,
+        "worker": worker,
+        "nonce": uuid.uuid4().hex,
+        "attempt": len(errors) + 1,
+        "ttl_s": ttl_s,
+        "claimed_at": now,
+        "heartbeat_at": now,
+        "progress": list(previous.get("progress", [])),
+        "errors": errors,
+        "takeovers": int(previous.get("takeovers", 0)) + (1 if previous.get("state") == HELD else 0),
+    }
+
+
+def encode(body: dict) -> tuple[bytes, dict[str, str]]:
+    """Body bytes and the listing-visible summary, written in one request so they never disagree."""
+    metadata = {
+        "state": body["state"],
+        "worker": body["worker"],
+        "ttl_s": str(body["ttl_s"]),
+        "heartbeat_at": body["heartbeat_at"],
+    }
+    return json.dumps(body, separators=(",", ":")).encode(), metadata
+
+
+class HeldLease:
+    """The lease a worker holds on one task. Thread-safe: the heartbeat thread shares it."""
+
+    def __init__(self, store: ObjectStore, body: dict, generation: int, clock: Clock):
+        self.store = store
+        self.task_id: str = body["task"]
+        self.token = generation
+        self.generation = generation
+        self.body = body
+        self.clock = clock
+        self.last_write = clock.monotonic()
+        self.lost = False
+        self._lock = threading.Lock()
+
+    @property
+    def attempt(self) -> int:
+        return int(self.body["attempt"])
+
+    @property
+    def committed(self) -> list[dict]:
+        return list(self.body["progress"])
+
+    @property
+    def output_prefix(self) -> str:
+        return layout.output_prefix(self.task_id, self.token)
+
+    def _write(self, body: dict) -> None:
+        """Caller holds self._lock."""
+        if self.lost:
+            raise LeaseLost(f"lease on task {self.task_id} was already lost")
+        data, metadata = encode(body)
+        try:
+            self.generation = self.store.write(
+                layout.lease_object(self.task_id), data, if_generation=self.generation, metadata=metadata
+            )
+        except (PreconditionFailed, NotFound) as exc:
+            self.lost = True
+            raise LeaseLost(f"lease on task {self.task_id} is no longer at generation {self.generation}: {exc}") from exc
+        self.body = body
+        self.last_write = self.clock.monotonic()
+
+    def _updated(self, records: Sequence[dict], **changes: object) -> dict:
+        body = dict(self.body)
+        body["progress"] = self.committed + list(records)
+        body["heartbeat_at"] = self.clock.wall_iso()
+        body.update(changes)
+        return body
+
+    def heartbeat(self, records: Sequence[dict] = ()) -> None:
+        """Renew, committing `records`. Raises LeaseLost."""
+        with self._lock:
+            self._write(self._updated(records))
+
+    def release(self, records: Sequence[dict] = (), error: dict | None = None) -> None:
+        """Give the task back: anyone may take it over at once. `error` records a failed attempt."""
+        with self._lock:
+            errors = list(self.body["errors"]) + ([error] if error else [])
+            self._write(self._updated(records, state=RELEASED, errors=errors))
+
+    def complete(self, records: Sequence[dict], started_mono: float) -> bool:
+        """Done marker, then lease delete. False when another holder had already completed the task."""
+        with self._lock:
+            ttl = float(self.body["ttl_s"])
+            if records or self.clock.monotonic() - self.last_write > ttl / 2:
+                # Only inside half a TTL of our last write is nobody able to have stolen the lease.
+                self._write(self._updated(records))
+            marker = {
+                "task": self.task_id,
+                "fencing_token": self.token,
+                "worker": self.body["worker"],
+                "attempt": self.attempt,
+                "outputs": self.committed,
+                "claimed_at": self.body["claimed_at"],
+                "completed_at": self.clock.wall_iso(),
+                "seconds": round(self.clock.monotonic() - started_mono, 3),
+            }
+            duplicate = False
+            try:
+                self.store.create(layout.done_object(self.task_id), json.dumps(marker, indent=1).encode())
+            except PreconditionFailed:
+                duplicate = True
+                log.warning("event=duplicate_completion task=%s token=%d outputs=abandoned", self.task_id, self.token)
+            self._delete()
+            return not duplicate
+
+    def dead_letter(self, reason: str, records: Sequence[dict] = (), error: dict | None = None) -> None:
+        """Failed marker, then the lease becomes a `dead` tombstone."""
+        with self._lock:
+            errors = list(self.body["errors"]) + ([error] if error else [])
+            letter = {
+                "task": self.task_id,
+                "reason": reason,
+                "errors": errors,
+                "worker": self.body["worker"],
+                "fencing_token": self.token,
+                "failed_at": self.clock.wall_iso(),
+            }
+            try:
+                self.store.create(layout.failed_object(self.task_id), json.dumps(letter, indent=1).encode())
+            except PreconditionFailed:
+                log.warning("event=duplicate_dead_letter task=%s", self.task_id)
+            self._write(self._updated(records, state=DEAD, errors=errors))
+
+    def _delete(self) -> None:
+        try:
+            self.store.delete(layout.lease_object(self.task_id), if_generation=self.generation)
+        except (PreconditionFailed, NotFound) as exc:
+            self.lost = True
+            log.warning("event=lease_delete_refused task=%s generation=%d error=%s", self.task_id, self.generation, exc)

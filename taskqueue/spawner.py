@@ -1,0 +1,340 @@
+"""The worker: claim a task, run the consumer on it, heartbeat, and record how it ended.
+
+One consumer subprocess at a time, in its own process group so that a stop reaches everything it
+started. The consumer contract (environment variables, exit codes) is in docs/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+from objectstore import NotFound, ObjectStore, StoreError
+from taskqueue import layout
+from taskqueue.claims import Claim, Claimer, ClaimOptions
+from taskqueue.clock import Clock
+from taskqueue.lease import HeldLease, LeaseLost
+
+log = logging.getLogger(__name__)
+
+EX_DATAERR = 65
+STOP_GRACE_S = 5.0  # consumer's time to exit after SIGTERM; release must fit in 10 s
+ERROR_TAIL_LINES = 40
+MAX_PROGRESS_LINE = 64 * 1024
+
+
+class ProgressError(ValueError):
+    """The consumer wrote a progress line that is not a JSON object."""
+
+
+class ProgressFile:
+    """Reads the complete lines a consumer has appended since the last call."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self._offset = 0
+
+    def new_records(self) -> list[dict]:
+        with open(self.path, "rb") as handle:
+            handle.seek(self._offset)
+            chunk = handle.read()
+        end = chunk.rfind(b"\n") + 1  # a line still being written is left for next time
+        records = []
+        for line in chunk[:end].splitlines():
+            if not line.strip():
+                continue
+            if len(line) > MAX_PROGRESS_LINE:
+                raise ProgressError(f"{self.path}: a progress line is {len(line)} bytes, over {MAX_PROGRESS_LINE}")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ProgressError(f"{self.path}: progress line is not JSON ({exc}): {line[:200]!r}") from None
+            if not isinstance(record, dict):
+                raise ProgressError(f"{self.path}: progress line is not a JSON object: {line[:200]!r}")
+            records.append(record)
+        self._offset += end
+        return records
+
+
+@dataclasses.dataclass(frozen=True)
+class SpawnOptions:
+    consumer: list[str]
+    worker: str
+    lease_ttl_s: float = 120.0
+    heartbeat_s: float = 30.0
+    max_attempts: int = 3
+    max_tasks: int | None = None
+    idle_timeout_s: float = 300.0
+    poll_min_s: float = 1.0
+    poll_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.consumer:
+            raise ValueError("--consumer: give the command to run for each task, e.g. 'python consume.py'")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"--lease-ttl must be positive, got {self.lease_ttl_s}")
+        if not 0 < self.heartbeat_s <= self.lease_ttl_s / 3:
+            raise ValueError(
+                f"--heartbeat must be positive and at most a third of --lease-ttl ({self.lease_ttl_s / 3:g}s), "
+                f"got {self.heartbeat_s}"
+            )
+        if self.max_attempts < 1:
+            raise ValueError(f"--max-attempts must be at least 1, got {self.max_attempts}")
+
+
+@dataclasses.dataclass
+class Tally:
+    done: int = 0
+    failed_attempts: int = 0
+    dead_letters: int = 0
+    released: int = 0
+    lost: int = 0
+    duplicates: int = 0
+
+
+class Spawner:
+    def __init__(self, store: ObjectStore, options: SpawnOptions, clock: Clock | None = None):
+        self.store = store
+        self.options = options
+        self.clock = clock or Clock()
+        self.claimer = Claimer(
+            store,
+            ClaimOptions(
+                worker=options.worker,
+                lease_ttl_s=options.lease_ttl_s,
+                idle_timeout_s=options.idle_timeout_s,
+                poll_min_s=options.poll_min_s,
+                poll_max_s=options.poll_max_s,
+            ),
+            self.clock,
+        )
+        self.tally = Tally()
+        self.stop_reason: str | None = None
+        self._stop = threading.Event()
+        self._consumer: subprocess.Popen | None = None
+        self._consumer_lock = threading.Lock()
+        self._job: bytes | None = None
+
+    # -- control ----------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Stop soon: the running consumer gets SIGTERM, then its lease is released. Signal-safe."""
+        if self._stop.is_set():
+            return
+        self.stop_reason = reason
+        self._stop.set()
+        self.claimer.stop()
+        self._signal_consumer(signal.SIGTERM)
+
+    def _signal_consumer(self, signum: int) -> None:
+        with self._consumer_lock:
+            proc = self._consumer
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Drain the queue. Returns why it stopped: drained, idle, max_tasks or stopped."""
+        log.info("event=worker_start worker=%s queue=%s", self.options.worker, self.store.root_url)
+        handled = 0
+        for claim in self.claimer:
+            self._handle(claim)
+            handled += 1
+            if self._stop.is_set():
+                break
+            if self.options.max_tasks is not None and handled >= self.options.max_tasks:
+                self.claimer.exit_reason = "max_tasks"
+                break
+        reason = "stopped" if self._stop.is_set() else self.claimer.exit_reason
+        log.info("event=worker_exit worker=%s reason=%s %s", self.options.worker, reason, _fields(self.tally))
+        return reason
+
+    def _handle(self, claim: Claim) -> None:
+        if claim.manifest is None:
+            log.error("event=bad_manifest task=%s reason=%r", claim.task_id, claim.problem)
+            self._dead_letter(claim.lease, f"bad manifest: {claim.problem}", (), None)
+            return
+        workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"spawn-{claim.task_id}-"))
+        try:
+            self._run_consumer(claim, workdir)
+        except LeaseLost as exc:
+            self.tally.lost += 1
+            log.warning("event=lease_lost task=%s error=%s", claim.task_id, exc)
+        except StoreError as exc:
+            # The lease stays ours until it expires; the next holder resumes from what was committed.
+            log.error("event=store_error task=%s error=%s", claim.task_id, exc)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _job_bytes(self) -> bytes:
+        if self._job is None:
+            try:
+                self._job = self.store.read(layout.JOB).data
+            except NotFound:
+                self._job = b"{}"
+        return self._job
+
+    def _run_consumer(self, claim: Claim, workdir: pathlib.Path) -> None:
+        lease = claim.lease
+        files = {
+            "SPAWN_TASK_FILE": workdir / "task.json",
+            "SPAWN_JOB_FILE": workdir / "job.json",
+            "SPAWN_RESUME_FILE": workdir / "resume.json",
+            "SPAWN_PROGRESS_FILE": workdir / "progress.jsonl",
+        }
+        files["SPAWN_TASK_FILE"].write_text(json.dumps(claim.manifest))
+        files["SPAWN_JOB_FILE"].write_bytes(self._job_bytes())
+        files["SPAWN_RESUME_FILE"].write_text(
+            json.dumps({"task": claim.task_id, "attempt": lease.attempt, "progress": lease.committed})
+        )
+        files["SPAWN_PROGRESS_FILE"].touch()
+        env = dict(os.environ)
+        env.update({key: str(path) for key, path in files.items()})
+        env.update(
+            SPAWN_TASK_ID=claim.task_id,
+            SPAWN_ATTEMPT=str(lease.attempt),
+            SPAWN_OUTPUT=self.store.url(lease.output_prefix),
+        )
+        progress = ProgressFile(files["SPAWN_PROGRESS_FILE"])
+        started = self.clock.monotonic()
+        tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
+        with self._consumer_lock:
+            self._consumer = subprocess.Popen(
+                self.options.consumer,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            proc = self._consumer
+        if self._stop.is_set():  # a stop that arrived while we were starting it
+            self._signal_consumer(signal.SIGTERM)
+        log.info("event=consumer_start task=%s pid=%d attempt=%d", claim.task_id, proc.pid, lease.attempt)
+        pump = threading.Thread(target=_pump_output, args=(proc, claim.task_id, tail), daemon=True)
+        pump.start()
+        beat_stop = threading.Event()
+        trouble: list[BaseException] = []
+        beat = threading.Thread(
+            target=self._heartbeat_loop, args=(lease, progress, beat_stop, trouble), daemon=True
+        )
+        beat.start()
+        try:
+            exit_code = self._wait(proc)
+        finally:
+            beat_stop.set()
+            beat.join()
+            pump.join(timeout=5)
+            with self._consumer_lock:
+                self._consumer = None
+        error = {
+            "attempt": lease.attempt,
+            "worker": self.options.worker,
+            "exit_code": exit_code,
+            "error": "\n".join(tail)[-4000:],
+            "at": self.clock.wall_iso(),
+        }
+        if trouble and isinstance(trouble[0], LeaseLost):
+            raise trouble[0]
+        try:
+            records = progress.new_records()
+        except ProgressError as exc:
+            trouble.append(exc)
+        if trouble:
+            self._dead_letter(lease, f"consumer broke the progress contract: {trouble[0]}", (), error)
+            return
+        log.info("event=consumer_exit task=%s exit_code=%d seconds=%.1f", claim.task_id, exit_code, self.clock.monotonic() - started)
+        if self._stop.is_set():
+            lease.release(records)
+            self.tally.released += 1
+            log.info("event=released task=%s reason=%r committed=%d", claim.task_id, self.stop_reason, len(lease.committed))
+        elif exit_code == 0:
+            if lease.complete(records, started):
+                self.tally.done += 1
+                log.info("event=done task=%s token=%d outputs=%d", claim.task_id, lease.token, len(lease.committed))
+            else:
+                self.tally.duplicates += 1
+        elif exit_code == EX_DATAERR:
+            self._dead_letter(lease, "consumer exit 65: bad input", records, error)
+        else:
+            self.tally.failed_attempts += 1
+            if lease.attempt >= self.options.max_attempts:
+                self._dead_letter(lease, f"failed {lease.attempt} attempts (last exit code {exit_code})", records, error)
+            else:
+                lease.release(records, error=error)
+                log.warning("event=attempt_failed task=%s attempt=%d exit_code=%d", claim.task_id, lease.attempt, exit_code)
+
+    def _dead_letter(self, lease: HeldLease, reason: str, records, error: dict | None) -> None:
+        lease.dead_letter(reason, records, error)
+        self.tally.dead_letters += 1
+        log.error("event=dead_letter task=%s reason=%r", lease.task_id, reason)
+
+    def _wait(self, proc: subprocess.Popen) -> int:
+        """Wait for the consumer; after a stop, give it STOP_GRACE_S and then kill its process group."""
+        deadline: float | None = None
+        while True:
+            try:
+                return proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+            if self._stop.is_set():
+                now = self.clock.monotonic()
+                deadline = deadline if deadline is not None else now + STOP_GRACE_S
+                if now >= deadline:
+                    log.warning("event=consumer_kill pid=%d reason=stop_grace_exceeded", proc.pid)
+                    self._signal_consumer(signal.SIGKILL)
+
+    def _heartbeat_loop(
+        self, lease: HeldLease, progress: ProgressFile, stop: threading.Event, trouble: list[BaseException]
+    ) -> None:
+        ttl = self.options.lease_ttl_s
+        while not stop.wait(self.options.heartbeat_s):
+            try:
+                lease.heartbeat(progress.new_records())
+            except (LeaseLost, ProgressError) as exc:
+                trouble.append(exc)
+                log.error("event=heartbeat_stop task=%s error=%s", lease.task_id, exc)
+                self._signal_consumer(signal.SIGKILL)  # commit nothing more, at once
+                return
+            except StoreError as exc:
+                silent = self.clock.monotonic() - lease.last_write
+                log.warning("event=heartbeat_failed task=%s silent_s=%.1f error=%s", lease.task_id, silent, exc)
+                if silent >= ttl:
+                    lease.lost = True
+                    trouble.append(LeaseLost(f"no heartbeat for {silent:.0f}s, a whole TTL: the lease may be stolen"))
+                    self._signal_consumer(signal.SIGKILL)
+                    return
+
+
+def _pump_output(proc: subprocess.Popen, task_id: str, tail: collections.deque) -> None:
+    assert proc.stdout is not None
+    consumer_log = logging.getLogger("consumer")
+    for raw in proc.stdout:
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        tail.append(line)
+        consumer_log.info("task=%s | %s", task_id, line)
+
+
+def _fields(tally: Tally) -> str:
+    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(tally).items())
+
+
+def resolve_consumer(command: list[str]) -> list[str]:
+    """`python ...` means this interpreter, so a worker started from a venv runs consumers in it."""
+    if command and command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    return command

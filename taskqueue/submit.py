@@ -1,0 +1,94 @@
+"""Writing a job and its task manifests into a queue, create-only, so that resubmitting changes nothing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import pathlib
+from collections.abc import Iterable
+
+from objectstore import ObjectStore, PreconditionFailed
+from taskqueue import layout
+
+
+class SubmitError(ValueError):
+    """The job or tasks file cannot be submitted; the message names the file, line and field."""
+
+
+@dataclasses.dataclass
+class SubmitReport:
+    created: int = 0
+    existing: int = 0
+    job: str = "none"  # created | existing | none
+
+    def __str__(self) -> str:
+        return f"event=submitted created={self.created} already_existed={self.existing} job={self.job}"
+
+
+def read_tasks(path: pathlib.Path) -> list[tuple[str, bytes]]:
+    """(id, manifest bytes) for every line of a JSON-lines file, or SubmitError naming the bad line."""
+    tasks: list[tuple[str, bytes]] = []
+    first_line: dict[str, int] = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                manifest = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SubmitError(f"{where}: not valid JSON ({exc})") from None
+            if not isinstance(manifest, dict):
+                raise SubmitError(f"{where}: a task must be a JSON object with an 'id' field")
+            if "id" not in manifest:
+                raise SubmitError(f"{where}: task is missing field 'id' (ids make submission idempotent)")
+            try:
+                task_id = layout.check_task_id(manifest["id"], where)
+            except layout.BadManifest as exc:
+                raise SubmitError(str(exc)) from None
+            if task_id in first_line:
+                raise SubmitError(f"{where}: task id {task_id!r} already used on line {first_line[task_id]}")
+            first_line[task_id] = number
+            data = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+            if len(data) > layout.MAX_MANIFEST_BYTES:
+                raise SubmitError(f"{where}: manifest is {len(data)} bytes, over the {layout.MAX_MANIFEST_BYTES}-byte limit")
+            tasks.append((task_id, data))
+    return tasks
+
+
+def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, bytes]], parallel: int = 16) -> SubmitReport:
+    report = SubmitReport()
+    if job is not None:
+        try:
+            store.create(layout.JOB, job)
+            report.job = "created"
+        except PreconditionFailed:
+            if json.loads(store.read(layout.JOB).data) != json.loads(job):
+                raise SubmitError(
+                    f"{store.url(layout.JOB)} already exists with different content: "
+                    "submit a changed job to a new queue prefix"
+                ) from None
+            report.job = "existing"
+
+    def create(task: tuple[str, bytes]) -> bool:
+        task_id, data = task
+        copy = {"manifest": data.decode()} if len(data) <= layout.MANIFEST_METADATA_BYTES else None
+        try:
+            store.create(layout.task_object(task_id), data, metadata=copy)
+            return True
+        except PreconditionFailed:
+            if json.loads(store.read(layout.task_object(task_id)).data) != json.loads(data):
+                raise SubmitError(
+                    f"{store.url(layout.task_object(task_id))} already exists with a different manifest: "
+                    "tasks are immutable, give the changed task a new id"
+                ) from None
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        for created in pool.map(create, tasks):
+            if created:
+                report.created += 1
+            else:
+                report.existing += 1
+    return report
