@@ -178,8 +178,9 @@ class Prefetcher(Generic[T]):
     iterator is re-raised in the consuming thread at the point it would have occurred.
     """
 
-    def __init__(self, source: Iterable[T], depth: int, name: str = "prefetch"):
+    def __init__(self, source: Iterable[T], depth: int, name: str = "prefetch", cancel: threading.Event | None = None):
         self._source = source
+        self._cancel = cancel  # lets a waiting consumer give up (on SIGTERM) while the producer is busy
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -199,14 +200,19 @@ class Prefetcher(Generic[T]):
             for item in self._source:
                 if not self._put(item):
                     return
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread, which re-raises it
+        except BaseException as exc:  # handed to the consuming thread, which re-raises it
             self._put(_Failed(exc))
             return
         self._put(_End())
 
     def __iter__(self) -> Iterator[T]:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._cancel is not None and self._cancel.is_set():
+                    return
+                continue
             if isinstance(item, _End):
                 return
             if isinstance(item, _Failed):

@@ -17,7 +17,7 @@ import json
 import os
 import pathlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from extract.errors import BadInput
@@ -391,3 +391,33 @@ def load_resume(path: str | os.PathLike[str] | None, task: Task) -> ResumeState:
         return ResumeState.fresh()
     return ResumeState.from_dict(_read_json(path, "resume file"), task)
 
+
+
+def plan_tasks(files: Sequence[tuple[str, int]], rows_per_task: int, id_prefix: str = "t") -> list[Task]:
+    """Cut the job's files, given as (path, row count) in job order, into tasks of `rows_per_task` rows.
+
+    Global sample ids run through the files in order, so a file's `base` is the row count of the
+    files before it. Tasks are consecutive runs of global ids and may span file boundaries; only
+    the last task may be shorter. Files without rows are skipped.
+    """
+    if rows_per_task <= 0:
+        raise _fail("rows_per_task", f"got {rows_per_task}", "use a positive number of rows")
+    total = sum(count for _, count in files)
+    n_tasks = -(-total // rows_per_task)
+    width = max(6, len(str(max(n_tasks - 1, 0))))
+    tasks = []
+    file_index, base, row = 0, 0, 0  # the next unassigned row is row `row` of files[file_index]
+    for k in range(n_tasks):
+        want = min(rows_per_task, total - k * rows_per_task)
+        slices = []
+        while want > 0:
+            path, count = files[file_index]
+            take = min(want, count - row)
+            if take > 0:
+                slices.append(FileSlice(path=path, base=base, start=row, end=row + take))
+                row += take
+                want -= take
+            if row == count:
+                file_index, base, row = file_index + 1, base + count, 0
+        tasks.append(Task(id=f"{id_prefix}{k:0{width}d}", files=tuple(slices)))
+    return tasks

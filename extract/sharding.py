@@ -190,14 +190,15 @@ def choose_mesh_shape(
             count, memory, count,
         )  # fmt: skip
         return 1, count
-    usable = [m for m in fitting if batch_size % (count // m) == 0]
-    if not usable:
-        data = count // fitting[0]
-        raise BadInput(
-            f"batch_size={batch_size} is not a multiple of the data axis size {data} chosen for {count} devices: "
-            f"use a multiple of {data}, or set mesh explicitly"
-        )
+    # The batch must split evenly over "data"; when it does not, move devices from "data" to "model" until it does
+    # (data=1 always works), which costs speed but never correctness.
+    usable = [m for m in candidates if m >= fitting[0] and batch_size % (count // m) == 0]
     m = usable[0]
+    if m != fitting[0]:
+        log.info(
+            "event=mesh_for_batch batch_size=%d devices=%d data=%d model=%d: batch_size does not split over data=%d",
+            batch_size, count, count // m, m, count // fitting[0],
+        )  # fmt: skip
     return count // m, m
 
 

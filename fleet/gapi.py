@@ -12,6 +12,8 @@ import concurrent.futures
 import json
 import logging
 import os
+import shutil
+import subprocess
 from collections.abc import Callable, Sequence
 
 import proto
@@ -44,8 +46,9 @@ def client_args(endpoint_env: str) -> dict:
 
 
 def describe(request: proto.Message) -> dict:
-    """The request as the JSON the REST API receives (camelCase field names)."""
-    return {"request": type(request).__name__, "body": json.loads(type(request).to_json(request))}
+    """The request message as JSON (REST field names): its path parameters and its body."""
+    fields = json.loads(type(request).to_json(request, always_print_fields_with_no_presence=False))
+    return {"request": type(request).__name__, "fields": fields}
 
 
 def print_dry_run(requests: Sequence[proto.Message]) -> None:
@@ -91,3 +94,33 @@ def run_all(
             f"{len(failures)} of {len(requests)} requests failed (fix the cause and re-run; teardown.py removes "
             "what was created):\n  " + "\n  ".join(sorted(failures))
         )
+
+
+def _gcloud_config(prop: str) -> str | None:
+    """A `gcloud config` property, if gcloud is installed and has it set."""
+    gcloud = shutil.which("gcloud")
+    if not gcloud:
+        return None
+    try:
+        result = subprocess.run(
+            [gcloud, "config", "get-value", prop], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("event=gcloud_config_unreadable property=%s error=%s", prop, err)
+        return None
+    value = result.stdout.strip()
+    return value if result.returncode == 0 and value and value != "(unset)" else None
+
+
+def default_project() -> str | None:
+    """--project's default: CLOUDSDK_CORE_PROJECT, GOOGLE_CLOUD_PROJECT, then `gcloud config`."""
+    return os.environ.get("CLOUDSDK_CORE_PROJECT") or os.environ.get("GOOGLE_CLOUD_PROJECT") or _gcloud_config("project")
+
+
+def default_zone() -> str | None:
+    """--zone's default: CLOUDSDK_COMPUTE_ZONE, then `gcloud config get-value compute/zone`."""
+    return os.environ.get("CLOUDSDK_COMPUTE_ZONE") or _gcloud_config("compute/zone")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

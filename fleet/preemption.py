@@ -42,12 +42,14 @@ class PreemptionWatcher:
         on_preempted: Callable[[], None],
         metadata: MetadataClient | None = None,
         poll_timeout_s: int = 60,
+        min_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         keys: tuple[str, ...] = (PREEMPTED, MAINTENANCE),
     ):
         self._on_preempted = on_preempted
         self._metadata = metadata or MetadataClient()
         self._poll_timeout_s = poll_timeout_s
+        self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
         self._keys = keys
         self._stopped = threading.Event()
@@ -88,7 +90,7 @@ class PreemptionWatcher:
 
     def _watch(self, key: str) -> None:
         etag: str | None = None
-        backoff_s = 1.0
+        backoff_s = self._min_backoff_s
         while not self._stopped.is_set():
             try:
                 if etag is None:
@@ -105,7 +107,7 @@ class PreemptionWatcher:
                 self._stopped.wait(backoff_s)
                 backoff_s = min(backoff_s * 2, self._max_backoff_s)
                 continue
-            backoff_s = 1.0
+            backoff_s = self._min_backoff_s
             if _is_termination(key, value):
                 self._fire(key, value)
                 return

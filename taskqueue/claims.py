@@ -22,7 +22,7 @@ from taskqueue.lease import DEAD, HELD, RELEASED, HeldLease, encode, new_lease_b
 
 log = logging.getLogger(__name__)
 
-MAX_FRESH_CLAIMS = 16  # claims between re-lists of done/ when the road ahead is long
+RELIST_PAGE = 1000  # done markers per re-list: one request steps over another worker's finished stretch
 
 
 @dataclasses.dataclass
@@ -66,7 +66,6 @@ class QueueView:
         self.sizes: dict[str, int] = {}
         self.finished: set[str] = set()
         self.leases: dict[str, Sighting] = {}
-        self.fresh: tuple[int, int] | None = None  # ring positions covered by the last done/ re-list
 
     def scan_tasks(self) -> int:
         """List tasks/; returns how many ids are new."""
@@ -107,24 +106,18 @@ class QueueView:
             )
         self.leases = sightings
 
-    def relist_done_from(self, task_id: str) -> None:
-        """One listing of done/ from `task_id` on; marks the positions it covers as fresh."""
-        page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id))
+    def relist_done_from(self, task_id: str, page_size: int) -> int:
+        """One listing of done/ from `task_id` on. Returns the last ring position it vouches for."""
+        page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=page_size)
         last = None
         for entry in page.entries:
             done_id = layout.id_from_object(entry.name, layout.DONE)
             if done_id is not None:
                 self.finished.add(done_id)
                 last = done_id
-        start = self.position[task_id]
         if page.next_token is None or last is None:
-            end = len(self.order) - 1
-        else:
-            end = bisect.bisect_right(self.order, last) - 1
-        self.fresh = (start, end)
-
-    def is_fresh(self, task_id: str) -> bool:
-        return self.fresh is not None and self.fresh[0] <= self.position[task_id] <= self.fresh[1]
+            return len(self.order) - 1
+        return bisect.bisect_right(self.order, last) - 1
 
     def live(self, task_id: str) -> bool:
         """Held by someone and not yet seen unchanged for a whole TTL."""
@@ -160,7 +153,6 @@ class Claimer:
         self.stop_event = threading.Event()
         self.exit_reason = "running"
         self._cursor: int | None = None
-        self._claims_since_fresh = 0
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -224,10 +216,14 @@ class Claimer:
         )
 
     def _poll(self) -> None:
-        self.view.scan_leases()
         pending = self.view.pending()
-        if pending:
-            self.view.relist_done_from(pending[0])
+        self._relist(pending[0] if pending else None)
+
+    def _relist(self, task_id: str | None) -> None:
+        """Fresh leases, and the done markers from `task_id` on: after evidence that the view is stale."""
+        self.view.scan_leases()
+        if task_id is not None:
+            self.view.relist_done_from(task_id, page_size=RELIST_PAGE)
 
     # -- one claim --------------------------------------------------------------------------
 
@@ -245,39 +241,33 @@ class Claimer:
             return task_id
         return None
 
-    def _gap_ahead(self, task_id: str) -> int:
-        """Ring distance from `task_id` to the next task someone else holds."""
-        here = self.view.position[task_id]
-        n = len(self.view.order)
-        held = sorted(
-            (self.view.position[t] - here) % n
-            for t in self.view.leases
-            if t in self.view.position and self.view.live(t) and t != task_id
-        )
-        return held[0] if held else n
-
     def _try_claim(self) -> Claim | None | bool:
         """A claim; None when nothing is claimable; False when the view changed and it is worth going again."""
         task_id = self._next_candidate()
         if task_id is None:
             return None
-        budget = max(1, min(MAX_FRESH_CLAIMS, self._gap_ahead(task_id) // 4))
-        if not self.view.is_fresh(task_id) or self._claims_since_fresh >= budget:
-            self.view.relist_done_from(task_id)
-            self._claims_since_fresh = 0
-            if task_id in self.view.finished:
-                self._jump()
-                return False
         lease = self._acquire(task_id)
-        if lease is None:
-            self.view.scan_leases()
-            self.view.relist_done_from(task_id)
-            self._claims_since_fresh = 0
+        if lease is None:  # someone is at this very task, and will walk on ahead of us: go elsewhere
+            self._relist(task_id)
             self._jump()
             return False
-        self._claims_since_fresh += 1
+        if self._already_done(task_id):
+            # A finished task has no lease, so our view was stale: give the lease back and catch up.
+            lease.abandon()
+            self._relist(task_id)
+            self._jump()
+            return False
         self._cursor = (self.view.position[task_id] + 1) % len(self.view.order)
         return self._with_manifest(task_id, lease)
+
+    def _already_done(self, task_id: str) -> bool:
+        """Checked while holding the lease, so nobody can finish the task between this read and our run."""
+        try:
+            self.store.read(layout.done_object(task_id))
+        except NotFound:
+            return False
+        self.view.finished.add(task_id)
+        return True
 
     def _learn_outcome(self, lease: HeldLease) -> None:
         """What this worker did with a claim is news its view can use without a listing."""
@@ -341,6 +331,7 @@ class Claimer:
 
     def _jump(self) -> None:
         """Move to the middle of the largest stretch of pending tasks between live leases."""
+        self._claims_left = 0
         order = self.view.order
         n = len(order)
         pending_positions = [i for i, t in enumerate(order) if t not in self.view.finished]

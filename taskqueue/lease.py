@@ -160,6 +160,11 @@ class HeldLease:
                 log.warning("event=duplicate_dead_letter task=%s", self.task_id)
             self._write(self._updated(records, state=DEAD, errors=errors))
 
+    def abandon(self) -> None:
+        """Delete a lease we should not have taken (the task turned out to be done)."""
+        with self._lock:
+            self._delete()
+
     def _delete(self) -> None:
         try:
             self.store.delete(layout.lease_object(self.task_id), if_generation=self.generation)

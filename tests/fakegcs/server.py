@@ -71,12 +71,14 @@ MAX_RESULTS = 1000
 BUCKET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 # Object fields a patch or update may change; everything else is either read-only (ignored,
 # as GCS does) or a feature this server does not emulate (rejected).
-WRITABLE_FIELDS = ("contentType", "cacheControl", "contentDisposition", "contentEncoding", "contentLanguage", "customTime")
+WRITABLE_FIELDS = (
+    "contentType", "cacheControl", "contentDisposition", "contentEncoding", "contentLanguage", "customTime")
 READ_ONLY_FIELDS = frozenset(
     "kind id selfLink mediaLink name bucket generation metageneration size md5Hash crc32c etag "
     "timeCreated updated timeStorageClassUpdated storageClass".split()
 )
-UNEMULATED_LIST_PARAMS = ("matchglob", "includetrailingdelimiter", "includefoldersasprefixes", "softdeleted", "versions")
+UNEMULATED_LIST_PARAMS = (
+    "matchglob", "includetrailingdelimiter", "includefoldersasprefixes", "softdeleted", "versions")
 
 
 class FakeGCSError(Exception):
@@ -133,7 +135,8 @@ class StoredObject:
             "kind": "storage#object",
             "id": f"{self.bucket}/{self.name}/{self.generation}",
             "selfLink": f"{base_url}/storage/v1/b/{self.bucket}/o/{quoted}",
-            "mediaLink": f"{base_url}/download/storage/v1/b/{self.bucket}/o/{quoted}?generation={self.generation}&alt=media",
+            "mediaLink": (f"{base_url}/download/storage/v1/b/{self.bucket}/o/{quoted}"
+                          f"?generation={self.generation}&alt=media"),
             "name": self.name,
             "bucket": self.bucket,
             "generation": str(self.generation),
@@ -389,8 +392,9 @@ def _check_count(n: int) -> int:
     return n
 
 
-_ERROR_REASONS = {400: "invalid", 404: "notFound", 409: "conflict", 412: "conditionNotMet", 416: "requestedRangeNotSatisfiable",
-                  429: "rateLimitExceeded", 500: "backendError", 501: "notImplemented", 503: "backendError"}
+_ERROR_REASONS = {400: "invalid", 404: "notFound", 409: "conflict", 412: "conditionNotMet",
+                  416: "requestedRangeNotSatisfiable", 429: "rateLimitExceeded", 500: "backendError",
+                  501: "notImplemented", 503: "backendError"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,8 +447,8 @@ class Storage:
         for key, actual in (("crc32c", crc), ("md5Hash", md5)):
             claimed = resource.get(key)
             if claimed is not None and claimed != actual:
-                raise ApiError(400, "invalid", f"Provided {key} {claimed} does not match the data of {name} ({actual}); "
-                               "the upload was corrupted, retry it")
+                raise ApiError(400, "invalid", f"Provided {key} {claimed} does not match the data of {name} "
+                               f"({actual}); the upload was corrupted, retry it")
         fields = _writable_fields(resource, name)
         if content_type and "contentType" not in fields:
             fields["contentType"] = content_type
@@ -493,7 +497,10 @@ class Storage:
             current = self._live(bucket_name, name, generation)
             pre.check_write(current, f"gs://{bucket_name}/{name}")
             metadata = {} if replace or body.get("metadata", {}) is None else dict(current.metadata)
-            for key, value in (body.get("metadata") or {}).items():
+            changes = body.get("metadata") or {}
+            if not isinstance(changes, dict):
+                raise ApiError(400, "invalid", f"metadata of {name} must be a JSON object of strings")
+            for key, value in changes.items():
                 if value is None:
                     metadata.pop(key, None)
                 else:
@@ -604,7 +611,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.track(self.connection, False)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
-        log.debug("event=http %s", format % args)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("event=http %s", format % args)
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -626,7 +634,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         parts = urllib.parse.urlsplit(self.path)
         query = {k.lower(): v for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)}
-        body = self._read_body()
+        try:
+            body = self._read_body()
+        except ValueError as error:
+            self.close_connection = True  # the framing is lost; this connection cannot be reused
+            return self._send_error(ApiError(400, "invalid", f"unreadable request body: {error}"))
         try:
             if parts.path.startswith("/_fake/"):
                 self._admin(method, parts.path, body)
@@ -640,6 +652,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the applied request's answer is lost on purpose
         except FakeGCSError as error:
             self._send_error(ApiError(400, "invalid", str(error)))
+        except Exception as error:  # a bug in this server: answer 500 with the cause, and log the traceback
+            log.exception("event=fakegcs_internal_error method=%s path=%s", method, parts.path)
+            self.close_connection = True
+            self._send_error(ApiError(500, "backendError", f"fake GCS internal error: {error!r}"))
 
     def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -664,7 +680,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.log_request(status, len(body))
 
     def _send_json(self, status: int, payload: Any, headers: Mapping[str, str] | None = None) -> None:
-        self._send(status, json.dumps(payload).encode(), {"Content-Type": "application/json; charset=UTF-8", **(headers or {})})
+        self._send(status, json.dumps(payload).encode(),
+                   {"Content-Type": "application/json; charset=UTF-8", **(headers or {})})
 
     def _send_error(self, error: ApiError) -> None:
         self._send_json(error.code, {"error": {"code": error.code, "message": error.message, "errors": [
@@ -812,7 +829,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _list(self, bucket: str, query: dict[str, str]) -> None:
         for key in UNEMULATED_LIST_PARAMS:
             if query.get(key, "false").lower() not in ("", "false"):
-                raise ApiError(400, "invalid", f"list parameter {key}={query[key]!r} is not emulated by this test server")
+                raise ApiError(400, "invalid",
+                               f"list parameter {key}={query[key]!r} is not emulated by this test server")
         prefix = query.get("prefix", "")
 
         def handle() -> None:
@@ -821,7 +839,8 @@ class _Handler(BaseHTTPRequestHandler):
                 try:
                     resume_at = base64.urlsafe_b64decode(query["pagetoken"].encode()).decode()
                 except ValueError:
-                    raise ApiError(400, "invalid", f"pageToken {query['pagetoken']!r} was not issued by this server") from None
+                    raise ApiError(400, "invalid",
+                                   f"pageToken {query['pagetoken']!r} was not issued by this server") from None
             max_results = _int_param(query, "maxresults") or MAX_RESULTS
             items, prefixes, resume = self.server.fake.storage.list_page(
                 bucket, prefix, query.get("delimiter", ""), query.get("startoffset", ""), query.get("endoffset", ""),
@@ -871,7 +890,8 @@ class _Handler(BaseHTTPRequestHandler):
             def start() -> None:
                 upload_id = storage.start_upload(bucket, name, resource, pre, int(total) if total else None)
                 self._maybe_drop("POST", WRITE, name)
-                location = f"{self._base_url()}/upload/storage/v1/b/{bucket}/o?uploadType=resumable&upload_id={upload_id}"
+                location = (f"{self._base_url()}/upload/storage/v1/b/{bucket}/o"
+                            f"?uploadType=resumable&upload_id={upload_id}")
                 self._send(200, b"", {"Location": location, "X-GUploader-UploadID": upload_id})
             return self._guarded("POST", WRITE, name, start)
         else:
@@ -890,7 +910,8 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             match = _CONTENT_RANGE_RE.match(header.strip())
             if match is None:
-                raise ApiError(400, "invalid", f"Content-Range {header!r} is not 'bytes a-b/N', 'bytes a-b/*' or 'bytes */N'")
+                raise ApiError(400, "invalid",
+                               f"Content-Range {header!r} is not 'bytes a-b/N', 'bytes a-b/*' or 'bytes */N'")
             first = int(match.group(1)) if match.group(1) else None
             last = int(match.group(2)) if match.group(2) else None
             total = None if match.group(3) == "*" else int(match.group(3))
@@ -925,6 +946,7 @@ class _Handler(BaseHTTPRequestHandler):
         session.finished = self.server.fake.storage.commit(
             session.bucket, session.name, bytes(session.received), session.resource, session.preconditions,
             session.resource.get("contentType"))
+        session.received = bytearray()  # the object holds the bytes now; the session only answers queries
 
     # -- admin endpoints for other processes (see FakeGCSAdmin)
 
@@ -956,7 +978,8 @@ def _parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, Any], by
     """Split a multipart/related upload into (JSON resource, media bytes, media content type)."""
     match = re.search(r'boundary="?([^";]+)"?', content_type)
     if not content_type.startswith("multipart/related") or match is None:
-        raise ApiError(400, "invalid", f"multipart upload needs Content-Type multipart/related with a boundary, got {content_type!r}")
+        raise ApiError(400, "invalid",
+                       f"multipart upload needs Content-Type multipart/related with a boundary, got {content_type!r}")
     separator = b"--" + match.group(1).encode()
     parts = body.split(separator)
     # ['', part1, part2, '--' + trailing]; each part is CRLF headers CRLF CRLF payload CRLF

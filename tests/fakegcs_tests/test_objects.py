@@ -125,7 +125,8 @@ def test_corrupted_multipart_checksum_is_rejected(gcs, gcs_bucket):
             '{"name": "bad.bin", "crc32c": "AAAAAA=="}\r\n'
             f"--{boundary}\r\ncontent-type: application/octet-stream\r\n\r\npayload\r\n--{boundary}--").encode()
     response = requests.post(f"{gcs.url}/upload/storage/v1/b/{gcs_bucket}/o", params={"uploadType": "multipart"},
-                             data=body, headers={"Content-Type": f'multipart/related; boundary="{boundary}"'}, timeout=10)
+                             data=body, headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
+                             timeout=10)
     assert response.status_code == 400
     assert "crc32c" in response.json()["error"]["message"]
 
@@ -229,7 +230,8 @@ def test_list_start_and_end_offset_bound_the_names(gcs_client, gcs_bucket):
     bucket = gcs_client.bucket(gcs_bucket)
     for i in range(10):
         bucket.blob(f"leases/{i:02d}").upload_from_string(b"l")
-    assert _names(gcs_client, gcs_bucket, prefix="leases/", start_offset="leases/07") == ["leases/07", "leases/08", "leases/09"]
+    assert _names(gcs_client, gcs_bucket, prefix="leases/", start_offset="leases/07") == [
+        "leases/07", "leases/08", "leases/09"]
     assert _names(gcs_client, gcs_bucket, prefix="leases/", start_offset="leases/02", end_offset="leases/04") == [
         "leases/02", "leases/03"]
     assert _names(gcs_client, gcs_bucket, start_offset="leases/05", max_results=2) == ["leases/05", "leases/06"]

@@ -1,0 +1,9 @@
+#!/usr/bin/env python3
+"""Extract Qwen hidden states for one task (run by spawn.py, or by hand with flags). See docs/EXTRACTION.md."""
+
+import sys
+
+from extract.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""consume.py's command line: flags or SPAWN_* environment in, one extraction run, an exit code out.
+
+Under spawn.py every input arrives as an environment variable; by hand the same inputs are
+flags, and a flag wins over its variable. Without a progress file the run still writes shards
+and logs each one.
+
+Exit codes (the consumer contract): 0 done; 65 bad input (dead-lettered, never retried);
+75 transient I/O (retried); 70 any other failure (retried); 128+signal when stopped by
+SIGTERM/SIGINT, after storing only complete shards. A run that has not exited STOP_GRACE_S
+seconds after the signal (e.g. stuck in a compile) exits hard with the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from extract.errors import BadInput, TransientIOError
+
+log = logging.getLogger("extract.consume")
+
+EX_OK = 0
+EX_DATAERR = 65
+EX_SOFTWARE = 70
+EX_TEMPFAIL = 75
+STOP_GRACE_S = 10.0
+
+_FLAGS = (
+    ("--job-file", "SPAWN_JOB_FILE", "job.json (docs/EXTRACTION.md)"),
+    ("--task-file", "SPAWN_TASK_FILE", "task manifest JSON: {id, files: [{path, base, start, end}]}"),
+    ("--output", "SPAWN_OUTPUT", "where shards go: a local directory or gs://bucket/prefix"),
+    ("--resume-file", "SPAWN_RESUME_FILE", "committed progress: {task, attempt, progress: [records]}"),
+    ("--progress-file", "SPAWN_PROGRESS_FILE", "file to append one JSON record per stored shard"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="consume.py",
+        description="Extract Qwen hidden states for one task's slice of a dataset and write them as safetensors shards.",
+    )
+    for flag, env, help_text in _FLAGS:
+        parser.add_argument(flag, help=f"{help_text} (default: ${env})")
+    parser.add_argument("--log-every", type=float, default=30.0, help="seconds between progress lines when not on a TTY")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return parser
+
+
+def _setting(args: argparse.Namespace, flag: str, env: str) -> str | None:
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    return value if value else (os.environ.get(env) or None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Failures a later attempt may not meet: our own transient type, the store's, and network errors."""
+    from objectstore import StoreUnavailable
+
+    if isinstance(exc, (TransientIOError, StoreUnavailable, ConnectionError, TimeoutError)):
+        return True
+    try:
+        from objectstore.gcs import is_transient as gcs_transient
+    except ImportError:  # google-cloud-storage absent: only local stores are in use
+        return False
+    return gcs_transient(exc)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    if isinstance(exc, BadInput):
+        return EX_DATAERR
+    if is_transient(exc):
+        return EX_TEMPFAIL
+    return EX_SOFTWARE
+
+
+def _install_signal_handlers(stop) -> None:
+    def hard_exit_later(signum: int) -> None:
+        time.sleep(STOP_GRACE_S)
+        log.error("event=stop_timeout signal=%d grace_s=%.0f: exiting without waiting further", signum, STOP_GRACE_S)
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            os._exit(128 + signum)  # a second signal: the operator means it
+        log.warning("event=signal signal=%d: stopping after complete shards", signum)
+        threading.Thread(target=hard_exit_later, args=(signum,), name="stop-watchdog", daemon=True).start()
+        stop.request(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
+    )
+    from extract.consumer import RunInputs, Stopped, StopRequest, run
+    from extract.job import load_job, load_resume, load_task
+
+    stop = StopRequest()
+    _install_signal_handlers(stop)
+    try:
+        paths = {flag: _setting(args, flag, env) for flag, env, _ in _FLAGS}
+        for flag, env, _ in _FLAGS[:3]:
+            if not paths[flag]:
+                raise BadInput(f"{flag.lstrip('-')}: not given; pass {flag} or set {env}")
+        job = load_job(paths["--job-file"])
+        task = load_task(paths["--task-file"])
+        resume = load_resume(paths["--resume-file"], task)
+        attempt = os.environ.get("SPAWN_ATTEMPT")
+        if attempt and attempt.isdigit():
+            resume = dataclasses.replace(resume, attempt=int(attempt))
+        task_id = os.environ.get("SPAWN_TASK_ID")
+        if task_id and task_id != task.id:
+            raise BadInput(f"task.id: the task file says {task.id!r} but SPAWN_TASK_ID={task_id!r}; pass this task's file")
+        inputs = RunInputs(
+            job=job,
+            task=task,
+            output_url=paths["--output"],
+            resume=resume,
+            progress_path=paths["--progress-file"],
+            log_every_s=args.log_every,
+        )
+        result = run(inputs, stop=stop)
+        if result.stopped:
+            return 128 + (stop.signum or signal.SIGTERM)
+        return EX_OK
+    except Stopped as stopped:
+        log.warning("event=stopped signal=%d before the run loop", stopped.signum)
+        return 128 + stopped.signum
+    except Exception as exc:
+        code = exit_code_for(exc)
+        if code == EX_DATAERR:
+            log.error("event=bad_input exit=%d error=%s", code, exc)
+        elif code == EX_TEMPFAIL:
+            log.error("event=transient_failure exit=%d error=%s", code, exc)
+        else:
+            log.exception("event=failure exit=%d error=%r", code, exc)
+        return code

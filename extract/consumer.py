@@ -1,0 +1,264 @@
+"""The run loop of one extraction task: slice -> tokens -> fixed-shape batches -> engine -> shards -> progress records.
+
+Three stages overlap: a prefetch thread reads and tokenises the next batches, the main thread
+dispatches them to the device (asynchronously), and the shard writer's threads copy results to
+the host, encode and store them. Each queue between them is bounded, so a slow stage slows the
+others instead of filling memory.
+
+A resumed task starts at the first position no committed record covers; positions before it are
+never read. Stopping (SIGTERM) drops the open shard and keeps only shards that are complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from extract import data
+from extract.batching import Prefetcher, Tokenizer, batches_for_slice
+from extract.errors import BadInput
+from extract.job import Job, ResumeState, Task
+from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype
+
+log = logging.getLogger(__name__)
+
+#: Batches tokenised ahead of the device.
+PREFETCH_BATCHES = 4
+#: Batches dispatched to the device but not yet copied back; bounds device memory held by results.
+INFLIGHT_BATCHES = 2
+
+
+class Stopped(BaseException):
+    """A stop signal arrived. A BaseException so that no `except Exception` on the way mistakes it for a failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+class StopRequest:
+    """Set from a signal handler. Outside the run loop it raises `Stopped` at once; inside it the
+    loop checks it between batches, so that complete shards are still stored."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self._deferred = False
+
+    def request(self, signum: int) -> None:
+        self.signum = signum
+        self.event.set()
+        if not self._deferred:
+            raise Stopped(signum)
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        if self.event.is_set():
+            raise Stopped(self.signum or 0)
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInputs:
+    job: Job
+    task: Task
+    output_url: str
+    resume: ResumeState = dataclasses.field(default_factory=ResumeState.fresh)
+    progress_path: str | None = None
+    log_every_s: float = 30.0
+
+
+@dataclasses.dataclass
+class RunResult:
+    records: list[dict[str, Any]]  # written by this attempt
+    stats: dict[str, Any] | None
+    engine: Any | None
+    stopped: bool = False
+
+
+class ProgressDisplay:
+    """A tqdm bar on a terminal, otherwise one key=value log line every `every_s` seconds."""
+
+    def __init__(self, total: int, every_s: float, tty: bool | None = None):
+        self._total = total
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._samples = 0
+        self._tokens = 0
+        self._started = time.monotonic()
+        self._last_log = self._started
+        self._bar = None
+        if sys.stderr.isatty() if tty is None else tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="sample", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, samples: int, tokens: int) -> None:
+        with self._lock:
+            self._samples += samples
+            self._tokens += tokens
+            now = time.monotonic()
+            rate = self._tokens / max(now - self._started, 1e-9)
+            if self._bar is not None:
+                self._bar.update(samples)
+                self._bar.set_postfix(tokens_per_s=f"{rate:,.0f}", refresh=False)
+            elif now - self._last_log >= self._every_s:
+                self._last_log = now
+                log.info(
+                    "event=progress samples=%d total=%d tokens=%d tokens_per_s=%.1f elapsed_s=%.1f",
+                    self._samples, self._total, self._tokens, rate, now - self._started,
+                )  # fmt: skip
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def load_engine(job: Job) -> Any:
+    from extract.engine import Engine
+
+    return Engine(
+        job.model,
+        job.layers,
+        batch_size=job.batch_size,
+        max_seq_len=job.max_seq_len,
+        compute_dtype=job.compute_dtype_name,
+        out_dtype=job.out_dtype_name,
+        mesh=job.mesh,
+    )
+
+
+def load_tokenizer(engine: Any, job: Job) -> Tokenizer:
+    try:
+        tokenizer = Tokenizer(engine.model_dir, job.max_seq_len)
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"model: cannot load a tokenizer from {engine.model_dir} ({exc}); the checkpoint needs tokenizer files") from exc
+    vocab = len(tokenizer.hf)
+    if vocab > engine.config.vocab_size:
+        # An id past the embedding table would be clamped silently by XLA, not rejected.
+        raise BadInput(
+            f"model: the tokenizer has {vocab} tokens but config.json says vocab_size={engine.config.vocab_size}; "
+            "the tokenizer does not belong to this checkpoint"
+        )
+    return tokenizer
+
+
+def shard_metadata(inputs: RunInputs, engine: Any) -> dict[str, str]:
+    """`__metadata__` of every shard: safetensors wants strings, so structured values are JSON."""
+    job, task = inputs.job, inputs.task
+    return {
+        "format": FORMAT,
+        "task": task.id,
+        "attempt": str(inputs.resume.attempt),
+        "model": job.model,
+        "model_type": engine.config.model_type,
+        "num_hidden_layers": str(engine.config.num_hidden_layers),
+        "hidden_size": str(engine.config.hidden_size),
+        "layers": json.dumps(list(engine.layers)),
+        "dtype": job.dtype,
+        "compute_dtype": job.compute_dtype,
+        "max_seq_len": str(job.max_seq_len),
+        "tokenization": json.dumps({"add_special_tokens": False, "split_special_tokens": True, "max_length": job.max_seq_len}),
+        "job": json.dumps(job.to_dict(), sort_keys=True),
+        "task_manifest": json.dumps(task.to_dict(), sort_keys=True),
+    }
+
+
+def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None = None) -> RunResult:
+    """Extract positions [committed, num_samples) of the task's slice. Raises BadInput, I/O errors, Stopped."""
+    import objectstore
+
+    stop = stop or StopRequest()
+    job, task = inputs.job, inputs.task
+    start, end = inputs.resume.committed, task.num_samples
+    log.info("event=task_start task=%s samples=%d resume_at=%d output=%s", task.id, end, start, inputs.output_url)
+    if start >= end:
+        log.info("event=task_already_complete task=%s samples=%d", task.id, end)
+        return RunResult(records=[], stats=None, engine=engine)
+
+    data.check_task_files(task, job.text_field)
+    loaded_at = time.monotonic()
+    engine = engine if engine is not None else load_engine(job)
+    tokenizer = load_tokenizer(engine, job)
+    log.info(
+        "event=engine_ready model=%s model_type=%s layers=%s batch_size=%d buckets=%s seconds=%.1f",
+        job.model, engine.config.model_type, ",".join(map(str, engine.layers)), engine.batch_size,
+        ",".join(map(str, job.buckets)), time.monotonic() - loaded_at,
+    )  # fmt: skip
+
+    store = objectstore.open_store(inputs.output_url)
+    progress = ProgressLog(inputs.progress_path)
+    display = ProgressDisplay(total=end - start, every_s=inputs.log_every_s)
+    with stop.deferred():
+        writer = ShardWriter(
+            store=store,
+            layers=engine.layers,
+            out_dtype=numpy_dtype(job.out_dtype_name),
+            start=start,
+            end=end,
+            shard_size=job.shard_size,
+            metadata=shard_metadata(inputs, engine),
+            progress=progress,
+            flops_per_token=engine.flops_per_token,
+            peak_flops=engine.peak_flops(),
+            on_samples=display.update,
+            depth=INFLIGHT_BATCHES,
+        )
+        batches = Prefetcher(
+            batches_for_slice(
+                data.read_slice(task, job.text_field, skip=start),
+                tokenizer,
+                start=start,
+                end=end,
+                batch_size=engine.batch_size,
+                shard_size=job.shard_size,
+                buckets=job.buckets,
+            ),
+            depth=PREFETCH_BATCHES,
+            name="tokenize",
+            cancel=stop.event,
+        )
+        try:
+            for batch in batches:
+                if stop.is_set():
+                    break
+                hidden = engine.forward(batch.token_ids) if batch.token_ids is not None else {}
+                writer.submit(batch, hidden)
+            if stop.is_set():
+                records = writer.abort()
+                log.warning("event=stopped task=%s signal=%s shards_written=%d", task.id, stop.signum, len(records))
+                return RunResult(records=records, stats=None, engine=engine, stopped=True)
+            records = writer.finish()
+        except BaseException as failure:
+            # Stop the writer's threads; the original error is the one worth reporting.
+            try:
+                writer.abort()
+            except Exception as secondary:  # already failing: log a different second failure, raise the first
+                if secondary is not failure:
+                    log.warning("event=writer_abort_failed error=%r", secondary)
+            raise
+        finally:
+            batches.close()
+            display.close()
+            progress.close()
+
+    stats = records[-1].get("stats") if records else None
+    log.info(
+        "event=task_done task=%s shards=%d stats=%s compiled_programs=%s",
+        task.id, len(records), json.dumps(stats), getattr(engine, "compiled_programs", None),
+    )  # fmt: skip
+    return RunResult(records=records, stats=stats, engine=engine)

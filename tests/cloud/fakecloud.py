@@ -1,0 +1,203 @@
+"""Fake Compute Engine and Cloud TPU REST endpoints for the real client libraries.
+
+One server answers both APIs: `/compute/v1/...` and `/v2/...` (Cloud TPU v2). Clients reach it
+with `client_options={"api_endpoint": server.url}`, `AnonymousCredentials()` and
+`transport="rest"`, or, in a subprocess, through FLEET_COMPUTE_ENDPOINT / FLEET_TPU_ENDPOINT.
+
+It keeps the resources it is asked to make (templates, groups with their target size, instances,
+TPU nodes, queued resources) so that later calls see them, and every request is recorded in
+`requests` for the tests to assert on. Long-running operations are finished when returned:
+a Compute Operation with status DONE (so `ExtendedOperation.result()` does not poll) and a
+google.longrunning Operation with done=true and its response packed as an Any. The operation
+GET endpoints the clients would poll answer DONE as well. Errors use each API's JSON error shape,
+so the clients raise the matching google.api_core exception. Unknown calls answer 501 naming the
+call, never a silent success.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from tests.cloud.fakehttp import FakeHTTPServer, Request, Response
+
+COMPUTE = "/compute/v1/"
+TPU = "/v2/"
+_STATUS_NAMES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
+                 412: "FAILED_PRECONDITION", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class FakeCloud(FakeHTTPServer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.resources: dict[str, dict] = {}  # "projects/p/..." -> resource JSON
+        self._ids = itertools.count(1)
+
+    # -- helpers for tests
+
+    def calls(self, method: str | None = None, contains: str = "") -> list[Request]:
+        """Recorded requests, minus the operation polls, optionally filtered."""
+        with self.lock:
+            return [
+                r for r in self.requests
+                if (method is None or r.method == method) and contains in r.path and "/operations/" not in r.path
+            ]
+
+    def mutations(self) -> list[tuple[str, str]]:
+        """(method, path) of every recorded request that is not a GET."""
+        return [(r.method, r.path) for r in self.calls() if r.method != "GET"]
+
+    def add(self, path: str, resource: dict) -> None:
+        with self.lock:
+            self.resources[path] = resource
+
+    def failure_response(self, status: int) -> Response:
+        return self._error(_ApiError(status, f"injected failure {status}"), tpu=False)
+
+    # -- dispatch
+
+    def handle(self, request: Request) -> Response:
+        try:
+            if request.path.startswith(COMPUTE):
+                return self._compute(request, request.path[len(COMPUTE) :])
+            if request.path.startswith(TPU):
+                return self._tpu(request, request.path[len(TPU) :])
+            raise _ApiError(404, f"no such API on the fake: {request.method} {request.path}")
+        except _ApiError as err:
+            return self._error(err, tpu=request.path.startswith(TPU))
+
+    @staticmethod
+    def _error(err: _ApiError, tpu: bool) -> Response:
+        status_name = _STATUS_NAMES.get(err.status, "UNKNOWN")
+        error = {"code": err.status, "message": str(err), "status": status_name}
+        if not tpu:
+            error["errors"] = [{"domain": "global", "reason": status_name.lower(), "message": str(err)}]
+        return Response.json(err.status, {"error": error})
+
+    @staticmethod
+    def _unsupported(request: Request) -> _ApiError:
+        return _ApiError(501, f"the fake does not emulate {request.method} {request.path}")
+
+    # -- Compute Engine
+
+    def _compute_operation(self, op_type: str, target: str, scope: str) -> Response:
+        op_id = next(self._ids)
+        name = f"operation-{op_id}"
+        op = {
+            "kind": "compute#operation",
+            "id": str(op_id),
+            "name": name,
+            "operationType": op_type,
+            "status": "DONE",
+            "progress": 100,
+            "targetLink": f"{COMPUTE}{target}",
+            "selfLink": f"{COMPUTE}{scope}/operations/{name}",
+        }
+        if "/zones/" in scope:
+            op["zone"] = scope.rsplit("/", 1)[-1]
+        if "/regions/" in scope:
+            op["region"] = scope.rsplit("/", 1)[-1]
+        return Response.json(200, op)
+
+    def _compute(self, request: Request, path: str) -> Response:
+        method, body = request.method, request.body
+        match = re.fullmatch(r"(projects/[^/]+/(?:global|zones/[^/]+|regions/[^/]+))/(.+)", path)
+        if not match:
+            raise self._unsupported(request)
+        scope, rest = match.groups()
+        with self.lock:
+            if re.fullmatch(r"operations/[^/]+", rest) and method == "GET":
+                return Response.json(200, {"kind": "compute#operation", "name": rest.split("/")[1], "status": "DONE"})
+            if rest in ("instanceTemplates", "instanceGroupManagers") and method == "POST":
+                target = f"{scope}/{rest}/{body['name']}"
+                if target in self.resources:
+                    raise _ApiError(409, f"The resource '{target}' already exists")
+                resource = dict(body)
+                if rest == "instanceGroupManagers":
+                    resource["targetSize"] = int(body.get("targetSize", 0))
+                self.resources[target] = resource
+                return self._compute_operation("insert", target, scope)
+            item = re.fullmatch(r"(instanceTemplates|instanceGroupManagers|instances)/([^/]+)(?:/(\w+))?", rest)
+            if not item:
+                raise self._unsupported(request)
+            collection, name, verb = item.groups()
+            target = f"{scope}/{collection}/{name}"
+            if target not in self.resources:
+                raise _ApiError(404, f"The resource '{target}' was not found")
+            if verb is None and method == "GET":
+                return Response.json(200, self.resources[target])
+            if verb is None and method == "DELETE":
+                del self.resources[target]
+                return self._compute_operation("delete", target, scope)
+            if collection == "instanceGroupManagers" and method == "POST" and verb == "resize":
+                self.resources[target]["targetSize"] = int(request.query["size"])
+                return self._compute_operation("compute.instanceGroupManagers.resize", target, scope)
+            if collection == "instanceGroupManagers" and method == "POST" and verb == "deleteInstances":
+                for member in body.get("instances", []):
+                    self.resources.pop(f"projects/{scope.split('/')[1]}/{member}", None)
+                group = self.resources[target]
+                group["targetSize"] = max(0, group["targetSize"] - len(body.get("instances", [])))
+                return self._compute_operation("compute.instanceGroupManagers.deleteInstances", target, scope)
+        raise self._unsupported(request)
+
+    # -- Cloud TPU v2
+
+    def _lro(self, location: str, response: dict | None, type_name: str) -> Response:
+        op = {"name": f"{location}/operations/operation-{next(self._ids)}", "done": True,
+              "response": {"@type": f"type.googleapis.com/{type_name}", **(response or {})}}
+        return Response.json(200, op)
+
+    def _tpu(self, request: Request, path: str) -> Response:
+        method, body, query = request.method, request.body, request.query
+        match = re.fullmatch(r"(projects/[^/]+/locations/[^/]+)/(nodes|queuedResources|operations)(?:/([^/:]+))?", path)
+        if not match:
+            raise self._unsupported(request)
+        location, collection, name = match.groups()
+        with self.lock:
+            if collection == "operations" and method == "GET" and name:
+                return Response.json(200, {"name": path, "done": True,
+                                           "response": {"@type": "type.googleapis.com/google.protobuf.Empty"}})
+            if name is None and method == "GET":
+                key = f"{location}/{collection}/"
+                items = [v for k, v in sorted(self.resources.items()) if k.startswith(key) and "/" not in k[len(key):]]
+                return Response.json(200, {collection: items})
+            if name is None and method == "POST":
+                resource_id = query.get("nodeId" if collection == "nodes" else "queuedResourceId")
+                if not resource_id:
+                    raise _ApiError(400, f"missing the {collection} id in the query")
+                target = f"{location}/{collection}/{resource_id}"
+                if target in self.resources:
+                    raise _ApiError(409, f"{target} already exists")
+                resource = {**body, "name": target}
+                if collection == "nodes":
+                    resource["state"] = "READY"
+                    self.resources[target] = resource
+                    return self._lro(location, resource, "google.cloud.tpu.v2.Node")
+                resource["state"] = {"state": "ACTIVE"}
+                self.resources[target] = resource
+                for spec in body.get("tpu", {}).get("nodeSpec", []):
+                    node_name = f"{spec['parent']}/nodes/{spec['nodeId']}"
+                    self.resources[node_name] = {**spec.get("node", {}), "name": node_name, "state": "READY",
+                                                 "queuedResource": target}
+                return self._lro(location, resource, "google.cloud.tpu.v2.QueuedResource")
+            target = f"{location}/{collection}/{name}"
+            if target not in self.resources:
+                raise _ApiError(404, f"{target} not found")
+            if method == "GET":
+                return Response.json(200, self.resources[target])
+            if method == "DELETE":
+                if collection == "queuedResources":
+                    owned = [k for k, v in self.resources.items() if v.get("queuedResource") == target]
+                    if owned and query.get("force") != "true":
+                        raise _ApiError(400, f"{target} has nodes {owned}; delete them first or pass force=true")
+                    for node_name in owned:
+                        del self.resources[node_name]
+                del self.resources[target]
+                return self._lro(location, None, "google.protobuf.Empty")
+        raise self._unsupported(request)

@@ -1,0 +1,173 @@
+"""The launch tools against the fake Compute and TPU APIs, through the real client libraries:
+the exact REST calls (paths and bodies) for templates, groups, TPU nodes, queued resources and teardown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleet import compute, launch, tpu
+from tests.cloud.fakecloud import FakeCloud
+
+REPO = Path(__file__).resolve().parents[2]
+VM_SPEC = REPO / "templates" / "vm.yaml"
+TPU_SPEC = REPO / "templates" / "tpu.yaml"
+QUEUE, CODE = "gs://bkt/jobs/j1", "gs://bkt/code/run1"
+
+
+def tool(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_create_template_tool_inserts_the_template_through_the_endpoint_override(cloud: FakeCloud):
+    result = tool("tools/create_template.py", str(VM_SPEC), "--queue", QUEUE, "--code", CODE, "--project", "proj-a",
+                  "--name", "wk-v2", "--consumer", "python consume.py --dtype bf16")
+    assert result.returncode == 0, result.stderr
+    [call] = cloud.calls()
+    assert (call.method, call.path) == ("POST", "/compute/v1/projects/proj-a/global/instanceTemplates")
+    assert call.body["name"] == "wk-v2"
+    props = call.body["properties"]
+    assert props["machineType"] == "g2-standard-8"
+    assert props["scheduling"] == {
+        "provisioningModel": "SPOT", "instanceTerminationAction": "DELETE", "onHostMaintenance": "TERMINATE",
+        "automaticRestart": False,
+    }
+    assert props["disks"] == [{"boot": True, "autoDelete": True, "initializeParams": {
+        "sourceImage": yaml.safe_load(VM_SPEC.read_text())["image"], "diskSizeGb": "200", "diskType": "pd-balanced"}}]
+    assert props["networkInterfaces"] == [{"network": "global/networks/default",
+                                           "accessConfigs": [{"name": "External NAT", "type": "ONE_TO_ONE_NAT"}]}]
+    assert props["serviceAccounts"][0]["email"] == "default"
+    items = {i["key"]: i["value"] for i in props["metadata"]["items"]}
+    assert items["startup-script"] == (REPO / "startup" / "startup.sh").read_text()
+    assert (items["spawn-queue"], items["spawn-code"]) == (QUEUE, CODE)
+    assert items["spawn-consumer"] == "python consume.py --dtype bf16"
+    assert items["spawn-flags"] == "--on-empty delete --preemption-watch auto --lease-ttl 120 --max-attempts 3"
+    assert "projects/proj-a/global/instanceTemplates/wk-v2" in cloud.resources
+
+
+def test_dry_run_prints_the_request_and_calls_nothing(cloud: FakeCloud):
+    result = tool("tools/create_template.py", str(VM_SPEC), "--queue", QUEUE, "--code", CODE, "--project", "proj-a", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    [printed] = json.loads(result.stdout)
+    assert printed["request"] == "InsertInstanceTemplateRequest"
+    assert printed["fields"]["instanceTemplateResource"]["name"] == "spawn-worker"
+    result = tool("tools/create_tpus.py", str(TPU_SPEC), "--count", "3", "--zone", "z1", "--queue", QUEUE, "--code", CODE,
+                  "--project", "proj-a", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert [p["fields"]["queuedResourceId"] for p in json.loads(result.stdout)] == ["spawn-tpu-0000", "spawn-tpu-0001", "spawn-tpu-0002"]
+    assert cloud.requests == []
+
+
+def test_bad_spec_fails_naming_the_field_before_any_call(cloud: FakeCloud, tmp_path: Path):
+    raw = yaml.safe_load(VM_SPEC.read_text())
+    raw["disk_gb"] = -5
+    bad = tmp_path / "vm.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    result = tool("tools/create_template.py", str(bad), "--queue", QUEUE, "--code", CODE, "--project", "proj-a")
+    assert result.returncode == 1
+    assert f"{bad}: field 'disk_gb' must be a positive integer, got -5" in result.stderr
+    assert cloud.requests == []
+
+
+def test_zonal_group_insert_then_resize(cloud: FakeCloud, compute_clients: compute.ComputeClients):
+    launch.create_group("proj-a", "spawn-worker", 200, zone="us-central1-a", clients=compute_clients)
+    launch.create_group("proj-a", "spawn-worker", 50, zone="us-central1-a", resize=True, clients=compute_clients)
+    insert, resize = cloud.calls()
+    assert (insert.method, insert.path) == ("POST", "/compute/v1/projects/proj-a/zones/us-central1-a/instanceGroupManagers")
+    assert insert.body == {"name": "spawn-worker", "baseInstanceName": "spawn-worker", "targetSize": 200,
+                           "instanceTemplate": "projects/proj-a/global/instanceTemplates/spawn-worker"}
+    assert (resize.method, resize.path) == (
+        "POST", "/compute/v1/projects/proj-a/zones/us-central1-a/instanceGroupManagers/spawn-worker/resize")
+    assert resize.query["size"] == "50"
+    assert cloud.resources["projects/proj-a/zones/us-central1-a/instanceGroupManagers/spawn-worker"]["targetSize"] == 50
+
+
+def test_regional_group_is_created_without_proactive_redistribution(cloud: FakeCloud):
+    result = tool("tools/create_group.py", "--template", "tmpl", "--name", "fleet-a", "--size", "8", "--region", "europe-west4",
+                  "--project", "proj-a")
+    assert result.returncode == 0, result.stderr
+    [call] = cloud.calls()
+    assert (call.method, call.path) == ("POST", "/compute/v1/projects/proj-a/regions/europe-west4/instanceGroupManagers")
+    assert call.body["targetSize"] == 8 and call.body["name"] == "fleet-a"
+    assert call.body["updatePolicy"] == {"instanceRedistributionType": "NONE", "type": "OPPORTUNISTIC"}
+
+
+def test_spot_tpus_are_queued_resources_with_the_spot_tier(cloud: FakeCloud, tpu_clients: tpu.TpuClients):
+    launch.create_tpus(TPU_SPEC, "proj-a", "us-west4-a", 2, QUEUE, CODE, first_index=5, clients=tpu_clients)
+    calls = sorted(cloud.calls(), key=lambda r: r.query["queuedResourceId"])
+    assert [(c.method, c.path, c.query["queuedResourceId"]) for c in calls] == [
+        ("POST", "/v2/projects/proj-a/locations/us-west4-a/queuedResources", "spawn-tpu-0005"),
+        ("POST", "/v2/projects/proj-a/locations/us-west4-a/queuedResources", "spawn-tpu-0006"),
+    ]
+    body = calls[0].body
+    assert body["spot"] == {}
+    [node_spec] = body["tpu"]["nodeSpec"]
+    assert node_spec["parent"] == "projects/proj-a/locations/us-west4-a" and node_spec["nodeId"] == "spawn-tpu-0005"
+    node = node_spec["node"]
+    assert (node["acceleratorType"], node["runtimeVersion"]) == ("v5litepod-8", "v2-alpha-tpuv5-lite")
+    assert node["metadata"]["spawn-queued-resource"] == "spawn-tpu-0005"
+    assert node["metadata"]["spawn-accelerator"] == "tpu"
+    assert node["metadata"]["startup-script"] == (REPO / "startup" / "startup.sh").read_text()
+    assert node["serviceAccount"] == {"scope": ["https://www.googleapis.com/auth/cloud-platform"]}
+    assert "schedulingConfig" not in node
+
+
+def test_non_queued_tpus_are_nodes_with_spot_scheduling(cloud: FakeCloud, tpu_clients: tpu.TpuClients, tmp_path: Path):
+    raw = yaml.safe_load(TPU_SPEC.read_text())
+    raw["queued"] = False
+    spec = tmp_path / "tpu.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    launch.create_tpus(spec, "proj-a", "us-west4-a", 1, QUEUE, CODE, clients=tpu_clients)
+    [call] = cloud.calls()
+    assert (call.method, call.path, call.query["nodeId"]) == ("POST", "/v2/projects/proj-a/locations/us-west4-a/nodes", "spawn-tpu-0000")
+    assert call.body["schedulingConfig"] == {"spot": True}
+    assert "spawn-queued-resource" not in call.body["metadata"]
+
+
+def test_failed_creations_are_reported_together(cloud: FakeCloud, tpu_clients: tpu.TpuClients):
+    cloud.fail_next(1, 403, path_contains="/queuedResources")
+    with pytest.raises(launch.gapi.LaunchError, match="1 of 2 requests failed") as caught:
+        launch.create_tpus(TPU_SPEC, "proj-a", "z1", 2, QUEUE, CODE, clients=tpu_clients)
+    assert "CreateQueuedResourceRequest spawn-tpu-000" in str(caught.value)
+
+
+def test_teardown_deletes_group_then_template_then_tpus_by_prefix(
+    cloud: FakeCloud, compute_clients: compute.ComputeClients, tpu_clients: tpu.TpuClients, tmp_path: Path
+):
+    launch.create_template(VM_SPEC, "proj-a", QUEUE, CODE, clients=compute_clients)
+    launch.create_group("proj-a", "spawn-worker", 3, zone="z1", clients=compute_clients)
+    launch.create_tpus(TPU_SPEC, "proj-a", "z1", 2, QUEUE, CODE, clients=tpu_clients)
+    raw = yaml.safe_load(TPU_SPEC.read_text())
+    raw["queued"] = False
+    plain = tmp_path / "tpu.yaml"
+    plain.write_text(yaml.safe_dump(raw))
+    launch.create_tpus(plain, "proj-a", "z1", 1, QUEUE, CODE, first_index=7, clients=tpu_clients)
+    cloud.add("projects/proj-a/locations/z1/nodes/other-0000", {"name": "projects/proj-a/locations/z1/nodes/other-0000"})
+    cloud.requests.clear()
+
+    launch.teardown("proj-a", zone="z1", group="spawn-worker", template="spawn-worker", tpu_prefix="spawn-tpu-",
+                    compute_clients=compute_clients, tpu_clients=tpu_clients)
+    deletes = [(r.path, r.query.get("force")) for r in cloud.calls("DELETE")]
+    assert deletes[:2] == [
+        ("/compute/v1/projects/proj-a/zones/z1/instanceGroupManagers/spawn-worker", None),
+        ("/compute/v1/projects/proj-a/global/instanceTemplates/spawn-worker", None),
+    ]
+    assert sorted(deletes[2:]) == [
+        ("/v2/projects/proj-a/locations/z1/nodes/spawn-tpu-0007", None),
+        ("/v2/projects/proj-a/locations/z1/queuedResources/spawn-tpu-0000", "true"),
+        ("/v2/projects/proj-a/locations/z1/queuedResources/spawn-tpu-0001", "true"),
+    ]
+    assert sorted(cloud.resources) == ["projects/proj-a/locations/z1/nodes/other-0000"]
+
+
+def test_teardown_dry_run_lists_but_deletes_nothing(cloud: FakeCloud):
+    cloud.add("projects/proj-a/locations/z1/nodes/spawn-tpu-0000", {"name": "projects/proj-a/locations/z1/nodes/spawn-tpu-0000"})
+    result = tool("tools/teardown.py", "--tpu-prefix", "spawn-tpu", "--zone", "z1", "--project", "proj-a", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert [p["fields"]["name"] for p in json.loads(result.stdout)] == ["projects/proj-a/locations/z1/nodes/spawn-tpu-0000"]
+    assert cloud.mutations() == []

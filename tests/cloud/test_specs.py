@@ -1,0 +1,111 @@
+"""fleet.specs: one schema for templates/*.yaml, validated before any API call, and its API objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleet import specs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path: Path, base: str, **changes) -> Path:
+    raw = yaml.safe_load((REPO / "templates" / base).read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    path = tmp_path / base
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_shipped_templates_are_valid():
+    vm = specs.load_spec(REPO / "templates" / "vm.yaml")
+    tpu = specs.load_spec(REPO / "templates" / "tpu.yaml")
+    assert isinstance(vm, specs.VmSpec) and isinstance(tpu, specs.TpuSpec)
+    assert tpu.use_queued_resources is tpu.spot is True
+
+
+@pytest.mark.parametrize(
+    "base, changes, message",
+    [
+        ("vm.yaml", {"disk_gb": -5}, "field 'disk_gb' must be a positive integer, got -5"),
+        ("vm.yaml", {"disk_gb": True}, "field 'disk_gb' must be a positive integer, got True"),
+        ("vm.yaml", {"spot": "yes"}, "field 'spot' must be true or false, got 'yes'"),
+        ("vm.yaml", {"name": "Bad_Name"}, "field 'name' must be lowercase letters"),
+        ("vm.yaml", {"accelerator": "tpu"}, "field 'accelerator' must be one of cpu, gpu, got 'tpu'"),
+        ("vm.yaml", {"labels": {"Team": "x"}}, "field 'labels' has label 'Team'"),
+        ("vm.yaml", {"python": "python3 -c evil"}, "field 'python' must be an interpreter name"),
+        ("vm.yaml", {"scopes": []}, "field 'scopes' must list at least one OAuth scope"),
+        ("vm.yaml", {"machine_type": None}, "field 'machine_type' is required for kind 'vm'"),
+        ("vm.yaml", {"disk_size": 10}, "unknown field 'disk_size' for kind 'vm'"),
+        ("vm.yaml", {"gpu_type": "nvidia-tesla-t4"}, "fields 'gpu_type' and 'gpu_count' go together"),
+        ("vm.yaml", {"kind": "gke"}, "field 'kind' must be one of vm, tpu, got 'gke'"),
+        ("tpu.yaml", {"machine_type": "n2"}, "unknown field 'machine_type' for kind 'tpu'"),
+        ("tpu.yaml", {"accelerator_type": "v4-32"}, "field 'accelerator_type' names a multi-host slice"),
+        ("tpu.yaml", {"accelerator_type": "v5e"}, "field 'accelerator_type' must be a TPU accelerator type"),
+    ],
+)
+def test_bad_field_is_named_with_file_and_value(tmp_path: Path, base: str, changes: dict, message: str):
+    path = _write(tmp_path, base, **changes)
+    with pytest.raises(specs.SpecError) as caught:
+        specs.load_spec(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message in str(caught.value)
+
+
+def test_unreadable_or_non_mapping_spec_is_a_spec_error(tmp_path: Path):
+    with pytest.raises(specs.SpecError, match="cannot read"):
+        specs.load_spec(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(specs.SpecError, match="must be a YAML mapping"):
+        specs.load_spec(tmp_path / "list.yaml")
+
+
+def test_launch_rejects_local_queue_and_code_urls(tmp_path: Path):
+    spec = specs.load_spec(REPO / "templates" / "vm.yaml")
+    with pytest.raises(specs.SpecError, match="--queue must be a gs://"):
+        specs.Launch.make(spec, "/tmp/queue", "gs://b/code")
+    with pytest.raises(specs.SpecError, match="--code must be a gs://"):
+        specs.Launch.make(spec, "gs://b/q", "gs://")
+
+
+def test_spot_template_deletes_on_preemption_and_carries_the_launch_attributes():
+    spec = specs.load_spec(REPO / "templates" / "vm.yaml")
+    launch = specs.Launch.make(spec, "gs://b/jobs/j/", "gs://b/code/c", spawn_flags=["--lease-ttl", "60", "--log-level", "a b"])
+    template = specs.instance_template(spec, launch)
+    props = template.properties
+    assert props.scheduling.provisioning_model == "SPOT"
+    assert props.scheduling.instance_termination_action == "DELETE"
+    assert props.scheduling.on_host_maintenance == "TERMINATE"
+    items = {i.key: i.value for i in props.metadata.items}
+    assert items == {
+        "startup-script": (REPO / "startup" / "startup.sh").read_text(),
+        "spawn-queue": "gs://b/jobs/j",
+        "spawn-code": "gs://b/code/c",
+        "spawn-consumer": spec.consumer,
+        "spawn-flags": "--lease-ttl 60 --log-level 'a b'",
+        "spawn-accelerator": "gpu",
+        "spawn-extras": "extract",
+        "spawn-python": spec.python,
+    }
+    assert "https://www.googleapis.com/auth/devstorage.read_write" in props.service_accounts[0].scopes
+    assert "https://www.googleapis.com/auth/compute" in props.service_accounts[0].scopes
+
+
+def test_standard_cpu_vm_migrates_and_gpu_vm_terminates_on_maintenance(tmp_path: Path):
+    cpu = specs.load_spec(_write(tmp_path, "vm.yaml", spot=False, accelerator="cpu", machine_type="n2-standard-4"))
+    launch = specs.Launch.make(cpu, "gs://b/q", "gs://b/c")
+    assert specs.instance_template(cpu, launch).properties.scheduling.on_host_maintenance == "MIGRATE"
+    gpu = specs.load_spec(
+        _write(tmp_path, "vm.yaml", spot=False, accelerator=None, machine_type="n1-standard-8", gpu_type="nvidia-tesla-t4", gpu_count=2)
+    )
+    props = specs.instance_template(gpu, launch).properties
+    assert gpu.jax_flavour == "gpu"
+    assert props.scheduling.on_host_maintenance == "TERMINATE"
+    assert [(a.accelerator_type, a.accelerator_count) for a in props.guest_accelerators] == [("nvidia-tesla-t4", 2)]

@@ -1,0 +1,103 @@
+"""Our hidden states against transformers' `output_hidden_states=True` on the same checkpoint."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from extract.engine import Engine
+from tests.extract_model.conftest import ragged_batch, write_tiny_model
+
+FLOAT32_ATOL = 1e-4
+BF16_MIN_COSINE = 0.999
+
+
+def one_device_engine(model, layers, *, batch_size, max_seq_len=32, compute_dtype="float32", out_dtype="float32"):
+    return Engine(
+        str(model.path), layers, batch_size=batch_size, max_seq_len=max_seq_len, compute_dtype=compute_dtype,
+        out_dtype=out_dtype, devices=jax.devices()[:1],
+    )  # fmt: skip
+
+
+def compare_float32(engine, model, lengths, seed=0):
+    """Max abs difference per requested layer over the valid tokens of a right-padded ragged batch."""
+    batch, samples = ragged_batch(np.random.default_rng(seed), lengths)
+    ours = {layer: np.asarray(h, dtype=np.float32) for layer, h in engine.forward(batch).items()}
+    assert sorted(ours) == list(engine.layers)
+    worst = {}
+    for row, sample in enumerate(samples):
+        reference = model.reference(sample)
+        assert len(reference) == model.num_hidden_layers + 1
+        for layer in engine.layers:
+            diff = np.abs(ours[layer][row, : len(sample)] - reference[layer]).max()
+            worst[layer] = max(worst.get(layer, 0.0), float(diff))
+    return worst
+
+
+@pytest.mark.parametrize("fixture", ["qwen2_untied", "qwen2_tied", "qwen3"])
+def test_every_hidden_state_matches_transformers_in_float32(fixture, request):
+    model = request.getfixturevalue(fixture)
+    engine = one_device_engine(model, list(range(model.num_hidden_layers + 1)), batch_size=3)
+    worst = compare_float32(engine, model, lengths=[17, 5, 11])
+    assert set(worst) == set(range(model.num_hidden_layers + 1))
+    assert max(worst.values()) <= FLOAT32_ATOL, worst
+
+
+def test_layer_subset_with_negative_index_returns_embedding_middle_and_final_norm(qwen2_untied):
+    engine = one_device_engine(qwen2_untied, [0, 1, -1], batch_size=2)
+    final = qwen2_untied.num_hidden_layers
+    assert engine.layers == (0, 1, final)
+    worst = compare_float32(engine, qwen2_untied, lengths=[9, 14], seed=1)
+    assert set(worst) == {0, 1, final}
+    assert max(worst.values()) <= FLOAT32_ATOL, worst
+
+
+def test_intermediate_layer_alone_is_the_raw_layer_output_not_normed(qwen3):
+    engine = one_device_engine(qwen3, [2], batch_size=1)
+    assert engine.num_computed_layers == 2
+    worst = compare_float32(engine, qwen3, lengths=[12], seed=2)
+    assert worst[2] <= FLOAT32_ATOL, worst
+
+
+def test_padding_does_not_change_valid_tokens(qwen2_untied):
+    """The same sample alone and next to a longer one (so right-padded) gives the same hidden states."""
+    engine = one_device_engine(qwen2_untied, [-1], batch_size=2)
+    final = engine.layers[0]
+    batch, samples = ragged_batch(np.random.default_rng(3), [6, 20])
+    padded = np.asarray(engine.forward(batch)[final])[0, :6]
+    alone_batch = np.zeros((2, 6), np.int32)
+    alone_batch[0] = samples[0]
+    alone = np.asarray(engine.forward(alone_batch)[final])[0]
+    np.testing.assert_allclose(padded, alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["qwen2_untied", "qwen3"])
+def test_bf16_compute_tracks_float32_reference_per_token(fixture, request):
+    model = request.getfixturevalue(fixture)
+    engine = one_device_engine(
+        model, [0, 1, -1], batch_size=2, compute_dtype="bfloat16", out_dtype="bfloat16"
+    )
+    batch, samples = ragged_batch(np.random.default_rng(4), [24, 13])
+    ours = engine.forward(batch)
+    worst = {}
+    for layer, hidden in ours.items():
+        assert hidden.dtype == jax.numpy.bfloat16
+        hidden = np.asarray(hidden, dtype=np.float32)
+        for row, sample in enumerate(samples):
+            reference = model.reference(sample)[layer]
+            mine = hidden[row, : len(sample)]
+            cosine = (mine * reference).sum(-1) / (np.linalg.norm(mine, axis=-1) * np.linalg.norm(reference, axis=-1))
+            worst[layer] = min(worst.get(layer, 1.0), float(cosine.min()))
+    assert min(worst.values()) >= BF16_MIN_COSINE, worst
+
+
+def test_sliding_window_layers_match_transformers(tmp_path):
+    # Layers from max_window_layers on see only the last 4 keys; sequences longer than that exercise the window.
+    model = write_tiny_model(
+        tmp_path, "qwen2", layers=3, seed=5, use_sliding_window=True, sliding_window=4, max_window_layers=1
+    )
+    engine = one_device_engine(model, [1, 2, 3], batch_size=2)
+    assert engine.config.sliding_windows == (None, 4, 4)
+    worst = compare_float32(engine, model, lengths=[15, 7], seed=5)
+    assert max(worst.values()) <= FLOAT32_ATOL, worst
