@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         cpu_bench(args)
     if args.accelerator or has_accelerator:
         if not has_accelerator:
-            print("--accelerator: no GPU/TPU present; the MFU benchmark needs one", file=sys.stderr)
-            sys.exit(2)
+            # Still useful to check the path end to end (e.g. with --layer 1 --accel-batch 1 --accel-seq 64).
+            print("--accelerator: no GPU/TPU present; running the 7B-shaped model on CPU, MFU unknown", file=sys.stderr)
         accelerator_bench(args)
 
 

@@ -195,7 +195,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     engine = engine if engine is not None else load_engine(job)
     tokenizer = load_tokenizer(engine, job)
     log.info(
-        "event=engine_ready model=%s model_type=%s layers=%s batch_size=%d buckets=%s seconds=%.1f",
+        "event=model_ready model=%s model_type=%s layers=%s batch_size=%d buckets=%s seconds=%.1f",
         job.model, engine.config.model_type, ",".join(map(str, engine.layers)), engine.batch_size,
         ",".join(map(str, job.buckets)), time.monotonic() - loaded_at,
     )  # fmt: skip

@@ -194,8 +194,6 @@ class Job:
             data_files = tuple(_non_empty_str(f"data_files[{i}]", f) for i, f in enumerate(files))
 
         layers = raw["layers"]
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            layers = [layers]
         if not isinstance(layers, list) or not layers or not all(_is_int(x) for x in layers):
             raise _fail("layers", f"got {raw['layers']!r}", "use a non-empty list of layer indices, e.g. [12, 24]")
         if len(set(layers)) != len(layers):

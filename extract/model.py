@@ -61,13 +61,18 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, j
     return jnp.sin(angles), jnp.cos(angles)
 
 
-def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on [B, T, heads, H], computed in float32 so bf16 runs do not round the angles."""
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotate-half RoPE on [B, T, heads, H], computed in float32 so bf16 runs do not round the angles.
+
+    `scale` folds the attention's 1/sqrt(H) into the queries here, in float32, where it costs B*T*N*H multiplies
+    instead of B*N*T*S on the scores.
+    """
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
     sin, cos = sin[None, :, None, :], cos[None, :, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return (rotated * scale if scale != 1.0 else rotated).astype(x.dtype)
 
 
 def attention_mask(seq_len: int, window: int | None) -> jax.Array:
@@ -100,20 +105,25 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
         k = jnp.einsum("BSD,DKH->BSKH", x, self.k_proj[...])
-        v = jnp.einsum("BSD,DKH->BSKH", x, self.v_proj[...])
+        # Values go straight to head-major order, the layout the weighted sum consumes.
+        v = jnp.einsum("BSD,DKH->BKSH", x, self.v_proj[...])
         if self.q_bias is not None:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            q, k = q + self.q_bias[...], k + self.k_bias[...]
+            v = v + self.v_bias[...][None, :, None, :]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+        q, k = apply_rope(q, sin, cos, self.scale), apply_rope(k, sin, cos)
 
         b, t, n, h = q.shape
-        q = q.reshape(b, t, n // self.groups, self.groups, h)
-        logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * self.scale
+        kv_heads = n // self.groups
+        q = q.reshape(b, t, kv_heads, self.groups, h)
+        # Scores and softmax in float32 whatever the compute dtype; the probabilities go back to it for the sum.
+        logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
         logits = jnp.where(attention_mask(t, self.window), logits, _MASKED)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        mixed = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(b, t, n, h)
-        out = jnp.einsum("BTNH,NHD->BTD", mixed, self.o_proj[...])
+        mixed = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v)
+        o_proj = self.o_proj[...].reshape(kv_heads, self.groups, h, -1)
+        out = jnp.einsum("BKGTH,KGHD->BTD", mixed, o_proj)
         if self.o_bias is not None:
             out = out + self.o_bias[...]
         return out

@@ -142,23 +142,25 @@ def delete_group(project: str, name: str, zone: str | None = None, region: str |
 
 
 def remove_group_member(project: str, group: GroupRef, zone: str, instance: str) -> proto.Message:
-    """deleteInstances: the member goes and the group's target size drops by one, so it is not recreated."""
+    """deleteInstances: the member goes and the group's target size drops by one, so it is not recreated.
+
+    Validation errors are not skipped: a member the group does not know must fail loudly, since
+    the caller would otherwise believe the machine is going away."""
     members = [f"zones/{zone}/instances/{instance}"]
     if group.regional:
+        body = compute_v1.RegionInstanceGroupManagersDeleteInstancesRequest(instances=members)
         return compute_v1.DeleteInstancesRegionInstanceGroupManagerRequest(
             project=project,
             region=group.location,
             instance_group_manager=group.name,
-            region_instance_group_managers_delete_instances_request_resource=compute_v1.RegionInstanceGroupManagersDeleteInstancesRequest(
-                instances=members, skip_instances_on_validation_error=True
-            ),
+            region_instance_group_managers_delete_instances_request_resource=body,
         )
     return compute_v1.DeleteInstancesInstanceGroupManagerRequest(
         project=project,
         zone=group.location,
         instance_group_manager=group.name,
         instance_group_managers_delete_instances_request_resource=compute_v1.InstanceGroupManagersDeleteInstancesRequest(
-            instances=members, skip_instances_on_validation_error=True
+            instances=members
         ),
     )
 

@@ -17,11 +17,22 @@ import subprocess
 from collections.abc import Callable, Sequence
 
 import proto
+import requests
 from google.api_core import exceptions as api_exceptions
 from google.api_core.client_options import ClientOptions
+from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import AnonymousCredentials
 
 log = logging.getLogger(__name__)
+
+#: What a call through the client libraries can fail with: the API's answer, the transport (the
+#: REST transport lets requests' errors through), missing credentials, an operation outlasting its wait.
+API_ERRORS = (
+    api_exceptions.GoogleAPIError,
+    requests.RequestException,
+    auth_exceptions.GoogleAuthError,
+    concurrent.futures.TimeoutError,
+)
 
 
 class LaunchError(Exception):
@@ -51,8 +62,8 @@ def describe(request: proto.Message) -> dict:
     return {"request": type(request).__name__, "fields": fields}
 
 
-def print_dry_run(requests: Sequence[proto.Message]) -> None:
-    print(json.dumps([describe(r) for r in requests], indent=2, sort_keys=True))
+def print_dry_run(batch: Sequence[proto.Message]) -> None:
+    print(json.dumps([describe(r) for r in batch], indent=2, sort_keys=True))
 
 
 def target_of(request: proto.Message) -> str:
@@ -67,9 +78,7 @@ def target_of(request: proto.Message) -> str:
     return type(request).__name__
 
 
-def run_all(
-    send: Callable[[proto.Message], None], requests: Sequence[proto.Message], parallel: int = 8
-) -> None:
+def run_all(send: Callable[[proto.Message], None], batch: Sequence[proto.Message], parallel: int = 8) -> None:
     """Send every request (in parallel), wait for each, and raise one LaunchError naming all failures."""
     failures: list[str] = []
 
@@ -79,19 +88,19 @@ def run_all(
         send(request)
         log.info("event=request_done request=%s target=%s", kind, target)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(requests)))) as pool:
-        futures = {pool.submit(one, r): r for r in requests}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(batch)))) as pool:
+        futures = {pool.submit(one, r): r for r in batch}
         for future in concurrent.futures.as_completed(futures):
             request = futures[future]
             try:
                 future.result()
-            except (api_exceptions.GoogleAPIError, concurrent.futures.TimeoutError) as err:
+            except API_ERRORS as err:
                 line = f"{type(request).__name__} {target_of(request)}: {err}"
                 log.error("event=request_failed request=%s target=%s error=%s", type(request).__name__, target_of(request), err)
                 failures.append(line)
     if failures:
         raise LaunchError(
-            f"{len(failures)} of {len(requests)} requests failed (fix the cause and re-run; teardown.py removes "
+            f"{len(failures)} of {len(batch)} requests failed (fix the cause and re-run; teardown.py removes "
             "what was created):\n  " + "\n  ".join(sorted(failures))
         )
 

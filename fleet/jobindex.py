@@ -39,8 +39,7 @@ def _shards_of(name: str, raw: bytes) -> tuple[str, list[dict]]:
             value = record.get(field) if isinstance(record, dict) else None
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise JobIndexError(f"done marker {name!r}: outputs[{i}] field {field!r} must be {kind.__name__}, got {value!r}")
-        # A holder may report the same shard twice (its last record re-sent on SIGTERM); it is one shard.
-        shards[record["shard"]] = {
+        shard = {
             "url": record["shard"],
             "bytes": record["bytes"],
             "crc32c": record["crc32c"],
@@ -50,6 +49,11 @@ def _shards_of(name: str, raw: bytes) -> tuple[str, list[dict]]:
             "samples": record["samples"],
             "tokens": record["tokens"],
         }
+        # A holder may report the same shard twice (its last record re-sent on SIGTERM); it is one
+        # shard, but only if both records say the same about it.
+        if shard["url"] in shards and shards[shard["url"]] != shard:
+            raise JobIndexError(f"done marker {name!r}: outputs[{i}] describes shard {shard['url']} differently than before")
+        shards[shard["url"]] = shard
     ordered = sorted(shards.values(), key=lambda s: (s["sample_start"], s["sample_end"], s["url"]))
     for before, after in zip(ordered, ordered[1:]):
         if after["sample_start"] < before["sample_end"]:

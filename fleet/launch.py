@@ -6,7 +6,7 @@ Default Credentials (or the FLEET_*_ENDPOINT overrides) otherwise.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import proto
@@ -16,12 +16,19 @@ from fleet import compute, gapi, specs, tpu
 log = logging.getLogger(__name__)
 
 
-def _send(requests: list[proto.Message], dry_run: bool, send) -> list[proto.Message]:
+def _send(batch: list[proto.Message], dry_run: bool, connect: Callable[[], object]) -> list[proto.Message]:
+    """Print the batch (dry run) or send it through the clients `connect()` returns (made once)."""
     if dry_run:
-        gapi.print_dry_run(requests)
-    elif requests:
-        gapi.run_all(send, requests)
-    return requests
+        gapi.print_dry_run(batch)
+    elif batch:
+        try:
+            clients = connect()
+        except gapi.API_ERRORS as err:
+            raise gapi.LaunchError(
+                f"cannot make the API clients: {err} (run 'gcloud auth application-default login')"
+            ) from None
+        gapi.run_all(clients.send, batch)
+    return batch
 
 
 def create_template(
@@ -40,7 +47,7 @@ def create_template(
         raise specs.SpecError(f"{spec_path}: kind {spec.kind!r} is not an instance template; use create_tpus.py")
     launch = specs.Launch.make(spec, queue, code, consumer, spawn_flags)
     request = compute.insert_template(project, specs.instance_template(spec, launch, name))
-    return _send([request], dry_run, lambda r: (clients or compute.ComputeClients.connect()).send(r))
+    return _send([request], dry_run, lambda: clients or compute.ComputeClients.connect())
 
 
 def create_group(
@@ -60,7 +67,7 @@ def create_group(
         request = compute.resize_group(project, name, size, zone=zone, region=region)
     else:
         request = compute.insert_group(project, name, template, size, zone=zone, region=region)
-    return _send([request], dry_run, lambda r: (clients or compute.ComputeClients.connect()).send(r))
+    return _send([request], dry_run, lambda: clients or compute.ComputeClients.connect())
 
 
 def tpu_names(prefix: str, count: int, first_index: int = 0) -> list[str]:
@@ -85,14 +92,14 @@ def create_tpus(
     if not isinstance(spec, specs.TpuSpec):
         raise specs.SpecError(f"{spec_path}: kind {spec.kind!r} is not a TPU spec; use create_template.py")
     launch = specs.Launch.make(spec, queue, code, consumer, spawn_flags)
-    requests: list[proto.Message] = []
+    batch: list[proto.Message] = []
     for node_id in tpu_names(spec.name, count, first_index):
         if spec.use_queued_resources:
             qr = specs.queued_resource(spec, launch, project, zone, node_id)
-            requests.append(tpu.create_queued_resource(project, zone, node_id, qr))
+            batch.append(tpu.create_queued_resource(project, zone, node_id, qr))
         else:
-            requests.append(tpu.create_node(project, zone, node_id, specs.tpu_node(spec, launch)))
-    return _send(requests, dry_run, lambda r: (clients or tpu.TpuClients.connect()).send(r))
+            batch.append(tpu.create_node(project, zone, node_id, specs.tpu_node(spec, launch)))
+    return _send(batch, dry_run, lambda: clients or tpu.TpuClients.connect())
 
 
 def _matches(resource_id: str, labels: Mapping[str, str], prefix: str | None, want: Mapping[str, str]) -> bool:
@@ -114,35 +121,41 @@ def teardown(
     """Delete the group (its VMs go with it), then the template it used, then TPU queued resources
     (force: their nodes go too) and any remaining nodes whose id starts with `tpu_prefix` and/or
     carry `tpu_labels`. Each phase waits for the one before: a template in use cannot be deleted."""
-    sent: list[proto.Message] = []
-    needs_compute = group or template
-    compute_send = lambda r: (compute_clients or compute.ComputeClients.connect()).send(r)  # noqa: E731
-    if group:
-        sent += _send([compute.delete_group(project, group, zone=zone, region=region)], dry_run, compute_send)
-    if template:
-        sent += _send([compute.delete_template(project, template)], dry_run, compute_send)
-    if tpu_prefix is None and not tpu_labels:
-        if not needs_compute:
-            log.warning("event=teardown_nothing_named hint=give --group, --template, --tpu-prefix or --tpu-label")
-        return sent
-    if not zone:
+    wants_tpus = tpu_prefix is not None or bool(tpu_labels)
+    if wants_tpus and not zone:
         raise ValueError("TPU teardown needs --zone")
-    tpu_clients = tpu_clients or tpu.TpuClients.connect()
+    if not (group or template or wants_tpus):
+        log.warning("event=teardown_nothing_named hint=give --group, --template, --tpu-prefix or --tpu-label")
+    sent: list[proto.Message] = []
+    connect_compute = lambda: compute_clients or compute.ComputeClients.connect()  # noqa: E731
+    if group:
+        sent += _send([compute.delete_group(project, group, zone=zone, region=region)], dry_run, connect_compute)
+    if template:
+        sent += _send([compute.delete_template(project, template)], dry_run, connect_compute)
+    if not wants_tpus:
+        return sent
     want = dict(tpu_labels or {})
+    try:
+        tpu_clients = tpu_clients or tpu.TpuClients.connect()
+        queued_resources = tpu_clients.list_queued_resources(project, zone)
+        nodes = tpu_clients.list_nodes(project, zone)
+    except gapi.API_ERRORS as err:
+        raise gapi.LaunchError(f"listing TPUs in {tpu.location(project, zone)} failed: {err}") from None
     doomed_nodes = set()
-    requests: list[proto.Message] = []
-    for qr in tpu_clients.list_queued_resources(project, zone):
+    batch: list[proto.Message] = []
+    for qr in queued_resources:
         node_specs = list(qr.tpu.node_spec)
         labels = dict(node_specs[0].node.labels) if node_specs else {}
         if _matches(qr.name.rsplit("/", 1)[-1], labels, tpu_prefix, want):
-            requests.append(tpu.delete_queued_resource(qr.name))
+            batch.append(tpu.delete_queued_resource(qr.name))
             doomed_nodes.update(f"{s.parent}/nodes/{s.node_id}" for s in node_specs)
-    for node in tpu_clients.list_nodes(project, zone):
-        owned = node.queued_resource and any(r.name == node.queued_resource for r in requests)
-        if node.name in doomed_nodes or owned:
+    doomed_queued = {r.name for r in batch}
+    for node in nodes:
+        # A node that belongs to a queued resource being deleted goes with it.
+        if node.name in doomed_nodes or node.queued_resource in doomed_queued:
             continue
         if _matches(node.name.rsplit("/", 1)[-1], dict(node.labels), tpu_prefix, want):
-            requests.append(tpu.delete_node(node.name))
-    if not requests:
+            batch.append(tpu.delete_node(node.name))
+    if not batch:
         log.info("event=teardown_no_tpus project=%s zone=%s prefix=%s labels=%s", project, zone, tpu_prefix, want)
-    return sent + _send(requests, dry_run, tpu_clients.send)
+    return sent + _send(batch, dry_run, lambda: tpu_clients)

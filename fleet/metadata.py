@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 
 import requests
 import tenacity
@@ -32,12 +33,12 @@ class MetadataNotFound(MetadataError):
     """The server answered 404 for that path."""
 
 
-def metadata_host() -> str:
-    return os.environ.get(HOST_ENV) or DEFAULT_HOST
-
-
 class MetadataUnavailable(MetadataError):
     """The server answered 5xx; worth another try."""
+
+
+def metadata_host() -> str:
+    return os.environ.get(HOST_ENV) or DEFAULT_HOST
 
 
 def _transient(err: BaseException) -> bool:
@@ -51,7 +52,17 @@ class MetadataClient:
         self.host = host or metadata_host()
         self.base_url = f"http://{self.host}/computeMetadata/v1/"
         self.timeout_s = timeout_s
-        self.session = session or requests.Session()
+        self._session = session
+        self._per_thread = threading.local()
+
+    @property
+    def session(self) -> requests.Session:
+        # requests sessions are not thread-safe, and the preemption watcher polls from two threads.
+        if self._session is not None:
+            return self._session
+        if not hasattr(self._per_thread, "session"):
+            self._per_thread.session = requests.Session()
+        return self._per_thread.session
 
     def _get(self, path: str, params: dict[str, str] | None = None, timeout_s: float | None = None) -> requests.Response:
         url = self.base_url + path

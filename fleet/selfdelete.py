@@ -11,24 +11,24 @@ What to delete depends on how the machine was made, which it learns from the met
 
 API errors are retried with exponential backoff and jitter, a bounded number of times. A machine
 that still cannot delete itself logs why and powers off, which at least stops the VM's
-compute charges (a stopped TPU VM or disk may still cost; the log line says so).
+compute charges (its disk, or a stopped TPU VM, may still cost until teardown).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
+from collections.abc import Callable
 import shutil
 import subprocess
 
+import proto
 import requests
 import tenacity
 from google.api_core import exceptions as api_exceptions
-from google.auth import exceptions as auth_exceptions
 
 from fleet import compute, tpu
-from fleet.gapi import target_of
+from fleet.gapi import API_ERRORS, target_of
 from fleet.metadata import MetadataClient, MetadataError
 from fleet.specs import ATTR_QUEUED_RESOURCE
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class SelfDeleteError(Exception):
-    """This machine could not work out what to delete, or the deletion failed for good."""
+    """This machine could not work out what it is, so it cannot tell what to delete."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +142,8 @@ class SelfDeleter:
         node = self._retrying()(self._tpu().get_node, f"{location}/nodes/{identity.tpu_node}")
         return node.queued_resource or None
 
-    def plan(self, identity: Identity):
-        """(what, request, send): the deletion this machine should ask for."""
+    def plan(self, identity: Identity) -> tuple[str, proto.Message, Callable[..., None]]:
+        """(kind, request, send): the deletion this machine should ask for."""
         if identity.tpu_node:
             queued = self.queued_resource_of(identity)
             if queued:
@@ -191,17 +191,9 @@ def delete_self(
     try:
         deleter.run()
         return
-    except (
-        MetadataError,
-        SelfDeleteError,
-        compute.GroupRefError,
-        api_exceptions.GoogleAPIError,
-        requests.RequestException,
-        # No usable credentials on the machine.
-        auth_exceptions.GoogleAuthError,
-        # The delete was accepted but has not finished while this machine still runs.
-        concurrent.futures.TimeoutError,
-    ) as err:
+    # API_ERRORS includes missing credentials, and an accepted delete that has not finished
+    # while this machine still runs (the operation's wait timing out).
+    except (MetadataError, SelfDeleteError, compute.GroupRefError, *API_ERRORS) as err:
         log.critical(
             "event=self_delete_failed error_type=%s error=%s action=power_off hint=%s",
             type(err).__name__,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -140,11 +140,12 @@ def _tpu_type(value: object) -> str:
     return value
 
 
-def _field(check: Callable[[object], object], default: object = dataclasses.MISSING, **kw) -> dataclasses.Field:
+def _field(check: Callable[[object], object], default: object = dataclasses.MISSING) -> dataclasses.Field:
+    """A spec field: `check` validates a value from the file; no default means required."""
     if isinstance(default, (list, dict)):
         # A fresh copy per spec, as dataclasses require for mutable defaults.
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"check": check}, **kw)
-    return dataclasses.field(default=default, metadata={"check": check}, **kw)
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"check": check})
+    return dataclasses.field(default=default, metadata={"check": check})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

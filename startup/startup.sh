@@ -17,6 +17,8 @@
 set -euo pipefail
 
 ROOT="${STARTUP_ROOT:-}"
+# Ubuntu images ship gcloud as a snap, whose directory a startup script's PATH may lack.
+PATH="${PATH}:/snap/bin"
 METADATA_HOST="${GCE_METADATA_HOST:-metadata.google.internal}"
 CODE_DIR="/opt/fleet/code"
 VENV_DIR="/opt/fleet/venv"

@@ -22,6 +22,7 @@ from taskqueue.lease import DEAD, HELD, RELEASED, HeldLease, encode, new_lease_b
 
 log = logging.getLogger(__name__)
 
+LOOKAHEAD = 64  # done markers read ahead by each claim's done check
 RELIST_PAGE = 1000  # done markers per re-list: one request steps over another worker's finished stretch
 
 
@@ -153,6 +154,7 @@ class Claimer:
         self.stop_event = threading.Event()
         self.exit_reason = "running"
         self._cursor: int | None = None
+        self._mine: set[str] = set()  # tasks this worker finished itself
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -228,18 +230,28 @@ class Claimer:
     # -- one claim --------------------------------------------------------------------------
 
     def _next_candidate(self) -> str | None:
+        """The next claimable task on the ring; entering a stretch someone else finished means a jump."""
         order = self.view.order
         if not order:
             return None
         if self._cursor is None:
             self._cursor = self.rng.randrange(len(order))
-        for step in range(len(order)):
-            task_id = order[(self._cursor + step) % len(order)]
-            if task_id in self.view.finished or self.view.live(task_id):
-                continue
-            self._cursor = (self._cursor + step) % len(order)
-            return task_id
+        for attempt in range(2):
+            for step in range(len(order)):
+                task_id = order[(self._cursor + step) % len(order)]
+                if task_id in self.view.finished or self.view.live(task_id):
+                    continue
+                if step > 0 and attempt == 0 and self._walked_into_others_work(step):
+                    self._jump()
+                    break
+                self._cursor = (self._cursor + step) % len(order)
+                return task_id
         return None
+
+    def _walked_into_others_work(self, step: int) -> bool:
+        """Did the walk just skip tasks finished by someone else (not by us, not long known)?"""
+        order = self.view.order
+        return any(order[(self._cursor + k) % len(order)] not in self._mine for k in range(step))
 
     def _try_claim(self) -> Claim | None | bool:
         """A claim; None when nothing is claimable; False when the view changed and it is worth going again."""
@@ -261,13 +273,20 @@ class Claimer:
         return self._with_manifest(task_id, lease)
 
     def _already_done(self, task_id: str) -> bool:
-        """Checked while holding the lease, so nobody can finish the task between this read and our run."""
-        try:
-            self.store.read(layout.done_object(task_id))
-        except NotFound:
-            return False
-        self.view.finished.add(task_id)
-        return True
+        """Checked while holding the lease, so nobody can finish the task between this check and our run.
+
+        One listing of done/ from the task on answers exactly for this task (listings are strongly
+        consistent) and also shows the done markers just ahead, so the walk sees another worker's
+        finished stretch before reaching it.
+        """
+        page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=LOOKAHEAD)
+        found = False
+        for entry in page.entries:
+            done_id = layout.id_from_object(entry.name, layout.DONE)
+            if done_id is not None:
+                self.view.finished.add(done_id)
+                found = found or done_id == task_id
+        return found
 
     def _learn_outcome(self, lease: HeldLease) -> None:
         """What this worker did with a claim is news its view can use without a listing."""
@@ -280,6 +299,7 @@ class Claimer:
             )
         else:  # completed (lease deleted) or dead-lettered
             self.view.finished.add(lease.task_id)
+            self._mine.add(lease.task_id)
             self.view.leases.pop(lease.task_id, None)
 
     def _acquire(self, task_id: str) -> HeldLease | None:

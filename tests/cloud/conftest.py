@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
 import textwrap
@@ -67,6 +68,8 @@ class StubBin:
     def __init__(self, root: Path):
         self.dir = root / "bin"
         self.log = root / "argv.log"
+        # Absolute, so that stubs still run when a test narrows PATH to the stub directory.
+        self.bash = shutil.which("bash")
         self.dir.mkdir(parents=True)
         self.log.touch()
 
@@ -75,8 +78,8 @@ class StubBin:
         their own name), then runs `body` (bash) with "$@" still set."""
         path = self.dir / name
         path.write_text(
-            "#!/usr/bin/env bash\nset -euo pipefail\n"
-            f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$(basename \"$0\")\" \"$@\" >> {self.log}\n"
+            f"#!{self.bash}\nset -euo pipefail\n"
+            f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"${{0##*/}}\" \"$@\" >> {self.log}\n"
             + textwrap.dedent(body)
         )
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

@@ -66,12 +66,16 @@ class _Handler(BaseHTTPRequestHandler):
         )
         fake = self.server.fake
         response = fake._injected_failure(request) or fake.handle(request)
-        self.send_response(response.status)
-        for key, value in response.headers.items():
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(response.body)))
-        self.end_headers()
-        self.wfile.write(response.body)
+        try:
+            self.send_response(response.status)
+            for key, value in response.headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(response.body)))
+            self.end_headers()
+            self.wfile.write(response.body)
+        except (BrokenPipeError, ConnectionResetError):
+            # The client left first: a long poll abandoned by a process that exited. Nothing to answer.
+            self.close_connection = True
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _dispatch
 

@@ -50,16 +50,15 @@ def test_create_template_tool_inserts_the_template_through_the_endpoint_override
     assert "projects/proj-a/global/instanceTemplates/wk-v2" in cloud.resources
 
 
-def test_dry_run_prints_the_request_and_calls_nothing(cloud: FakeCloud):
-    result = tool("tools/create_template.py", str(VM_SPEC), "--queue", QUEUE, "--code", CODE, "--project", "proj-a", "--dry-run")
-    assert result.returncode == 0, result.stderr
-    [printed] = json.loads(result.stdout)
+def test_dry_run_prints_the_requests_and_calls_nothing(cloud: FakeCloud, capsys: pytest.CaptureFixture):
+    launch.create_template(VM_SPEC, "proj-a", QUEUE, CODE, dry_run=True)
+    [printed] = json.loads(capsys.readouterr().out)
     assert printed["request"] == "InsertInstanceTemplateRequest"
+    assert printed["fields"]["project"] == "proj-a"
     assert printed["fields"]["instanceTemplateResource"]["name"] == "spawn-worker"
-    result = tool("tools/create_tpus.py", str(TPU_SPEC), "--count", "3", "--zone", "z1", "--queue", QUEUE, "--code", CODE,
-                  "--project", "proj-a", "--dry-run")
-    assert result.returncode == 0, result.stderr
-    assert [p["fields"]["queuedResourceId"] for p in json.loads(result.stdout)] == ["spawn-tpu-0000", "spawn-tpu-0001", "spawn-tpu-0002"]
+    launch.create_tpus(TPU_SPEC, "proj-a", "z1", 3, QUEUE, CODE, dry_run=True)
+    printed = json.loads(capsys.readouterr().out)
+    assert [p["fields"]["queuedResourceId"] for p in printed] == ["spawn-tpu-0000", "spawn-tpu-0001", "spawn-tpu-0002"]
     assert cloud.requests == []
 
 

@@ -19,7 +19,7 @@ UNIT = REPO / "startup" / "spawn-worker.service"
 SHELLCHECK = REPO / ".venv" / "bin" / "shellcheck"
 # The only real programs the script may run; everything else it calls is a stub, so a real
 # gcloud, python or apt-get on this machine can never be reached.
-REAL_TOOLS = ("bash", "curl", "cat", "sha256sum", "mkdir", "rm", "install", "cp", "basename")
+REAL_TOOLS = ("bash", "curl", "cat", "sha256sum", "mkdir", "rm", "install", "cp")
 ATTRS = {"spawn-code": "gs://bkt/code/run1", "spawn-queue": "gs://bkt/jobs/j1", "spawn-consumer": "python consume.py"}
 
 

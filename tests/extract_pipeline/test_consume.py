@@ -175,7 +175,8 @@ def test_sigterm_stops_within_seconds_keeping_only_complete_shards(
     import objectstore
 
     gcs.faults.add_latency(0.5, kind="write")
-    spec = ConsumeRun(workdir=tmp_path, job=qwen2_reference.job, task=qwen2_reference.task,
+    # Small shards: with bounded queues the main loop is still dispatching when the first record lands.
+    spec = ConsumeRun(workdir=tmp_path, job={**qwen2_reference.job, "shard_size": 4}, task=qwen2_reference.task,
                       output=f"gs://{gcs_bucket}/out/t000001/1")  # fmt: skip
     proc = start_consume(spec)
     wait_for_records(spec, proc, 1)
@@ -191,6 +192,20 @@ def test_sigterm_stops_within_seconds_keeping_only_complete_shards(
     assert set(stored) == {r["shard"] for r in records}, "every stored shard is complete and recorded"
     for r in records:
         assert crc32c_b64(store.read(r["shard"].rsplit("/", 1)[1]).data) == r["crc32c"]
+
+
+def test_sigterm_while_the_model_loads_exits_143_at_once(tmp_path, qwen2_reference, start_consume):
+    spec = ConsumeRun(workdir=tmp_path, job=qwen2_reference.job, task=qwen2_reference.task, output=str(tmp_path / "out"))
+    proc = start_consume(spec)
+    deadline = time.monotonic() + 120
+    while "event=task_start" not in spec.stderr_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, spec.stderr_file.read_text()
+        time.sleep(0.01)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 143, spec.stderr_file.read_text()
+    assert time.monotonic() - signalled < 8
+    assert spec.records() == []
 
 
 def test_gs_data_and_gs_output_through_spawn_environment(tmp_path, tiny_models, corpus, run_consume, gcs, gcs_bucket, gcs_client):

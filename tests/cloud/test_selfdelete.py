@@ -1,0 +1,155 @@
+"""fleet.selfdelete: each kind of machine deletes itself with the right call, retries transient
+errors, and powers off (logging why) when it cannot."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from fleet.metadata import MetadataClient
+from fleet.selfdelete import delete_self
+from tests.cloud.conftest import StubBin
+from tests.cloud.fakecloud import FakeCloud
+from tests.cloud.fakemetadata import FakeMetadata, gce_vm, tpu_vm
+
+PROJECT, ZONE = "proj-a", "us-central1-b"
+
+
+@pytest.fixture
+def poweroff(stubs: StubBin, monkeypatch: pytest.MonkeyPatch) -> StubBin:
+    """Stub systemctl and shutdown, and a PATH holding only them: a real poweroff is unreachable."""
+    stubs.add("systemctl")
+    stubs.add("shutdown")
+    monkeypatch.setenv("PATH", str(stubs.dir))
+    return stubs
+
+
+def _delete(metadata: MetadataClient, compute_clients=None, tpu_clients=None) -> None:
+    delete_self(metadata, compute_clients=compute_clients, tpu_clients=tpu_clients, attempts=3, max_wait_s=0.05)
+
+
+def test_zonal_group_member_asks_its_group_to_delete_it(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, compute_clients, poweroff: StubBin
+):
+    group = f"projects/{PROJECT}/zones/{ZONE}/instanceGroupManagers/spawn-worker"
+    cloud.add(group, {"name": "spawn-worker", "targetSize": 3})
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "spawn-worker-x1z2", {"created-by": f"projects/123456789012/zones/{ZONE}/instanceGroupManagers/spawn-worker"}))
+    _delete(metadata, compute_clients)
+    [call] = cloud.calls()
+    assert (call.method, call.path) == ("POST", f"/compute/v1/{group}/deleteInstances")
+    assert call.body == {"instances": [f"zones/{ZONE}/instances/spawn-worker-x1z2"]}
+    assert cloud.resources[group]["targetSize"] == 2
+    assert poweroff.calls() == []
+
+
+def test_regional_group_member_uses_the_regional_delete_instances(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, compute_clients, poweroff: StubBin
+):
+    group = f"projects/{PROJECT}/regions/us-central1/instanceGroupManagers/fleet-a"
+    cloud.add(group, {"name": "fleet-a", "targetSize": 10})
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "fleet-a-abcd", {"created-by": "projects/123456789012/regions/us-central1/instanceGroupManagers/fleet-a"}))
+    _delete(metadata, compute_clients)
+    [call] = cloud.calls()
+    assert (call.method, call.path) == ("POST", f"/compute/v1/{group}/deleteInstances")
+    assert call.body["instances"] == [f"zones/{ZONE}/instances/fleet-a-abcd"]
+    assert cloud.resources[group]["targetSize"] == 9
+    assert poweroff.calls() == []
+
+
+def test_standalone_vm_deletes_its_instance(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, compute_clients, poweroff: StubBin
+):
+    cloud.add(f"projects/{PROJECT}/zones/{ZONE}/instances/solo", {"name": "solo"})
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "solo"))
+    _delete(metadata, compute_clients)
+    assert [(c.method, c.path) for c in cloud.calls()] == [("DELETE", f"/compute/v1/projects/{PROJECT}/zones/{ZONE}/instances/solo")]
+    assert poweroff.calls() == []
+
+
+def test_tpu_vm_from_a_queued_resource_deletes_it_with_force(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, tpu_clients, poweroff: StubBin
+):
+    # The node was not made by our tool (no spawn-queued-resource attribute): the TPU API says which.
+    location = f"projects/{PROJECT}/locations/us-west4-a"
+    cloud.add(f"{location}/queuedResources/qr-7", {"name": f"{location}/queuedResources/qr-7"})
+    cloud.add(f"{location}/nodes/node-7", {"name": f"{location}/nodes/node-7", "queuedResource": f"{location}/queuedResources/qr-7"})
+    metadata_server.values.update(tpu_vm(PROJECT, "us-west4-a", "node-7"))
+    _delete(metadata, tpu_clients=tpu_clients)
+    get, delete = cloud.calls()
+    assert (get.method, get.path) == ("GET", f"/v2/{location}/nodes/node-7")
+    assert (delete.method, delete.path, delete.query.get("force")) == ("DELETE", f"/v2/{location}/queuedResources/qr-7", "true")
+    assert cloud.resources == {}
+    assert poweroff.calls() == []
+
+
+def test_tpu_vm_with_the_queued_resource_attribute_skips_the_lookup(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, tpu_clients, poweroff: StubBin
+):
+    location = f"projects/{PROJECT}/locations/us-west4-a"
+    cloud.add(f"{location}/queuedResources/spawn-tpu-0003", {"name": f"{location}/queuedResources/spawn-tpu-0003"})
+    metadata_server.values.update(tpu_vm(PROJECT, "us-west4-a", "spawn-tpu-0003", {"spawn-queued-resource": "spawn-tpu-0003"}))
+    _delete(metadata, tpu_clients=tpu_clients)
+    [call] = cloud.calls()
+    assert (call.method, call.path, call.query.get("force")) == ("DELETE", f"/v2/{location}/queuedResources/spawn-tpu-0003", "true")
+
+
+def test_plain_tpu_node_deletes_its_node(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, tpu_clients, poweroff: StubBin
+):
+    location = f"projects/{PROJECT}/locations/us-west4-a"
+    cloud.add(f"{location}/nodes/plain-1", {"name": f"{location}/nodes/plain-1"})
+    metadata_server.values.update(tpu_vm(PROJECT, "us-west4-a", "plain-1"))
+    _delete(metadata, tpu_clients=tpu_clients)
+    assert [(c.method, c.path) for c in cloud.calls()] == [
+        ("GET", f"/v2/{location}/nodes/plain-1"),
+        ("DELETE", f"/v2/{location}/nodes/plain-1"),
+    ]
+    assert poweroff.calls() == []
+
+
+def test_transient_errors_are_retried_until_the_delete_goes_through(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, compute_clients, poweroff: StubBin
+):
+    cloud.add(f"projects/{PROJECT}/zones/{ZONE}/instances/solo", {"name": "solo"})
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "solo"))
+    cloud.fail_next(2, 503)
+    _delete(metadata, compute_clients)
+    assert [c.method for c in cloud.calls()] == ["DELETE"] * 3
+    assert f"projects/{PROJECT}/zones/{ZONE}/instances/solo" not in cloud.resources
+    assert poweroff.calls() == []
+
+
+def test_machine_that_cannot_delete_itself_logs_why_and_powers_off(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, compute_clients, poweroff: StubBin,
+    caplog: pytest.LogCaptureFixture,
+):
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "solo"))
+    cloud.fail_next(10, 403)
+    with caplog.at_level(logging.INFO, logger="fleet.selfdelete"):
+        _delete(metadata, compute_clients)
+    assert len(cloud.calls()) == 1  # permission denied is not worth a retry
+    failed = [r.getMessage() for r in caplog.records if "event=self_delete_failed" in r.getMessage()]
+    assert len(failed) == 1 and "error_type=Forbidden" in failed[0] and "403" in failed[0]
+    assert poweroff.calls() == [["systemctl", "poweroff"]]
+
+
+def test_machine_without_systemctl_shuts_down_instead(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, compute_clients, poweroff: StubBin
+):
+    (poweroff.dir / "systemctl").unlink()
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "solo"))  # the instance does not exist: 404
+    _delete(metadata, compute_clients)
+    assert poweroff.calls() == [["shutdown", "-h", "now"]]
+
+
+def test_unreachable_metadata_server_powers_off(poweroff: StubBin, caplog: pytest.LogCaptureFixture):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with caplog.at_level(logging.INFO, logger="fleet.selfdelete"):
+        _delete(MetadataClient(f"127.0.0.1:{port}", timeout_s=0.5))
+    assert any("event=self_delete_failed error_type=ConnectionError" in r.getMessage() for r in caplog.records)
+    assert poweroff.calls() == [["systemctl", "poweroff"]]

@@ -1,0 +1,101 @@
+"""The worker side on a machine: fleet.service turns metadata into spawn.py's argv without a shell,
+and a real spawn.py worker hands its task back within 10 s of a preemption notice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet.metadata import MetadataClient
+from fleet.service import ServiceConfigError, worker_argv
+from objectstore import NotFound, open_store
+from taskqueue.submit import submit
+from tests.cloud.fakemetadata import FakeMetadata, gce_vm
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_worker_argv_comes_from_metadata_and_no_value_is_run_as_code(metadata_server: FakeMetadata, metadata: MetadataClient):
+    metadata_server.values.update(gce_vm("p", "z", "w", {
+        "spawn-queue": "gs://bkt/jobs/j1",
+        "spawn-consumer": "python consume.py --note '$(touch /tmp/pwned)'",
+        "spawn-flags": "--on-empty delete --log-level 'DEBUG; reboot'",
+    }))
+    argv = worker_argv(metadata, python="/opt/fleet/venv/bin/python")
+    assert argv == [
+        "/opt/fleet/venv/bin/python", str(REPO / "spawn.py"), "gs://bkt/jobs/j1",
+        "--consumer", "python consume.py --note '$(touch /tmp/pwned)'",
+        "--on-empty", "delete", "--log-level", "DEBUG; reboot",
+    ]
+
+
+def test_worker_argv_names_a_missing_attribute(metadata_server: FakeMetadata, metadata: MetadataClient):
+    metadata_server.values.update(gce_vm("p", "z", "w", {"spawn-consumer": "python consume.py"}))
+    with pytest.raises(ServiceConfigError, match="'spawn-queue' is not set"):
+        worker_argv(metadata)
+
+
+def _lease(store, task: str) -> dict | None:
+    try:
+        return json.loads(store.read(f"leases/{task}.json").data)
+    except NotFound:
+        return None
+
+
+def _wait_for(what: str, check, timeout_s: float, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"spawn.py exited ({proc.returncode}) while waiting for {what}:\n{proc.stdout.read()}")
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _spawn(queue: Path, *flags: str) -> subprocess.Popen:
+    consumer = f"{sys.executable} {REPO / 'tests' / 'queue' / 'consumer.py'}"
+    return subprocess.Popen(
+        [sys.executable, "spawn.py", str(queue), "--consumer", consumer, "--lease-ttl", "60", "--heartbeat", "0.3",
+         "--idle-timeout", "1", "--poll", "0.1", *flags],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_preempted_worker_releases_its_lease_within_10_s_and_the_attempt_is_not_counted(
+    tmp_path: Path, metadata_server: FakeMetadata
+):
+    metadata_server.values.update(gce_vm("p", "us-central1-a", "w-1"))
+    queue = tmp_path / "queue"
+    store = open_store(str(queue))
+    submit(store, None, [("t1", json.dumps({"id": "t1", "outputs": 12, "sleep": 0.3}).encode())])
+
+    worker = _spawn(queue, "--worker-id", "w-preempted", "--preemption-watch", "on")
+    try:
+        _wait_for("two committed outputs", lambda: len((_lease(store, "t1") or {}).get("progress", [])) >= 2, 60, worker)
+        flipped = time.monotonic()
+        metadata_server.set("instance/preempted", "TRUE")
+        released = _wait_for("the lease to be released", lambda: (_lease(store, "t1") or {}).get("state") == "released" and _lease(store, "t1"), 10)
+        assert time.monotonic() - flipped < 10
+        assert worker.wait(timeout=15) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    output = worker.stdout.read()
+    assert "event=preempted key=instance/preempted" in output
+    assert released["errors"] == []
+    committed = len(released["progress"])
+    assert 2 <= committed < 12
+
+    # The next worker resumes from the committed outputs; the preemption cost no attempt.
+    successor = _spawn(queue, "--worker-id", "w-next", "--preemption-watch", "off")
+    assert successor.wait(timeout=60) == 0, successor.stdout.read()
+    done = json.loads(store.read("done/t1.json").data)
+    assert done["attempt"] == 1
+    assert [r["index"] for r in done["outputs"]] == list(range(12))

@@ -1,0 +1,168 @@
+"""Weight sources (local directory store, gs:// through a real GCS client), compilation bookkeeping, FLOP counts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import objectstore
+from extract.engine import Engine
+from extract.errors import BadInput
+from extract.weights import Checkpoint, fetch_from_store, upload_model_dir
+from tests.extract_model.conftest import ragged_batch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def hidden_states(model_dir, layers=(0, 1, -1), **overrides):
+    kwargs = dict(batch_size=2, max_seq_len=16, compute_dtype="float32", out_dtype="float32", devices=jax.devices()[:1])
+    kwargs.update(overrides)
+    engine = Engine(str(model_dir), list(layers), **kwargs)
+    tokens, _ = ragged_batch(np.random.default_rng(11), [16, 9])
+    return {layer: np.asarray(h) for layer, h in engine.forward(tokens).items()}
+
+
+def test_local_store_mirror_round_trip_loads_the_same_model(qwen2_untied, tmp_path):
+    dest = tmp_path / "bucket" / "models" / "tiny"
+    names = upload_model_dir(qwen2_untied.path, str(dest))
+    assert names[-1] == "config.json", "config.json must be written last"
+    assert {n for n in names if n.endswith(".safetensors")} == {p.name for p in qwen2_untied.path.glob("*.safetensors")}
+
+    cache = tmp_path / "cache"
+    fetched = fetch_from_store(str(dest), cache)
+    original = hidden_states(qwen2_untied.path)
+    for layer, array in hidden_states(fetched).items():
+        np.testing.assert_array_equal(array, original[layer])
+
+
+def test_second_fetch_reuses_the_cache_and_a_changed_file_is_fetched_again(qwen2_untied, tmp_path):
+    dest = tmp_path / "mirror"
+    upload_model_dir(qwen2_untied.path, str(dest))
+    cache = tmp_path / "cache"
+    fetch_from_store(str(dest), cache)
+    before = {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if not p.name.startswith(".")}
+    fetch_from_store(str(dest), cache)
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if not p.name.startswith(".")} == before
+
+    objectstore.open_store(str(dest)).put("generation_config.json", b'{"changed": true}')
+    fetch_from_store(str(dest), cache)
+    assert (cache / "generation_config.json").read_bytes() == b'{"changed": true}'
+    assert (cache / "config.json").stat().st_mtime_ns == before["config.json"]
+
+
+def test_prefix_without_config_json_is_not_a_model(qwen2_untied, tmp_path):
+    store = objectstore.open_store(str(tmp_path / "half"))
+    shard = sorted(qwen2_untied.path.glob("*.safetensors"))[0]
+    store.put(shard.name, shard.read_bytes())  # an interrupted mirror: config.json comes last
+    with pytest.raises(BadInput, match="no config.json"):
+        fetch_from_store(str(tmp_path / "half"), tmp_path / "cache")
+
+
+def test_mirror_tool_uploads_to_gcs_and_engine_loads_from_gs_url(qwen3, gcs_client, gcs_bucket, tmp_path, monkeypatch):
+    url = f"gs://{gcs_bucket}/models/tiny-qwen3"
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "mirror_model.py"), str(qwen3.path), url],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "config.json" in result.stdout
+    listed = {blob.name for blob in gcs_client.list_blobs(gcs_bucket, prefix="models/tiny-qwen3/")}
+    assert "models/tiny-qwen3/config.json" in listed
+
+    monkeypatch.setenv("EXTRACT_MODEL_CACHE", str(tmp_path / "cache"))
+    from_bucket = hidden_states(url)
+    assert (tmp_path / "cache" / gcs_bucket / "models" / "tiny-qwen3" / "config.json").is_file()
+    for layer, array in hidden_states(qwen3.path).items():
+        np.testing.assert_array_equal(from_bucket[layer], array)
+
+
+def test_mirror_tool_refuses_a_directory_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "mirror_model.py"), str(tmp_path / "empty"), str(tmp_path / "d")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 65
+    assert "config.json" in result.stderr
+
+
+def test_bfloat16_checkpoint_loads_into_float32_compute(qwen2_tied, tmp_path):
+    """Qwen ships bf16 safetensors, which numpy cannot represent; the loader reads them through ml_dtypes."""
+    source = Checkpoint(qwen2_tied.path)
+    target = tmp_path / "bf16"
+    target.mkdir()
+    (target / "config.json").write_bytes((qwen2_tied.path / "config.json").read_bytes())
+    save_file(
+        {name: np.asarray(source.read(name)).astype(ml_dtypes.bfloat16) for name in source.tensors},
+        str(target / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    assert {t.dtype for t in Checkpoint(target).tensors.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    hidden = hidden_states(target, layers=(0,))
+    rounded = np.asarray(source.read("model.embed_tokens.weight")).astype(ml_dtypes.bfloat16).astype(np.float32)
+    tokens, _ = ragged_batch(np.random.default_rng(11), [16, 9])
+    np.testing.assert_array_equal(hidden[0], rounded[tokens])
+
+
+def test_one_program_per_sequence_length_each_logged_once(qwen2_untied, caplog):
+    engine = Engine(
+        str(qwen2_untied.path), [1], batch_size=2, max_seq_len=32, compute_dtype="float32", devices=jax.devices()[:1]
+    )
+    assert engine.compiled_programs == 0
+    with caplog.at_level(logging.INFO, logger="extract.engine"):
+        for seq_len in (8, 16, 8, 16, 32):
+            out = engine.forward(np.ones((2, seq_len), np.int32))
+            assert out[1].shape == (2, seq_len, engine.config.hidden_size)
+            assert out[1].dtype == jax.numpy.bfloat16  # the default out_dtype
+    assert engine.compiled_programs == 3
+    compiles = [r.getMessage() for r in caplog.records if "event=compile " in r.getMessage()]
+    assert [m.split("seq_len=")[1].split()[0] for m in compiles] == ["8", "16", "32"]
+
+
+def test_longer_than_max_seq_len_is_refused(qwen2_untied):
+    engine = Engine(str(qwen2_untied.path), [1], batch_size=2, max_seq_len=8, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="max_seq_len=8"):
+        engine.forward(np.ones((2, 9), np.int32))
+
+
+def test_flops_per_token_counts_the_weight_matrices_of_computed_layers_only(qwen3):
+    checkpoint = Checkpoint(qwen3.path)
+    config_layers = qwen3.num_hidden_layers
+    seq_len = 64
+    for deepest in (1, config_layers):
+        engine = Engine(str(qwen3.path), [deepest], batch_size=1, max_seq_len=seq_len, devices=jax.devices()[:1])
+        # Independent count: 2 FLOPs per weight-matrix entry of each computed layer, read from the checkpoint,
+        # plus scores and weighted sum over seq_len keys for every query head.
+        matrices = sum(
+            int(np.prod(loc.shape))
+            for name, loc in checkpoint.tensors.items()
+            if name.endswith("_proj.weight") and int(name.split(".")[2]) < deepest
+        )
+        attention = deepest * 2 * 2 * engine.config.num_attention_heads * engine.config.head_dim * seq_len
+        assert engine.flops_per_token(seq_len) == pytest.approx(2 * matrices + attention)
+        assert engine.peak_flops() is None  # CPU: no meaningful peak, so no MFU
+
+
+def test_random_weight_engine_runs_sharded_on_a_2x2_mesh(qwen3):
+    """The accelerator benchmark's path: weights drawn on the devices, already on their shardings."""
+    from extract.config import QwenConfig
+
+    config = QwenConfig.from_file(qwen3.path / "config.json")
+    engine = Engine.with_random_weights(
+        config, [0, -1], batch_size=4, max_seq_len=16, compute_dtype="float32", mesh="data=2,model=2",
+        devices=jax.devices()[:4],
+    )  # fmt: skip
+    assert (engine.model_dir / "config.json").is_file()
+    assert QwenConfig.from_file(engine.model_dir / "config.json") == config
+    hidden = engine.forward(np.ones((4, 16), np.int32))
+    assert set(hidden) == {0, config.num_hidden_layers}
+    final = np.asarray(hidden[config.num_hidden_layers], dtype=np.float32)
+    assert np.isfinite(final).all() and final.std() > 0
