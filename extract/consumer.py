@@ -102,10 +102,15 @@ class ProgressDisplay:
         self._started = time.monotonic()
         self._last_log = self._started
         self._bar = None
+        self._redirect: contextlib.ExitStack | None = None
         if sys.stderr.isatty() if tty is None else tty:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(total=total, unit="sample", dynamic_ncols=True, file=sys.stderr)
+            # Log lines are printed above the bar instead of through it.
+            self._redirect = contextlib.ExitStack()
+            self._redirect.enter_context(logging_redirect_tqdm())
 
     def update(self, samples: int, tokens: int) -> None:
         with self._lock:
@@ -124,6 +129,8 @@ class ProgressDisplay:
                 )  # fmt: skip
 
     def close(self) -> None:
+        if self._redirect is not None:
+            self._redirect.close()
         if self._bar is not None:
             self._bar.close()
 

@@ -3,7 +3,6 @@
 
 import argparse
 import json
-import pathlib
 import sys
 import time
 

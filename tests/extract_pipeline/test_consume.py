@@ -208,7 +208,7 @@ def test_sigterm_while_the_model_loads_exits_143_at_once(tmp_path, qwen2_referen
     assert spec.records() == []
 
 
-def test_gs_data_and_gs_output_through_spawn_environment(tmp_path, tiny_models, corpus, run_consume, gcs, gcs_bucket, gcs_client):
+def test_gs_data_and_gs_output_through_spawn_environment(tmp_path, tiny_models, corpus, consume_env, gcs, gcs_bucket, gcs_client):
     """Tasks planned from footers on gs://, then consume.py driven only by SPAWN_* variables, reading and writing gs://."""
     bucket = gcs_client.bucket(gcs_bucket)
     for path in corpus.files:
@@ -232,7 +232,7 @@ def test_gs_data_and_gs_output_through_spawn_environment(tmp_path, tiny_models, 
         "SPAWN_RESUME_FILE": str(write_json(tmp_path / "resume.json", {"task": task["id"], "attempt": 1, "progress": []})),
         "SPAWN_PROGRESS_FILE": str(tmp_path / "progress.jsonl"), "SPAWN_OUTPUT": output,
     }  # fmt: skip
-    proc = subprocess.run([sys.executable, "consume.py"], cwd=REPO, env={**_env_without_spawn(), **env},
+    proc = subprocess.run([sys.executable, "consume.py"], cwd=REPO, env={**consume_env(), **env},
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
@@ -246,16 +246,6 @@ def test_gs_data_and_gs_output_through_spawn_environment(tmp_path, tiny_models, 
     assert list(acts.sample_ids()) == list(range(60, 120))
     assert acts.num_tokens == sum(r["tokens"] for r in records)
     assert list(open_activations(output).sample_ids()) == list(range(60, 120))
-
-
-def _env_without_spawn() -> dict[str, str]:
-    import os
-
-    from tests.extract_pipeline.conftest import CONSUME  # noqa: F401 (same interpreter and tree)
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPAWN_")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    return env
 
 
 # -- bad input: exit 65, one line naming the field ---------------------------------------------------------------

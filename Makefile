@@ -1,0 +1,30 @@
+# The two set-up commands. Each creates .venv on first use and installs what it needs.
+#   make run   - the whole pipeline on one machine, with a local directory as the bucket
+#   make test  - the test suite (what CI runs)
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: run test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+
+$(VENV)/.run-installed: setup.cfg pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[extract]'
+	touch $@
+
+$(VENV)/.test-installed: setup.cfg pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[extract,test]'
+	touch $@
+
+run: $(VENV)/.run-installed
+	$(PY) tools/local_run.py
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) local-run
