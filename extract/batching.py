@@ -222,4 +222,4 @@ class Prefetcher(Generic[T]):
     def close(self) -> None:
         """Stop producing; the thread exits at its next hand-off."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=1)  # a daemon: a producer stuck in I/O must not delay a stop

@@ -44,11 +44,11 @@ _FLAGS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="consume.py",
-        description="Extract Qwen hidden states for one task's slice of a dataset and write them as safetensors shards.",
+        description="Extract Qwen hidden states for one task's slice of a dataset as safetensors shards.",
     )
     for flag, env, help_text in _FLAGS:
         parser.add_argument(flag, help=f"{help_text} (default: ${env})")
-    parser.add_argument("--log-every", type=float, default=30.0, help="seconds between progress lines when not on a TTY")
+    parser.add_argument("--log-every", type=float, default=30.0, help="seconds between progress lines off a TTY")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             resume = dataclasses.replace(resume, attempt=int(attempt))
         task_id = os.environ.get("SPAWN_TASK_ID")
         if task_id and task_id != task.id:
-            raise BadInput(f"task.id: the task file says {task.id!r} but SPAWN_TASK_ID={task_id!r}; pass this task's file")
+            raise BadInput(f"task.id: the task file says {task.id!r}, SPAWN_TASK_ID={task_id!r}; pass this task's file")
         inputs = RunInputs(
             job=job,
             task=task,

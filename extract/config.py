@@ -76,8 +76,10 @@ class QwenConfig:
         head_dim = raw.get("head_dim")
         if head_dim is None:
             if hidden_size % num_heads:
-                raise BadInput(f"{source}: hidden_size={hidden_size} is not divisible by num_attention_heads={num_heads}"
-                               " and head_dim is not given")
+                raise BadInput(
+                    f"{source}: hidden_size={hidden_size} is not divisible by num_attention_heads={num_heads} "
+                    "and head_dim is not given"
+                )
             head_dim = hidden_size // num_heads
         head_dim = field("head_dim", int, head_dim)
         if head_dim % 2:

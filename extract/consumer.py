@@ -153,7 +153,9 @@ def load_tokenizer(engine: Any, job: Job) -> Tokenizer:
     try:
         tokenizer = Tokenizer(engine.model_dir, job.max_seq_len)
     except (OSError, ValueError) as exc:
-        raise BadInput(f"model: cannot load a tokenizer from {engine.model_dir} ({exc}); the checkpoint needs tokenizer files") from exc
+        raise BadInput(
+            f"model: cannot load a tokenizer from {engine.model_dir} ({exc}); the checkpoint needs tokenizer files"
+        ) from exc
     vocab = len(tokenizer.hf)
     if vocab > engine.config.vocab_size:
         # An id past the embedding table would be clamped silently by XLA, not rejected.
@@ -179,7 +181,9 @@ def shard_metadata(inputs: RunInputs, engine: Any) -> dict[str, str]:
         "dtype": job.dtype,
         "compute_dtype": job.compute_dtype,
         "max_seq_len": str(job.max_seq_len),
-        "tokenization": json.dumps({"add_special_tokens": False, "split_special_tokens": True, "max_length": job.max_seq_len}),
+        "tokenization": json.dumps(
+            {"add_special_tokens": False, "split_special_tokens": True, "max_length": job.max_seq_len}
+        ),
         "job": json.dumps(job.to_dict(), sort_keys=True),
         "task_manifest": json.dumps(task.to_dict(), sort_keys=True),
     }
@@ -210,58 +214,61 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     store = objectstore.open_store(inputs.output_url)
     progress = ProgressLog(inputs.progress_path)
     display = ProgressDisplay(total=end - start, every_s=inputs.log_every_s)
-    with stop.deferred():
-        writer = ShardWriter(
-            store=store,
-            layers=engine.layers,
-            out_dtype=numpy_dtype(job.out_dtype_name),
-            start=start,
-            end=end,
-            shard_size=job.shard_size,
-            metadata=shard_metadata(inputs, engine),
-            progress=progress,
-            flops_per_token=engine.flops_per_token,
-            peak_flops=engine.peak_flops(),
-            on_samples=display.update,
-            depth=INFLIGHT_BATCHES,
-        )
-        batches = Prefetcher(
-            batches_for_slice(
-                data.read_slice(task, job.text_field, skip=start),
-                tokenizer,
+    batches: Prefetcher | None = None
+    try:
+        with stop.deferred():
+            writer = ShardWriter(
+                store=store,
+                layers=engine.layers,
+                out_dtype=numpy_dtype(job.out_dtype_name),
                 start=start,
                 end=end,
-                batch_size=engine.batch_size,
                 shard_size=job.shard_size,
-                buckets=job.buckets,
-            ),
-            depth=PREFETCH_BATCHES,
-            name="tokenize",
-            cancel=stop.event,
-        )
-        try:
-            for batch in batches:
-                if stop.is_set():
-                    break
-                hidden = engine.forward(batch.token_ids) if batch.token_ids is not None else {}
-                writer.submit(batch, hidden)
-            if stop.is_set():
-                records = writer.abort()
-                log.warning("event=stopped task=%s signal=%s shards_written=%d", task.id, stop.signum, len(records))
-                return RunResult(records=records, stats=None, engine=engine, stopped=True)
-            records = writer.finish()
-        except BaseException as failure:
-            # Stop the writer's threads; the original error is the one worth reporting.
+                metadata=shard_metadata(inputs, engine),
+                progress=progress,
+                flops_per_token=engine.flops_per_token,
+                peak_flops=engine.peak_flops(),
+                on_samples=display.update,
+                depth=INFLIGHT_BATCHES,
+            )
+            batches = Prefetcher(
+                batches_for_slice(
+                    data.read_slice(task, job.text_field, skip=start),
+                    tokenizer,
+                    start=start,
+                    end=end,
+                    batch_size=engine.batch_size,
+                    shard_size=job.shard_size,
+                    buckets=job.buckets,
+                ),
+                depth=PREFETCH_BATCHES,
+                name="tokenize",
+                cancel=stop.event,
+            )
             try:
-                writer.abort()
-            except Exception as secondary:  # already failing: log a different second failure, raise the first
-                if secondary is not failure:
-                    log.warning("event=writer_abort_failed error=%r", secondary)
-            raise
-        finally:
+                for batch in batches:
+                    if stop.is_set():
+                        break
+                    hidden = engine.forward(batch.token_ids) if batch.token_ids is not None else {}
+                    writer.submit(batch, hidden)
+                if stop.is_set():
+                    records = writer.abort()
+                    log.warning("event=stopped task=%s signal=%s shards_written=%d", task.id, stop.signum, len(records))
+                    return RunResult(records=records, stats=None, engine=engine, stopped=True)
+                records = writer.finish()
+            except BaseException as failure:
+                # Stop the writer's threads; the original error is the one worth reporting.
+                try:
+                    writer.abort()
+                except Exception as secondary:  # already failing: log a different second failure, raise the first
+                    if secondary is not failure:
+                        log.warning("event=writer_abort_failed error=%r", secondary)
+                raise
+    finally:
+        if batches is not None:
             batches.close()
-            display.close()
-            progress.close()
+        display.close()
+        progress.close()
 
     stats = records[-1].get("stats") if records else None
     log.info(

@@ -85,7 +85,9 @@ def _hub_errors(url: str) -> Iterator[None]:
     try:
         yield
     except (hub_errors.RepositoryNotFoundError, hub_errors.RevisionNotFoundError, hub_errors.EntryNotFoundError) as exc:
-        raise BadInput(f"data file {url}: not found on the Hub ({exc.__class__.__name__}); check the dataset name and path") from exc
+        raise BadInput(
+            f"data file {url}: not found on the Hub ({exc.__class__.__name__}); check the dataset name and path"
+        ) from exc
     except hub_errors.HfHubHTTPError as exc:
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if status is not None and (status == 429 or status >= 500):
@@ -158,7 +160,8 @@ def expand_data_files(patterns: Iterable[str]) -> list[str]:
             matches = _expand_gs(pattern)
         elif pattern.startswith("hf://"):
             with _hub_errors(pattern):
-                matches = sorted("hf://" + m for m in _hf_fs().glob(pattern)) if any(c in pattern for c in _GLOB_CHARS) else [pattern]
+                globbed = any(c in pattern for c in _GLOB_CHARS)
+                matches = sorted("hf://" + m for m in _hf_fs().glob(pattern)) if globbed else [pattern]
         else:
             matches = _expand_local(pattern)
         if not matches:
@@ -187,6 +190,8 @@ def resolve_hub_dataset(dataset: HubDataset) -> list[str]:
             raise BadInput(f"dataset.name: {dataset.name!r} not found on the Hub ({exc})") from exc
         except ValueError as exc:  # datasets' way of saying the config name is unknown
             raise BadInput(f"dataset.config: {dataset.config!r} is not a config of {dataset.name}: {exc}") from exc
+        except ConnectionError as exc:  # datasets' way of saying the Hub is unreachable
+            raise TransientIOError(f"dataset.name: cannot reach {dataset.name} on the Hub ({exc}); retry later") from exc
         data_files = builder.config.data_files
         if data_files:
             if dataset.split not in data_files:
@@ -195,11 +200,14 @@ def resolve_hub_dataset(dataset: HubDataset) -> list[str]:
                 )
             files = [str(f) for f in data_files[dataset.split]]
         else:
-            export = f"datasets/{dataset.name}@refs%2Fconvert%2Fparquet/{dataset.config or 'default'}/{dataset.split}/*.parquet"
+            config = dataset.config or "default"
+            export = f"datasets/{dataset.name}@refs%2Fconvert%2Fparquet/{config}/{dataset.split}/*.parquet"
             files = ["hf://" + f for f in _hf_fs().glob(export)]
     files = sorted(f for f in files if pathlib.PurePosixPath(f).suffix.lower() in FORMATS)
     if not files:
-        raise BadInput(f"dataset: {dataset.name} config={dataset.config} split={dataset.split} has no parquet/json data files")
+        raise BadInput(
+            f"dataset: {dataset.name} config={dataset.config} split={dataset.split} has no parquet or JSON data files"
+        )
     return files
 
 
@@ -285,7 +293,9 @@ class Document:
 def _check_text(url: str, row: int, text: Any, text_field: str) -> str:
     if not isinstance(text, str):
         kind = "null" if text is None else type(text).__name__
-        raise BadInput(f"text_field: {text_field!r} of row {row} in {url} is {kind}, not a string; fix the data or pick another text_field")
+        raise BadInput(
+            f"text_field: {text_field!r} of row {row} in {url} is {kind}, not a string; fix the data or the field"
+        )
     return text
 
 
@@ -295,7 +305,8 @@ def _parquet_text_column(url: str, pf: Any, text_field: str) -> None:
     schema = pf.schema_arrow
     if text_field not in schema.names:
         raise BadInput(
-            f"text_field: {text_field!r} is not a column of {url} (columns: {', '.join(schema.names)}); set text_field in the job"
+            f"text_field: {text_field!r} is not a column of {url} (columns: {', '.join(schema.names)}); "
+            "set text_field in the job"
         )
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
@@ -307,7 +318,9 @@ def _parquet_rows(url: str, source: Any, text_field: str, start: int, end: int) 
     _parquet_text_column(url, pf, text_field)
     meta = pf.metadata
     if end > meta.num_rows:
-        raise BadInput(f"task.files: {url} has {meta.num_rows} rows, the task asks for rows up to {end}; re-plan the tasks")
+        raise BadInput(
+            f"task.files: {url} has {meta.num_rows} rows, the task asks for rows up to {end}; re-plan the tasks"
+        )
     selected: list[int] = []
     first_row = None
     row = 0
@@ -320,7 +333,10 @@ def _parquet_rows(url: str, source: Any, text_field: str, start: int, end: int) 
     if not selected:
         return
     row = first_row
-    for batch in pf.iter_batches(batch_size=_PARQUET_READ_ROWS, row_groups=selected, columns=[text_field], use_threads=False):
+    batches = pf.iter_batches(
+        batch_size=_PARQUET_READ_ROWS, row_groups=selected, columns=[text_field], use_threads=False
+    )
+    for batch in batches:
         column = batch.column(0)
         lo, hi = max(start - row, 0), min(end - row, len(column))
         if lo < hi:
@@ -336,7 +352,8 @@ def _json_text(url: str, row: int, record: Any, text_field: str) -> str:
         raise BadInput(f"data file {url}: row {row} is {type(record).__name__}, not a JSON object")
     if text_field not in record:
         raise BadInput(
-            f"text_field: {text_field!r} is missing from row {row} of {url} (keys: {', '.join(record)}); set text_field in the job"
+            f"text_field: {text_field!r} is missing from row {row} of {url} (keys: {', '.join(record)}); "
+            "set text_field in the job"
         )
     return _check_text(url, row, record[text_field], text_field)
 
@@ -373,7 +390,8 @@ def check_task_files(task: Task, text_field: str) -> None:
                 _parquet_text_column(entry.path, pf, text_field)
                 if entry.end > pf.metadata.num_rows:
                     raise BadInput(
-                        f"task.files: {entry.path} has {pf.metadata.num_rows} rows, the task asks for rows up to {entry.end}"
+                        f"task.files: {entry.path} has {pf.metadata.num_rows} rows, "
+                        f"the task asks for rows up to {entry.end}; re-plan the tasks"
                     )
 
 
@@ -432,7 +450,8 @@ def list_shards(prefix: str) -> list[str]:
     if prefix.startswith("gs://"):
         bucket, key = _split_gs(prefix)
         key = key.rstrip("/") + "/" if key else ""
-        return sorted(f"gs://{bucket}/{e.name}" for e in _bucket_store(bucket).list(key) if e.name.endswith(".safetensors"))
+        entries = _bucket_store(bucket).list(key)
+        return sorted(f"gs://{bucket}/{e.name}" for e in entries if e.name.endswith(".safetensors"))
     return sorted(str(p) for p in pathlib.Path(prefix).rglob("*.safetensors") if p.is_file())
 
 

@@ -33,7 +33,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # Dense bf16 peak FLOP/s per device, from the vendors' spec sheets (without structured sparsity). Matched against
 # `device.device_kind` in order, so more specific names come first.
 _PEAK_BF16_FLOPS = (
-    (r"TPU v6|TPU v6 lite|TPU v6e", 918e12),
+    (r"TPU v6", 918e12),  # v6e (Trillium), reported as "TPU v6 lite"
     (r"TPU v5 lite|TPU v5e|TPU v5litepod", 197e12),
     (r"TPU v5p|TPU v5\b", 459e12),
     (r"TPU v4", 275e12),
@@ -177,7 +177,8 @@ class Engine:
         else:
             shape = shd.choose_mesh_shape(
                 self.config,
-                devices,
+                len(devices),
+                shd.device_memory_bytes(devices[0]),
                 num_layers=self.num_computed_layers,
                 batch_size=self.batch_size,
                 seq_len=self.max_seq_len,

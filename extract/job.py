@@ -93,7 +93,9 @@ def parse_mesh(spec: str) -> dict[str, int]:
         match = re.fullmatch(r"\s*([a-z]+)\s*=\s*(\d+)\s*", part)
         if not match or match.group(1) not in MESH_AXES or int(match.group(2)) <= 0 or match.group(1) in axes:
             raise _fail(
-                "mesh", f"{spec!r} is not a mesh", f"write axis=size pairs over {'/'.join(MESH_AXES)}, e.g. 'data=2,model=2'"
+                "mesh",
+                f"{spec!r} is not a mesh",
+                f"write axis=size pairs over {'/'.join(MESH_AXES)}, e.g. 'data=2,model=2'",
             )
         axes[match.group(1)] = int(match.group(2))
     return axes
@@ -158,12 +160,12 @@ class Job:
     @classmethod
     def from_dict(cls, raw: Any) -> "Job":
         if not isinstance(raw, Mapping):
-            raise _fail("job", f"is a {type(raw).__name__}", "write a JSON object with the fields in docs/EXTRACTION.md")
+            raise _fail("job", f"is a {type(raw).__name__}", "write a JSON object as in docs/EXTRACTION.md")
         _reject_unknown("", raw, _JOB_FIELDS)
 
         for required in ("model", "layers", "max_seq_len", "batch_size", "shard_size"):
             if required not in raw:
-                raise _fail(required, "missing", "every job needs model, layers, max_seq_len, batch_size and shard_size")
+                raise _fail(required, "missing", "a job needs model, layers, max_seq_len, batch_size, shard_size")
 
         dataset = None
         data_files: tuple[str, ...] = ()
@@ -190,7 +192,7 @@ class Job:
             files = raw["data_files"]
             files = [files] if isinstance(files, str) else files
             if not isinstance(files, list) or not files:
-                raise _fail("data_files", f"got {raw['data_files']!r}", "use a path, glob or gs:// URL, or a list of them")
+                raise _fail("data_files", f"got {raw['data_files']!r}", "use a path, glob or URL, or a list of them")
             data_files = tuple(_non_empty_str(f"data_files[{i}]", f) for i, f in enumerate(files))
 
         layers = raw["layers"]
@@ -229,7 +231,9 @@ class Job:
                 raise _fail("buckets", f"got {given!r}", "use a strictly increasing list of positive lengths")
             if given[-1] != max_seq_len:
                 raise _fail(
-                    "buckets", f"the last bucket is {given[-1]}, not max_seq_len={max_seq_len}", "end the list at max_seq_len"
+                    "buckets",
+                    f"the last bucket is {given[-1]}, not max_seq_len={max_seq_len}",
+                    "end the list at max_seq_len",
                 )
             buckets = tuple(given)
 
@@ -287,7 +291,7 @@ class Task:
         task_id = _non_empty_str("task.id", raw["id"])
         files = raw.get("files")
         if not isinstance(files, list) or not files:
-            raise _fail("task.files", f"got {files!r}", 'list the slices: [{"path": ..., "base": ..., "start": ..., "end": ...}]')
+            raise _fail("task.files", f"got {files!r}", 'list slices: [{"path", "base", "start", "end"}, ...]')
         slices = []
         for i, entry in enumerate(files):
             where = f"task.files[{i}]"
@@ -311,7 +315,7 @@ class Task:
             )
         task = cls(id=task_id, files=tuple(slices))
         if task.num_samples == 0:
-            raise _fail("task.files", f"task {task_id} is an empty slice (0 rows)", "give at least one file a row range end > start")
+            raise _fail("task.files", f"task {task_id} is an empty slice (0 rows)", "give a file end > start")
         return task
 
 
@@ -330,9 +334,9 @@ class ResumeState:
     @classmethod
     def from_dict(cls, raw: Any, task: Task) -> "ResumeState":
         if not isinstance(raw, Mapping):
-            raise _fail("resume", f"is a {type(raw).__name__}", 'expected {"task": id, "attempt": n, "progress": [...]}')
+            raise _fail("resume", f"is a {type(raw).__name__}", 'expected {"task": id, "attempt": n, "progress": []}')
         if raw.get("task") not in (None, task.id):
-            raise _fail("resume.task", f"{raw['task']!r} is not this task ({task.id!r})", "pass the resume file of this task")
+            raise _fail("resume.task", f"{raw['task']!r} is not this task ({task.id!r})", "pass this task's file")
         progress = raw.get("progress", [])
         if not isinstance(progress, list):
             raise _fail("resume.progress", f"got {progress!r}", "use a list of progress records")
@@ -348,7 +352,9 @@ class ResumeState:
             end = _non_negative_int(f"{where}.sample_end", record.get("sample_end"))
             if not start < end <= task.num_samples:
                 raise _fail(
-                    where, f"covers [{start}, {end}), outside the task's {task.num_samples} samples", "pass this task's records"
+                    where,
+                    f"covers [{start}, {end}), outside the task's {task.num_samples} samples",
+                    "pass this task's records",
                 )
             spans.append((start, end, dict(record)))
         spans.sort(key=lambda span: span[0])

@@ -28,7 +28,9 @@ from extract.errors import ExtractError
 from extract.writer import ShardFormatError, crc32c_b64, decode_safetensors, layer_key, parse_header
 
 _JSON_METADATA = ("layers", "job", "task_manifest", "tokenization")
-_INT_METADATA = ("attempt", "hidden_size", "max_seq_len", "num_hidden_layers", "sample_start", "sample_end", "samples", "tokens")
+_INT_METADATA = (
+    "attempt", "hidden_size", "max_seq_len", "num_hidden_layers", "sample_start", "sample_end", "samples", "tokens",
+)  # fmt: skip
 _HEAD_BYTES = 64 * 1024
 
 
@@ -112,7 +114,7 @@ def load_shard(ref: ShardRef) -> Shard:
     if ref.bytes is not None and len(payload) != ref.bytes:
         raise ActivationsError(f"shard {ref.url}: {len(payload)} bytes, its record says {ref.bytes}")
     if ref.crc32c is not None and crc32c_b64(payload) != ref.crc32c:
-        raise ActivationsError(f"shard {ref.url}: crc32c {crc32c_b64(payload)} does not match its record's {ref.crc32c}")
+        raise ActivationsError(f"shard {ref.url}: crc32c {crc32c_b64(payload)} differs from its record's {ref.crc32c}")
     try:
         tensors, metadata = decode_safetensors(payload)
     except ShardFormatError as exc:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from extract.config import QwenConfig
@@ -101,10 +101,6 @@ def make_mesh(shape: tuple[int, int], devices: Sequence[jax.Device]) -> Mesh:
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=list(devices))
 
 
-def named(mesh: Mesh, spec: P) -> NamedSharding:
-    return NamedSharding(mesh, spec)
-
-
 def device_memory_bytes(device: jax.Device) -> int | None:
     """Usable memory of one device, or None where the runtime does not say (CPU: treated as ample)."""
     try:
@@ -163,7 +159,8 @@ def replica_bytes(
 
 def choose_mesh_shape(
     config: QwenConfig,
-    devices: Sequence[jax.Device],
+    device_count: int,
+    device_memory: int | None,
     *,
     num_layers: int,
     batch_size: int,
@@ -172,9 +169,11 @@ def choose_mesh_shape(
     out_bytes: int,
     num_outputs: int,
 ) -> tuple[int, int]:
-    """(data, model) for the automatic policy described in the module docstring."""
-    count = len(devices)
-    memory = device_memory_bytes(devices[0])
+    """(data, model) for the automatic policy described in the module docstring.
+
+    `device_memory` is one device's usable bytes (`device_memory_bytes`), None when unknown (treated as ample).
+    """
+    count, memory = device_count, device_memory
     candidates = [m for m in range(1, count + 1) if count % m == 0]
     fitting = []
     for m in candidates:
@@ -215,7 +214,6 @@ __all__ = [
     "device_memory_bytes",
     "make_mesh",
     "mesh_summary",
-    "named",
     "parse_mesh",
     "replica_bytes",
 ]

@@ -61,7 +61,9 @@ def _training_corpus(seed: int, n_docs: int = 400) -> Iterator[str]:
         yield generate_text(rng, rng.randint(20, 120))
 
 
-def write_tiny_tokenizer(directory: str | pathlib.Path, vocab: int, seed: int = 0, model_max_length: int = 4096) -> None:
+def write_tiny_tokenizer(
+    directory: str | pathlib.Path, vocab: int, seed: int = 0, model_max_length: int = 4096
+) -> None:
     """A byte-level BPE like Qwen's (no BOS, `<|endoftext|>` as EOS and pad), trained here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -102,7 +104,9 @@ def tiny_qwen_config(
     if model_type not in ("qwen2", "qwen3"):
         raise ValueError(f"model_type={model_type!r}: use 'qwen2' or 'qwen3'")
     if hidden % heads or heads % kv_heads:
-        raise ValueError(f"hidden={hidden}, heads={heads}, kv_heads={kv_heads}: hidden must divide by heads, heads by kv_heads")
+        raise ValueError(
+            f"hidden={hidden}, heads={heads}, kv_heads={kv_heads}: hidden must divide by heads, heads by kv_heads"
+        )
     config = {
         "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "Qwen3ForCausalLM"],
         "model_type": model_type,

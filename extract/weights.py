@@ -26,7 +26,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import ml_dtypes
@@ -35,7 +35,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 import objectstore
-from extract.config import QwenConfig
 from extract.errors import BadInput, TransientIOError
 from extract.sharding import ShardingRules
 
@@ -74,7 +73,9 @@ def is_model_file(name: str) -> bool:
 # -- sources ------------------------------------------------------------------------------------------------------
 
 
-def resolve_model_dir(model: str, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def resolve_model_dir(
+    model: str, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None
+) -> pathlib.Path:
     """A local directory holding config.json, tokenizer files and *.safetensors for `model`.
 
     `model` is a local directory, a `gs://bucket/prefix` directory, or a hub id such as `Qwen/Qwen2.5-7B`.
@@ -105,7 +106,7 @@ def fetch_from_store(url: str, cache_dir: pathlib.Path) -> pathlib.Path:
     store = objectstore.open_store(url)
     try:
         entries = [e for e in store.list("") if "/" not in e.name and is_model_file(e.name)]
-    except objectstore.StoreUnavailable as exc:
+    except objectstore.StoreError as exc:  # unavailable, or refused (permissions may still be propagating)
         raise TransientIOError(f"model={url!r}: listing failed: {exc}") from exc
     names = {e.name for e in entries}
     if "config.json" not in names:
@@ -141,7 +142,7 @@ def fetch_from_store(url: str, cache_dir: pathlib.Path) -> pathlib.Path:
                     f"model={url!r}: {entry.name} arrived with {partial.stat().st_size} bytes, expected {entry.size}"
                 )
             os.replace(partial, target)
-        except (objectstore.StoreUnavailable, objectstore.NotFound, OSError) as exc:
+        except (objectstore.StoreError, OSError) as exc:  # includes a file deleted while a mirror is rewritten
             raise TransientIOError(f"model={url!r}: downloading {entry.name} failed: {exc}") from exc
         finally:
             partial.unlink(missing_ok=True)
@@ -266,7 +267,9 @@ class Checkpoint:
         else:
             files = sorted(model_dir.glob("*.safetensors"))
             if not files:
-                raise BadInput(f"model directory {model_dir} has no *.safetensors weights (model.safetensors or shards)")
+                raise BadInput(
+                    f"model directory {model_dir} has no *.safetensors weights (model.safetensors or shards)"
+                )
         self.tensors: dict[str, TensorLocation] = {}
         for file in files:
             self.tensors.update(read_safetensors_header(file))
@@ -283,7 +286,9 @@ class Checkpoint:
         try:
             if not location.shape or 0 in location.shape:
                 return np.zeros(location.shape, location.dtype)
-            return np.memmap(location.file, dtype=location.dtype, mode="r", offset=location.offset, shape=location.shape)
+            return np.memmap(
+                location.file, dtype=location.dtype, mode="r", offset=location.offset, shape=location.shape
+            )
         except OSError as exc:
             raise TransientIOError(f"tensor {name} in {location.file} could not be read: {exc}") from exc
 
@@ -339,7 +344,6 @@ def load_state(
     mesh: Mesh,
     rules: ShardingRules,
     dtype,
-    progress: Callable[[str, int], None] | None = None,
 ) -> nnx.State:
     """Fill `abstract_state` (from `nnx.eval_shape`) with checkpoint tensors placed on their shardings."""
     target_dtype = np.dtype(dtype)
@@ -359,7 +363,5 @@ def load_state(
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = placed
-        if progress is not None:
-            progress(name, placed.nbytes)
     nnx.replace_by_pure_dict(abstract_state, values)
     return abstract_state

@@ -77,7 +77,11 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str,
         array = np.ascontiguousarray(array)
         if array.dtype not in _CODE_OF:
             raise ShardFormatError(f"tensor {name}: dtype {array.dtype} has no safetensors code")
-        header[name] = {"dtype": _CODE_OF[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        header[name] = {
+            "dtype": _CODE_OF[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
         offset += array.nbytes
         arrays.append(array)
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
@@ -121,7 +125,8 @@ def decode_safetensors(buffer: bytes) -> tuple[dict[str, np.ndarray], dict[str, 
         count = int(np.prod(spec["shape"], dtype=np.int64))
         if end - begin != count * dtype.itemsize or data_start + end > len(buffer):
             raise ShardFormatError(f"tensor {name}: data_offsets {begin}:{end} do not match shape {spec['shape']}")
-        tensors[name] = np.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin).reshape(spec["shape"])
+        array = np.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin)
+        tensors[name] = array.reshape(spec["shape"])
     return tensors, metadata
 
 
@@ -255,8 +260,8 @@ class ShardWriter:
         self._abort = threading.Event()
         self._failed = threading.Event()
         self._error: BaseException | None = None
-        self._collector = threading.Thread(target=self._guard, args=(self._collect,), name="shard-collector", daemon=True)
-        self._uploader = threading.Thread(target=self._guard, args=(self._upload,), name="shard-uploader", daemon=True)
+        self._collector = threading.Thread(target=self._guard, args=(self._collect,), name="collector", daemon=True)
+        self._uploader = threading.Thread(target=self._guard, args=(self._upload,), name="uploader", daemon=True)
         self._collector.start()
         self._uploader.start()
 
@@ -349,7 +354,7 @@ class ShardWriter:
         arrays = {layer: np.asarray(host[layer]) for layer in host}
         for layer, array in arrays.items():
             if array.shape[0] < len(batch.samples) or array.ndim != 3:
-                raise ValueError(f"layer {layer}: activations of shape {array.shape} for a batch of {len(batch.samples)}")
+                raise ValueError(f"layer {layer}: activations of shape {array.shape} for {len(batch.samples)} samples")
         tokens = 0
         flops = 0.0
         for row, sample in enumerate(batch.samples):

@@ -154,7 +154,7 @@ class Claimer:
         self.stop_event = threading.Event()
         self.exit_reason = "running"
         self._cursor: int | None = None
-        self._mine: set[str] = set()  # tasks this worker finished itself
+        self._landed = False  # after a jump, the view ahead must be re-listed before claiming there
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -230,43 +230,39 @@ class Claimer:
     # -- one claim --------------------------------------------------------------------------
 
     def _next_candidate(self) -> str | None:
-        """The next claimable task on the ring; entering a stretch someone else finished means a jump."""
         order = self.view.order
         if not order:
             return None
         if self._cursor is None:
             self._cursor = self.rng.randrange(len(order))
-        for attempt in range(2):
-            for step in range(len(order)):
-                task_id = order[(self._cursor + step) % len(order)]
-                if task_id in self.view.finished or self.view.live(task_id):
-                    continue
-                if step > 0 and attempt == 0 and self._walked_into_others_work(step):
-                    self._jump()
-                    break
-                self._cursor = (self._cursor + step) % len(order)
-                return task_id
+        for step in range(len(order)):
+            task_id = order[(self._cursor + step) % len(order)]
+            if task_id in self.view.finished or self.view.live(task_id):
+                continue
+            self._cursor = (self._cursor + step) % len(order)
+            return task_id
         return None
-
-    def _walked_into_others_work(self, step: int) -> bool:
-        """Did the walk just skip tasks finished by someone else (not by us, not long known)?"""
-        order = self.view.order
-        return any(order[(self._cursor + k) % len(order)] not in self._mine for k in range(step))
 
     def _try_claim(self) -> Claim | None | bool:
         """A claim; None when nothing is claimable; False when the view changed and it is worth going again."""
         task_id = self._next_candidate()
         if task_id is None:
             return None
+        if self._landed:
+            # The view chose this spot, but it is stale away from where we have been: look first.
+            self._landed = False
+            self.view.relist_done_from(task_id, page_size=RELIST_PAGE)
+            if task_id in self.view.finished:
+                return False
         lease = self._acquire(task_id)
         if lease is None:  # someone is at this very task, and will walk on ahead of us: go elsewhere
-            self._relist(task_id)
+            self.view.scan_leases()
             self._jump()
             return False
         if self._already_done(task_id):
-            # A finished task has no lease, so our view was stale: give the lease back and catch up.
+            # A finished task has no lease, so our view was stale here: give the lease back and move.
             lease.abandon()
-            self._relist(task_id)
+            self.view.scan_leases()
             self._jump()
             return False
         self._cursor = (self.view.position[task_id] + 1) % len(self.view.order)
@@ -299,7 +295,6 @@ class Claimer:
             )
         else:  # completed (lease deleted) or dead-lettered
             self.view.finished.add(lease.task_id)
-            self._mine.add(lease.task_id)
             self.view.leases.pop(lease.task_id, None)
 
     def _acquire(self, task_id: str) -> HeldLease | None:

@@ -14,7 +14,7 @@ import pathlib
 import sys
 
 from extract import data
-from extract.errors import ExtractError
+from extract.cli import EX_SOFTWARE, exit_code_for
 from extract.job import load_job, plan_tasks
 
 log = logging.getLogger("make_tasks")
@@ -35,9 +35,12 @@ def main(argv=None) -> int:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.workers)) as pool:
             counts = list(pool.map(data.count_rows, files))
         tasks = plan_tasks(list(zip(files, counts)), args.rows_per_task, args.id_prefix)
-    except ExtractError as exc:
-        log.error("event=plan_failed error=%s", exc)
-        return 65
+    except Exception as exc:
+        code = exit_code_for(exc)  # 65 bad input, 75 transient, as for consume.py
+        if code == EX_SOFTWARE:
+            raise
+        log.error("event=plan_failed exit=%d error=%s", code, exc)
+        return code
     lines = "".join(json.dumps(task.to_dict()) + "\n" for task in tasks)
     if args.output == "-":
         sys.stdout.write(lines)

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from extract.config import QwenConfig
 from extract.engine import Engine
-from extract.sharding import ShardingRules
+from extract.sharding import ShardingRules, choose_mesh_shape, parse_mesh, replica_bytes
 from tests.extract_model.conftest import ragged_batch
 
 LAYERS = [0, 2, -1]
@@ -79,3 +79,41 @@ def test_automatic_mesh_moves_devices_to_model_when_batch_does_not_split(qwen2_u
         str(qwen2_untied.path), [1], batch_size=2, max_seq_len=16, compute_dtype="float32", devices=four_devices
     )
     assert dict(engine.mesh.shape) == {"data": 2, "model": 2}
+
+
+QWEN25_7B = {
+    "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+}  # fmt: skip
+GIB = 1024**3
+
+
+def choose(device_memory, device_count=4, batch_size=16, seq_len=512):
+    config = QwenConfig.from_dict(QWEN25_7B)
+    return choose_mesh_shape(
+        config, device_count, device_memory, num_layers=config.num_hidden_layers, batch_size=batch_size,
+        seq_len=seq_len, compute_bytes=2, out_bytes=2, num_outputs=1,
+    )  # fmt: skip
+
+
+def test_seven_billion_replica_fits_a_large_device_so_pure_data_parallel():
+    assert choose(80 * GIB) == (4, 1)
+    assert choose(None) == (4, 1)  # memory unknown (CPU): ample
+
+
+def test_seven_billion_on_small_devices_uses_the_smallest_model_axis_that_fits():
+    c = QwenConfig.from_dict(QWEN25_7B)
+    d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
+    per_layer = d * c.num_attention_heads * h * 2 + 2 * d * c.num_key_value_heads * h + 3 * d * f
+    weight_bytes = 2 * (c.vocab_size * d + c.num_hidden_layers * per_layer)  # bf16, no LM head
+    one_replica = replica_bytes(c, c.num_hidden_layers, 4, 512, 2, 2, 1)
+    assert weight_bytes < one_replica < 1.2 * weight_bytes  # weights plus one micro-batch of activations
+    assert one_replica > 0.8 * 16 * GIB  # so a 16 GiB device cannot hold a replica...
+    assert choose(16 * GIB) == (2, 2)  # ...but half of one (heads, kv heads and MLP split in two) fits
+    assert choose(8 * GIB) == (1, 4)
+    assert choose(1 * GIB) == (1, 4)  # nothing fits: maximal tensor parallelism, XLA reports the OOM if any
+
+
+def test_explicit_mesh_must_span_every_device():
+    assert parse_mesh("model=2,data=2", 4) == (2, 2)
+    assert parse_mesh("data=4", 4) == (4, 1)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import http.server
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import jax
 import ml_dtypes
@@ -92,6 +95,56 @@ def test_mirror_tool_refuses_a_directory_that_is_not_a_model(tmp_path):
     )  # fmt: skip
     assert result.returncode == 65
     assert "config.json" in result.stderr
+
+
+class _NoSuchRepoHub(http.server.BaseHTTPRequestHandler):
+    """Answers every hub API call the way the hub answers for a repository that does not exist."""
+
+    def do_GET(self):
+        body = b'{"error": "Repository not found"}'
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def resolve_in_subprocess(endpoint: str, tmp_path) -> str:
+    """huggingface_hub reads HF_ENDPOINT at import, so the lookup runs in a fresh interpreter."""
+    code = (
+        "from extract.weights import resolve_model_dir\n"
+        "try:\n    resolve_model_dir('Qwen/NoSuchModel')\n"
+        "except Exception as exc:\n    print(type(exc).__name__, exc)\n"
+    )
+    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1")
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    return result.stdout
+
+
+def test_hub_id_that_does_not_exist_is_bad_input(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepoHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = resolve_in_subprocess(f"http://127.0.0.1:{server.server_port}", tmp_path)
+    finally:
+        server.shutdown()
+    assert out.startswith("BadInput model='Qwen/NoSuchModel'"), out
+
+
+def test_unreachable_hub_is_transient(tmp_path):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = resolve_in_subprocess(f"http://127.0.0.1:{port}", tmp_path)
+    assert out.startswith("TransientIOError model='Qwen/NoSuchModel'"), out
 
 
 def test_bfloat16_checkpoint_loads_into_float32_compute(qwen2_tied, tmp_path):

@@ -136,7 +136,7 @@ def consume_env(jax_cache: pathlib.Path) -> Callable[[], dict[str, str]]:
 def run_consume(consume_env: Callable[[], dict[str, str]]) -> Callable[..., subprocess.CompletedProcess]:
     """Run consume.py to completion; stderr is returned as text and also kept in the run's workdir."""
 
-    def run(spec: ConsumeRun, timeout: float = TIMEOUT_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run(spec: ConsumeRun, timeout: float = TIMEOUT_S, env: dict | None = None) -> subprocess.CompletedProcess:
         spec.workdir.mkdir(parents=True, exist_ok=True)
         with open(spec.stderr_file, "w") as stderr:
             proc = subprocess.run(spec.argv(), cwd=REPO, env={**consume_env(), **(env or {})}, stderr=stderr,
@@ -176,7 +176,8 @@ def wait_for_records(spec: ConsumeRun, proc: subprocess.Popen, count: int, timeo
             return records
         if proc.poll() is not None:
             raise AssertionError(
-                f"consume.py exited with {proc.returncode} after {len(records)} records:\n{spec.stderr_file.read_text()}"
+                f"consume.py exited with {proc.returncode} after {len(records)} records:\n"
+                + spec.stderr_file.read_text()
             )
         time.sleep(0.02)
     raise AssertionError(f"no {count} progress records within {timeout}s:\n{spec.stderr_file.read_text()}")

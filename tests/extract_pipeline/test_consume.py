@@ -195,7 +195,9 @@ def test_sigterm_stops_within_seconds_keeping_only_complete_shards(
 
 
 def test_sigterm_while_the_model_loads_exits_143_at_once(tmp_path, qwen2_reference, start_consume):
-    spec = ConsumeRun(workdir=tmp_path, job=qwen2_reference.job, task=qwen2_reference.task, output=str(tmp_path / "out"))
+    spec = ConsumeRun(
+        workdir=tmp_path, job=qwen2_reference.job, task=qwen2_reference.task, output=str(tmp_path / "out")
+    )
     proc = start_consume(spec)
     deadline = time.monotonic() + 120
     while "event=task_start" not in spec.stderr_file.read_text():
@@ -208,28 +210,32 @@ def test_sigterm_while_the_model_loads_exits_143_at_once(tmp_path, qwen2_referen
     assert spec.records() == []
 
 
-def test_gs_data_and_gs_output_through_spawn_environment(tmp_path, tiny_models, corpus, consume_env, gcs, gcs_bucket, gcs_client):
-    """Tasks planned from footers on gs://, then consume.py driven only by SPAWN_* variables, reading and writing gs://."""
+def test_gs_data_and_gs_output_through_spawn_environment(
+    tmp_path, tiny_models, corpus, consume_env, gcs, gcs_bucket, gcs_client
+):
+    """Tasks planned from footers on gs://, then consume.py driven only by SPAWN_* variables, on gs:// both ways."""
     bucket = gcs_client.bucket(gcs_bucket)
     for path in corpus.files:
         bucket.blob(f"data/{path.name}").upload_from_filename(str(path))
     job = base_job(tiny_models["qwen2"], corpus, data_files=[f"gs://{gcs_bucket}/data/*.parquet"], shard_size=20)
     job_file = write_json(tmp_path / "job.json", job)
     plan = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "make_tasks.py"), str(job_file), "--rows-per-task", "60", "-o", str(tmp_path / "tasks.jsonl")],
+        [sys.executable, str(REPO / "tools" / "make_tasks.py"), str(job_file), "--rows-per-task", "60",
+         "-o", str(tmp_path / "tasks.jsonl")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert plan.returncode == 0, plan.stderr
     tasks = [json.loads(line) for line in (tmp_path / "tasks.jsonl").read_text().splitlines()]
     assert [sum(f["end"] - f["start"] for f in t["files"]) for t in tasks] == [60, 60, 60, 40]
     task = tasks[1]  # rows 60..120: the end of file 0 and the start of file 1
-    assert [f["path"] for f in task["files"]] == [f"gs://{gcs_bucket}/data/000_00000.parquet", f"gs://{gcs_bucket}/data/001_00000.parquet"]
+    assert [f["path"] for f in task["files"]] == [f"gs://{gcs_bucket}/data/{n}_00000.parquet" for n in ("000", "001")]
 
     output = f"gs://{gcs_bucket}/queue/out/{task['id']}/7"
     env = {
         "SPAWN_TASK_ID": task["id"], "SPAWN_ATTEMPT": "1",
         "SPAWN_JOB_FILE": str(job_file), "SPAWN_TASK_FILE": str(write_json(tmp_path / "task.json", task)),
-        "SPAWN_RESUME_FILE": str(write_json(tmp_path / "resume.json", {"task": task["id"], "attempt": 1, "progress": []})),
+        "SPAWN_RESUME_FILE": str(write_json(tmp_path / "resume.json", {"task": task["id"], "attempt": 1,
+                                                                       "progress": []})),
         "SPAWN_PROGRESS_FILE": str(tmp_path / "progress.jsonl"), "SPAWN_OUTPUT": output,
     }  # fmt: skip
     proc = subprocess.run([sys.executable, "consume.py"], cwd=REPO, env={**consume_env(), **env},

@@ -1,4 +1,4 @@
-"""Data files: row counts from parquet footers only, slices read from the row groups they touch, JSON Lines, planning."""
+"""Data files: row counts from parquet footers only, slices read from the row groups they touch, JSON Lines, plans."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def test_task_asking_for_rows_past_the_file_end_is_bad_input(corpus):
 
 def test_globs_and_directories_expand_sorted(tmp_path, corpus):
     assert data.expand_data_files([str(corpus.files[0].parent)]) == [str(f) for f in corpus.files]
-    assert data.expand_data_files([str(corpus.files[0].parent / "00[12]_*.parquet")]) == [str(f) for f in corpus.files[1:]]
+    pattern = str(corpus.files[0].parent / "00[12]_*.parquet")
+    assert data.expand_data_files([pattern]) == [str(f) for f in corpus.files[1:]]
     with pytest.raises(BadInput, match="matches no file"):
         data.expand_data_files([str(tmp_path / "*.parquet")])
 
@@ -84,7 +85,8 @@ def plan(job: dict, tmp_path: pathlib.Path, rows_per_task: int) -> list[dict]:
     job_file = write_json(tmp_path / "job.json", job)
     out = tmp_path / "tasks.jsonl"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "make_tasks.py"), str(job_file), "--rows-per-task", str(rows_per_task), "-o", str(out)],
+        [sys.executable, str(REPO / "tools" / "make_tasks.py"), str(job_file), "--rows-per-task", str(rows_per_task),
+         "-o", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,4 @@
-"""Shards on disk and back: safetensors bytes, slice order, progress records, crc32c, errors from the writer's threads."""
+"""Shards on disk and back: safetensors bytes, slice order, progress records, crc32c, errors in the writer's threads."""
 
 from __future__ import annotations
 
@@ -50,7 +50,10 @@ def fake_hidden(batch, layer: int) -> np.ndarray:
 
 
 def windows_of(lengths: list[int], start: int, window: int) -> list:
-    samples = [TokenizedSample(start + i, 500 + start + i, np.arange(1, n + 1, dtype=np.int32) + i) for i, n in enumerate(lengths)]
+    samples = [
+        TokenizedSample(start + i, 500 + start + i, np.arange(1, n + 1, dtype=np.int32) + i)
+        for i, n in enumerate(lengths)
+    ]
     batches = []
     for lo in range(0, len(samples), window):
         batches += make_batches(samples[lo : lo + window], batch_size=2, buckets=(4, 8), pad_id=0)
@@ -64,7 +67,8 @@ def write_all(store, lengths, *, start=0, shard_size=4, progress=None):
         progress=progress or ProgressLog(None), flops_per_token=lambda n: 100.0, peak_flops=1e6,
     )  # fmt: skip
     for batch in windows_of(lengths, start, window=4):
-        writer.submit(batch, {layer: fake_hidden(batch, layer) for layer in LAYERS} if batch.token_ids is not None else {})
+        hidden = {layer: fake_hidden(batch, layer) for layer in LAYERS} if batch.token_ids is not None else {}
+        writer.submit(batch, hidden)
     return writer.finish()
 
 
@@ -138,7 +142,8 @@ def test_upload_failure_in_the_writer_thread_fails_the_run_as_transient(gcs, gcs
     from objectstore.gcs import GCSStore, RetryPolicy
 
     gcs.faults.fail_fraction(1.0, 503, kind="write")
-    store = GCSStore(gcs_bucket, "out", client=gcs_client, policy=RetryPolicy(initial_s=0.01, cap_s=0.05, deadline_s=0.5))
+    policy = RetryPolicy(initial_s=0.01, cap_s=0.05, deadline_s=0.5)
+    store = GCSStore(gcs_bucket, "out", client=gcs_client, policy=policy)
     with pytest.raises(objectstore.StoreUnavailable) as failure:
         write_all(store, LENGTHS)
     assert exit_code_for(failure.value) == EX_TEMPFAIL

@@ -12,14 +12,8 @@ import time
 
 from objectstore import open_store
 from taskqueue import layout
-from tests.queue.conftest import (
-    REPO,
-    assert_outputs_exact,
-    lease_body,
-    markers,
-    submit_tasks,
-    wait_for,
-)
+from tests.queue.conftest import assert_outputs_exact, submit_tasks
+from tests.workers import REPO, lease_body, markers, wait_for
 
 
 def test_eight_workers_finish_300_tasks_exactly_once(queue_url, workers):
@@ -127,7 +121,7 @@ def test_fast_and_slow_clocks_neither_steal_live_leases_nor_block_expiry(local_q
 
 
 def test_storms_of_503_and_429_fail_no_task(gcs, gcs_client, gcs_bucket, tmp_path):
-    from tests.queue.conftest import Workers
+    from tests.workers import Workers
 
     url = f"gs://{gcs_bucket}/jobs/storm"
     submit_tasks(url, [{"id": f"s{k:02d}", "outputs": 2} for k in range(30)])
