@@ -23,6 +23,7 @@ from taskqueue.lease import DEAD, HELD, RELEASED, HeldLease, encode, new_lease_b
 log = logging.getLogger(__name__)
 
 LOOKAHEAD = 64  # done markers read ahead by each claim's done check
+JUMP_TRIES = 4  # runs a jump re-lists before landing in the last one anyway
 RELIST_PAGE = 1000  # done markers per re-list: one request steps over another worker's finished stretch
 
 
@@ -154,7 +155,7 @@ class Claimer:
         self.stop_event = threading.Event()
         self.exit_reason = "running"
         self._cursor: int | None = None
-        self._landed = False  # after a jump, the view ahead must be re-listed before claiming there
+        self._mine: set[str] = set()  # tasks this worker finished or dead-lettered itself
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -208,8 +209,10 @@ class Claimer:
         self.view.scan_tasks()
         self.view.scan_finished()
         self.view.scan_leases()
-        if self.view.order:
-            self._cursor = self.rng.randrange(len(self.view.order))
+        if self.view.finished or self.view.leases:
+            self._jump()  # a late joiner: start as far from everyone as the view allows
+        elif self.view.order:
+            self._cursor = self.rng.randrange(len(self.view.order))  # workers starting together spread out
         log.info(
             "event=scan tasks=%d finished=%d leases=%d",
             len(self.view.order),
@@ -230,30 +233,34 @@ class Claimer:
     # -- one claim --------------------------------------------------------------------------
 
     def _next_candidate(self) -> str | None:
+        """The next claimable task on the ring. Reaching a stretch someone else finished means a
+        worker walks just ahead of us: following it would only collide, so jump instead."""
         order = self.view.order
         if not order:
             return None
         if self._cursor is None:
             self._cursor = self.rng.randrange(len(order))
-        for step in range(len(order)):
-            task_id = order[(self._cursor + step) % len(order)]
-            if task_id in self.view.finished or self.view.live(task_id):
-                continue
-            self._cursor = (self._cursor + step) % len(order)
-            return task_id
+        for attempt in range(2):
+            for step in range(len(order)):
+                task_id = order[(self._cursor + step) % len(order)]
+                if task_id in self.view.finished or self.view.live(task_id):
+                    continue
+                if attempt == 0 and step and self._others_between(step):
+                    self._jump()
+                    break
+                self._cursor = (self._cursor + step) % len(order)
+                return task_id
         return None
+
+    def _others_between(self, step: int) -> bool:
+        order = self.view.order
+        return any(order[(self._cursor + k) % len(order)] not in self._mine for k in range(step))
 
     def _try_claim(self) -> Claim | None | bool:
         """A claim; None when nothing is claimable; False when the view changed and it is worth going again."""
         task_id = self._next_candidate()
         if task_id is None:
             return None
-        if self._landed:
-            # The view chose this spot, but it is stale away from where we have been: look first.
-            self._landed = False
-            self.view.relist_done_from(task_id, page_size=RELIST_PAGE)
-            if task_id in self.view.finished:
-                return False
         lease = self._acquire(task_id)
         if lease is None:  # someone is at this very task, and will walk on ahead of us: go elsewhere
             self.view.scan_leases()
@@ -272,8 +279,8 @@ class Claimer:
         """Checked while holding the lease, so nobody can finish the task between this check and our run.
 
         One listing of done/ from the task on answers exactly for this task (listings are strongly
-        consistent) and also shows the done markers just ahead, so the walk sees another worker's
-        finished stretch before reaching it.
+        consistent) and also shows the done markers just ahead: the walk sees another worker's
+        finished stretch before reaching it, and knows how far the road ahead was clear.
         """
         page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=LOOKAHEAD)
         found = False
@@ -295,6 +302,7 @@ class Claimer:
             )
         else:  # completed (lease deleted) or dead-lettered
             self.view.finished.add(lease.task_id)
+            self._mine.add(lease.task_id)
             self.view.leases.pop(lease.task_id, None)
 
     def _acquire(self, task_id: str) -> HeldLease | None:
@@ -345,28 +353,59 @@ class Claimer:
         return HeldLease(self.store, body, generation, self.clock)
 
     def _jump(self) -> None:
-        """Move to the middle of the largest stretch of pending tasks between live leases."""
-        self._claims_left = 0
+        """Land in the middle of the longest run of pending tasks, the spot farthest from every worker.
+
+        Workers walk forward from the end of their trail of done markers, and hold a lease only
+        while a task runs, so runs of pending tasks (not gaps between leases) show where nobody
+        is. The view is stale away from where this worker has been, so the chosen run is re-listed
+        first, and the landing is the middle of what is still pending in it.
+        """
+        order = self.view.order
+        for _ in range(JUMP_TRIES):
+            run = self._longest_pending_run()
+            if run is None:
+                return
+            start, length = run
+            self.view.relist_done_from(order[start], page_size=RELIST_PAGE)
+            best_start, best_length, run_start = start, 0, None
+            for k in range(length):
+                position = (start + k) % len(order)
+                if self._claimable(order[position]):
+                    run_start = position if run_start is None else run_start
+                    run_length = (position - run_start) % len(order) + 1
+                    if run_length > best_length:
+                        best_start, best_length = run_start, run_length
+                else:
+                    run_start = None
+            self._cursor = (best_start + best_length // 2) % len(order)
+            if best_length * 2 >= length:  # still mostly pending on fresh data: land here
+                return
+
+    def _claimable(self, task_id: str) -> bool:
+        return task_id not in self.view.finished and not self.view.live(task_id)
+
+    def _longest_pending_run(self) -> tuple[int, int] | None:
+        """(start position, length) of the longest run of consecutive claimable tasks, around the ring."""
         order = self.view.order
         n = len(order)
-        pending_positions = [i for i, t in enumerate(order) if t not in self.view.finished]
-        if not pending_positions:
-            return
-        held = sorted(
-            self.view.position[t] for t in self.view.leases if t in self.view.position and self.view.live(t)
-        )
-        if not held:
-            self._cursor = self.rng.choice(pending_positions)
-            return
-        best_len, best_mid = -1, pending_positions[0]
-        for k, start in enumerate(held):
-            end = held[(k + 1) % len(held)] if len(held) > 1 else start + n
-            if end <= start:
-                end += n
-            stretch = [p % n for p in range(start + 1, end) if order[p % n] not in self.view.finished]
-            if len(stretch) > best_len:
-                best_len, best_mid = len(stretch), (stretch[len(stretch) // 2] if stretch else start)
-        self._cursor = best_mid
+        claimable = [self._claimable(t) for t in order]
+        if not any(claimable):
+            return None
+        if all(claimable):
+            return (self._cursor or 0, n)
+        first_blocked = claimable.index(False)
+        best, run_start, run_length = (0, 0), None, 0
+        for k in range(1, n + 1):
+            position = (first_blocked + k) % n
+            if claimable[position]:
+                if run_start is None:
+                    run_start, run_length = position, 0
+                run_length += 1
+                if run_length > best[1]:
+                    best = (run_start, run_length)
+            else:
+                run_start = None
+        return best
 
     def _with_manifest(self, task_id: str, lease: HeldLease) -> Claim:
         where = self.store.url(layout.task_object(task_id))
