@@ -63,6 +63,10 @@ class CountingStore(ObjectStore):
         self._count("put", name)
         return self.inner.put(name, data, metadata)
 
+    def put_file(self, name, path):
+        self._count("put", name)
+        return self.inner.put_file(name, path)
+
     def open_read(self, name):
         return self.inner.open_read(name)
 

@@ -196,7 +196,7 @@ def upload_model_dir(local_dir: str | os.PathLike, dest_url: str) -> list[str]:
     ordered = [p for p in files if p.name != "config.json"] + [local_dir / "config.json"]
     for path in ordered:
         # One file in memory at a time: the store interface writes whole objects.
-        store.put(path.name, path.read_bytes())
+        store.put_file(path.name, path)
         log.info("event=model_file_uploaded dest=%s name=%s bytes=%d", dest_url, path.name, path.stat().st_size)
     return [p.name for p in ordered]
 

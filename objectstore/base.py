@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime as dt
+import os
 from collections.abc import Iterator, Mapping
 from typing import BinaryIO
 
@@ -113,6 +114,11 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
         """Unconditional write (for outputs, whose path already carries the fencing token)."""
+
+    @abc.abstractmethod
+    def put_file(self, name: str, path: str | os.PathLike[str]) -> int:
+        """Unconditional write of a local file's bytes, streamed: a multi-gigabyte weights shard
+        is never held in memory."""
 
     @abc.abstractmethod
     def open_read(self, name: str) -> BinaryIO:

@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import pathlib
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -39,6 +40,7 @@ from objectstore.base import (
 )
 
 STATE_DIR = ".objectstore"
+OBJECT_MODE = 0o644  # mkstemp's 0600 would hide a user's own output shards from their other tools
 
 
 def _find_root(path: pathlib.Path) -> pathlib.Path:
@@ -94,6 +96,7 @@ class LocalStore(ObjectStore):
     def _atomic_write(self, path: pathlib.Path, data: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=self._state / "tmp")
         try:
+            os.fchmod(fd, OBJECT_MODE)
             with os.fdopen(fd, "wb") as out:
                 out.write(data)
                 out.flush()
@@ -118,6 +121,10 @@ class LocalStore(ObjectStore):
         if data_path.is_dir():
             raise BadObjectName(f"object name {key!r} is a directory of other objects in {self._root}")
         self._atomic_write(data_path, data)
+        self._write_meta(key, generation, metadata)
+        return generation
+
+    def _write_meta(self, key: str, generation: int, metadata: Mapping[str, str] | None) -> None:
         meta = {
             "generation": generation,
             "metageneration": 1,
@@ -125,7 +132,6 @@ class LocalStore(ObjectStore):
             "updated": dt.datetime.now(dt.timezone.utc).isoformat(),
         }
         self._atomic_write(self._meta_path(key), json.dumps(meta).encode())
-        return generation
 
     def _remove(self, key: str) -> None:
         for path in (self._data_path(key), self._meta_path(key)):
@@ -174,6 +180,24 @@ class LocalStore(ObjectStore):
         key = self._key(name)
         with self._locked(exclusive=True):
             return self._store(key, data, metadata)
+
+    def put_file(self, name: str, path: str | os.PathLike[str]) -> int:
+        key = self._key(name)
+        fd, tmp = tempfile.mkstemp(dir=self._state / "tmp")
+        os.close(fd)
+        try:
+            shutil.copyfile(path, tmp)  # the copy happens outside the lock; only the rename is under it
+            os.chmod(tmp, OBJECT_MODE)
+            with self._locked(exclusive=True):
+                generation = self._next_generation()
+                data_path = self._data_path(key)
+                data_path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, data_path)
+                self._write_meta(key, generation, None)
+                return generation
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
     def open_read(self, name: str) -> BinaryIO:
         key = self._key(name)

@@ -70,6 +70,15 @@ def test_listing_start_offset_and_limit(store):
     assert [e.name for e in store.list("done/", limit=2)] == ["done/t0.json", "done/t1.json"]
 
 
+def test_put_file_streams_a_local_file(store, tmp_path):
+    source = tmp_path / "weights.bin"
+    source.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    first = store.put_file("models/m/weights.bin", source)
+    second = store.put_file("models/m/weights.bin", source)
+    assert second > first
+    assert store.read("models/m/weights.bin").data == source.read_bytes()
+
+
 def test_open_read_is_seekable(store):
     store.put("blob.bin", bytes(range(256)) * 100)
     with store.open_read("blob.bin") as handle:
