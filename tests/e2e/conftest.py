@@ -21,7 +21,7 @@ CONSUMER = "python consume.py"
 def tiny_model(tmp_path_factory) -> pathlib.Path:
     from extract.tiny import write_tiny_qwen
 
-    return write_tiny_qwen(tmp_path_factory.mktemp("model"), "qwen2", hidden=32, layers=2, heads=4, kv_heads=2, vocab=256)
+    return write_tiny_qwen(tmp_path_factory.mktemp("model"), "qwen2", hidden=32, layers=2, heads=4, kv_heads=2, vocab=320)
 
 
 def make_job(tmp_path: pathlib.Path, model: pathlib.Path, data_files: list[str], **overrides) -> pathlib.Path:
