@@ -69,7 +69,7 @@ def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner]:
             max_tasks=args.max_tasks,
             idle_timeout_s=args.idle_timeout,
             poll_min_s=args.poll,
-            poll_max_s=max(args.poll, min(30.0, args.lease_ttl / 2)),
+            poll_max_s=max(args.poll, min(10.0, args.lease_ttl / 4)),
         )
     except ValueError as exc:
         parser().error(str(exc))
