@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 EX_DATAERR = 65
 STOP_GRACE_S = 5.0  # consumer's time to exit after SIGTERM; release must fit in 10 s
 ERROR_TAIL_LINES = 40
+#: Expiries are not attempts (a dead machine is not the task's fault), but a task whose holders
+#: keep dying without a word is poison: after this many steals it is dead-lettered.
+MAX_TAKEOVERS = 10
 MAX_PROGRESS_LINE = 64 * 1024
 
 
@@ -164,6 +167,10 @@ class Spawner:
         return reason
 
     def _handle(self, claim: Claim) -> None:
+        takeovers = int(claim.lease.body.get("takeovers", 0))
+        if takeovers >= MAX_TAKEOVERS:
+            self._dead_letter(claim.lease, f"its lease expired {takeovers} times: every holder died running it", (), None)
+            return
         if claim.manifest is None:
             log.error("event=bad_manifest task=%s reason=%r", claim.task_id, claim.problem)
             self._dead_letter(claim.lease, f"bad manifest: {claim.problem}", (), None)

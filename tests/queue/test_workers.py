@@ -271,3 +271,22 @@ def test_status_counts_pending_leased_stale_done_and_failed(local_queue_url):
     assert view["failed_reasons"] == {"t1": "bad input: field 'text'"}
     text = subprocess.run([sys.executable, "tools/status.py", url], cwd=REPO, capture_output=True, text=True).stdout
     assert "stale   t3 held by vm-9" in text and "failed  t1: bad input" in text
+
+
+def test_a_task_whose_holders_keep_dying_is_dead_lettered(local_queue_url, local_workers):
+    from taskqueue.clock import Clock
+    from taskqueue.lease import encode, new_lease_body
+    from taskqueue.spawner import MAX_TAKEOVERS
+
+    url, workers = local_queue_url, local_workers
+    submit_tasks(url, [{"id": "poison"}, {"id": "fine"}])
+    # The lease as the tenth dead holder left it: held, and about to expire again.
+    body = new_lease_body("poison", "dead-vm", 0.5, Clock())
+    body["takeovers"] = MAX_TAKEOVERS - 1
+    data, metadata = encode(body)
+    open_store(url).create(layout.lease_object("poison"), data, metadata=metadata)
+    workers.start("w", "--idle-timeout", "5")
+    assert workers.wait(timeout=30) == {"w": 0}
+    assert "expired 10 times" in markers(url, layout.FAILED)["poison"]["reason"]
+    assert "consumer_start task=poison" not in workers.log("w")
+    assert list(markers(url, layout.DONE)) == ["fine"]
