@@ -7,7 +7,6 @@ still decided by a conditional write.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import logging
@@ -108,18 +107,13 @@ class QueueView:
             )
         self.leases = sightings
 
-    def relist_done_from(self, task_id: str, page_size: int) -> int:
-        """One listing of done/ from `task_id` on. Returns the last ring position it vouches for."""
+    def relist_done_from(self, task_id: str, page_size: int) -> None:
+        """One listing of done/ from `task_id` on, learning the next `page_size` done markers."""
         page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=page_size)
-        last = None
         for entry in page.entries:
             done_id = layout.id_from_object(entry.name, layout.DONE)
             if done_id is not None:
                 self.finished.add(done_id)
-                last = done_id
-        if page.next_token is None or last is None:
-            return len(self.order) - 1
-        return bisect.bisect_right(self.order, last) - 1
 
     def live(self, task_id: str) -> bool:
         """Held by someone and not yet seen unchanged for a whole TTL."""
@@ -279,8 +273,8 @@ class Claimer:
         """Checked while holding the lease, so nobody can finish the task between this check and our run.
 
         One listing of done/ from the task on answers exactly for this task (listings are strongly
-        consistent) and also shows the done markers just ahead: the walk sees another worker's
-        finished stretch before reaching it, and knows how far the road ahead was clear.
+        consistent) and also shows the done markers just ahead, so the walk sees another worker's
+        finished stretch before reaching it.
         """
         page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=LOOKAHEAD)
         found = False
