@@ -80,3 +80,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def lease_holders(url: str) -> set[str]:
+    """Workers holding a lease right now (a kill of one of them is a kill mid-task)."""
+    return {e.metadata["worker"] for e in open_store(url).list(layout.LEASES) if e.metadata.get("state") == "held"}

@@ -139,11 +139,11 @@ def main() -> int:
 
     store = open_store(queue)
     samples = tokens = 0
-    for entry in store.list(layout.DONE):
+    for k, entry in enumerate(store.list(layout.DONE)):
         acts = open_activations(store.url(entry.name))
         samples += acts.num_samples
         tokens += acts.num_tokens
-        if entry.name == next(store.list(layout.DONE)).name:
+        if k == 0:  # show one sample's arrays; count them all
             first = next(acts.samples())
             print(f"task {layout.id_from_object(entry.name, layout.DONE)}: {acts.num_samples} samples, layers {acts.layers}")
             for name, array in [("token_ids", first.token_ids)] + [(f"layer_{l}", a) for l, a in first.layers.items()]:

@@ -12,14 +12,9 @@ import time
 
 import numpy as np
 
-from objectstore import open_store
 from taskqueue import layout
 from tests.e2e.conftest import CONSUMER, committed_samples, make_job, plan_and_submit
-from tests.workers import REPO, Workers, markers
-
-
-def _holders(queue: str) -> list[str]:
-    return sorted(e.metadata["worker"] for e in open_store(queue).list(layout.LEASES) if e.metadata.get("state") == "held")
+from tests.workers import REPO, Workers, lease_holders, markers
 
 
 def test_chaos_loses_and_doubles_nothing(tmp_path, gcs, gcs_client, gcs_bucket, tiny_model, capsys):
@@ -47,7 +42,7 @@ def test_chaos_loses_and_doubles_nothing(tmp_path, gcs, gcs_client, gcs_bucket, 
         deadline = time.monotonic() + 600
         while len(markers(queue, layout.DONE)) < 24 and time.monotonic() < deadline:
             time.sleep(rng.uniform(2, 5))
-            victims = sorted(set(_holders(queue)) & {w for w, p in workers.procs.items() if p.poll() is None})
+            victims = sorted(lease_holders(queue) & {w for w, p in workers.procs.items() if p.poll() is None})
             if not victims or kills + sigterms >= 8:
                 continue
             victim = rng.choice(victims)

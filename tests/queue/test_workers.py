@@ -13,7 +13,7 @@ import time
 from objectstore import open_store
 from taskqueue import layout
 from tests.queue.conftest import assert_outputs_exact, submit_tasks
-from tests.workers import REPO, lease_body, markers, wait_for
+from tests.workers import REPO, lease_body, lease_holders, markers, wait_for
 
 
 def test_eight_workers_finish_300_tasks_exactly_once(queue_url, workers):
@@ -41,7 +41,7 @@ def test_sigkilled_workers_tasks_are_retaken_and_keep_exactly_committed_outputs(
     deadline = time.monotonic() + 120
     while len(markers(queue_url, layout.DONE)) < 16 and time.monotonic() < deadline:
         time.sleep(rng.uniform(0.3, 0.8))
-        holders = sorted(set(alive) & _holders(queue_url))  # kill mid-task, so the lease must be stolen
+        holders = sorted(set(alive) & lease_holders(queue_url))  # kill mid-task, so the lease must be stolen
         if kills < 4 and holders:
             victim = rng.choice(holders)
             workers.procs[victim].send_signal(signal.SIGKILL)
@@ -58,10 +58,6 @@ def test_sigkilled_workers_tasks_are_retaken_and_keep_exactly_committed_outputs(
     assert markers(queue_url, layout.FAILED) == {}
     assert_outputs_exact(queue_url, done, 4)
     assert "event=steal" in workers.all_logs()  # killed holders' leases were taken over after the TTL
-
-
-def _holders(url: str) -> set[str]:
-    return {e.metadata.get("worker") for e in open_store(url).list(layout.LEASES) if e.metadata.get("state") == "held"}
 
 
 def test_frozen_holder_cannot_commit_after_its_lease_is_stolen(queue_url, workers):
