@@ -7,6 +7,10 @@ others instead of filling memory.
 
 A resumed task starts at the first position no committed record covers; positions before it are
 never read. Stopping (SIGTERM) drops the open shard and keeps only shards that are complete.
+
+Bad rows follow the job's `on_bad_row`: skipped rows are recorded with the shard that covers
+them (so a resumed run, which restarts at a shard boundary, records each one once), or the first
+one fails the task with BadInput (exit 65).
 """
 
 from __future__ import annotations
@@ -230,6 +234,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 peak_flops=engine.peak_flops(),
                 on_samples=display.update,
                 depth=INFLIGHT_BATCHES,
+                listed_skipped=inputs.resume.listed_skipped,
             )
             batches = Prefetcher(
                 batches_for_slice(
@@ -240,6 +245,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                     batch_size=engine.batch_size,
                     shard_size=job.shard_size,
                     buckets=job.buckets,
+                    on_bad_row=job.on_bad_row,
                 ),
                 depth=PREFETCH_BATCHES,
                 name="tokenize",
