@@ -309,21 +309,4 @@ def test_fail_mode_exits_65_naming_the_file_the_row_and_the_reason(tmp_path, tin
     assert spec.records() == [] and not list((tmp_path / "out").glob("*.safetensors"))
 
 
-def test_a_file_where_every_row_is_bad_completes_with_zero_samples(tmp_path, tiny_models, corpus, run_consume):
-    rows = [None, b"\xff\xfe", None, b"\xed\xa0\x80", None]
-    path = write_invalid_utf8_parquet(tmp_path / "all-bad.parquet", rows)
-    spec = ConsumeRun(
-        workdir=tmp_path,
-        job=base_job(tiny_models["qwen2"], corpus, data_files=[str(path)], shard_size=4),
-        task={"id": "t-all-bad", "files": [{"path": str(path), "base": 50, "start": 0, "end": len(rows)}]},
-        output=str(tmp_path / "out"),
-    )
-    proc = run_consume(spec)
-    assert proc.returncode == 0, proc.stderr
-    records = spec.records()
-    assert [(r["sample_start"], r["sample_end"], r["samples"]) for r in records] == [(0, 4, 0), (4, 5, 0)]
-    assert records[-1]["final"] is True and records[-1]["stats"]["skipped_rows"] == len(rows)
-    reasons = {e["sample_id"]: e["reason"] for r in records for e in r["skipped"]}
-    assert reasons == {50: "null", 51: "invalid_utf8", 52: "null", 53: "invalid_utf8", 54: "null"}
-    acts = open_activations(spec.output)
-    assert acts.num_samples == 0 and acts.layers == (1, 2) and list(acts.samples()) == []
+# A task of which every row is bad runs through spawn.py, status and merge in tests/e2e/test_bad_rows_pipeline.py.
