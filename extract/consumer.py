@@ -156,7 +156,9 @@ def load_engine(job: Job) -> Any:
 def load_tokenizer(engine: Any, job: Job) -> Tokenizer:
     try:
         tokenizer = Tokenizer(engine.model_dir, job.max_seq_len)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:
+        # The files are local by now, so a failure is the checkpoint's (a malformed tokenizer.json raises
+        # ValueError, KeyError or the tokenizers library's bare Exception), the same on every retry.
         raise BadInput(
             f"model: cannot load a tokenizer from {engine.model_dir} ({exc}); the checkpoint needs tokenizer files"
         ) from exc

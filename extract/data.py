@@ -225,12 +225,13 @@ def job_data_files(job: Job) -> list[str]:
 
 
 def _parquet_file(url: str, source: Any):
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         return pq.ParquetFile(source)
-    except (pa.ArrowInvalid, OSError) as exc:
+    except Exception as exc:
+        if not _is_corrupt_parquet(exc):
+            raise  # e.g. a connection error from the gs:// reader: transient, not a bad file
         raise BadInput(f"data file {url}: not a readable parquet file ({exc})") from exc
 
 
@@ -255,7 +256,7 @@ def _nonblank_lines(handle: BinaryIO) -> Iterator[bytes]:
 def _json_array(url: str, handle: BinaryIO) -> list[Any]:
     try:
         rows = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise BadInput(f"data file {url}: not valid JSON ({exc})") from exc
     if not isinstance(rows, list):
         raise BadInput(f"data file {url}: a .json file must be a JSON array of objects or JSON Lines")
@@ -379,12 +380,14 @@ def _column_values(column: Any, text_field: str) -> list[str | BadRow]:
 
 
 def _is_corrupt_parquet(exc: BaseException) -> bool:
-    """pyarrow's own decoding failures: a plain OSError without errno (e.g. "Couldn't deserialize thrift")
-    or ArrowInvalid. Exceptions raised by a Python file object (the gs:// and Hub readers) reach us
-    unchanged and are subclasses, so a transient network failure is never mistaken for a corrupt file."""
+    """pyarrow's own failures on a file's bytes: a plain OSError (pyarrow's IOError, e.g. "Couldn't deserialize
+    thrift"), ArrowInvalid, or ArrowNotImplementedError (a codec or encoding this pyarrow cannot read).
+    Exceptions raised by a Python file object (the gs:// and Hub readers) reach us unchanged and are other
+    types (ConnectionError, TimeoutError, StoreUnavailable...), so a transient network failure is never
+    mistaken for a corrupt file."""
     import pyarrow as pa
 
-    return isinstance(exc, pa.ArrowInvalid) or (type(exc) is OSError and exc.errno is None)
+    return isinstance(exc, (pa.ArrowInvalid, pa.ArrowNotImplementedError)) or type(exc) is OSError
 
 
 def _parquet_text_column(url: str, pf: Any, text_field: str) -> None:
@@ -427,7 +430,7 @@ def _parquet_rows(url: str, source: Any, text_field: str, start: int, end: int) 
     while True:
         try:
             batch = next(batches, None)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:
             if not _is_corrupt_parquet(exc):
                 raise
             raise BadInput(
@@ -478,6 +481,9 @@ def _json_rows(url: str, handle: BinaryIO, text_field: str, start: int, end: int
                 continue
             except json.JSONDecodeError as exc:
                 yield row, BadRow("invalid_json", f"the line is not JSON: {exc}")
+                continue
+            except RecursionError:
+                yield row, BadRow("invalid_json", "the line nests JSON deeper than Python's recursion limit")
                 continue
         yield row, _json_text(url, row, record, text_field)
     if row + 1 < end:

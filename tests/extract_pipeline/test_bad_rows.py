@@ -3,6 +3,7 @@ dead-letters the task with exit 65), and the task's other rows are extracted as 
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
 
@@ -121,6 +122,42 @@ def test_a_corrupt_parquet_data_page_is_bad_input_not_a_retry(tmp_path, mixed_fi
     task = Task.from_dict({"id": "t", "files": [{"path": str(corrupt), "base": 0, "start": 0, "end": 3}]})
     with pytest.raises(BadInput, match="corrupt.parquet: the data after row 0 cannot be decoded"):
         list(data.read_slice(task, "text"))
+
+
+def test_a_connection_error_while_reading_a_parquet_footer_stays_transient(mixed_files):
+    """The other side of the previous test: a network failure (raised by the gs:// reader, a Python file
+    object) must stay retryable (exit 75), never become a dead-lettering BadInput."""
+    from extract.cli import EX_TEMPFAIL, exit_code_for
+
+    class DroppedConnection(io.BytesIO):
+        def read(self, *args):
+            raise ConnectionError("connection reset by peer")
+
+    with pytest.raises(ConnectionError) as failure:
+        data._parquet_file("gs://b/mixed.parquet", DroppedConnection(mixed_files[0].read_bytes()))
+    assert exit_code_for(failure.value) == EX_TEMPFAIL
+
+
+def test_a_json_line_nested_too_deep_is_an_invalid_json_row_not_a_crash(tmp_path):
+    rows = tmp_path / "deep.jsonl"
+    rows.write_text('{"text": "fine"}\n' + "[" * 100_000 + "\n")
+    task = Task.from_dict({"id": "t", "files": [{"path": str(rows), "base": 0, "start": 0, "end": 2}]})
+    fine, deep = data.read_slice(task, "text")
+    assert fine.text == "fine" and deep.bad.reason == "invalid_json"
+
+
+def test_a_malformed_tokenizer_file_is_bad_input(tmp_path, tiny_models, corpus):
+    import shutil
+    import types
+
+    from extract.consumer import load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["qwen2"], model)
+    (model / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}}))  # valid JSON, wrong schema
+    engine = types.SimpleNamespace(model_dir=model, config=types.SimpleNamespace(vocab_size=1000))
+    with pytest.raises(BadInput, match="^model: cannot load a tokenizer"):
+        load_tokenizer(engine, Job.from_dict(base_job(model, corpus)))
 
 
 # -- tokenising: refused text is a bad row; fail mode names file, row and reason ------------------------------
