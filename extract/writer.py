@@ -397,7 +397,7 @@ class ShardWriter:
         self.totals.tokens += tokens
         self.totals.flops += flops
         if self._on_samples is not None:
-            self._on_samples(n_samples, tokens)
+            self._on_samples(n_samples + len(batch.skipped), tokens)  # positions done, for the progress display
 
     def _hidden_size(self) -> int:
         return int(self._metadata["hidden_size"])

@@ -199,14 +199,17 @@ class _RefusingTokenizer(Tokenizer):
 
 def test_text_the_tokenizer_refuses_is_an_untokenizable_bad_row(tmp_path, tiny_models):
     rows = tmp_path / "rows.jsonl"
-    texts = ["fine one", f"so {_RefusingTokenizer.REFUSED} not", "fine three"]
+    refused = f"so {_RefusingTokenizer.REFUSED} not"
+    texts = ["fine zero", refused, "fine two", "fine three", "fine four", refused, "fine six"]
     rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    task = Task.from_dict({"id": "t", "files": [{"path": str(rows), "base": 100, "start": 0, "end": 3}]})
-    batches = _batches(_RefusingTokenizer(tiny_models["qwen2"], 128), task)
-    (refused,) = [d for b in batches for d in b.skipped]
-    assert (refused.sample_id, refused.bad.reason) == (101, "untokenizable")
-    assert "RuntimeError: pre-tokenizer failed" in refused.bad.detail
-    assert sorted(s.sample_id for b in batches for s in b.samples) == [100, 102]
+    task = Task.from_dict({"id": "t", "files": [{"path": str(rows), "base": 100, "start": 0, "end": len(texts)}]})
+    tokenizer = _RefusingTokenizer(tiny_models["qwen2"], 128)
+    batches = _batches(tokenizer, task, shard_size=len(texts))
+    skipped = [d for b in batches for d in b.skipped]
+    assert [(d.sample_id, d.bad.reason) for d in skipped] == [(101, "untokenizable"), (105, "untokenizable")]
+    assert "RuntimeError: pre-tokenizer failed" in skipped[0].bad.detail
+    samples = {s.sample_id: s.token_ids.tolist() for b in batches for s in b.samples}
+    assert samples == {100 + i: tokenizer.encode([t])[0].tolist() for i, t in enumerate(texts) if t != refused}
 
 
 def test_fail_mode_raises_bad_input_naming_the_file_the_row_and_the_reason(tiny_models, mixed_files):
