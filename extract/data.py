@@ -363,7 +363,7 @@ def _column_values(column: Any, text_field: str) -> list[str | BadRow]:
     """A parquet text column slice as Python values.
 
     Parquet does not check that a string column holds UTF-8, so one bad value makes `to_pylist`
-    raise for the whole slice. Only then is the slice re-read as bytes (a zero-copy cast) and
+    raise for the whole slice. Only then is the slice re-read as bytes (a cast, which checks nothing) and
     decoded row by row, so that the bad value is one bad row and the good ones keep their text.
     """
     import pyarrow as pa
