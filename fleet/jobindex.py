@@ -41,14 +41,15 @@ class _TaskOutputs:
     skipped: list[dict]  # listed skipped rows, each with its task
 
 
-def _counters_of(name: str, i: int, record: dict) -> dict[str, int]:
+def _counters_and_skipped(name: str, i: int, record: dict) -> tuple[dict[str, int], list[dict]]:
+    """A record's optional `counters` ({name: int}) and `skipped` (listed skipped rows), checked."""
     counters = record.get("counters", {})
     if not isinstance(counters, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values()):
         raise JobIndexError(f"done marker {name!r}: outputs[{i}] field 'counters' must map names to integers, got {counters!r}")
     skipped = record.get("skipped", [])
     if not isinstance(skipped, list) or not all(isinstance(entry, dict) for entry in skipped):
         raise JobIndexError(f"done marker {name!r}: outputs[{i}] field 'skipped' must be a list of objects, got {skipped!r}")
-    return counters
+    return counters, skipped
 
 
 def _shards_of(name: str, raw: bytes) -> _TaskOutputs:
@@ -81,10 +82,10 @@ def _shards_of(name: str, raw: bytes) -> _TaskOutputs:
         # shard, but only if both records say the same about it.
         if shard["url"] in shards and shards[shard["url"]] != shard:
             raise JobIndexError(f"done marker {name!r}: outputs[{i}] describes shard {shard['url']} differently than before")
-        record_counters = _counters_of(name, i, record)
+        record_counters, record_skipped = _counters_and_skipped(name, i, record)
         if shard["url"] not in shards:  # a re-sent record counts once
             counters.update(record_counters)
-            skipped += [{"task": task, **entry} for entry in record.get("skipped", [])]
+            skipped += [{"task": task, **entry} for entry in record_skipped]
         shards[shard["url"]] = shard
     ordered = sorted(shards.values(), key=lambda s: (s["sample_start"], s["sample_end"], s["url"]))
     for before, after in zip(ordered, ordered[1:]):

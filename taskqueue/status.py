@@ -23,7 +23,8 @@ def snapshot(store: ObjectStore, now: dt.datetime | None = None) -> dict:
         task_id = layout.id_from_object(entry.name, layout.DONE)
         if task_id:
             done_times[task_id] = entry.updated
-            counters.update(json.loads(entry.metadata.get("counters", "{}")))  # summed by the spawner (lease.py)
+            if "counters" in entry.metadata:  # the task's progress-record counters, summed by lease.complete
+                counters.update(json.loads(entry.metadata["counters"]))
     failed = [layout.id_from_object(e.name, layout.FAILED) for e in store.list(layout.FAILED)]
     failed = sorted(t for t in failed if t)
     leased, stale, released = [], [], []
