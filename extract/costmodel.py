@@ -310,3 +310,18 @@ def seconds_per_row(config: QwenConfig, depth: int, tokens: TokenEstimate, flops
     if not tokens.rows:
         return 0.0
     return job_flops(config, depth, tokens) / tokens.rows / flops_per_second
+
+
+def recommend_rows_per_task(
+    config: QwenConfig, depth: int, tokens: TokenEstimate, flops_per_second: float, target_seconds: float,
+    shard_size: int,
+) -> int:
+    """--rows-per-task for tasks of about `target_seconds` at `flops_per_second`; all rows if the job is shorter.
+
+    About ten minutes bounds the work a preemption loses (a task resumes from its last committed shard, but the
+    open shard is lost) while keeping the per-task requests (claim, done check, done marker) a small share.
+    """
+    per_row = seconds_per_row(config, depth, tokens, flops_per_second)
+    if per_row <= 0:
+        return max(1, tokens.rows)
+    return rows_per_task_for(target_seconds, per_row, shard_size, at_most=tokens.rows)

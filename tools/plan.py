@@ -198,11 +198,9 @@ def make_plan(args) -> dict:
     flops = costmodel.job_flops(config, depth, tokens)
     rate = machine.peak_flops * args.mfu
     machine_hours = flops / rate / 3600
-    seconds_per_row = (flops / tokens.rows / rate) if tokens.rows else 0.0
-    recommended = (
-        costmodel.rows_per_task_for(args.target_minutes * 60, seconds_per_row, job.shard_size, at_most=tokens.rows)
-        if seconds_per_row > 0
-        else tokens.rows
+    seconds_per_row = costmodel.seconds_per_row(config, depth, tokens, rate)
+    recommended = costmodel.recommend_rows_per_task(
+        config, depth, tokens, rate, args.target_minutes * 60, job.shard_size
     )
     task_rows = [t.num_samples for t in tasks] if tasks else costmodel.split_rows(tokens.rows, recommended)
     rows_per_task = max(task_rows) if task_rows else 0

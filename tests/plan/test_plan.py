@@ -199,11 +199,30 @@ def make_run_job(tmp_path_factory):
     return work, job, job_file, tasks_file
 
 
-def test_plan_for_a_make_run_job_matches_figures_computed_by_hand(make_run_job, tmp_path):
+@pytest.fixture(scope="module")
+def make_run_lengths(make_run_job) -> list[int]:
+    """Stored token counts of every row of the make-run job, tokenised here as the consumer does."""
     from extract.batching import Tokenizer
     from extract.data import read_slice
     from extract.job import Task
 
+    work, job, job_file, tasks_file = make_run_job
+    tasks = [Task.from_dict(json.loads(line)) for line in tasks_file.read_text().splitlines()]
+    tokenizer = Tokenizer(job["model"], job["max_seq_len"])
+    return [len(ids) for t in tasks for ids in tokenizer.encode([d.text for d in read_slice(t, "text")])]
+
+
+def load_plan_tool():
+    """tools/plan.py as a module, to render a plan in-process (the tool is a script, not a package module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_tool", REPO / "tools" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_for_a_make_run_job_matches_figures_computed_by_hand(make_run_job, make_run_lengths, tmp_path):
     work, job, job_file, tasks_file = make_run_job
     prices = custom_prices(tmp_path)
     result = run_tool("tools/plan.py", str(job_file), "--tasks", str(tasks_file), "--accelerator", "v5litepod-8",
@@ -211,10 +230,8 @@ def test_plan_for_a_make_run_job_matches_figures_computed_by_hand(make_run_job, 
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
 
-    # Every row is sampled (1000 > 320), so the token count is exact: tokenise every row here.
-    tasks = [Task.from_dict(json.loads(line)) for line in tasks_file.read_text().splitlines()]
-    tokenizer = Tokenizer(job["model"], job["max_seq_len"])
-    lengths = [len(ids) for t in tasks for ids in tokenizer.encode([d.text for d in read_slice(t, "text")])]
+    # Every row is sampled (1000 > 320), so the token count is exact.
+    lengths = make_run_lengths
     assert plan["tokens"]["rows"] == 320 == len(lengths)
     assert plan["tokens"]["tokens"] == pytest.approx(sum(lengths))
 
@@ -245,21 +262,17 @@ def test_plan_for_a_make_run_job_matches_figures_computed_by_hand(make_run_job, 
     assert ops["dollars"] == pytest.approx((3 * 8 + 16 + 128) / 1000 * 0.01)
     assert plan["warnings"] == []
 
-
-def test_plan_prints_every_figure_as_text(make_run_job):
-    work, job, job_file, tasks_file = make_run_job
-    result = run_tool("tools/plan.py", str(job_file), "--tasks", str(tasks_file), "--accelerator", "v6e-8",
-                      "--sample-rows", "64")  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    for label in ("tokens", "compute", "time", "compute $", "output", "storage $", "operations", "recommend",
-                  "total $", "prices"):  # fmt: skip
-        assert f"  {label} " in result.stdout, result.stdout
-    assert "--rows-per-task 320" in result.stdout  # a whole tiny job fits in one 10-minute task
+    # The same plan as text names every figure.
+    text = load_plan_tool().render(plan)
+    for label in ("rows", "tokens", "compute", "time", "compute $", "output", "storage $", "operations", "tasks",
+                  "recommend", "total $", "prices"):  # fmt: skip
+        assert f"  {label} " in text, text
+    assert f"--rows-per-task {plan['tasks']['recommended_rows_per_task']}" in text
 
 
 def test_plan_from_footers_without_tasks_recommends_task_size(make_run_job):
     work, job, job_file, tasks_file = make_run_job
-    result = run_tool("tools/plan.py", str(job_file), "--accelerator", "v5litepod-8", "--sample-rows", "64",
+    result = run_tool("tools/plan.py", str(job_file), "--accelerator", "v5litepod-8", "--tokens-per-row", "50",
                       "--target-minutes", "1e-9", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
@@ -340,3 +353,28 @@ def test_hub_model_without_a_config_is_bad_input_naming_model(tmp_path):
                       "--tokens-per-row", "5")  # fmt: skip
     assert result.returncode == 65
     assert "model: 'someone/unknown-model'" in result.stderr and "--model-config" in result.stderr
+
+
+def test_make_tasks_auto_cuts_tasks_at_the_planners_recommendation(make_run_job, make_run_lengths, tmp_path):
+    work, job, job_file, _ = make_run_job
+    # The recommendation worked out here: v5litepod-1 is one v5e chip; MFU 0.35; a target of 1e-7 minutes.
+    config = QwenConfig.from_file(pathlib.Path(job["model"]) / "config.json")
+    tokens = costmodel.TokenEstimate.from_lengths(320, make_run_lengths, "test")
+    chip = pricing.load_prices().accelerator("v5litepod-1").peak_flops
+    recommended = costmodel.recommend_rows_per_task(config, 4, tokens, chip * 0.35, 1e-7 * 60, job["shard_size"])
+    assert 1 < recommended < 320  # a real cut, so the check below means something
+
+    tasks_file = tmp_path / "tasks.jsonl"
+    made = run_tool("tools/make_tasks.py", str(job_file), "--rows-per-task", "auto", "--accelerator", "v5litepod-1",
+                    "--target-minutes", "1e-7", "--sample-rows", "1000", "-o", str(tasks_file))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    lines = tasks_file.read_text().splitlines()
+    sizes = [sum(f["end"] - f["start"] for f in json.loads(line)["files"]) for line in lines]
+    assert sum(sizes) == 320
+    assert all(size == recommended for size in sizes[:-1]) and 0 < sizes[-1] <= recommended
+
+
+def test_make_tasks_auto_without_an_accelerator_names_the_flag(make_run_job, tmp_path):
+    work, job, job_file, _ = make_run_job
+    made = run_tool("tools/make_tasks.py", str(job_file), "--rows-per-task", "auto", "-o", str(tmp_path / "t.jsonl"))
+    assert made.returncode == 65 and "--accelerator: missing" in made.stderr
