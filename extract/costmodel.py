@@ -271,25 +271,57 @@ def sample_token_lengths(
     return lengths
 
 
-def model_config(job: Job, config_file: str | None = None) -> tuple[QwenConfig, str, pathlib.Path | None]:
-    """The job model's architecture: (config, where it came from, local model directory or None).
+def model_config(
+    job: Job, config_file: str | None = None, workdir: pathlib.Path | None = None
+) -> tuple[QwenConfig, str, pathlib.Path | None]:
+    """The job model's architecture: (config, where it came from, a local directory with its tokenizer, or None).
 
-    From `config_file` if given, else from the model's directory if it is local, else from `KNOWN_CONFIGS`.
-    A Hub id or gs:// model is never downloaded for a plan.
+    From `config_file` if given; else from the model's directory if it is local; else, for a gs:// model, from its
+    config.json and tokenizer files fetched into `workdir` (never the weights); else from `KNOWN_CONFIGS`.
+    A Hub model is never downloaded for a plan.
     """
     local = pathlib.Path(job.model).expanduser()
     model_dir = local if local.is_dir() else None
+    if job.model.startswith("gs://") and workdir is not None:
+        model_dir = fetch_model_metadata(job.model, workdir)
     if config_file:
         return QwenConfig.from_file(pathlib.Path(config_file)), str(config_file), model_dir
     if model_dir is not None:
-        return QwenConfig.from_file(local / "config.json"), str(local / "config.json"), model_dir
+        source = f"{job.model.rstrip('/')}/config.json" if job.model.startswith("gs://") else str(local / "config.json")
+        return QwenConfig.from_file(model_dir / "config.json"), source, model_dir
     if job.model in KNOWN_CONFIGS:
         config = QwenConfig.from_dict(KNOWN_CONFIGS[job.model], source=f"built-in {job.model}")
         return config, f"built-in copy of {job.model}'s config.json (extract/costmodel.py)", None
     raise BadInput(
-        f"model: {job.model!r} is not a local directory and has no built-in config; pass the checkpoint's "
-        "config.json (--model-config)"
+        f"model: {job.model!r} is not a local or gs:// directory and has no built-in config; pass the "
+        "checkpoint's config.json (--model-config)"
     )
+
+
+def _is_model_metadata(name: str) -> bool:
+    """config.json and tokenizer files (tokenizer.json, vocab.json, merges.txt, ...), not weights or their index."""
+    return "/" not in name and name.endswith((".json", ".txt", ".model")) and not name.endswith(".index.json")
+
+
+def fetch_model_metadata(url: str, directory: pathlib.Path) -> pathlib.Path:
+    """Copy a gs:// model directory's config.json and tokenizer files into `directory`; return it.
+
+    A few small reads: the weights (`*.safetensors`) are never fetched, so planning a 7B job costs kilobytes.
+    """
+    import objectstore
+    from extract.errors import TransientIOError
+
+    store = objectstore.open_store(url)
+    try:
+        names = [e.name for e in store.list("") if _is_model_metadata(e.name)]
+        if "config.json" not in names:
+            raise BadInput(f"model: {url!r} holds no config.json; mirror the checkpoint with tools/mirror_model.py")
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (directory / name).write_bytes(store.read(name).data)
+    except objectstore.StoreError as exc:
+        raise TransientIOError(f"model: reading {url!r} failed: {exc}") from exc
+    return directory
 
 
 def measure_tokens(

@@ -16,6 +16,7 @@ import json
 import logging
 import pathlib
 import sys
+import tempfile
 
 from extract import data
 from extract.cli import EX_SOFTWARE, exit_code_for
@@ -42,12 +43,13 @@ def _rows_per_task(args, job: Job, files: list[tuple[str, int]]) -> int:
         machine = pricing.load_prices().accelerator(args.accelerator)
     except pricing.PriceError as exc:
         raise BadInput(str(exc)) from exc
-    config, _, model_dir = costmodel.model_config(job, args.model_config)
-    tokenizer_dir = args.tokenizer or model_dir
-    if tokenizer_dir is None:
-        raise BadInput(f"--tokenizer: the model {job.model!r} is not local; pass a directory holding its tokenizer")
-    rows = sum(count for _, count in files)
-    tokens = costmodel.measure_tokens(job, files, rows, tokenizer_dir, args.sample_rows)
+    with tempfile.TemporaryDirectory(prefix="plan-model-") as workdir:  # a gs:// model's config and tokenizer
+        config, _, model_dir = costmodel.model_config(job, args.model_config, pathlib.Path(workdir))
+        tokenizer_dir = args.tokenizer or model_dir
+        if tokenizer_dir is None:
+            raise BadInput(f"--tokenizer: the model {job.model!r} is not local; pass a directory with its tokenizer")
+        rows = sum(count for _, count in files)
+        tokens = costmodel.measure_tokens(job, files, rows, tokenizer_dir, args.sample_rows)
     depth = max(costmodel.computed_layers(job.layers, config.num_hidden_layers))
     rate = machine.peak_flops * args.mfu
     chosen = costmodel.recommend_rows_per_task(config, depth, tokens, rate, args.target_minutes * 60, job.shard_size)

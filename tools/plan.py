@@ -25,6 +25,7 @@ import logging
 import math
 import pathlib
 import sys
+import tempfile
 
 from extract import costmodel
 from extract.cli import EX_DATAERR, EX_SOFTWARE, exit_code_for
@@ -182,13 +183,18 @@ def _upload_requests(shard_bytes: float) -> int:
 
 def make_plan(args) -> dict:
     """The whole plan as a JSON-ready dict; every figure is derived in this function from the inputs shown."""
+    with tempfile.TemporaryDirectory(prefix="plan-model-") as workdir:  # a gs:// model's config and tokenizer
+        return _make_plan(args, pathlib.Path(workdir))
+
+
+def _make_plan(args, workdir: pathlib.Path) -> dict:
     _check_flags(args)
     _read_stats(args)
     prices = pricing.load_prices(args.prices)
     machine = prices.accelerator(args.accelerator)
     storage = prices.storage_prices(args.storage)
     job = load_job(args.job)
-    config, config_source, model_dir = costmodel.model_config(job, args.model_config)
+    config, config_source, model_dir = costmodel.model_config(job, args.model_config, workdir)
     layers = costmodel.computed_layers(job.layers, config.num_hidden_layers)
     depth = max(layers)
     tasks = _tasks(args.tasks) if args.tasks else None

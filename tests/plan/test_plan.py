@@ -24,7 +24,6 @@ from extract.tiny import tiny_qwen_config, write_fineweb_like_parquet, write_tin
 from fleet import pricing
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # tools run as scripts import this checkout, not an installed one
 
 # A tiny Qwen2: D=64, N=4 query heads, K=2 KV heads, H=16, F=128, 3 layers.
 TINY = tiny_qwen_config("qwen2", hidden=64, layers=3, heads=4, kv_heads=2, vocab=384, tie=False, intermediate=128)
@@ -37,7 +36,8 @@ def tiny_job(**overrides) -> Job:
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # tools run as scripts import this checkout, not an installed one
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 # -- extraction figures -------------------------------------------------------------------------
@@ -378,3 +378,19 @@ def test_make_tasks_auto_without_an_accelerator_names_the_flag(make_run_job, tmp
     work, job, job_file, _ = make_run_job
     made = run_tool("tools/make_tasks.py", str(job_file), "--rows-per-task", "auto", "-o", str(tmp_path / "t.jsonl"))
     assert made.returncode == 65 and "--accelerator: missing" in made.stderr
+
+
+def test_gs_model_is_planned_from_its_config_and_tokenizer_without_the_weights(gcs_client, gcs_bucket, tmp_path):
+    import objectstore
+
+    model = write_tiny_qwen(tmp_path / "model", model_type="qwen3", hidden=64, layers=3, heads=4, kv_heads=2)
+    url = f"gs://{gcs_bucket}/models/tiny"
+    store = objectstore.open_store(url)
+    for path in model.iterdir():
+        store.put(path.name, path.read_bytes())
+    job = tiny_job(model=url)
+    config, source, directory = costmodel.model_config(job, workdir=tmp_path / "fetched")
+    assert config == QwenConfig.from_file(model / "config.json") and source == f"{url}/config.json"
+    fetched = {p.name for p in directory.iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= fetched
+    assert not any(name.endswith(".safetensors") for name in fetched)
