@@ -394,3 +394,20 @@ def test_gs_model_is_planned_from_its_config_and_tokenizer_without_the_weights(g
     fetched = {p.name for p in directory.iterdir()}
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= fetched
     assert not any(name.endswith(".safetensors") for name in fetched)
+
+
+def test_price_table_peaks_agree_with_the_engines_mfu_table():
+    """The planner and the consumer's MFU must divide by the same peak, or a measured MFU would not carry over."""
+    import re
+
+    from extract import engine
+
+    device_kinds = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5p", "v6e": "TPU v6 lite",
+                    "NVIDIA H100 80GB": "NVIDIA H100 80GB HBM3", "NVIDIA A100 40GB": "NVIDIA A100-SXM4-40GB",
+                    "NVIDIA A100 80GB": "NVIDIA A100-SXM4-80GB", "NVIDIA L4": "NVIDIA L4"}  # fmt: skip
+    table = pricing.load_prices()
+    for name in table.known_accelerators():
+        machine = table.accelerator(name)
+        kind = device_kinds[machine.family]
+        engine_peak = next(flops for pattern, flops in engine._PEAK_BF16_FLOPS if re.search(pattern, kind))
+        assert machine.peak_flops == pytest.approx(machine.chips * engine_peak), name
