@@ -11,7 +11,8 @@ A job on a Hub model or dataset can be planned without the Hub:
 
     plan.py job.json --accelerator v6e-8 --rows 9672101 --tokens-per-row 1040
 
-(the model's config.json comes from --model-config, a local checkpoint, or a built-in copy for a few Qwen ids).
+(the model's config.json comes from --model-config, a local or gs:// checkpoint directory, whose weights are never
+read, or a built-in copy for a few Qwen ids).
 The formulas are in extract/costmodel.py, the prices in fleet/prices.json (dated; --prices for another copy).
 """
 
@@ -80,6 +81,8 @@ def _check_flags(args) -> None:
     for name in ("target_minutes", "heartbeat", "months", "warn_output_tb"):
         if not getattr(args, name) > 0:
             raise BadInput(f"--{name.replace('_', '-')}: got {getattr(args, name)}; use a positive number")
+    if args.tasks and (args.rows is not None or args.stats):
+        raise BadInput("--rows/--stats: the rows come from --tasks; give one or the other")
     if args.rows is not None and args.rows <= 0:
         raise BadInput(f"--rows: got {args.rows}; use a positive number of rows")
     if args.tokens_per_row is not None and not args.tokens_per_row > 0:
@@ -240,7 +243,10 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
 
     on_demand = machine_hours * machine.on_demand_per_hour
     spot = machine_hours * machine.spot_per_hour
-    wall_hours = machine_hours / args.machines
+    # Tasks run in rounds of --machines; with tasks of equal size the last round bounds the makespan (machine boot
+    # and model loading come on top). Machines with nothing left delete themselves, so billing follows the work.
+    rounds = math.ceil(n_tasks / args.machines) if n_tasks else 0
+    wall_hours = rounds * (sum(task_seconds) / n_tasks / 3600) if n_tasks else 0.0
     plan = {
         "job": args.job,
         "model": {"name": job.model, "config": config_source, "model_type": config.model_type,
@@ -272,6 +278,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
             "chip_hours": machine_hours * machine.chips,
             "machines": args.machines,
             "wall_clock_hours": wall_hours,
+            "rounds": rounds,
             "seconds_per_row": seconds_per_row,
         },
         "compute_dollars": {"on_demand": on_demand, "spot": spot},

@@ -313,6 +313,9 @@ def test_plan_for_a_fineweb_edu_sized_job_from_row_counts(tmp_path):
     minutes = plan["tasks"]["recommended_task_minutes"]
     assert 9 < minutes <= 10 and plan["tasks"]["recommended_rows_per_task"] % 64 == 0
     assert math.ceil(rows / plan["tasks"]["recommended_rows_per_task"]) == plan["tasks"]["count"]
+    # 32 machines (the default) run the tasks in rounds of 32.
+    rounds = math.ceil(plan["tasks"]["count"] / 32)
+    assert plan["time"]["wall_clock_hours"] == pytest.approx(rounds * plan["tasks"]["mean_minutes"] / 60)
     # Heartbeats: about one per 30 s of a ~10-minute task.
     assert plan["operations"]["class_a"]["heartbeats"] == pytest.approx(plan["tasks"]["count"] * minutes * 2, rel=0.1)
 
@@ -411,3 +414,10 @@ def test_price_table_peaks_agree_with_the_engines_mfu_table():
         kind = device_kinds[machine.family]
         engine_peak = next(flops for pattern, flops in engine._PEAK_BF16_FLOPS if re.search(pattern, kind))
         assert machine.peak_flops == pytest.approx(machine.chips * engine_peak), name
+
+
+def test_rows_from_both_tasks_and_flags_is_bad_input(make_run_job):
+    work, job, job_file, tasks_file = make_run_job
+    result = run_tool("tools/plan.py", str(job_file), "--tasks", str(tasks_file), "--rows", "5",
+                      "--accelerator", "v6e-8")  # fmt: skip
+    assert result.returncode == 65 and "--rows/--stats" in result.stderr
