@@ -410,7 +410,7 @@ def render(plan: dict) -> str:
         f"  accelerator {a['name']}: {a['chips']} x {a['family']}, peak {_si(a['peak_flops'], 'FLOP/s')}, "
         f"assumed MFU {a['mfu']:.2f}",
         f"  time        {_n(tm['machine_hours'])} machine-hours ({_n(tm['chip_hours'])} chip-hours); "
-        f"{_n(tm['wall_clock_hours'])} h wall clock on {tm['machines']} machines",
+        f"{_n(tm['wall_clock_hours'])} h wall clock on {tm['machines']} machines ({tm['rounds']} rounds of tasks)",
         f"  compute $   on-demand {_n(d['on_demand'])}   spot {_n(d['spot'])}   "
         f"({_n(a['on_demand_per_hour'])} / {_n(a['spot_per_hour'])} $/machine-hour)",
         f"  output      {_si(o['bytes'], 'B')} ({o['bytes_per_token']:,} B/token in {o['dtype']}, {o['shards']:,} shards "
