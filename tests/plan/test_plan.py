@@ -421,3 +421,16 @@ def test_rows_from_both_tasks_and_flags_is_bad_input(make_run_job):
     result = run_tool("tools/plan.py", str(job_file), "--tasks", str(tasks_file), "--rows", "5",
                       "--accelerator", "v6e-8")  # fmt: skip
     assert result.returncode == 65 and "--rows/--stats" in result.stderr
+
+
+def test_stats_file_plans_like_the_flags(tmp_path):
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"rows": 9672101, "tokens_per_row": 1040, "source": "issue 11"}))
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(QWEN25_7B_JOB))
+    from_file = run_tool("tools/plan.py", str(job_file), "--accelerator", "v6e-8", "--stats", str(stats), "--json")
+    from_flags = plan_fineweb(tmp_path, "--json")
+    assert from_file.returncode == 0 == from_flags.returncode, from_file.stderr
+    a, b = json.loads(from_file.stdout), json.loads(from_flags.stdout)
+    assert a["output"] == b["output"] and a["compute"] == b["compute"] and a["tasks"] == b["tasks"]
+    assert "issue 11" in a["tokens"]["source"]
