@@ -76,8 +76,8 @@ def _check_flags(args) -> None:
     if not 0 < args.mfu <= 1:
         raise BadInput(f"--mfu: got {args.mfu}; use a fraction in (0, 1], e.g. 0.35")
     for name in ("machines", "sample_rows"):
-        if getattr(args, name) < (1 if name == "machines" else 0):
-            raise BadInput(f"--{name.replace('_', '-')}: got {getattr(args, name)}; use a positive number")
+        if getattr(args, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')}: got {getattr(args, name)}; use a positive integer")
     for name in ("target_minutes", "heartbeat", "months", "warn_output_tb"):
         if not getattr(args, name) > 0:
             raise BadInput(f"--{name.replace('_', '-')}: got {getattr(args, name)}; use a positive number")

@@ -434,3 +434,17 @@ def test_stats_file_plans_like_the_flags(tmp_path):
     a, b = json.loads(from_file.stdout), json.loads(from_flags.stdout)
     assert a["output"] == b["output"] and a["compute"] == b["compute"] and a["tasks"] == b["tasks"]
     assert "issue 11" in a["tokens"]["source"]
+
+
+@pytest.mark.parametrize(
+    "module, forbidden",
+    [("extract/costmodel.py", {"fleet", "taskqueue", "jax", "flax"}), ("fleet/pricing.py", {"extract", "taskqueue"})],
+)
+def test_cost_modules_keep_to_their_floor(module, forbidden):
+    """The extraction figures never import the cloud glue (or JAX), the prices never import the extraction."""
+    import ast
+
+    tree = ast.parse((REPO / module).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not imported & forbidden, imported & forbidden
