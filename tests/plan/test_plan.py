@@ -6,6 +6,7 @@ the code's output, so a change in what the code counts fails here.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -176,6 +177,7 @@ def test_malformed_price_file_names_the_field(tmp_path):
 def custom_prices(tmp_path: pathlib.Path) -> pathlib.Path:
     """The shipped table with round numbers: v5e $2 / $0.5 per chip-hour, storage $0.1 / GiB-month, A $0.01 / 1000."""
     raw = json.loads(pricing.PRICES_FILE.read_text())
+    raw["as_of"] = datetime.date.today().isoformat()  # a fresh table: no staleness warning
     raw["tpu"]["v5e"].update(on_demand_per_chip_hour=2.0, spot_per_chip_hour=0.5, peak_bf16_tflops_per_chip=100)
     raw["storage"]["region"] = {"standard_per_gib_month": 0.1, "class_a_per_1000": 0.01, "class_b_per_1000": 0.001}
     path = tmp_path / "prices.json"
@@ -434,6 +436,16 @@ def test_stats_file_plans_like_the_flags(tmp_path):
     a, b = json.loads(from_file.stdout), json.loads(from_flags.stdout)
     assert a["output"] == b["output"] and a["compute"] == b["compute"] and a["tasks"] == b["tasks"]
     assert "issue 11" in a["tokens"]["source"]
+
+
+def test_an_old_price_table_is_flagged(tmp_path):
+    raw = json.loads(pricing.PRICES_FILE.read_text())
+    raw["as_of"] = "2020-01-01"
+    prices = tmp_path / "old.json"
+    prices.write_text(json.dumps(raw))
+    result = plan_fineweb(tmp_path, "--prices", str(prices), "--json")
+    assert result.returncode == 0, result.stderr
+    assert any("price table is" in w and "2020-01-01" in w for w in json.loads(result.stdout)["warnings"])
 
 
 @pytest.mark.parametrize(
