@@ -14,6 +14,10 @@ anyway, and no EOS is appended), truncated to `max_seq_len`. Text that spells a 
 (`<|endoftext|>`) is encoded as ordinary text (`split_special_tokens=True`): web documents are
 data, not control sequences. An empty text has zero tokens; it is stored with an empty span and
 never occupies a batch row.
+
+Bad rows (see `extract.data.BadRow`), including text the tokenizer refuses, never reach a batch
+row either: with `on_bad_row="skip"` they ride along in `Batch.skipped` so that the writer can
+record them and still close their shard; with `"fail"` the first one raises `BadInput`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from extract.data import Document
+from extract.data import BadRow, Document
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +57,15 @@ class TokenizedSample:
 class Batch:
     """Row r of `token_ids` holds `samples[r]` right-padded; rows past len(samples) are all padding.
 
-    `empty` carries zero-token samples of the same window to the writer without a device row.
-    `token_ids` is None when a window held only empty samples.
+    `empty` carries zero-token samples of the same window to the writer without a device row, and
+    `skipped` the window's bad rows (documents with `bad` set), which the writer records and omits.
+    `token_ids` is None when a window held only empty samples and bad rows.
     """
 
     samples: tuple[TokenizedSample, ...]
     token_ids: np.ndarray | None
     empty: tuple[TokenizedSample, ...] = ()
+    skipped: tuple[Document, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -113,15 +119,51 @@ class Tokenizer:
         )["input_ids"]
         return [np.asarray(ids, dtype=np.int32) for ids in encoded]
 
+    def encode_each(self, texts: Sequence[str]) -> list[np.ndarray | BadRow]:
+        """`encode`, but a text the tokenizer refuses becomes a BadRow instead of failing its neighbours.
+
+        The texts go to the tokenizer in one call, as in `encode`; only if that call fails are they
+        split in halves, recursively, to find the ones at fault: k bad texts among n cost about
+        2k·log2(n) extra calls, not n. The tokenizers library does not document what it raises for
+        input it cannot encode (a lone surrogate gives TypeError today), hence the broad catch; the
+        exception is kept in the row's detail, never dropped.
+        """
+        if not texts:
+            return []
+        try:
+            return list(self.encode(texts))
+        except Exception as exc:  # undocumented tokenizer errors: narrowed down below, kept in the BadRow
+            if len(texts) == 1:
+                return [_tokenizer_refusal(texts[0], exc)]
+        half = len(texts) // 2
+        return self.encode_each(texts[:half]) + self.encode_each(texts[half:])
+
+
+def _tokenizer_refusal(text: str, exc: Exception) -> BadRow:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        # Python strings may hold lone surrogates (JSON "\ud800"); UTF-8, and so the tokenizer, cannot.
+        return BadRow("lone_surrogate", f"lone surrogate {text[bad.start]!r} at character {bad.start}")
+    return BadRow("untokenizable", f"the tokenizer raised {type(exc).__name__}: {exc}")
+
 
 def make_batches(
-    window: Sequence[TokenizedSample], batch_size: int, buckets: Sequence[int], pad_id: int
+    window: Sequence[TokenizedSample],
+    batch_size: int,
+    buckets: Sequence[int],
+    pad_id: int,
+    skipped: Sequence[Document] = (),
 ) -> list[Batch]:
-    """Sort one window by length (longest first, ties by position) and cut it into padded batches."""
+    """Sort one window by length (longest first, ties by position) and cut it into padded batches.
+
+    Empty samples and the window's `skipped` bad rows ride with the first batch.
+    """
     empty = tuple(s for s in window if s.n_tokens == 0)
+    skipped = tuple(skipped)
     ordered = sorted((s for s in window if s.n_tokens > 0), key=lambda s: (-s.n_tokens, s.position))
     if not ordered:
-        return [Batch(samples=(), token_ids=None, empty=empty)] if empty else []
+        return [Batch(samples=(), token_ids=None, empty=empty, skipped=skipped)] if empty or skipped else []
     batches = []
     for first in range(0, len(ordered), batch_size):
         rows = ordered[first : first + batch_size]
@@ -129,7 +171,15 @@ def make_batches(
         token_ids = np.full((batch_size, length), pad_id, dtype=np.int32)
         for r, sample in enumerate(rows):
             token_ids[r, : sample.n_tokens] = sample.token_ids
-        batches.append(Batch(samples=tuple(rows), token_ids=token_ids, empty=empty if first == 0 else ()))
+        first_batch = first == 0
+        batches.append(
+            Batch(
+                samples=tuple(rows),
+                token_ids=token_ids,
+                empty=empty if first_batch else (),
+                skipped=skipped if first_batch else (),
+            )
+        )
     return batches
 
 
@@ -142,8 +192,13 @@ def batches_for_slice(
     batch_size: int,
     shard_size: int,
     buckets: Sequence[int],
+    on_bad_row: str = "skip",
 ) -> Iterator[Batch]:
-    """Positions [start, end) of the slice as batches; `documents` must start at `start`."""
+    """Positions [start, end) of the slice as batches; `documents` must start at `start`.
+
+    A bad row (from the data, or refused by the tokenizer) is carried in `Batch.skipped` when
+    `on_bad_row` is "skip"; with "fail" the first one in slice order raises its `BadInput`.
+    """
     if buckets[-1] < tokenizer.max_seq_len:
         raise ValueError(f"largest bucket {buckets[-1]} is below max_seq_len {tokenizer.max_seq_len}")
     docs = iter(documents)
@@ -157,9 +212,18 @@ def batches_for_slice(
             if doc.position != expected:
                 raise ValueError(f"document at position {doc.position} arrived where {expected} was expected")
             window_docs.append(doc)
-        encoded = tokenizer.encode([d.text for d in window_docs])
-        samples = [TokenizedSample(d.position, d.sample_id, ids) for d, ids in zip(window_docs, encoded)]
-        yield from make_batches(samples, batch_size, buckets, tokenizer.pad_id)
+        readable = [d for d in window_docs if d.bad is None]
+        samples, skipped = [], []
+        for doc, ids in zip(readable, tokenizer.encode_each([d.text for d in readable])):
+            if isinstance(ids, BadRow):
+                skipped.append(dataclasses.replace(doc, bad=ids))
+            else:
+                samples.append(TokenizedSample(doc.position, doc.sample_id, ids))
+        skipped += [d for d in window_docs if d.bad is not None]
+        skipped.sort(key=lambda d: d.position)
+        if skipped and on_bad_row == "fail":
+            raise skipped[0].bad_row_error()
+        yield from make_batches(samples, batch_size, buckets, tokenizer.pad_id, skipped)
 
 
 class _End:

@@ -7,6 +7,10 @@ others instead of filling memory.
 
 A resumed task starts at the first position no committed record covers; positions before it are
 never read. Stopping (SIGTERM) drops the open shard and keeps only shards that are complete.
+
+Bad rows follow the job's `on_bad_row`: skipped rows are recorded with the shard that covers
+them (so a resumed run, which restarts at a shard boundary, records each one once), or the first
+one fails the task with BadInput (exit 65).
 """
 
 from __future__ import annotations
@@ -152,7 +156,9 @@ def load_engine(job: Job) -> Any:
 def load_tokenizer(engine: Any, job: Job) -> Tokenizer:
     try:
         tokenizer = Tokenizer(engine.model_dir, job.max_seq_len)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:
+        # The files are local by now, so a failure is the checkpoint's (a malformed tokenizer.json raises
+        # ValueError, KeyError or the tokenizers library's bare Exception), the same on every retry.
         raise BadInput(
             f"model: cannot load a tokenizer from {engine.model_dir} ({exc}); the checkpoint needs tokenizer files"
         ) from exc
@@ -230,6 +236,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 peak_flops=engine.peak_flops(),
                 on_samples=display.update,
                 depth=INFLIGHT_BATCHES,
+                listed_skipped=inputs.resume.listed_skipped,
             )
             batches = Prefetcher(
                 batches_for_slice(
@@ -240,6 +247,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                     batch_size=engine.batch_size,
                     shard_size=job.shard_size,
                     buckets=job.buckets,
+                    on_bad_row=job.on_bad_row,
                 ),
                 depth=PREFETCH_BATCHES,
                 name="tokenize",

@@ -29,10 +29,12 @@ COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 #: Smallest default bucket: below it padding costs less than another compiled program.
 MIN_DEFAULT_BUCKET = 64
 MESH_AXES = ("data", "model")
+#: What a bad row (null, not UTF-8, lone surrogate, untokenisable) does: skipped and recorded, or fails the task.
+ON_BAD_ROW = ("skip", "fail")
 
 _JOB_FIELDS = {
     "dataset", "data_files", "text_field", "model", "layers", "max_seq_len", "batch_size",
-    "dtype", "compute_dtype", "shard_size", "mesh", "buckets",
+    "dtype", "compute_dtype", "shard_size", "mesh", "buckets", "on_bad_row",
 }  # fmt: skip
 _DATASET_FIELDS = {"name", "config", "split", "revision"}
 _TASK_FIELDS = {"id", "files"}
@@ -127,6 +129,7 @@ class Job:
     dtype: str = "bf16"
     compute_dtype: str = "bf16"
     mesh: str | None = None
+    on_bad_row: str = "skip"
 
     @property
     def out_dtype_name(self) -> str:
@@ -148,6 +151,7 @@ class Job:
             "text_field": self.text_field,
             "dtype": self.dtype,
             "compute_dtype": self.compute_dtype,
+            "on_bad_row": self.on_bad_row,
         }
         if self.dataset is not None:
             out["dataset"] = {k: v for k, v in dataclasses.asdict(self.dataset).items() if v is not None}
@@ -212,6 +216,14 @@ class Job:
         if compute_dtype not in COMPUTE_DTYPES:
             raise _fail("compute_dtype", f"got {compute_dtype!r}", f"use one of {', '.join(COMPUTE_DTYPES)}")
 
+        on_bad_row = raw.get("on_bad_row", "skip")
+        if on_bad_row not in ON_BAD_ROW:
+            raise _fail(
+                "on_bad_row",
+                f"got {on_bad_row!r}",
+                'use "skip" (record the row in the done marker, extract the rest) or "fail" (dead-letter the task)',
+            )
+
         mesh = raw.get("mesh")
         if mesh is not None:
             if not isinstance(mesh, str):
@@ -250,6 +262,7 @@ class Job:
             dtype=dtype,
             compute_dtype=compute_dtype,
             mesh=mesh,
+            on_bad_row=on_bad_row,
         )
 
 
@@ -326,6 +339,11 @@ class ResumeState:
     attempt: int
     records: tuple[dict[str, Any], ...]
     committed: int  # positions [0, committed) are covered by committed shards
+
+    @property
+    def listed_skipped(self) -> int:
+        """Skipped rows the committed records already list, so that the task's list stays bounded."""
+        return sum(len(r["skipped"]) for r in self.records if isinstance(r.get("skipped"), list))
 
     @classmethod
     def fresh(cls) -> "ResumeState":

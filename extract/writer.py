@@ -12,6 +12,11 @@ the collector copies activations to the host, puts samples back into slice order
 complete shards; the uploader stores each shard and only then appends its progress record. A
 full queue blocks the producer (backpressure); a failure in either thread is re-raised in the
 main thread on its next call.
+
+Skipped bad rows hold their positions without a sample: a shard still covers `shard_size`
+positions but holds fewer samples (none, if every row was bad: the shard is then written with
+empty tensors, so that every record names a shard). Its record counts them in
+`counters.skipped_rows` and lists them in `skipped`, at most MAX_LISTED_SKIPPED per task.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ _CODES = {
 _CODE_OF = {dtype: code for code, dtype in _CODES.items()}
 _ALIGN = 8
 MAX_PROGRESS_LINE = 64 * 1024
+#: Skipped rows listed (sample id, file, row, reason) per task, over all its attempts; the rest are only counted.
+MAX_LISTED_SKIPPED = 100
+#: The progress-record counter that counts a shard's skipped rows (summed into the done marker's metadata).
+SKIPPED_ROWS = "skipped_rows"
 
 
 class ShardFormatError(ValueError):
@@ -178,6 +187,11 @@ class _SampleResult:
 
 
 @dataclasses.dataclass
+class _SkippedRow:
+    entry: dict[str, Any]  # Document.skipped_entry()
+
+
+@dataclasses.dataclass
 class _EncodedShard:
     name: str
     sample_start: int
@@ -186,6 +200,7 @@ class _EncodedShard:
     tokens: int
     payload: bytes
     final: bool
+    skipped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -195,12 +210,14 @@ class RunTotals:
     samples: int = 0
     tokens: int = 0
     flops: float = 0.0
+    skipped_rows: int = 0
 
     def stats(self, seconds: float, peak_flops: float | None) -> dict[str, Any]:
         seconds = max(seconds, 1e-9)
         mfu = None if not peak_flops else self.flops / seconds / peak_flops
         return {
             "samples": self.samples,
+            "skipped_rows": self.skipped_rows,
             "tokens": self.tokens,
             "seconds": round(seconds, 3),
             "tokens_per_s": round(self.tokens / seconds, 3),
@@ -233,7 +250,9 @@ class ShardWriter:
         peak_flops: float | None = None,
         on_samples: Callable[[int, int], None] | None = None,
         depth: int = 2,
+        listed_skipped: int = 0,
     ):
+        """`listed_skipped`: skipped rows the task's earlier attempts already listed (their records' `skipped`)."""
         if not 0 <= start < end:
             raise ValueError(f"writer range [{start}, {end}) is empty")
         self._store = store
@@ -253,7 +272,9 @@ class ShardWriter:
         self._next = start  # next position to append to the open shard
         self._shard_start = start
         self._shard_samples: list[_SampleResult] = []
-        self._pending: dict[int, _SampleResult] = {}
+        self._shard_skipped: list[dict[str, Any]] = []
+        self._pending: dict[int, _SampleResult | _SkippedRow] = {}
+        self._listed_skipped = listed_skipped
 
         self._batches: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._uploads: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
@@ -368,24 +389,32 @@ class ShardWriter:
             hidden = arrays[self._layers[0]].shape[-1] if arrays else self._hidden_size()
             layers = {layer: np.zeros((0, hidden), dtype=self._out_dtype) for layer in self._layers}
             self._pending[sample.position] = _SampleResult(sample.sample_id, sample.token_ids, layers)
+        for doc in batch.skipped:
+            self._pending[doc.position] = _SkippedRow(doc.skipped_entry())
+        self.totals.skipped_rows += len(batch.skipped)
         n_samples = len(batch.samples) + len(batch.empty)
         self.totals.samples += n_samples
         self.totals.tokens += tokens
         self.totals.flops += flops
         if self._on_samples is not None:
-            self._on_samples(n_samples, tokens)
+            self._on_samples(n_samples + len(batch.skipped), tokens)  # positions done, for the progress display
 
     def _hidden_size(self) -> int:
         return int(self._metadata["hidden_size"])
 
     def _emit_complete_shards(self) -> None:
         while self._next in self._pending:
-            self._shard_samples.append(self._pending.pop(self._next))
+            result = self._pending.pop(self._next)
+            if isinstance(result, _SkippedRow):
+                self._shard_skipped.append(result.entry)
+            else:
+                self._shard_samples.append(result)
             self._next += 1
             boundary = min((self._shard_start // self._shard_size + 1) * self._shard_size, self._end)
             if self._next == boundary:
                 shard = self._encode(self._shard_start, self._next, self._shard_samples)
-                self._shard_samples = []
+                shard.skipped = self._shard_skipped
+                self._shard_samples, self._shard_skipped = [], []
                 self._shard_start = self._next
                 self._put(self._uploads, shard)
 
@@ -395,8 +424,14 @@ class ShardWriter:
         np.cumsum(lengths, out=offsets[1:])
         tensors: dict[str, np.ndarray] = {}
         for layer in self._layers:
-            tensors[layer_key(layer)] = np.concatenate([s.layers[layer] for s in samples], axis=0)
-        tensors["token_ids"] = np.concatenate([s.token_ids for s in samples]).astype(np.int32, copy=False)
+            tensors[layer_key(layer)] = (
+                np.concatenate([s.layers[layer] for s in samples], axis=0)
+                if samples  # else every row of the shard was skipped: empty tensors keep it a readable shard
+                else np.zeros((0, self._hidden_size()), dtype=self._out_dtype)
+            )
+        tensors["token_ids"] = np.concatenate([s.token_ids for s in samples] or [np.zeros(0, np.int32)]).astype(
+            np.int32, copy=False
+        )
         tensors["sample_ids"] = np.array([s.sample_id for s in samples], dtype=np.int64)
         tensors["offsets"] = offsets
         metadata = {
@@ -418,6 +453,17 @@ class ShardWriter:
 
     # -- uploader thread ----------------------------------------------------------------------
 
+    def _listable(self, skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The first skipped rows that fit the task's MAX_LISTED_SKIPPED and half a progress line."""
+        listed: list[dict[str, Any]] = []
+        size = 0
+        for entry in skipped[: max(MAX_LISTED_SKIPPED - self._listed_skipped, 0)]:
+            size += len(json.dumps(entry)) + 1
+            if size > MAX_PROGRESS_LINE // 2:  # long gs:// paths: the record must stay a valid progress line
+                break
+            listed.append(entry)
+        return listed
+
     def _upload(self) -> None:
         while True:
             shard = self._get(self._uploads)
@@ -433,13 +479,22 @@ class ShardWriter:
                 "samples": shard.samples,
                 "tokens": shard.tokens,
             }
+            if shard.skipped:
+                record["counters"] = {SKIPPED_ROWS: len(shard.skipped)}
+                record["skipped"] = self._listable(shard.skipped)
+                self._listed_skipped += len(record["skipped"])
+                for entry in record["skipped"]:
+                    log.warning(
+                        "event=row_skipped sample_id=%d file=%s row=%d reason=%s detail=%r",
+                        entry["sample_id"], entry["file"], entry["row"], entry["reason"], entry["detail"],
+                    )  # fmt: skip
             if shard.final:
                 record["final"] = True
                 record["stats"] = self.totals.stats(time.monotonic() - self.started, self._peak_flops)
             self._progress.append(record)
             self.records.append(record)
             log.info(
-                "event=shard_written shard=%s samples=%d tokens=%d bytes=%d final=%s",
-                record["shard"], shard.samples, shard.tokens, len(shard.payload), shard.final,
+                "event=shard_written shard=%s samples=%d skipped_rows=%d tokens=%d bytes=%d final=%s",
+                record["shard"], shard.samples, len(shard.skipped), shard.tokens, len(shard.payload), shard.final,
             )  # fmt: skip
 

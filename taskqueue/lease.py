@@ -46,6 +46,28 @@ def new_lease_body(task_id: str, worker: str, ttl_s: float, clock: Clock, previo
     }
 
 
+def sum_counters(records: Sequence[dict]) -> dict[str, int]:
+    """The sum, per name, of the integer `counters` the consumer put in its progress records.
+
+    The queue does not know what they count. A malformed entry is a consumer bug that must not
+    cost the completion, so it is logged and left out of the sum.
+    """
+    totals: dict[str, int] = {}
+    for record in records:
+        counters = record.get("counters", {})
+        if not isinstance(counters, dict):
+            log.warning("event=bad_counters record=%s counters=%r: not an object, ignored", record.get("shard"), counters)
+            continue
+        for name, value in counters.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                totals[name] = totals.get(name, 0) + value
+            else:
+                log.warning(
+                    "event=bad_counters record=%s name=%s value=%r: not an integer, ignored", record.get("shard"), name, value
+                )
+    return totals
+
+
 def encode(body: dict) -> tuple[bytes, dict[str, str]]:
     """Body bytes and the listing-visible summary, written in one request so they never disagree."""
     metadata = {
@@ -135,7 +157,13 @@ class HeldLease:
             }
             duplicate = False
             try:
-                self.store.create(layout.done_object(self.task_id), json.dumps(marker, indent=1).encode())
+                counters = sum_counters(self.committed)
+                self.store.create(
+                    layout.done_object(self.task_id),
+                    json.dumps(marker, indent=1).encode(),
+                    # In the metadata, listings return the counters with the marker: status reads no body.
+                    metadata={"counters": json.dumps(counters, separators=(",", ":"))} if counters else None,
+                )
             except PreconditionFailed:
                 duplicate = True
                 log.warning("event=duplicate_completion task=%s token=%d outputs=abandoned", self.task_id, self.token)

@@ -18,11 +18,13 @@ def snapshot(store: ObjectStore, now: dt.datetime | None = None) -> dict:
     """A JSON-ready summary. Staleness uses the store's own update times, never a worker's clock."""
     now = now or dt.datetime.now(dt.timezone.utc)
     tasks = {layout.id_from_object(e.name, layout.TASKS) for e in store.list(layout.TASKS)} - {None}
-    done_times = {}
+    done_times, counters = {}, collections.Counter()
     for entry in store.list(layout.DONE):
         task_id = layout.id_from_object(entry.name, layout.DONE)
         if task_id:
             done_times[task_id] = entry.updated
+            if "counters" in entry.metadata:  # the task's progress-record counters, summed by lease.complete
+                counters.update(json.loads(entry.metadata["counters"]))
     failed = [layout.id_from_object(e.name, layout.FAILED) for e in store.list(layout.FAILED)]
     failed = sorted(t for t in failed if t)
     leased, stale, released = [], [], []
@@ -66,6 +68,7 @@ def snapshot(store: ObjectStore, now: dt.datetime | None = None) -> dict:
         "tasks_per_s": round(rate, 4) if rate else None,
         "eta_s": round(remaining / rate, 1) if rate and remaining else (0.0 if not remaining else None),
         "failed_reasons": _reasons(store, failed[:MAX_REASONS]),
+        "counters": dict(sorted(counters.items())),
         "complete": total > 0 and remaining == 0,
     }
 
@@ -93,6 +96,8 @@ def render(view: dict) -> str:
         lines.append(
             f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min, eta {_duration(eta) if eta is not None else '?'}"
         )
+    if view["counters"]:
+        lines.append("counted " + ", ".join(f"{name}={n}" for name, n in view["counters"].items()))
     if view["holders"]:
         lines.append("holders " + ", ".join(f"{w}={n}" for w, n in view["holders"].items()))
     for stale in view["stale_leases"]:
