@@ -87,6 +87,43 @@ def window_bounds(start: int, end: int, window: int, shard_size: int) -> Iterato
         position = stop
 
 
+class ShardBounds:
+    """Where shards end: at every multiple of `shard_size` (absolute positions), and before a sample whose tokens
+    would take the open shard past `shard_tokens` (a shard holds at least one sample, so one long document may
+    exceed it alone).
+
+    The batcher and the writer apply the same rule to the same token counts in position order, so they agree on
+    every cut. A byte cut depends only on the tokens since the shard's start, and every shard starts at a cut, so
+    a run resumed at a committed shard's end finds the same later cuts and forms the same batches.
+    """
+
+    def __init__(self, start: int, shard_size: int, shard_tokens: int | None = None):
+        self.shard_size = shard_size
+        self.shard_tokens = shard_tokens
+        self.shard_start = start
+        self._samples = 0
+        self._tokens = 0
+
+    def next_multiple(self, position: int) -> int:
+        return (position // self.shard_size + 1) * self.shard_size
+
+    def starts_shard(self, position: int, n_tokens: int) -> bool:
+        """Account sample `position` (the next in order); True when it opens a new shard (its first sample)."""
+        cut = position == self.shard_start or position % self.shard_size == 0
+        if not cut and self.shard_tokens is not None:
+            cut = self._samples > 0 and self._tokens + n_tokens > self.shard_tokens
+        if cut:
+            self.shard_start, self._samples, self._tokens = position, 0, 0
+        self._samples += 1
+        self._tokens += n_tokens
+        return cut
+
+
+def shard_token_limit(shard_bytes: int | None, bytes_per_token: int) -> int | None:
+    """Tokens per shard that keep its tensors within `shard_bytes` (None: no byte limit)."""
+    return None if shard_bytes is None else max(1, shard_bytes // max(1, bytes_per_token))
+
+
 class Tokenizer:
     """The checkpoint's tokenizer with the pipeline's fixed settings."""
 
@@ -142,11 +179,16 @@ def batches_for_slice(
     batch_size: int,
     shard_size: int,
     buckets: Sequence[int],
+    shard_tokens: int | None = None,
 ) -> Iterator[Batch]:
-    """Positions [start, end) of the slice as batches; `documents` must start at `start`."""
+    """Positions [start, end) of the slice as batches; `documents` must start at `start`.
+
+    With `shard_tokens`, windows are also cut where `ShardBounds` ends a shard by size, so no batch straddles a
+    shard."""
     if buckets[-1] < tokenizer.max_seq_len:
         raise ValueError(f"largest bucket {buckets[-1]} is below max_seq_len {tokenizer.max_seq_len}")
     docs = iter(documents)
+    bounds = ShardBounds(start, shard_size, shard_tokens)
     window_size = WINDOW_BATCHES * batch_size
     for lo, hi in window_bounds(start, end, window_size, shard_size):
         window_docs = []
@@ -159,7 +201,18 @@ def batches_for_slice(
             window_docs.append(doc)
         encoded = tokenizer.encode([d.text for d in window_docs])
         samples = [TokenizedSample(d.position, d.sample_id, ids) for d, ids in zip(window_docs, encoded)]
-        yield from make_batches(samples, batch_size, buckets, tokenizer.pad_id)
+        for part in split_at_shard_cuts(samples, bounds):
+            yield from make_batches(part, batch_size, buckets, tokenizer.pad_id)
+
+
+def split_at_shard_cuts(window: Sequence[TokenizedSample], bounds: ShardBounds) -> list[list[TokenizedSample]]:
+    """The window (in position order) cut where `bounds` starts a new shard; advances `bounds`."""
+    parts: list[list[TokenizedSample]] = []
+    for sample in window:
+        if bounds.starts_shard(sample.position, sample.n_tokens) or not parts:
+            parts.append([])
+        parts[-1].append(sample)
+    return parts
 
 
 class _End:

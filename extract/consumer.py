@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from extract import data
-from extract.batching import Prefetcher, Tokenizer, batches_for_slice
+from extract.batching import Prefetcher, Tokenizer, batches_for_slice, shard_token_limit
 from extract.errors import BadInput
 from extract.job import Job, ResumeState, Task
 from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype
@@ -212,6 +212,10 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     )  # fmt: skip
 
     store = objectstore.open_store(inputs.output_url)
+    out_dtype = numpy_dtype(job.out_dtype_name)
+    # A token costs its hidden state at every layer plus its token id (the writer's layout).
+    bytes_per_token = len(engine.layers) * engine.config.hidden_size * out_dtype.itemsize + 4
+    shard_tokens = shard_token_limit(job.shard_bytes, bytes_per_token)
     progress = ProgressLog(inputs.progress_path)
     display = ProgressDisplay(total=end - start, every_s=inputs.log_every_s)
     batches: Prefetcher | None = None
@@ -220,7 +224,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
             writer = ShardWriter(
                 store=store,
                 layers=engine.layers,
-                out_dtype=numpy_dtype(job.out_dtype_name),
+                out_dtype=out_dtype,
                 start=start,
                 end=end,
                 shard_size=job.shard_size,
@@ -230,6 +234,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 peak_flops=engine.peak_flops(),
                 on_samples=display.update,
                 depth=INFLIGHT_BATCHES,
+                shard_tokens=shard_tokens,
             )
             batches = Prefetcher(
                 batches_for_slice(
@@ -240,6 +245,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                     batch_size=engine.batch_size,
                     shard_size=job.shard_size,
                     buckets=job.buckets,
+                    shard_tokens=shard_tokens,
                 ),
                 depth=PREFETCH_BATCHES,
                 name="tokenize",

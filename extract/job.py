@@ -34,6 +34,11 @@ _JOB_FIELDS = {
     "dataset", "data_files", "text_field", "model", "layers", "max_seq_len", "batch_size",
     "dtype", "compute_dtype", "shard_size", "mesh", "buckets",
 }  # fmt: skip
+# Shard sizing by bytes (writer throughput, issue 10 section 2).
+_JOB_FIELDS |= {"shard_bytes"}
+#: Default cap of a shard's tensor bytes: large enough that per-object overheads vanish, small enough that a few
+#: shards in flight fit any host's memory (about 100-500 MB is a sensible object).
+DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 _DATASET_FIELDS = {"name", "config", "split", "revision"}
 _TASK_FIELDS = {"id", "files"}
 _FILE_FIELDS = {"path", "base", "start", "end"}
@@ -113,7 +118,7 @@ class HubDataset:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """job.json. `shard_size` counts samples (documents) per output shard, not bytes."""
+    """job.json. A shard ends after `shard_size` samples (documents) or before its tensors pass `shard_bytes`."""
 
     model: str
     layers: tuple[int, ...]
@@ -127,6 +132,7 @@ class Job:
     dtype: str = "bf16"
     compute_dtype: str = "bf16"
     mesh: str | None = None
+    shard_bytes: int = DEFAULT_SHARD_BYTES
 
     @property
     def out_dtype_name(self) -> str:
@@ -155,6 +161,7 @@ class Job:
             out["data_files"] = list(self.data_files)
         if self.mesh is not None:
             out["mesh"] = self.mesh
+        out["shard_bytes"] = self.shard_bytes
         return out
 
     @classmethod
@@ -250,6 +257,7 @@ class Job:
             dtype=dtype,
             compute_dtype=compute_dtype,
             mesh=mesh,
+            shard_bytes=_positive_int("shard_bytes", raw.get("shard_bytes", DEFAULT_SHARD_BYTES)),
         )
 
 

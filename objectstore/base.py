@@ -112,8 +112,10 @@ class ObjectStore(abc.ABC):
         """Delete, optionally only at `if_generation`. Raises NotFound or PreconditionFailed."""
 
     @abc.abstractmethod
-    def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
-        """Unconditional write (for outputs, whose path already carries the fencing token)."""
+    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
+        """Unconditional write (for outputs, whose path already carries the fencing token).
+
+        `data` may be any contiguous buffer (a memoryview of an output shard): it is written from where it lies."""
 
     @abc.abstractmethod
     def put_file(self, name: str, path: str | os.PathLike[str]) -> int:
