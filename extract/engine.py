@@ -119,9 +119,12 @@ class Engine:
         """`devices` defaults to every local device; tests pass a subset to get a single-device reference."""
         started = time.monotonic()
         self._configure(batch_size, max_seq_len, compute_dtype, out_dtype)
-        self.model_dir = resolve_model_dir(model)
+        from_store = isinstance(model, str) and model.startswith("gs://")
+        # A gs:// checkpoint's weights are read where they lie (parallel ranged reads); only its small files are cached.
+        self.model_dir = resolve_model_dir(model, weights=not from_store)
         self.config = QwenConfig.from_file(self.model_dir / "config.json")
-        checkpoint = Checkpoint(self.model_dir)  # fail on missing files before any device work
+        # Fail on missing files before any device work.
+        checkpoint = Checkpoint.from_store(model) if from_store else Checkpoint(self.model_dir)
         self._place(layers, mesh, devices)
         self._state = load_state(checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype)
         self._log_ready(model, time.monotonic() - started)
