@@ -217,6 +217,7 @@ def make_setup(args: argparse.Namespace, root: pathlib.Path) -> Setup:
             "batch_size": args.batch_size,
             "shard_size": args.shard_size,
             "dtype": "bf16",
+            **({"shard_bytes": args.shard_bytes} if args.shard_bytes else {}),
         }
     )
     task = Task.from_dict({"id": "bench", "files": [{"path": str(parquet), "base": 0, "start": 0, "end": args.docs}]})
@@ -369,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--shard-size", type=int, default=8, help="samples per shard (7B x 4 layers: ~230 MB)")
+    parser.add_argument("--shard-bytes", type=int, default=None, help="job.shard_bytes (default: the job default)")
     parser.add_argument("--vocab", type=int, default=2048, help="size of the stand-in byte-level BPE")
     parser.add_argument("--local-dir", default=None, help="local store root (default: a temporary directory)")
     parser.add_argument("--skip-gcs", action="store_true", help="no test GCS server runs")
@@ -390,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
         if gcs_url:
             stores["gcs"] = objectstore.open_store("gs://bench/stage")
 
-        setup.engine.forward(np.zeros((args.batch_size, args.max_seq_len), np.int32))  # allocate before timing
+        for bucket in setup.job.buckets:  # allocate the stand-in outputs before timing
+            setup.engine.forward(np.zeros((args.batch_size, bucket), np.int32))
         times, stage_tokens = stage_times(setup, stores)
         runs = [run_pipeline(setup, "null", "null://", store=NullStore())]
         runs.append(run_pipeline(setup, "local", str(local_root / "run")))

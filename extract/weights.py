@@ -364,9 +364,7 @@ class Checkpoint:
 
         def piece(lo: int) -> None:
             hi = min(nbytes, lo + READ_PIECE_BYTES)
-            with self.store.open_read(str(location.file)) as f:
-                f.seek(location.offset + lo)
-                data = f.read(hi - lo)
+            data = self.store.read_range(str(location.file), location.offset + lo, location.offset + hi)
             if len(data) != hi - lo:
                 raise TransientIOError(f"tensor {name} in {self.store.url(str(location.file))}: short read at {lo}")
             view[lo:hi] = data

@@ -126,6 +126,12 @@ class ObjectStore(abc.ABC):
     def open_read(self, name: str) -> BinaryIO:
         """A seekable binary file that reads the object lazily (ranged reads on GCS). Raises NotFound."""
 
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object, exactly (one ranged GET on GCS). Raises NotFound."""
+        with self.open_read(name) as f:
+            f.seek(start)
+            return f.read(end - start)
+
     @abc.abstractmethod
     def list_page(
         self, prefix: str, page_token: str | None = None, start_offset: str | None = None, page_size: int = MAX_LIST_PAGE
