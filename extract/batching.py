@@ -60,6 +60,11 @@ class Batch:
     samples: tuple[TokenizedSample, ...]
     token_ids: np.ndarray | None
     empty: tuple[TokenizedSample, ...] = ()
+    # Packed batches only (`pack_window`): each token's document number in its row (0 = padding), its position
+    # within that document, and where each of `samples` starts: (row, column).
+    segment_ids: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    placements: tuple[tuple[int, int], ...] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -170,6 +175,59 @@ def make_batches(
     return batches
 
 
+def pack_window(
+    window: Sequence[TokenizedSample], batch_size: int, buckets: Sequence[int], pad_id: int
+) -> list[Batch]:
+    """Sequence packing: several documents per row, so rows are full instead of padded to a bucket.
+
+    Documents (longest first, ties by position) go to the first row with room (first-fit decreasing, rows of
+    `buckets[-1]` = max_seq_len tokens); rows are cut into batches of `batch_size`, each padded to the smallest
+    bucket that holds its fullest row. Each document keeps its own positions (0..n-1) and sees only itself
+    (`segment_ids`), so its activations are those of an unpacked run up to floating-point summation order.
+    Deterministic for a given window, so resumed runs pack identically.
+    """
+    empty = tuple(s for s in window if s.n_tokens == 0)
+    ordered = sorted((s for s in window if s.n_tokens > 0), key=lambda s: (-s.n_tokens, s.position))
+    if not ordered:
+        return [Batch(samples=(), token_ids=None, empty=empty)] if empty else []
+    capacity = buckets[-1]
+    rows: list[list[TokenizedSample]] = []
+    fill: list[int] = []
+    for sample in ordered:
+        for r, used in enumerate(fill):
+            if used + sample.n_tokens <= capacity:
+                rows[r].append(sample)
+                fill[r] += sample.n_tokens
+                break
+        else:
+            rows.append([sample])
+            fill.append(sample.n_tokens)
+    batches = []
+    for first in range(0, len(rows), batch_size):
+        length = bucket_for(max(fill[first : first + batch_size]), buckets)
+        token_ids = np.full((batch_size, length), pad_id, dtype=np.int32)
+        segment_ids = np.zeros((batch_size, length), dtype=np.int32)
+        positions = np.zeros((batch_size, length), dtype=np.int32)
+        samples, placements = [], []
+        for r, row in enumerate(rows[first : first + batch_size]):
+            column = 0
+            for document, sample in enumerate(row, start=1):
+                span = slice(column, column + sample.n_tokens)
+                token_ids[r, span] = sample.token_ids
+                segment_ids[r, span] = document
+                positions[r, span] = np.arange(sample.n_tokens, dtype=np.int32)
+                samples.append(sample)
+                placements.append((r, column))
+                column += sample.n_tokens
+        batches.append(
+            Batch(
+                samples=tuple(samples), token_ids=token_ids, empty=empty if first == 0 else (),
+                segment_ids=segment_ids, positions=positions, placements=tuple(placements),
+            )  # fmt: skip
+        )
+    return batches
+
+
 def batches_for_slice(
     documents: Iterable[Document],
     tokenizer: Tokenizer,
@@ -180,11 +238,12 @@ def batches_for_slice(
     shard_size: int,
     buckets: Sequence[int],
     shard_tokens: int | None = None,
+    packing: bool = False,
 ) -> Iterator[Batch]:
     """Positions [start, end) of the slice as batches; `documents` must start at `start`.
 
     With `shard_tokens`, windows are also cut where `ShardBounds` ends a shard by size, so no batch straddles a
-    shard."""
+    shard. `packing` puts several documents in a row (`pack_window`)."""
     if buckets[-1] < tokenizer.max_seq_len:
         raise ValueError(f"largest bucket {buckets[-1]} is below max_seq_len {tokenizer.max_seq_len}")
     docs = iter(documents)
@@ -202,7 +261,10 @@ def batches_for_slice(
         encoded = tokenizer.encode([d.text for d in window_docs])
         samples = [TokenizedSample(d.position, d.sample_id, ids) for d, ids in zip(window_docs, encoded)]
         for part in split_at_shard_cuts(samples, bounds):
-            yield from make_batches(part, batch_size, buckets, tokenizer.pad_id)
+            if packing:
+                yield from pack_window(part, batch_size, buckets, tokenizer.pad_id)
+            else:
+                yield from make_batches(part, batch_size, buckets, tokenizer.pad_id)
 
 
 def split_at_shard_cuts(window: Sequence[TokenizedSample], bounds: ShardBounds) -> list[list[TokenizedSample]]:

@@ -246,6 +246,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                     shard_size=job.shard_size,
                     buckets=job.buckets,
                     shard_tokens=shard_tokens,
+                    packing=job.packing,
                 ),
                 depth=PREFETCH_BATCHES,
                 name="tokenize",
@@ -255,7 +256,12 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 for batch in batches:
                     if stop.is_set():
                         break
-                    hidden = engine.forward(batch.token_ids) if batch.token_ids is not None else {}
+                    if batch.token_ids is None:
+                        hidden = {}
+                    elif batch.segment_ids is not None:  # packed rows (job.packing)
+                        hidden = engine.forward(batch.token_ids, batch.segment_ids, batch.positions)
+                    else:
+                        hidden = engine.forward(batch.token_ids)
                     writer.submit(batch, hidden)
                 if stop.is_set():
                     records = writer.abort()

@@ -35,7 +35,7 @@ _JOB_FIELDS = {
     "dtype", "compute_dtype", "shard_size", "mesh", "buckets",
 }  # fmt: skip
 # Shard sizing by bytes (writer throughput, issue 10 section 2).
-_JOB_FIELDS |= {"shard_bytes"}
+_JOB_FIELDS |= {"shard_bytes", "packing"}
 #: Default cap of a shard's tensor bytes: large enough that per-object overheads vanish, small enough that a few
 #: shards in flight fit any host's memory (about 100-500 MB is a sensible object).
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
@@ -67,6 +67,12 @@ def _non_negative_int(where: str, value: Any) -> int:
 def _non_empty_str(where: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _fail(where, f"got {value!r}", "use a non-empty string")
+    return value
+
+
+def _bool(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, f"got {value!r}", "use true or false")
     return value
 
 
@@ -133,6 +139,7 @@ class Job:
     compute_dtype: str = "bf16"
     mesh: str | None = None
     shard_bytes: int = DEFAULT_SHARD_BYTES
+    packing: bool = False  # several documents per row (extract.batching.pack_window)
 
     @property
     def out_dtype_name(self) -> str:
@@ -162,6 +169,7 @@ class Job:
         if self.mesh is not None:
             out["mesh"] = self.mesh
         out["shard_bytes"] = self.shard_bytes
+        out["packing"] = self.packing
         return out
 
     @classmethod
@@ -258,6 +266,7 @@ class Job:
             compute_dtype=compute_dtype,
             mesh=mesh,
             shard_bytes=_positive_int("shard_bytes", raw.get("shard_bytes", DEFAULT_SHARD_BYTES)),
+            packing=_bool("packing", raw.get("packing", False)),
         )
 
 

@@ -194,6 +194,7 @@ class _PendingSample:
     token_ids: np.ndarray
     host: Mapping[int, np.ndarray] | None  # layer -> [batch, T, hidden] host copy of the batch; None if empty
     row: int
+    column: int = 0  # where the sample starts in its row (packed batches)
 
 
 @dataclasses.dataclass
@@ -412,11 +413,12 @@ class ShardWriter:
                 raise ValueError(f"layer {layer}: activations of shape {array.shape} for {len(batch.samples)} samples")
         tokens = 0
         flops = 0.0
-        for row, sample in enumerate(batch.samples):
+        placements = batch.placements or [(row, 0) for row in range(len(batch.samples))]
+        for sample, (row, column) in zip(batch.samples, placements):
             n = sample.n_tokens
-            if arrays and arrays[self._layers[0]].shape[1] < n:
+            if arrays and arrays[self._layers[0]].shape[1] < column + n:
                 raise ValueError(f"sample {sample.sample_id}: {n} tokens but the batch's activations hold fewer")
-            self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, arrays, row)
+            self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, arrays, row, column)
             tokens += n
             if self._flops_per_token is not None:
                 flops += n * self._flops_per_token(n)
@@ -482,7 +484,7 @@ class ShardWriter:
             target = views[layer_key(layer)]
             for sample, lo, hi in zip(samples, offsets[:-1], offsets[1:]):
                 if hi > lo:
-                    _copy_rows(target[lo:hi], sample.host[layer][sample.row, : hi - lo])
+                    _copy_rows(target[lo:hi], sample.host[layer][sample.row, sample.column : sample.column + hi - lo])
 
         copies = [self._encode_pool.submit(copy_layer, layer) for layer in self._layers]
         if n_tokens:
