@@ -408,12 +408,13 @@ class ShardWriter:
 
     def _accept(self, batch: Batch, host: Mapping[int, Any]) -> None:
         arrays = {layer: np.asarray(host[layer]) for layer in host}
+        placements = batch.placements or [(row, 0) for row in range(len(batch.samples))]
+        rows = 1 + max((row for row, _ in placements), default=-1)
         for layer, array in arrays.items():
-            if array.shape[0] < len(batch.samples) or array.ndim != 3:
-                raise ValueError(f"layer {layer}: activations of shape {array.shape} for {len(batch.samples)} samples")
+            if array.shape[0] < rows or array.ndim != 3:
+                raise ValueError(f"layer {layer}: activations of shape {array.shape} for {rows} rows of samples")
         tokens = 0
         flops = 0.0
-        placements = batch.placements or [(row, 0) for row in range(len(batch.samples))]
         for sample, (row, column) in zip(batch.samples, placements):
             n = sample.n_tokens
             if arrays and arrays[self._layers[0]].shape[1] < column + n:
