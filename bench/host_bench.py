@@ -340,8 +340,10 @@ def streams_scaling(store: Any, object_bytes: int, objects: int, streams: list[i
 # -- padding ------------------------------------------------------------------------------------------------------
 
 
-def padding_fraction(max_seq_len: int, batch_size: int, n_docs: int, seed: int) -> tuple[float, float]:
-    """(real / computed tokens, mean real tokens per document) for today's batching on `document_lengths`."""
+def padding_fraction(
+    max_seq_len: int, batch_size: int, n_docs: int, seed: int, packing: bool = False
+) -> tuple[float, float]:
+    """(real / computed tokens, mean real tokens per document) for the batcher on `document_lengths`."""
     lengths = np.minimum(document_lengths(n_docs, seed), max_seq_len)
     buckets = default_buckets(max_seq_len)
     window = batching.WINDOW_BATCHES * batch_size
@@ -350,7 +352,8 @@ def padding_fraction(max_seq_len: int, batch_size: int, n_docs: int, seed: int) 
         samples = [
             batching.TokenizedSample(p, p, np.zeros(int(n), np.int32)) for p, n in enumerate(lengths[lo : lo + window])
         ]
-        for batch in batching.make_batches(samples, batch_size, buckets, pad_id=0):
+        form = batching.pack_window if packing else batching.make_batches
+        for batch in form(samples, batch_size, buckets, pad_id=0):
             real += batch.n_tokens
             computed += batch.token_ids.size
     return real / computed, float(lengths.mean())
@@ -417,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(f"compute to layer {max(setup.engine.layers)}: {flops / 1e9:.2f} GFLOP/token (at seq {args.max_seq_len})")
+    print("host copies per output byte, device -> store: 2 (device_get; rows into the shard buffer), see ShardWriter")
     print()
     print(f"{'sink':8s} {'tokens/s':>10s} {'GB/s':>7s} {'tokens/s/core':>14s} {'shards':>7s} {'peak RSS':>10s} "
           f"{'(+ over start)':>15s}")  # fmt: skip
@@ -452,7 +456,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{LENGTH_MEDIAN} sigma {LENGTH_SIGMA}, batch {args.batch_size}:")  # fmt: skip
     for max_len in (512, 2048):
         fraction, mean = padding_fraction(max_len, args.batch_size, 20000, seed=2)
-        print(f"  max_seq_len={max_len:<5d} real fraction {fraction:.3f}  (mean real tokens/doc {mean:.0f})")
+        packed, _ = padding_fraction(max_len, args.batch_size, 20000, seed=2, packing=True)
+        print(f"  max_seq_len={max_len:<5d} real fraction {fraction:.3f} bucketed, {packed:.3f} packed "
+              f"(job.packing)  (mean real tokens/doc {mean:.0f})")  # fmt: skip
 
 
 if __name__ == "__main__":

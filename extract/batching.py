@@ -83,6 +83,13 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
     return buckets[index]
 
 
+def window_start(position: int, batch_size: int, shard_size: int) -> int:
+    """The first position of the batching window that holds `position`: batches for a run starting at `position`
+    are formed from there, so that they are the batches an uninterrupted run formed."""
+    window = WINDOW_BATCHES * batch_size
+    return max(position // window * window, position // shard_size * shard_size)
+
+
 def window_bounds(start: int, end: int, window: int, shard_size: int) -> Iterator[tuple[int, int]]:
     """Windows covering [start, end), cut at every multiple of `window` and of `shard_size`."""
     position = start
@@ -97,9 +104,10 @@ class ShardBounds:
     would take the open shard past `shard_tokens` (a shard holds at least one sample, so one long document may
     exceed it alone).
 
-    The batcher and the writer apply the same rule to the same token counts in position order, so they agree on
-    every cut. A byte cut depends only on the tokens since the shard's start, and every shard starts at a cut, so
-    a run resumed at a committed shard's end finds the same later cuts and forms the same batches.
+    A byte cut depends only on the token counts since the shard's start, and every shard starts at a cut, so a
+    run resumed at a committed shard's end finds the same later cuts. Batching windows are not cut at byte cuts
+    (a 7B model's full batch is larger than a sensible shard, so batches must be able to straddle shards): a run
+    resumed at one reads from the start of its window (`window_start`) and drops what is already committed.
     """
 
     def __init__(self, start: int, shard_size: int, shard_tokens: int | None = None):
@@ -237,19 +245,19 @@ def batches_for_slice(
     batch_size: int,
     shard_size: int,
     buckets: Sequence[int],
-    shard_tokens: int | None = None,
     packing: bool = False,
 ) -> Iterator[Batch]:
-    """Positions [start, end) of the slice as batches; `documents` must start at `start`.
+    """Batches for positions [window_start(start), end) of the slice; `documents` must start at that position.
 
-    With `shard_tokens`, windows are also cut where `ShardBounds` ends a shard by size, so no batch straddles a
-    shard. `packing` puts several documents in a row (`pack_window`)."""
+    Starting at the window's start, not at `start`, forms the same batches as an uninterrupted run; the caller
+    drops the samples before `start` (they were committed by an earlier attempt). For a fresh run, or one resumed
+    at a multiple of `shard_size`, the window starts at `start` itself. `packing` puts several documents in a
+    row (`pack_window`)."""
     if buckets[-1] < tokenizer.max_seq_len:
         raise ValueError(f"largest bucket {buckets[-1]} is below max_seq_len {tokenizer.max_seq_len}")
     docs = iter(documents)
-    bounds = ShardBounds(start, shard_size, shard_tokens)
     window_size = WINDOW_BATCHES * batch_size
-    for lo, hi in window_bounds(start, end, window_size, shard_size):
+    for lo, hi in window_bounds(window_start(start, batch_size, shard_size), end, window_size, shard_size):
         window_docs = []
         for expected in range(lo, hi):
             doc = next(docs, None)
@@ -260,21 +268,10 @@ def batches_for_slice(
             window_docs.append(doc)
         encoded = tokenizer.encode([d.text for d in window_docs])
         samples = [TokenizedSample(d.position, d.sample_id, ids) for d, ids in zip(window_docs, encoded)]
-        for part in split_at_shard_cuts(samples, bounds):
-            if packing:
-                yield from pack_window(part, batch_size, buckets, tokenizer.pad_id)
-            else:
-                yield from make_batches(part, batch_size, buckets, tokenizer.pad_id)
-
-
-def split_at_shard_cuts(window: Sequence[TokenizedSample], bounds: ShardBounds) -> list[list[TokenizedSample]]:
-    """The window (in position order) cut where `bounds` starts a new shard; advances `bounds`."""
-    parts: list[list[TokenizedSample]] = []
-    for sample in window:
-        if bounds.starts_shard(sample.position, sample.n_tokens) or not parts:
-            parts.append([])
-        parts[-1].append(sample)
-    return parts
+        if packing:
+            yield from pack_window(samples, batch_size, buckets, tokenizer.pad_id)
+        else:
+            yield from make_batches(samples, batch_size, buckets, tokenizer.pad_id)
 
 
 class _End:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from extract import data
-from extract.batching import Prefetcher, Tokenizer, batches_for_slice, shard_token_limit
+from extract.batching import Prefetcher, Tokenizer, batches_for_slice, shard_token_limit, window_start
 from extract.errors import BadInput
 from extract.job import Job, ResumeState, Task
 from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype
@@ -238,14 +238,14 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
             )
             batches = Prefetcher(
                 batches_for_slice(
-                    data.read_slice(task, job.text_field, skip=start),
+                    # From the start of the window holding `start` (itself, unless resumed at a cut by bytes).
+                    data.read_slice(task, job.text_field, skip=window_start(start, engine.batch_size, job.shard_size)),
                     tokenizer,
                     start=start,
                     end=end,
                     batch_size=engine.batch_size,
                     shard_size=job.shard_size,
                     buckets=job.buckets,
-                    shard_tokens=shard_tokens,
                     packing=job.packing,
                 ),
                 depth=PREFETCH_BATCHES,

@@ -248,7 +248,8 @@ class ShardWriter:
     """Collects batches for positions [start, end) of a task's slice and writes them as shards.
 
     Shards end at every multiple of `shard_size` positions and, with `shard_tokens`, before a sample that would
-    take a shard past that many tokens (`extract.batching.ShardBounds`, the rule the batcher cuts windows by).
+    take a shard past that many tokens (`extract.batching.ShardBounds`). Batches may hold positions before
+    `start` (a run resumed inside a batching window recomputes the window); those samples are dropped.
 
     Host copies per output byte, from device memory to the bytes handed to the store: two.
       1. `jax.device_get` of a batch's output, [batch, T, hidden] per layer, into host memory (on the CPU
@@ -300,6 +301,7 @@ class ShardWriter:
         self.records: list[dict[str, Any]] = []
         self.started = time.monotonic()
 
+        self._start = start  # batches may hold earlier positions (their window began before): those are dropped
         self._next = start  # next position to append to the open shard
         self._bounds = ShardBounds(start, shard_size, shard_tokens)
         self._shard_start = start
@@ -416,6 +418,8 @@ class ShardWriter:
         tokens = 0
         flops = 0.0
         for sample, (row, column) in zip(batch.samples, placements):
+            if sample.position < self._start:
+                continue
             n = sample.n_tokens
             if arrays and arrays[self._layers[0]].shape[1] < column + n:
                 raise ValueError(f"sample {sample.sample_id}: {n} tokens but the batch's activations hold fewer")
@@ -424,8 +428,9 @@ class ShardWriter:
             if self._flops_per_token is not None:
                 flops += n * self._flops_per_token(n)
         for sample in batch.empty:
-            self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, None, 0)
-        n_samples = len(batch.samples) + len(batch.empty)
+            if sample.position >= self._start:
+                self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, None, 0)
+        n_samples = sum(s.position >= self._start for s in batch.samples + batch.empty)
         self.totals.samples += n_samples
         self.totals.tokens += tokens
         self.totals.flops += flops

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 import objectstore
-from extract.batching import ShardBounds, TokenizedSample, make_batches, split_at_shard_cuts
+from extract.batching import WINDOW_BATCHES, TokenizedSample, make_batches, window_bounds, window_start
 from extract.reader import open_activations
 from extract.writer import ProgressLog, ShardWriter, crc32c_b64
 
@@ -26,30 +26,27 @@ def fake_hidden(batch, layer: int) -> np.ndarray:
     return (ids * 10 + layer + np.arange(HIDDEN, dtype=np.float32) / 16).astype(BF16)
 
 
-def batches_of(lengths, *, start=0, window=4, shard_size=100, shard_tokens=None):
-    """Batches as `batches_for_slice` forms them: windows aligned to `window`, cut at shard boundaries."""
-    samples = [
-        TokenizedSample(start + i, 500 + start + i, np.arange(1, n + 1, dtype=np.int32) + start + i)
-        for i, n in enumerate(lengths)
-    ]
-    bounds = ShardBounds(start, shard_size, shard_tokens)
-    batches, i = [], 0
-    while i < len(samples):
-        position = samples[i].position
-        stop = min((position // window + 1) * window, (position // shard_size + 1) * shard_size) - start
-        for part in split_at_shard_cuts(samples[i:stop], bounds):
-            batches += make_batches(part, batch_size=2, buckets=(4, 8, 16), pad_id=0)
-        i = stop
+def all_samples(lengths):
+    return [TokenizedSample(p, 500 + p, np.arange(1, n + 1, dtype=np.int32) + p) for p, n in enumerate(lengths)]
+
+
+def batches_of(lengths, *, start=0, shard_size=100):
+    """Batches as `batches_for_slice` forms them for a run starting at `start`: from its window's start."""
+    samples = all_samples(lengths)
+    batches = []
+    lo = window_start(start, 2, shard_size)
+    for lo, hi in window_bounds(lo, len(lengths), WINDOW_BATCHES * 2, shard_size):
+        batches += make_batches(samples[lo:hi], batch_size=2, buckets=(4, 8, 16), pad_id=0)
     return batches
 
 
 def write(store, lengths, *, start=0, shard_size=100, shard_tokens=None, streams=None, progress=None):
     writer = ShardWriter(
-        store=store, layers=LAYERS, out_dtype=BF16, start=start, end=start + len(lengths), shard_size=shard_size,
+        store=store, layers=LAYERS, out_dtype=BF16, start=start, end=len(lengths), shard_size=shard_size,
         metadata={"format": "activations/v1", "hidden_size": str(HIDDEN), "layers": json.dumps(list(LAYERS))},
         progress=progress or ProgressLog(None), shard_tokens=shard_tokens, streams=streams,
     )  # fmt: skip
-    for batch in batches_of(lengths, start=start, shard_size=shard_size, shard_tokens=shard_tokens):
+    for batch in batches_of(lengths, start=start, shard_size=shard_size):
         hidden = {layer: fake_hidden(batch, layer) for layer in LAYERS} if batch.token_ids is not None else {}
         writer.submit(batch, hidden)
     return writer.finish()
@@ -70,17 +67,16 @@ def test_shards_cut_by_tokens_stay_under_the_limit_and_hold_the_same_activations
     assert np.array_equal(a.token_ids(), b.token_ids())
 
 
-def test_run_resumed_at_a_size_cut_forms_the_same_batches_and_shards():
-    full = batches_of(LENGTHS, shard_tokens=10)
-    bounds = ShardBounds(0, 100, 10)
-    cuts = [i for i, n in enumerate(LENGTHS) if bounds.starts_shard(i, n)]
-    resume_at = cuts[2]
-    resumed = batches_of(LENGTHS[resume_at:], start=resume_at, shard_tokens=10)
-    tail = [b for b in full if all(s.position >= resume_at for s in b.samples + b.empty)]
-    assert len(tail) == len(resumed)
-    for x, y in zip(tail, resumed):
-        assert [s.position for s in x.samples] == [s.position for s in y.samples]
-        assert np.array_equal(x.token_ids, y.token_ids)
+def test_run_resumed_at_a_size_cut_recomputes_its_window_and_writes_the_same_later_shards(tmp_path):
+    lengths = LENGTHS * 3
+    full = write(objectstore.open_store(str(tmp_path / "full")), lengths, shard_tokens=10)
+    resume_at = next(r["sample_start"] for r in full if r["sample_start"] % (WINDOW_BATCHES * 2))
+    assert window_start(resume_at, 2, 100) < resume_at, "the cut lies inside a batching window"
+    resumed = write(objectstore.open_store(str(tmp_path / "resumed")), lengths, start=resume_at, shard_tokens=10)
+    tail = [r for r in full if r["sample_start"] >= resume_at]
+    same = lambda records: [(r["sample_start"], r["sample_end"], r["bytes"], r["crc32c"]) for r in records]  # noqa: E731
+    assert same(resumed) == same(tail)
+    assert resumed[-1]["stats"]["samples"] == len(lengths) - resume_at
 
 
 class SlowFirstStore:
