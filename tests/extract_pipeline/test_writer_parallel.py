@@ -135,3 +135,16 @@ def test_gcs_store_streams_a_memoryview_across_resumable_chunks(gcs_client, gcs_
     store.put("small.bin", memoryview(payload[:100]))
     assert store.read("big.bin").data == payload.tobytes()
     assert store.read("small.bin").data == payload[:100].tobytes()
+
+
+def test_shard_buffers_are_reused_and_idle_ones_are_bounded():
+    from extract.writer import _BufferPool
+
+    pool = _BufferPool(keep=2)
+    first = pool.take(1000)
+    pool.give(first)
+    assert pool.take(900) is first  # a stored shard's memory is written again, not freshly faulted in
+    buffers = [pool.take(100) for _ in range(4)]
+    for buffer in buffers:
+        pool.give(buffer)
+    assert len(pool._idle) == 2
