@@ -112,8 +112,10 @@ class ObjectStore(abc.ABC):
         """Delete, optionally only at `if_generation`. Raises NotFound or PreconditionFailed."""
 
     @abc.abstractmethod
-    def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
-        """Unconditional write (for outputs, whose path already carries the fencing token)."""
+    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
+        """Unconditional write (for outputs, whose path already carries the fencing token).
+
+        `data` may be any contiguous buffer (a memoryview of an output shard): it is written from where it lies."""
 
     @abc.abstractmethod
     def put_file(self, name: str, path: str | os.PathLike[str]) -> int:
@@ -123,6 +125,12 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def open_read(self, name: str) -> BinaryIO:
         """A seekable binary file that reads the object lazily (ranged reads on GCS). Raises NotFound."""
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object, exactly (one ranged GET on GCS). Raises NotFound."""
+        with self.open_read(name) as f:
+            f.seek(start)
+            return f.read(end - start)
 
     @abc.abstractmethod
     def list_page(

@@ -93,7 +93,7 @@ class LocalStore(ObjectStore):
         self._atomic_write(counter, str(generation).encode())
         return generation
 
-    def _atomic_write(self, path: pathlib.Path, data: bytes) -> None:
+    def _atomic_write(self, path: pathlib.Path, data: bytes | memoryview) -> None:
         fd, tmp = tempfile.mkstemp(dir=self._state / "tmp")
         try:
             os.fchmod(fd, OBJECT_MODE)
@@ -114,7 +114,7 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             return None
 
-    def _store(self, key: str, data: bytes, metadata: Mapping[str, str] | None) -> int:
+    def _store(self, key: str, data: bytes | memoryview, metadata: Mapping[str, str] | None) -> int:
         """Caller holds the exclusive lock."""
         generation = self._next_generation()
         data_path = self._data_path(key)
@@ -176,7 +176,7 @@ class LocalStore(ObjectStore):
                 )
             self._remove(key)
 
-    def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
+    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
         key = self._key(name)
         with self._locked(exclusive=True):
             return self._store(key, data, metadata)
