@@ -224,7 +224,10 @@ class GCSStore(ObjectStore):
 
     def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
         blob = self._blob(name)
-        blob.metadata = dict(metadata) if metadata else None
+        if metadata:
+            # Without metadata the resource must not carry the key at all: `blob.metadata = None` would
+            # send `"metadata": null`, which stricter JSON API implementations answer with 500.
+            blob.metadata = dict(metadata)
         self._call(
             f"put {self.url(name)}",
             lambda: blob.upload_from_string(
