@@ -255,7 +255,12 @@ class GCSStore(ObjectStore):
         return blob.open("rb", chunk_size=8 * 1024 * 1024)
 
     def list_page(
-        self, prefix: str, page_token: str | None = None, start_offset: str | None = None, page_size: int = MAX_LIST_PAGE
+        self,
+        prefix: str,
+        page_token: str | None = None,
+        start_offset: str | None = None,
+        page_size: int = MAX_LIST_PAGE,
+        end_offset: str | None = None,
     ) -> Page:
         page_size = max(1, min(page_size, MAX_LIST_PAGE))
 
@@ -264,6 +269,7 @@ class GCSStore(ObjectStore):
                 self._bucket,
                 prefix=self._prefix + prefix,
                 start_offset=self._prefix + start_offset if start_offset else None,
+                end_offset=self._prefix + end_offset if end_offset else None,
                 page_size=page_size,
                 page_token=page_token,
                 retry=None,
