@@ -447,7 +447,7 @@ class Claimer:
 
     # -- one claim --------------------------------------------------------------------------
 
-    def _next_candidate(self) -> str | None:
+    def _next_candidate(self, may_move: bool = True) -> str | None:
         """The next claimable task forward in the current region. Reaching a stretch someone else
         finished or holds means a worker walks just ahead of us: following it would only collide,
         so move to another region if there is one with work."""
@@ -459,10 +459,11 @@ class Claimer:
             task_id = ids[step]
             if not self.view.claimable(task_id):
                 continue
-            if step > self._index and any(ids[k] not in self._mine for k in range(self._index, step)):
+            if may_move and step > self._index and any(ids[k] not in self._mine for k in range(self._index, step)):
                 self._index = step
-                if self._move():
-                    return self._next_candidate()
+                # The move loads regions, so what was claimable here may not be any more: look again.
+                self._move()
+                return self._next_candidate(may_move=False)
             self._index = step
             return task_id
         return None
@@ -519,6 +520,8 @@ class Claimer:
 
     def _acquire(self, task_id: str) -> HeldLease | None:
         """Create, take over or steal the lease; None when someone else won."""
+        if not self.view.claimable(task_id):
+            return None  # never write a lease the view says is live or finished
         sighting = self.view.leases.get(task_id)
         name = layout.lease_object(task_id)
         if sighting is None:

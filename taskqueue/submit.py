@@ -108,7 +108,9 @@ def mark_regions(store: ObjectStore, task_ids: list[str], parallel: int = 16) ->
     if not task_ids:
         return
     ordered = sorted(task_ids, key=layout.key)
-    splits = ordered[:: layout.REGION_TASKS]
+    # No split at the batch's first id: its first thousand tasks join the region before them (the
+    # head region, in a new queue), so no region is left empty.
+    splits = ordered[layout.REGION_TASKS :: layout.REGION_TASKS]
     keys = [layout.key(t) for t in ordered]
     stale = []
     for entry in store.list(layout.SWEPT):
