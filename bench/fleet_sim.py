@@ -175,6 +175,7 @@ class SimStore(ObjectStore):
         self.per_second: dict[str, collections.Counter[int]] = {"read": collections.Counter(), "write": collections.Counter()}
         self.throttled: collections.Counter[str] = collections.Counter()
         self.refused: collections.Counter[str] = collections.Counter()  # 412s by kind
+        self.first_claim: dict[str, tuple[int, float]] = {}  # worker -> (requests before its first claim, when)
         self.counting = True
 
     # -- the request path
@@ -230,6 +231,10 @@ class SimStore(ObjectStore):
         return name.split("/", 1)[0] + "/"
 
     def _store(self, name: str, data: bytes, metadata) -> int:
+        actor = self.scheduler.current
+        if name.startswith(layout.LEASES) and actor is not None and actor.name not in self.first_claim:
+            # A worker's first successful lease write is its first claim (heartbeats come later).
+            self.first_claim[actor.name] = (self.by_worker[actor.name] - 1, self.scheduler.now)
         self.generation += 1
         if name not in self.entries:
             bisect.insort(self.names.setdefault(self._prefix(name), []), name)
@@ -389,9 +394,9 @@ class Fleet:
             lease = claim.lease
             if first:
                 first = False
-                # The request that won the lease is the claim itself, not one before it.
-                stats.first_claim_requests.append(store.by_worker[name] - 1)
-                stats.first_claim_s.append(self.scheduler.now - booted)
+                requests, at = store.first_claim[name]
+                stats.first_claim_requests.append(requests)
+                stats.first_claim_s.append(at - booted)
             if int(lease.body.get("takeovers", 0)) >= MAX_TAKEOVERS:
                 lease.dead_letter(f"its lease expired {lease.body['takeovers']} times", ())
                 stats.dead_letters += 1

@@ -30,6 +30,7 @@ LOOKAHEAD = 64  # done markers read ahead by each claim's done check
 JUMP_TRIES = 4  # regions a move loads before giving up and waiting
 MAP_REFRESH_S = 30.0  # a move re-lists the region map when it is older than this
 MAX_LOADED_REGIONS = 8  # the view is a cache: the least recently loaded region is forgotten first
+MIN_RUN = 16  # after a collision, a run of work shorter than this in the same region is not worth staying for
 
 
 @dataclasses.dataclass
@@ -168,9 +169,14 @@ class QueueView:
 
     def load(self, region: str) -> None:
         """Tasks, done and failed markers and leases of one region: four requests for a region of up to a thousand."""
-        end = self.region_end(region)
         ids = self.list_region_tasks(region)
-        for prefix in (layout.DONE, layout.FAILED):
+        self.refresh(region, ids, (layout.DONE, layout.FAILED))
+
+    def refresh(self, region: str, ids: list[str] | None = None, prefixes: tuple[str, ...] = (layout.DONE,)) -> None:
+        """Fresh done markers and leases of a region (two requests); with `ids`, its task list too."""
+        end = self.region_end(region)
+        ids = ids if ids is not None else self.tasks.get(region, [])
+        for prefix in prefixes:
             for entry in self.store.list(prefix, start_offset=_offset(prefix, region), end_offset=_offset(prefix, end)):
                 task_id = layout.id_from_object(entry.name, prefix)
                 if task_id is not None:
@@ -343,8 +349,14 @@ class Claimer:
         if not regions:
             return False
         unseen = [r for r in regions if r not in self.view.loaded]
-        region = self.rng.choice(unseen) if unseen else min(regions, key=lambda r: self.view.loaded.get(r, 0.0))
-        self._load(region)
+        if unseen:
+            region = self.rng.choice(unseen)
+            self._load(region)
+        else:
+            region = min(regions, key=lambda r: self.view.loaded[r])
+            self.view.refresh(region)
+            if self.view.region_finished(region):
+                self._sweep(region)
         return self._land(region, first=False)
 
     def _load(self, region: str) -> None:
@@ -421,11 +433,13 @@ class Claimer:
     def _has_claimable(self, region: str) -> bool:
         return any(self.view.claimable(t) for t in self.view.tasks.get(region, ()))
 
-    def _land(self, region: str, first: bool) -> bool:
+    def _land(self, region: str | None, first: bool, at_least: int = 1) -> bool:
         """Start the walk in the middle of the region's longest run of claimable tasks, the spot
         farthest from every worker there (workers walk forward from the end of their trail of done
         markers). In a region nobody has touched, a random spot instead: workers that start
         together in it spread out."""
+        if region is None:
+            return False
         ids = self.view.tasks.get(region, [])
         claimable = [self.view.claimable(t) for t in ids]
         if not any(claimable):
@@ -442,7 +456,12 @@ class Claimer:
                     best_start, best_length = run_start, k - run_start + 1
             else:
                 run_start = None
-        self._region, self._index = region, best_start + best_length // 2
+        if best_length < at_least:
+            return False
+        # Around the middle, not on it: workers that collided at the same task must not all land together again.
+        middle = best_start + best_length // 2
+        spread = best_length // 4
+        self._region, self._index = region, middle + self.rng.randint(-spread, spread)
         return True
 
     # -- one claim --------------------------------------------------------------------------
@@ -460,9 +479,11 @@ class Claimer:
             if not self.view.claimable(task_id):
                 continue
             if may_move and step > self._index and any(ids[k] not in self._mine for k in range(self._index, step)):
-                self._index = step
-                # The move loads regions, so what was claimable here may not be any more: look again.
-                self._move()
+                # Re-read this region first (two requests): with a long enough run of work left,
+                # the middle of it is the cheapest place to go. The view changed either way: look again.
+                self.view.refresh(region)
+                if not self._land(region, first=False, at_least=MIN_RUN):
+                    self._move()
                 return self._next_candidate(may_move=False)
             self._index = step
             return task_id
@@ -474,8 +495,11 @@ class Claimer:
         if task_id is None:
             return None
         lease = self._acquire(task_id)
-        if lease is None:  # someone is at this very task, and will walk on ahead of us: go elsewhere
-            self._move()
+        if lease is None:
+            # Someone is at this very task and will walk on ahead of us: go where nobody is. The
+            # region was loaded recently, so its longest run of work is known without a request.
+            if not self._land(self._region, first=False, at_least=MIN_RUN):
+                self._move()
             return False
         if self._already_done(task_id):
             # A finished task has no lease, so our view was stale here: give the lease back and move.
