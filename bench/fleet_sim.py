@@ -37,7 +37,7 @@ import json
 import logging
 import math
 import random
-import statistics
+import sys
 import threading
 import time
 
@@ -82,10 +82,15 @@ class Scheduler:
         self._turn_over.release()
         actor.turn.acquire()
 
-    def run(self) -> None:
+    def run(self, progress=None, every_s: float = 600.0) -> None:
+        """Until every actor has finished; `progress(now)` is called every `every_s` of virtual time."""
+        next_report = every_s
         while self._heap:
             at, _, actor = heapq.heappop(self._heap)
             self.now = max(self.now, at)
+            if progress is not None and self.now >= next_report:
+                progress(self.now)
+                next_report += every_s
             self.current = actor
             actor.resume()
             self._turn_over.acquire()
@@ -450,7 +455,15 @@ class Fleet:
     def run(self) -> None:
         for _ in range(self.o.workers):
             self._spawn_worker(self.rng.uniform(0, self.o.start_spread_s))
-        self.scheduler.run()
+        started = time.monotonic()
+        self.scheduler.run(
+            lambda now: print(
+                f"event=progress virtual_s={now:.0f} done={len(self.stats.completions)}/{self.o.tasks} "
+                f"requests={sum(self.store.by_kind.values())} wall_s={time.monotonic() - started:.0f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        )
 
 
 # -- report ---------------------------------------------------------------------------------------
