@@ -259,7 +259,10 @@ class GCSStore(ObjectStore):
 
     def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
         blob = self._blob(name)
-        blob.metadata = dict(metadata) if metadata else None
+        if metadata:
+            # Without metadata the resource must not carry the key at all: `blob.metadata = None` would
+            # send `"metadata": null`, which stricter JSON API implementations answer with 500.
+            blob.metadata = dict(metadata)
         if isinstance(data, bytes):
             upload = lambda: blob.upload_from_string(  # noqa: E731
                 data, content_type="application/octet-stream", retry=None, timeout=self._policy.timeout_s
@@ -307,7 +310,12 @@ class GCSStore(ObjectStore):
         )
 
     def list_page(
-        self, prefix: str, page_token: str | None = None, start_offset: str | None = None, page_size: int = MAX_LIST_PAGE
+        self,
+        prefix: str,
+        page_token: str | None = None,
+        start_offset: str | None = None,
+        page_size: int = MAX_LIST_PAGE,
+        end_offset: str | None = None,
     ) -> Page:
         page_size = max(1, min(page_size, MAX_LIST_PAGE))
 
@@ -316,6 +324,7 @@ class GCSStore(ObjectStore):
                 self._bucket,
                 prefix=self._prefix + prefix,
                 start_offset=self._prefix + start_offset if start_offset else None,
+                end_offset=self._prefix + end_offset if end_offset else None,
                 page_size=page_size,
                 page_token=page_token,
                 retry=None,
