@@ -93,7 +93,9 @@ def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner | 
                 role,
                 resolve_consumer(shlex.split(args.consumer)),
                 args.worker_id or default_worker_id(),
-                idle_timeout_s=args.idle_timeout,
+                # The leader may wait up to its own idle timeout for leased work, then closes the slice;
+                # a follower gives up only when no leader has spoken for well past that.
+                idle_timeout_s=2 * args.idle_timeout + 60,
                 poll_s=max(args.poll, 0.05),
                 watch_s=min(5.0, heartbeat / 2),
                 clock=Clock.from_env(),

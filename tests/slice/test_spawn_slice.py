@@ -4,6 +4,7 @@ JAX processes (2 CPU devices each), against a local-directory queue."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -124,8 +125,6 @@ def test_follower_killed_mid_task_fails_the_attempt_in_bounded_time_and_a_retry_
         follower_consumer = consumer_pid(workers.log("follower"))
         killed_at = time.monotonic()
         workers.procs["follower"].send_signal(signal.SIGKILL)  # the host dies: its worker and its consumer
-        import os
-
         os.killpg(follower_consumer, signal.SIGKILL)
         wait_for(lambda: (lease_body(url, "t000000") or {}).get("errors"), 60, "the failed attempt recorded")
         noticed_s = time.monotonic() - killed_at
@@ -155,14 +154,13 @@ def test_leader_killed_lets_another_worker_take_over_and_the_follower_stops(
     try:
         start_host(workers, "leader", 0, coordinator, consume_env(), "--lease-ttl", "4", "--heartbeat", "0.5")
         start_host(workers, "follower", 1, coordinator, consume_env(), "--lease-ttl", "4", "--heartbeat", "0.5")
-        wait_for(lambda: "event=follower_consumer_start" in workers.log("follower"), 120, "the follower's consumer")
-        import os
-
+        # Mid-task: both processes have joined the JAX program and know their shares.
+        wait_for(lambda: "event=share " in workers.log("follower"), 120, "the follower's consumer")
         leader_consumer = consumer_pid(workers.log("leader"))
         workers.procs["leader"].send_signal(signal.SIGKILL)
         os.killpg(leader_consumer, signal.SIGKILL)
         # Another worker (an ordinary one, with a consumer that does nothing) steals the expired lease.
-        workers.start("other", "--lease-ttl", "4", consumer="python -c pass", env=consume_env())
+        workers.start("other", "--lease-ttl", "4", "--idle-timeout", "60", consumer="python -c pass", env=consume_env())
         wait_for(lambda: "event=follower_stop " in workers.log("follower")
                  or "event=follower_consumer_exit" in workers.log("follower"), 60, "the follower's consumer stopping")
         wait_for(lambda: markers(url, layout.DONE), 60, "the other worker's done marker")
