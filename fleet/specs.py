@@ -236,8 +236,17 @@ def parse_spec(raw: object, source: str) -> VmSpec | TpuSpec:
             raise SpecError(f"{source}: fields 'gpu_type' and 'gpu_count' go together; set both or neither")
         if spec.gpu_count and spec.accelerator == "cpu":
             raise SpecError(f"{source}: field 'accelerator' is 'cpu' but the spec attaches GPUs; use 'gpu'")
-    if isinstance(spec, TpuSpec) and spec.slices > 1 and spec.queued is False:
-        raise SpecError(f"{source}: field 'slices' is {spec.slices}, which needs queued resources; drop 'queued: false'")
+    if isinstance(spec, TpuSpec) and spec.slices > 1:
+        if spec.queued is False:
+            raise SpecError(f"{source}: field 'slices' is {spec.slices}, which needs queued resources; drop 'queued: false'")
+        flags = spec.spawn_flags
+        if any(a == "--on-empty" and b == "delete" for a, b in zip(flags, flags[1:])):
+            # Deleting a multislice queued resource deletes every slice: a slice that is merely idle
+            # (others still run the last tasks) must not do it.
+            raise SpecError(
+                f"{source}: field 'spawn_flags' has '--on-empty delete', but with slices: {spec.slices} one idle "
+                "slice would delete the others mid-task; use '--on-empty delete-when-drained'"
+            )
     return spec
 
 

@@ -46,7 +46,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tasks", type=int, default=None, help="exit after this many tasks")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for leased work before exiting")
     p.add_argument("--poll", type=float, default=1.0, help="shortest wait between polls of a busy queue (seconds)")
-    p.add_argument("--on-empty", choices=("exit", "delete"), default="exit", help="delete this machine when done")
+    p.add_argument(
+        "--on-empty", choices=("exit", "delete", "delete-when-drained"), default="exit",
+        help="delete this machine when the queue is drained or idle (delete), or only once it is drained "
+        "(delete-when-drained: for a multislice, whose deletion takes every slice along)",
+    )  # fmt: skip
     p.add_argument(
         "--preemption-watch",
         choices=("auto", "on", "off"),
@@ -145,7 +149,9 @@ def run(
             watcher.stop()
     if isinstance(spawner, Follower):
         return 0  # a slice deletes itself once, from its leader: never from a follower
-    if reason in ("drained", "idle") and args.on_empty == "delete":
+    if (reason in ("drained", "idle") and args.on_empty == "delete") or (
+        reason == "drained" and args.on_empty == "delete-when-drained"
+    ):
         if self_delete is None:
             raise SystemExit("--on-empty delete: this build has no self-delete hook")
         self_delete()
