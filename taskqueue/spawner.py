@@ -35,6 +35,8 @@ ERROR_TAIL_LINES = 40
 #: keep dying without a word is poison: after this many steals it is dead-lettered.
 MAX_TAKEOVERS = 10
 MAX_PROGRESS_LINE = 64 * 1024
+#: A slice consumer's exit code when one of its hosts was stopped by SIGTERM (docs/PROTOCOL.md, "Slices").
+SLICE_HOST_STOPPED = 128 + signal.SIGTERM
 
 
 class ProgressError(ValueError):
@@ -289,10 +291,13 @@ class Spawner:
             self._dead_letter(lease, f"consumer broke the progress contract: {trouble[0]}", (), error)
             return
         log.info("event=consumer_exit task=%s exit_code=%d seconds=%.1f", claim.task_id, exit_code, self.clock.monotonic() - started)
-        if self._stop.is_set():
+        if self._stop.is_set() or (self.board is not None and exit_code == SLICE_HOST_STOPPED):
+            # On a slice, 128+SIGTERM from our consumer while we were not stopped means another host
+            # was (preempted, maintenance): like our own stop, that is not the task's fault.
             lease.release(records)
             self.tally.released += 1
-            log.info("event=released task=%s reason=%r committed=%d", claim.task_id, self.stop_reason, len(lease.committed))
+            reason = self.stop_reason if self._stop.is_set() else "a slice host was stopped"
+            log.info("event=released task=%s reason=%r committed=%d", claim.task_id, reason, len(lease.committed))
         elif exit_code == 0:
             if lease.complete(records, started):
                 self.tally.done += 1

@@ -43,6 +43,9 @@ def snapshot(store: ObjectStore, now: dt.datetime | None = None) -> dict:
         else:
             leased.append(task_id)
             holders[worker] += 1
+    # A slice is one claimant: its leader holds the leases; its assignment says how many hosts it has.
+    slice_hosts = {e.metadata["leader"]: int(e.metadata["hosts"]) for e in store.list("slices/")
+                   if e.metadata.get("leader") in holders and e.metadata.get("hosts", "").isdigit()}  # fmt: skip
     finished = set(done_times) | set(failed)
     total = len(tasks | finished)
     pending = total - len(done_times) - len(failed) - len(leased) - len(stale)
@@ -62,6 +65,7 @@ def snapshot(store: ObjectStore, now: dt.datetime | None = None) -> dict:
         "done": len(done_times),
         "failed": len(failed),
         "holders": dict(sorted(holders.items())),
+        "slice_hosts": dict(sorted(slice_hosts.items())),
         "stale_leases": sorted(stale, key=lambda s: s["task"]),
         "tasks_per_s": round(rate, 4) if rate else None,
         "eta_s": round(remaining / rate, 1) if rate and remaining else (0.0 if not remaining else None),
@@ -94,7 +98,10 @@ def render(view: dict) -> str:
             f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min, eta {_duration(eta) if eta is not None else '?'}"
         )
     if view["holders"]:
-        lines.append("holders " + ", ".join(f"{w}={n}" for w, n in view["holders"].items()))
+        hosts = view.get("slice_hosts", {})
+        lines.append("holders " + ", ".join(
+            f"{w} ({hosts[w]} hosts)={n}" if w in hosts else f"{w}={n}" for w, n in view["holders"].items()
+        ))  # fmt: skip
     for stale in view["stale_leases"]:
         lines.append(f"stale   {stale['task']} held by {stale['worker']}, silent {stale['silent_s']:.0f}s")
     for task_id, reason in view["failed_reasons"].items():

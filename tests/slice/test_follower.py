@@ -113,3 +113,33 @@ def test_bad_slice_options_are_refused_naming_the_option(flags, problem, tmp_pat
     result = subprocess.run([sys.executable, "spawn.py", str(tmp_path), "--consumer", "true", *flags], cwd=REPO,
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 2 and problem in result.stderr, result.stderr
+
+
+def test_a_slice_host_stopped_by_sigterm_releases_the_task_without_counting_an_attempt(tmp_path):
+    # 143 = 128 + SIGTERM: what every host of a slice exits with once one of them was stopped (preempted).
+    url = queue_with(tmp_path, [{"id": "t0", "exit": 143}])
+    workers = Workers(url, tmp_path)
+    try:
+        workers.start("leader", *SLICE_FLAGS, "--host-index", "0", "--max-tasks", "1")
+        wait_for(lambda: "event=released task=t0" in workers.log("leader"), 30, "the release")
+    finally:
+        workers.kill_all()
+    assert "a slice host was stopped" in workers.log("leader")
+    lease = lease_body(url, "t0")
+    assert lease["state"] == "released" and lease["errors"] == []
+
+
+def test_status_shows_a_slice_as_one_worker_with_its_host_count(tmp_path):
+    from taskqueue import status
+
+    url = queue_with(tmp_path, [{"id": "t0", "outputs": 20, "sleep": 0.2}])
+    workers = Workers(url, tmp_path)
+    try:
+        workers.start("leader", *SLICE_FLAGS, "--host-index", "0")
+        workers.start("follower", *SLICE_FLAGS, "--host-index", "1")
+        wait_for(lambda: "event=follower_consumer_start" in workers.log("follower"), 30, "the follower's consumer")
+        view = status.snapshot(open_store(url))
+    finally:
+        workers.kill_all()
+    assert view["holders"] == {"leader": 1} and view["slice_hosts"] == {"leader": 2}
+    assert "holders leader (2 hosts)=1" in status.render(view)
