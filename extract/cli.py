@@ -168,7 +168,24 @@ def _run_share(role, job, task, paths, attempt, args, stop) -> int:
         attempt=int(attempt) if attempt and attempt.isdigit() else None,
         log_every_s=args.log_every,
     )
-    result = multihost.run_share(inputs, role, stop)
+    try:
+        result = multihost.run_share(inputs, role, stop)
+    except BaseException as exc:
+        if role.process_count == 1:
+            raise
+        # Leave at once: a normal exit would wait at jax.distributed's shutdown barrier for hosts that may
+        # be dead, until the heartbeat timeout. The leader should learn of the failure now.
+        from extract.consumer import Stopped
+
+        if isinstance(exc, multihost.SliceFailed):
+            code = exc.exit_code
+        elif isinstance(exc, Stopped):
+            code = 128 + exc.signum
+        else:
+            code = exit_code_for(exc)
+        log.error("event=slice_failed exit=%d error=%r", code, exc)
+        logging.shutdown()
+        os._exit(code)
     if result.stopped:
         return 128 + (stop.signum or signal.SIGTERM)
     return EX_OK

@@ -255,16 +255,17 @@ class _OwnRows:
         self._array, self._lo, self._hi = array, lo, hi
 
     def __array__(self, dtype=None, copy=None):
-        out = None
+        pieces: dict[int, np.ndarray] = {}  # first row -> rows; replicas along "model" hold the same rows
         for shard in self._array.addressable_shards:
             rows = shard.index[0]
             start = rows.start or 0
             stop = rows.stop if rows.stop is not None else self._array.shape[0]
-            if start <= self._lo and self._hi <= stop:
-                out = np.asarray(shard.data)[self._lo - start : self._hi - start]
-                break
-        if out is None:
-            raise RuntimeError(f"rows [{self._lo}, {self._hi}) of the output are not on this host's devices")
+            lo, hi = max(start, self._lo), min(stop, self._hi)
+            if lo < hi and lo not in pieces:
+                pieces[lo] = np.asarray(shard.data)[lo - start : hi - start]
+        out = np.concatenate([pieces[k] for k in sorted(pieces)]) if pieces else None
+        if out is None or out.shape[0] != self._hi - self._lo:
+            raise RuntimeError(f"rows [{self._lo}, {self._hi}) of the output are not all on this host's devices")
         return out if dtype is None else out.astype(dtype)
 
 

@@ -9,26 +9,19 @@ import re
 import signal
 import time
 
-import numpy as np
-import pytest
-
-from extract.reader import open_activations
 from objectstore import open_store
 from taskqueue import layout
 from taskqueue.slice import assignment_object
 from taskqueue.submit import submit
-from tests.extract_pipeline.conftest import ConsumeRun, base_job
-from tests.slice.conftest import HOST_XLA_FLAGS
+from tests.slice.conftest import ALL_ROWS, HOST_XLA_FLAGS, assert_same_samples, samples_by_id, slice_job
 from tests.workers import Workers, lease_body, markers, wait_for
 
-#: All 220 rows of the corpus in one task.
-ALL_ROWS = [(0, 0, 90), (1, 0, 50), (2, 0, 80)]
 CONSUMER = "python consume.py"
 
 
-def slice_job(tiny_models, corpus, **overrides) -> dict:
+def split_job(tiny_models, corpus, **overrides) -> dict:
     # The model is split over all 4 devices, so across both processes (tensor parallel across hosts).
-    return base_job(tiny_models["qwen2"], corpus, mesh="model=4", dtype="fp32", compute_dtype="fp32", **overrides)
+    return slice_job(tiny_models, corpus, mesh="model=4", **overrides)
 
 
 def make_queue(path, job: dict, task: dict) -> str:
@@ -45,13 +38,8 @@ def start_host(workers: Workers, name: str, index: int, coordinator: str, env: d
     )  # fmt: skip
 
 
-def committed(url: str, task_id: str) -> dict[int, tuple[np.ndarray, dict]]:
-    acts = open_activations(str(open_store(url).url(layout.done_object(task_id))))
-    out = {}
-    for sample in acts.samples():
-        assert sample.sample_id not in out, f"sample {sample.sample_id} committed twice"
-        out[sample.sample_id] = (sample.token_ids, {k: np.asarray(v, np.float32) for k, v in sample.layers.items()})
-    return out
+def committed(url: str, task_id: str) -> dict:
+    return samples_by_id(str(open_store(url).url(layout.done_object(task_id))))
 
 
 def consumer_pid(log: str, after: int = 0) -> int:
@@ -59,36 +47,11 @@ def consumer_pid(log: str, after: int = 0) -> int:
     return int(pids[after])
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_models, corpus, run_consume):
-    """The same task run by one process on 4 devices."""
-    workdir = tmp_path_factory.mktemp("slice-reference")
-    spec = ConsumeRun(
-        workdir=workdir,
-        job=slice_job(tiny_models, corpus),
-        task={"id": "t000000", "files": corpus.slice_files(ALL_ROWS)},
-        output=str(workdir / "out"),
-    )
-    assert run_consume(spec).returncode == 0, spec.stderr_file.read_text()
-    out = {}
-    for sample in open_activations(spec.output).samples():
-        out[sample.sample_id] = (sample.token_ids, {k: np.asarray(v, np.float32) for k, v in sample.layers.items()})
-    return out
-
-
-def assert_matches(got: dict, expected: dict) -> None:
-    assert sorted(got) == sorted(expected)
-    for sample_id, (tokens, layers) in expected.items():
-        np.testing.assert_array_equal(got[sample_id][0], tokens)
-        for layer, values in layers.items():
-            np.testing.assert_allclose(got[sample_id][1][layer], values, rtol=1e-5, atol=1e-5)
-
-
 def test_slice_claims_as_one_worker_and_completes_like_one_process(
     tmp_path, tiny_models, corpus, consume_env, coordinator, reference
 ):
     task = {"id": "t000000", "files": corpus.slice_files(ALL_ROWS)}
-    url = make_queue(tmp_path / "queue", slice_job(tiny_models, corpus), task)
+    url = make_queue(tmp_path / "queue", split_job(tiny_models, corpus), task)
     workers = Workers(url, tmp_path)
     try:
         start_host(workers, "leader", 0, coordinator, consume_env())
@@ -99,7 +62,7 @@ def test_slice_claims_as_one_worker_and_completes_like_one_process(
     assert codes == {"leader": 0, "follower": 0}, workers.all_logs()[-5000:]
     done = markers(url, layout.DONE)["t000000"]
     assert done["worker"] == "leader" and done["attempt"] == 1
-    assert_matches(committed(url, "t000000"), reference)
+    assert_same_samples(committed(url, "t000000"), reference)
     # The follower wrote shards of its own under the leader's fenced prefix; it claimed nothing.
     prefix = f"/out/t000000/{done['fencing_token']}/"
     assert all(prefix in record["shard"] for record in done["outputs"])
@@ -114,7 +77,7 @@ def test_follower_killed_mid_task_fails_the_attempt_in_bounded_time_and_a_retry_
     tmp_path, tiny_models, corpus, consume_env, coordinator, reference
 ):
     task = {"id": "t000000", "files": corpus.slice_files(ALL_ROWS)}
-    url = make_queue(tmp_path / "queue", slice_job(tiny_models, corpus, shard_size=4, batch_size=2), task)
+    url = make_queue(tmp_path / "queue", split_job(tiny_models, corpus, shard_size=4, batch_size=2), task)
     workers = Workers(url, tmp_path)
     try:
         start_host(workers, "leader", 0, coordinator, consume_env(), "--lease-ttl", "6", "--heartbeat", "0.5",
@@ -141,15 +104,15 @@ def test_follower_killed_mid_task_fails_the_attempt_in_bounded_time_and_a_retry_
     assert done["attempt"] == 2
     tokens = {r["shard"].split("/out/t000000/")[1].split("/")[0] for r in done["outputs"]}
     assert len(tokens) == 2  # shards committed by attempt 1 were kept, the rest came from attempt 2
-    assert_matches(committed(url, "t000000"), reference)
-    print(f"slice noticed the dead follower after {noticed_s:.1f}s")
+    assert_same_samples(committed(url, "t000000"), reference)
+    print(f"figure: slice noticed the dead follower after {noticed_s:.1f}s")
 
 
 def test_leader_killed_lets_another_worker_take_over_and_the_follower_stops(
     tmp_path, tiny_models, corpus, consume_env, coordinator
 ):
     task = {"id": "t000000", "files": corpus.slice_files(ALL_ROWS)}
-    url = make_queue(tmp_path / "queue", slice_job(tiny_models, corpus, shard_size=4, batch_size=2), task)
+    url = make_queue(tmp_path / "queue", split_job(tiny_models, corpus, shard_size=4, batch_size=2), task)
     workers = Workers(url, tmp_path)
     try:
         start_host(workers, "leader", 0, coordinator, consume_env(), "--lease-ttl", "4", "--heartbeat", "0.5")
