@@ -116,7 +116,8 @@ class Engine:
         mesh: str | None = None,
         devices: Sequence[jax.Device] | None = None,
     ):
-        """`devices` defaults to every local device; tests pass a subset to get a single-device reference."""
+        """`devices` defaults to every device of the program (every host's, on a slice); tests pass a subset to
+        get a single-device reference."""
         started = time.monotonic()
         self._configure(batch_size, max_seq_len, compute_dtype, out_dtype)
         from_store = isinstance(model, str) and model.startswith("gs://")
@@ -170,7 +171,7 @@ class Engine:
         """Choose the mesh and shardings, and build the abstract (shapes-only) model truncated at the deepest layer."""
         self.layers = normalize_layers(layers, self.config.num_hidden_layers)
         self.num_computed_layers = max(self.layers)  # the final-norm index needs the whole stack
-        devices = list(devices) if devices is not None else jax.local_devices()
+        devices = list(devices) if devices is not None else shd.default_devices()
         if not devices:
             raise BadInput("devices is empty: the engine needs at least one device")
         if mesh is not None:

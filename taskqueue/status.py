@@ -140,6 +140,9 @@ def snapshot(
     failed_count = round(swept_failed + open_failed)
     remaining = total - done - failed_count
     pending = max(0, remaining - len(leased) - len(stale))
+    # A slice is one claimant: its leader holds the leases; its assignment says how many hosts it has.
+    slice_hosts = {e.metadata["leader"]: int(e.metadata["hosts"]) for e in counted.list("slices/")
+                   if e.metadata.get("leader") in holders and e.metadata.get("hosts", "").isdigit()}  # fmt: skip
     recent = [t for t in done_times.values() if (now - t).total_seconds() <= RATE_WINDOW_S]
     rate = None
     if len(recent) >= 2:
@@ -157,6 +160,7 @@ def snapshot(
         "done": done,
         "failed": failed_count,
         "holders": dict(sorted(holders.items())),
+        "slice_hosts": dict(sorted(slice_hosts.items())),
         "stale_leases": sorted(stale, key=lambda s: s["task"]),
         "tasks_per_s": round(rate, 4) if rate else None,
         "eta_s": round(remaining / rate, 1) if rate and remaining else (0.0 if not remaining else None),
@@ -200,7 +204,10 @@ def render(view: dict) -> str:
     if view["counters"]:
         lines.append("counted " + ", ".join(f"{name}={n}" for name, n in view["counters"].items()))
     if view["holders"]:
-        lines.append("holders " + ", ".join(f"{w}={n}" for w, n in view["holders"].items()))
+        hosts = view.get("slice_hosts", {})
+        lines.append("holders " + ", ".join(
+            f"{w} ({hosts[w]} hosts)={n}" if w in hosts else f"{w}={n}" for w, n in view["holders"].items()
+        ))  # fmt: skip
     for stale in view["stale_leases"]:
         lines.append(f"stale   {stale['task']} held by {stale['worker']}, silent {stale['silent_s']:.0f}s")
     for task_id, reason in view["failed_reasons"].items():
