@@ -36,6 +36,11 @@ _JOB_FIELDS = {
     "dataset", "data_files", "text_field", "model", "layers", "max_seq_len", "batch_size",
     "dtype", "compute_dtype", "shard_size", "mesh", "buckets", "on_bad_row",
 }  # fmt: skip
+# Shard sizing by bytes (writer throughput, issue 10 section 2).
+_JOB_FIELDS |= {"shard_bytes", "packing"}
+#: Default cap of a shard's tensor bytes: large enough that per-object overheads vanish, small enough that a few
+#: shards in flight fit any host's memory (about 100-500 MB is a sensible object).
+DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 _DATASET_FIELDS = {"name", "config", "split", "revision"}
 _TASK_FIELDS = {"id", "files"}
 _FILE_FIELDS = {"path", "base", "start", "end"}
@@ -64,6 +69,12 @@ def _non_negative_int(where: str, value: Any) -> int:
 def _non_empty_str(where: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _fail(where, f"got {value!r}", "use a non-empty string")
+    return value
+
+
+def _bool(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, f"got {value!r}", "use true or false")
     return value
 
 
@@ -115,7 +126,7 @@ class HubDataset:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """job.json. `shard_size` counts samples (documents) per output shard, not bytes."""
+    """job.json. A shard ends after `shard_size` samples (documents) or before its tensors pass `shard_bytes`."""
 
     model: str
     layers: tuple[int, ...]
@@ -130,6 +141,8 @@ class Job:
     compute_dtype: str = "bf16"
     mesh: str | None = None
     on_bad_row: str = "skip"
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    packing: bool = False  # several documents per row (extract.batching.pack_window)
 
     @property
     def out_dtype_name(self) -> str:
@@ -159,6 +172,8 @@ class Job:
             out["data_files"] = list(self.data_files)
         if self.mesh is not None:
             out["mesh"] = self.mesh
+        out["shard_bytes"] = self.shard_bytes
+        out["packing"] = self.packing
         return out
 
     @classmethod
@@ -263,6 +278,8 @@ class Job:
             compute_dtype=compute_dtype,
             mesh=mesh,
             on_bad_row=on_bad_row,
+            shard_bytes=_positive_int("shard_bytes", raw.get("shard_bytes", DEFAULT_SHARD_BYTES)),
+            packing=_bool("packing", raw.get("packing", False)),
         )
 
 

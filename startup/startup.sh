@@ -57,7 +57,7 @@ apt_install() {
 }
 
 main() {
-  local code_url queue_url accelerator extras python endpoints
+  local code_url queue_url accelerator extras python
   code_url="$(attribute spawn-code)"
   queue_url="$(attribute spawn-queue)"
   accelerator="$(attribute spawn-accelerator cpu)"
@@ -82,14 +82,6 @@ main() {
       exit 1
       ;;
   esac
-
-  # A multi-host TPU slice runs this on every host. One spawn.py per host would claim different
-  # tasks for what must be one JAX program, so slices run no worker yet (docs/CLOUD.md, "Slices").
-  endpoints="$(attribute worker-network-endpoints "")"
-  if [[ "$endpoints" == *,* ]]; then
-    log "event=worker_not_started reason=multi_host_slice worker=$(attribute agent-worker-number unknown)"
-    exit 0
-  fi
 
   log "event=code_sync source=${code_url} dest=${CODE_DIR}"
   mkdir -p "${ROOT}${CODE_DIR}" "${ROOT}${STATE_DIR}"

@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from objectstore import NotFound, ObjectStore, PreconditionFailed
 from taskqueue import layout
@@ -66,6 +66,17 @@ def sum_counters(records: Sequence[dict]) -> dict[str, int]:
                     "event=bad_counters record=%s name=%s value=%r: not an integer, ignored", record.get("shard"), name, value
                 )
     return totals
+
+
+def sum_metadata_counters(texts: Iterable[str]) -> dict[str, int]:
+    """The same sum over `counters` metadata values (compact JSON) of done or swept markers."""
+    records = []
+    for text in texts:
+        try:
+            records.append({"counters": json.loads(text)})
+        except ValueError:
+            log.warning("event=bad_counters metadata=%r: not JSON, ignored", text[:200])
+    return sum_counters(records)
 
 
 def encode(body: dict) -> tuple[bytes, dict[str, str]]:
