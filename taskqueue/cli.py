@@ -52,6 +52,12 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="watch the metadata server for preemption (auto: when on Google Cloud)",
     )
+    p.add_argument(
+        "--machine-record",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="write this machine's state to machines/<name>.json in the queue (auto: when on Google Cloud)",
+    )
     p.add_argument("--log-level", default=os.environ.get("SPAWN_LOG_LEVEL", "INFO"))
     return p
 
@@ -85,14 +91,19 @@ def run(
     argv: list[str] | None = None,
     self_delete: Callable[[], None] | None = None,
     watch_preemption: Callable[[Callable[[], None], bool], object | None] | None = None,
+    machine_state: Callable[[object, bool], Callable[..., None] | None] | None = None,
 ) -> int:
     """Parse, run until the queue is empty or a stop, then delete the machine if asked to.
 
     `watch_preemption(on_preempted, required)` starts a watcher (or returns None when not on a
-    cloud machine and not required); `self_delete()` is the `--on-empty delete` hook.
+    cloud machine and not required); `self_delete()` is the `--on-empty delete` hook;
+    `machine_state(store, required)` returns the `on_state(state, **fields)` hook that records this
+    machine's state (or None when not on a cloud machine and not required).
     """
     args, spawner = build(argv)
     install_stop_signals(spawner)
+    if args.machine_record != "off" and machine_state is not None:
+        spawner.on_state = machine_state(spawner.store, args.machine_record == "on")
     watcher = None
     if args.preemption_watch != "off" and watch_preemption is not None:
         watcher = watch_preemption(lambda: spawner.request_stop("preempted"), args.preemption_watch == "on")
@@ -104,5 +115,8 @@ def run(
     if reason in ("drained", "idle") and args.on_empty == "delete":
         if self_delete is None:
             raise SystemExit("--on-empty delete: this build has no self-delete hook")
+        spawner.tell_state("deleting", reason=f"queue {reason}")
         self_delete()
+    else:
+        spawner.tell_state("exited", reason=reason)
     return 0
