@@ -50,6 +50,7 @@ MACHINE=""
 QUEUE_URL=""
 CODE_URL=""
 ACCELERATOR=""
+TEE_PID=""
 
 log() {
   printf 'spawn-startup: %s\n' "$*" >&2
@@ -204,6 +205,12 @@ fail() {
   local reason="$1" tail=""
   trap - ERR
   log "event=boot_failed phase=${PHASE} reason=${reason}"
+  if [[ -n "$TEE_PID" ]]; then
+    # Let tee write out everything up to here before the tail is read.
+    exec 2>&3
+    wait "$TEE_PID" || true
+    TEE_PID=""
+  fi
   if [[ -f "${ROOT}${STATE_DIR}/startup.log" ]]; then
     tail="$(tail -n "$LOG_TAIL_LINES" "${ROOT}${STATE_DIR}/startup.log")"
   fi
@@ -264,7 +271,9 @@ boot() {
   mkdir -p "${ROOT}${STATE_DIR}" "${ROOT}${CODE_DIR}"
   # Keep this boot's log for the failure record's tail (the journal has it too).
   : >"${ROOT}${STATE_DIR}/startup.log"
-  exec 2> >(tee -a "${ROOT}${STATE_DIR}/startup.log" >&2)
+  exec 3>&2
+  exec 2> >(tee -a "${ROOT}${STATE_DIR}/startup.log" >&3)
+  TEE_PID=$!
 
   read_common
   extras="$(attribute spawn-extras "")"
