@@ -4,6 +4,7 @@ the exact REST calls (paths and bodies) for templates, groups, TPU nodes, queued
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ QUEUE, CODE = "gs://bkt/jobs/j1", "gs://bkt/code/run1"
 
 
 def tool(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    # PYTHONPATH: the tools import this checkout's packages, whatever the shared venv has installed.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_create_template_tool_inserts_the_template_through_the_endpoint_override(cloud: FakeCloud):
