@@ -97,8 +97,8 @@ def test_spot_template_deletes_on_preemption_and_carries_the_launch_attributes()
         "spawn-extras": "extract",
         "spawn-python": spec.python,
     }
-    assert "https://www.googleapis.com/auth/devstorage.read_write" in props.service_accounts[0].scopes
-    assert "https://www.googleapis.com/auth/compute" in props.service_accounts[0].scopes
+    # cloud-platform: the boot's projects.testIamPermissions needs it; IAM roles do the limiting.
+    assert props.service_accounts[0].scopes == ["https://www.googleapis.com/auth/cloud-platform"]
 
 
 def test_standard_cpu_vm_migrates_and_gpu_vm_terminates_on_maintenance(tmp_path: Path):
