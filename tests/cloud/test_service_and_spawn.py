@@ -152,3 +152,25 @@ def test_worker_writes_its_machine_record_on_each_state_change(tmp_path: Path, m
     assert (record["machine"], record["zone"], record["accelerator"], record["code"]) == ("w-7", "us-central1-a", "cpu", "gs://b/code/v3")
     [entry] = list(store.list("machines/"))
     assert entry.metadata["state"] == "exited" and entry.metadata["code"] == "gs://b/code/v3"
+
+
+def test_group_whose_queue_is_drained_ends_at_size_zero(tmp_path: Path, metadata_server: FakeMetadata, cloud):
+    """Each member finds the queue drained, records `deleting` and leaves its group through
+    deleteInstances, which lowers the target size: the group is not told to recreate anyone."""
+    group = "projects/p/zones/us-central1-a/instanceGroupManagers/spawn-worker"
+    cloud.add(group, {"name": "spawn-worker", "targetSize": 2})
+    queue = tmp_path / "queue"
+    store = open_store(str(queue))
+    submit(store, None, [("t1", json.dumps({"id": "t1"}).encode())])
+    for member in ("spawn-worker-a1b2", "spawn-worker-c3d4"):
+        cloud.add(f"projects/p/zones/us-central1-a/instances/{member}", {"name": member})
+        metadata_server.values.clear()
+        metadata_server.values.update(gce_vm("p", "us-central1-a", member, {"created-by": f"projects/1/zones/us-central1-a/instanceGroupManagers/spawn-worker"}))
+        worker = _spawn(queue, "--on-empty", "delete", "--preemption-watch", "off")
+        output, _ = worker.communicate(timeout=60)
+        assert worker.returncode == 0, output
+        assert json.loads(store.read(f"machines/{member}.json").data)["state"] == "deleting"
+    assert cloud.resources[group]["targetSize"] == 0
+    calls = [(c.method, c.path) for c in cloud.calls() if c.method == "POST"]
+    assert calls == [("POST", f"/compute/v1/{group}/deleteInstances")] * 2
+    assert not [k for k in cloud.resources if "/instances/" in k]
