@@ -117,7 +117,7 @@ class FakeCloud(FakeHTTPServer):
 
     def _compute(self, request: Request, path: str) -> Response:
         method, body = request.method, request.body
-        if method == "GET" and re.fullmatch(r"projects/[^/]+/regions/[^/]+", path):
+        if method == "GET" and re.fullmatch(r"projects/[^/]+(/regions/[^/]+)?", path):
             with self.lock:
                 if path not in self.resources:
                     raise _ApiError(404, f"The resource '{path}' was not found")
