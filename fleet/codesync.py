@@ -321,11 +321,13 @@ def download_wheelhouse(
     import sys
 
     dest.mkdir(parents=True, exist_ok=True)
-    common = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--no-deps",
+    common = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
               "--python-version", python_version, "--dest", str(dest), *index_args]
     for platform in platforms:
         common += ["--platform", platform]
-    _run([*common, "--requirement", str(lock)], "wheelhouse_download")
+    # The lock is complete: its pins alone. `also` is not locked: its dependencies come along
+    # (wheel needs packaging, for one).
+    _run([*common, "--no-deps", "--requirement", str(lock)], "wheelhouse_download")
     if also:
         _run([*common, *also], "wheelhouse_download")
     return dest

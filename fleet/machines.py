@@ -31,6 +31,10 @@ from objectstore import ObjectStore, StoreError
 log = logging.getLogger(__name__)
 
 PREFIX = "machines/"
+# fleet.specs names these attributes (ATTR_ACCELERATOR, ATTR_CODE; a test pins them equal); importing
+# specs would pull google.cloud.compute_v1 into the worker's start for two strings.
+ATTR_ACCELERATOR = "spawn-accelerator"
+ATTR_CODE = "spawn-code"
 STATES = ("booting", "installing", "working", "idle", "failed", "deleting", "exited")
 #: States after which a machine is expected to stay silent.
 FINAL_STATES = ("failed", "deleting", "exited")
@@ -204,8 +208,6 @@ def machine_name(metadata) -> str:
 
 def machine_identity(metadata) -> dict[str, str | None]:
     """`name` plus the fields every record of this machine carries: zone, accelerator, code URL."""
-    from fleet.specs import ATTR_ACCELERATOR, ATTR_CODE
-
     return {
         "name": machine_name(metadata),
         "zone": metadata.text("instance/zone").strip().rsplit("/", 1)[-1],

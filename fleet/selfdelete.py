@@ -38,10 +38,20 @@ import requests
 import tenacity
 from google.api_core import exceptions as api_exceptions
 
-from fleet import compute, iam, tpu
+from fleet import iam
 from fleet.gapi import API_ERRORS, target_of
 from fleet.metadata import MetadataClient, MetadataError
-from fleet.specs import ATTR_QUEUED_RESOURCE
+
+# fleet.compute, fleet.tpu and fleet.specs import google.cloud.compute_v1, whose import alone is
+# most of the boot's permission check (seconds of CPU): they are imported where a delete needs them.
+# fleet.specs.ATTR_QUEUED_RESOURCE names this attribute; a test pins the two equal.
+ATTR_QUEUED_RESOURCE = "spawn-queued-resource"
+
+
+def _clouds():
+    from fleet import compute, tpu
+
+    return compute, tpu
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +132,13 @@ class SelfDeleter:
     operation_wait_s: float = 300.0
 
     def _compute(self) -> compute.ComputeClients:
+        compute, _ = _clouds()
         if self.compute_clients is None:
             self.compute_clients = compute.ComputeClients.connect()
         return self.compute_clients
 
     def _tpu(self) -> tpu.TpuClients:
+        _, tpu = _clouds()
         if self.tpu_clients is None:
             self.tpu_clients = tpu.TpuClients.connect()
         return self.tpu_clients
@@ -147,6 +159,7 @@ class SelfDeleter:
 
         Our tool records it in the node's metadata; a node made some other way is asked about
         through the TPU API (Node.queued_resource)."""
+        _, tpu = _clouds()
         location = tpu.location(identity.project, identity.zone)
         if identity.queued_resource:
             return f"{location}/queuedResources/{identity.queued_resource}"
@@ -155,6 +168,7 @@ class SelfDeleter:
 
     def plan(self, identity: Identity) -> tuple[str, proto.Message, Callable[..., None]]:
         """(kind, request, send): the deletion this machine should ask for."""
+        compute, tpu = _clouds()
         if identity.tpu_node:
             queued = self.queued_resource_of(identity)
             if queued:
@@ -246,6 +260,7 @@ def delete_self(
 ) -> bool:
     """Delete this machine and return True; if that fails for good, log why and power off (a
     group member stays up instead, see the module docstring) and return False."""
+    compute, _ = _clouds()
     metadata = metadata or MetadataClient()
     deleter = SelfDeleter(metadata, compute_clients, tpu_clients, attempts=attempts, max_wait_s=max_wait_s)
     try:

@@ -52,8 +52,9 @@ CODE_URL=""
 ACCELERATOR=""
 TEE_PID=""
 
+# One line per event; at= (seconds since the epoch, no fork) lets bench/boot_bench.py time the phases.
 log() {
-  printf 'spawn-startup: %s\n' "$*" >&2
+  printf 'spawn-startup: at=%s %s\n' "${EPOCHREALTIME:-}" "$*" >&2
 }
 
 # metadata PATH [DEFAULT]: the value at PATH; a missing value prints DEFAULT, or fails without one.
@@ -350,7 +351,8 @@ boot() {
     local target=(--python "${ROOT}${VENV_DIR}/bin/python")
     if [[ -f "$lockfile" ]]; then
       retry 4 "$uv" pip install "${target[@]}" "${from[@]}" --requirement "$lockfile"
-      "$uv" pip install "${target[@]}" --no-deps --editable "$code"
+      # The build backend for the editable install comes from the wheelhouse too.
+      "$uv" pip install "${target[@]}" "${from[@]}" --no-deps --editable "$code"
     else
       log "event=install_unlocked reason=no_lock_file lock=locks/${lock}.txt hint=run tools/upload_code.py"
       local package="$code"

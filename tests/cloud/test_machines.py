@@ -80,3 +80,9 @@ def test_status_tool_shows_the_fleet_and_keeps_json(tmp_path: Path):
     assert json.loads(out.stdout)["fleet"]["failures"] == {"bad_attribute: spawn-code=": ["w-1"]}
     text = subprocess.run([sys.executable, "tools/status.py", str(queue)], cwd=REPO, capture_output=True, text=True, env=env)
     assert "fleet: 1 machines  failed=1" in text.stdout
+
+
+def test_attribute_names_match_the_specs():
+    from fleet import specs
+
+    assert (machines.ATTR_ACCELERATOR, machines.ATTR_CODE) == (specs.ATTR_ACCELERATOR, specs.ATTR_CODE)

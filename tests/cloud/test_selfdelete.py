@@ -201,3 +201,19 @@ def test_boot_permission_check_passes_when_every_permission_is_held(
     metadata_server.values.update(gce_vm(PROJECT, ZONE, "m1", {"created-by": f"projects/1/zones/{ZONE}/instanceGroupManagers/g"}))
     cloud.held_permissions = {"compute.instanceGroupManagers.update"}
     assert main(["check"]) == 0
+
+
+def test_queued_resource_attribute_name_matches_the_specs():
+    from fleet import selfdelete, specs
+
+    assert selfdelete.ATTR_QUEUED_RESOURCE == specs.ATTR_QUEUED_RESOURCE
+
+
+def test_permission_check_does_not_import_the_compute_client():
+    # The boot runs it before every start; compute_v1's import alone costs seconds of CPU.
+    import subprocess
+    import sys
+
+    code = "import sys, fleet.selfdelete; print('google.cloud.compute_v1' in sys.modules, 'google.cloud.tpu_v2' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert out.stdout.split() == ["False", "False"]

@@ -190,7 +190,7 @@ def test_locked_install_takes_exactly_the_lock_from_the_wheelhouse_with_no_index
     pip_calls = [c for c in boot.stubs.calls() if c[:3] == ["uv", "pip", "install"]]
     assert pip_calls == [
         ["uv", "pip", "install", "--python", python, "--no-index", "--find-links", wheelhouse, "--requirement", f"{boot.code}/locks/tpu.txt"],
-        ["uv", "pip", "install", "--python", python, "--no-deps", "--editable", boot.code],
+        ["uv", "pip", "install", "--python", python, "--no-index", "--find-links", wheelhouse, "--no-deps", "--editable", boot.code],
     ]
     assert boot.record("spawn-tpu-0000")["accelerator"] == "tpu"
 
