@@ -97,11 +97,12 @@ class MachineRecorder:
 
     def set(self, state: str, **fields: object) -> None:
         body = make_record(self.name, state, **{**self.base_fields, **fields})
+        # One writer at a time: a beat must never overwrite a newer state with an older one.
         with self._lock:
             self._body = body
-        self._write(body)
-        if state in FINAL_STATES:
-            self._stop.set()
+            if state in FINAL_STATES:
+                self._stop.set()
+            self._write(body)
 
     def _write(self, body: dict) -> None:
         try:
@@ -121,9 +122,9 @@ class MachineRecorder:
     def _beat(self) -> None:
         while not self._stop.wait(self.beat_s):
             with self._lock:
-                body = dict(self._body) if self._body else None
-            if body is not None:
-                body["at"] = _now().isoformat(timespec="seconds")
+                if self._stop.is_set() or self._body is None:
+                    continue
+                body = {**self._body, "at": _now().isoformat(timespec="seconds")}
                 self._write(body)
 
 
