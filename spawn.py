@@ -39,10 +39,10 @@ def watch_preemption(on_preempted, required: bool):
 def machine_state(store, required: bool):
     """The on_state hook: this machine's record, machines/<name>.json in the queue."""
     global _recorder
-    from fleet.machines import MachineRecorder, machine_identity
+    from fleet.machines import MachineRecorder, machine_identity, maybe_on_gce
     from fleet.metadata import MetadataClient, on_gcp
 
-    if on_gcp():
+    if maybe_on_gce() and on_gcp():
         identity = machine_identity(MetadataClient())
     elif required:
         identity = {"name": socket.gethostname().split(".")[0]}

@@ -215,3 +215,18 @@ def machine_identity(metadata) -> dict[str, str | None]:
         "accelerator": metadata.attribute(ATTR_ACCELERATOR),
         "code": metadata.attribute(ATTR_CODE),
     }
+
+
+def maybe_on_gce() -> bool:
+    """Cheap first test, no network: GCE_METADATA_HOST is set (a test or a private setup), or the
+    BIOS says Google (https://cloud.google.com/compute/docs/instances/detect-compute-engine). Off
+    Google Cloud this spares every worker start the metadata probe's timeout."""
+    import os
+
+    if os.environ.get("GCE_METADATA_HOST"):
+        return True
+    try:
+        with open("/sys/class/dmi/id/product_name") as handle:
+            return handle.read().strip() in ("Google", "Google Compute Engine")
+    except OSError:
+        return False

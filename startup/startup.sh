@@ -229,6 +229,11 @@ delete_after_failure() {
 
 on_error() {
   local status="$1" line="$2"
+  # Inside $(...) the trap is inherited (set -E): leave the failure to the script itself, which
+  # sees the substitution fail, so the record is written and the delete asked for once.
+  if ((BASH_SUBSHELL > 0)); then
+    exit "$status"
+  fi
   fail "${PHASE}_failed: exit ${status} at line ${line}"
 }
 

@@ -315,3 +315,15 @@ def test_worker_crash_loop_ends_in_a_failed_record_and_a_delete(boot: Boot):
     calls = boot.stubs.calls()
     assert ["systemctl", "disable", "--now", "--no-block", "spawn-worker.service"] in calls
     assert calls[-1] == ["python", "-m", "fleet.selfdelete", "delete"]
+
+
+def test_metadata_server_error_inside_a_substitution_deletes_the_machine_once(boot: Boot):
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-8", ATTRS))
+    boot.metadata.fail_next(100, 500, path_contains="attributes/spawn-extras")
+    result = boot.run()
+    assert result.returncode == 1
+    assert "event=metadata_failed path=instance/attributes/spawn-extras status=500" in result.stderr
+    record = boot.record("w-8")
+    assert record["state"] == "failed" and record["reason"].startswith("metadata_failed: ")
+    deletes = [c for c in boot.stubs.calls() if c[:3] == ["gcloud", "compute", "instances"]]
+    assert deletes == [["gcloud", "compute", "instances", "delete", "w-8", "--zone=us-central1-a", "--quiet"]]
