@@ -134,6 +134,11 @@ machine_name() {
   fi
 }
 
+meta_value() {
+  local value="${1//,/;}"
+  printf '%s' "${value//=/:}"
+}
+
 # record STATE [REASON [LOG_TAIL]]: overwrite QUEUE/machines/NAME.json (docs/PROTOCOL.md, "Machine
 # records"). The fields status reads ride along as custom metadata. Never fatal: a record is for people.
 record() {
@@ -149,12 +154,10 @@ record() {
   if [[ -n "$reason" ]]; then body+=", \"reason\": $(json_string "$reason")"; fi
   if [[ -n "$tail" ]]; then body+=", \"log_tail\": $(json_string "$tail")"; fi
   body+="}"
-  # gcloud splits --custom-metadata at commas and '='.
-  local listed="state=${state},accelerator=${ACCELERATOR},code=${CODE_URL}"
-  if [[ -n "$reason" ]]; then
-    reason="${reason//,/;}"
-    listed+=",reason=${reason//=/:}"
-  fi
+  # gcloud splits --custom-metadata at commas and '=': values lose them (the body keeps them).
+  local listed
+  listed="state=${state},accelerator=$(meta_value "$ACCELERATOR"),code=$(meta_value "$CODE_URL")"
+  if [[ -n "$reason" ]]; then listed+=",reason=$(meta_value "$reason")"; fi
   if printf '%s\n' "$body" | gcloud storage cp --content-type=application/json \
     "--custom-metadata=${listed:0:1000}" - "${QUEUE_URL%/}/machines/${MACHINE}.json"; then
     log "event=machine_record machine=${MACHINE} state=${state}"
