@@ -230,7 +230,7 @@ def check_permissions(metadata: MetadataClient, resource_manager: iam.ResourceMa
     except (iam.IamError, *API_ERRORS) as err:
         raise PermissionMissing(
             f"permission_check_failed: cannot check {','.join(wanted)} on project {identity.project}: {err}; "
-            "give the machines the cloud-platform scope"
+            "enable cloudresourcemanager.googleapis.com in the project and give the machines the cloud-platform scope"
         ) from None
     missing = [p for p in wanted if p not in held]
     if missing:

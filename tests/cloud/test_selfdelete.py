@@ -217,3 +217,16 @@ def test_permission_check_does_not_import_the_compute_client():
     code = "import sys, fleet.selfdelete; print('google.cloud.compute_v1' in sys.modules, 'google.cloud.tpu_v2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_permission_check_that_cannot_run_fails_closed_and_says_what_to_enable(
+    metadata_server: FakeMetadata, cloud: FakeCloud, monkeypatch: pytest.MonkeyPatch, capsys
+):
+    from fleet.selfdelete import main
+
+    monkeypatch.setenv("FLEET_CRM_ENDPOINT", cloud.url)
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "solo"))
+    cloud.fail_next(1, 403, path_contains=":testIamPermissions")
+    assert main(["check"]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("permission_check_failed: ") and "403" in out and "cloudresourcemanager.googleapis.com" in out
