@@ -131,3 +131,15 @@ def test_idle_cap_becomes_the_workers_idle_timeout(tmp_path: Path):
     assert launch.spawn_flags[-2:] == ["--idle-timeout", "600"]
     explicit = specs.Launch.make(spec, "gs://b/q", "gs://b/c", spawn_flags=["--idle-timeout", "30"])
     assert explicit.spawn_flags == ["--idle-timeout", "30"]
+
+
+def test_setup_cfg_requires_the_tpu_client_that_has_queued_resources():
+    # tpu_v2.QueuedResource first appears in google-cloud-tpu 1.21; an older floor installs a client without it.
+    import configparser
+    import re as _re
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    [line] = [r for r in config["options"]["install_requires"].split() if r.startswith("google-cloud-tpu")]
+    floor = tuple(int(p) for p in _re.match(r"google-cloud-tpu>=([0-9.]+)", line).group(1).split("."))
+    assert floor >= (1, 21)
