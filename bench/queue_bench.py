@@ -70,9 +70,9 @@ class CountingStore(ObjectStore):
     def open_read(self, name):
         return self.inner.open_read(name)
 
-    def list_page(self, prefix, page_token=None, start_offset=None, page_size=1000):
+    def list_page(self, prefix, page_token=None, start_offset=None, page_size=1000, end_offset=None):
         self._count("list", prefix)
-        return self.inner.list_page(prefix, page_token, start_offset, page_size)
+        return self.inner.list_page(prefix, page_token, start_offset, page_size, end_offset)
 
     def child(self, prefix):
         return self.inner.child(prefix)

@@ -102,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
     )
+    from extract import multihost
     from extract.consumer import RunInputs, Stopped, StopRequest, run
     from extract.job import load_job, load_resume, load_task
 
@@ -114,13 +115,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise BadInput(f"{flag.lstrip('-')}: not given; pass {flag} or set {env}")
         job = load_job(paths["--job-file"])
         task = load_task(paths["--task-file"])
-        resume = load_resume(paths["--resume-file"], task)
         attempt = os.environ.get("SPAWN_ATTEMPT")
-        if attempt and attempt.isdigit():
-            resume = dataclasses.replace(resume, attempt=int(attempt))
         task_id = os.environ.get("SPAWN_TASK_ID")
         if task_id and task_id != task.id:
             raise BadInput(f"task.id: the task file says {task.id!r}, SPAWN_TASK_ID={task_id!r}; pass this task's file")
+        role = multihost.role_from_env()
+        if role is not None or multihost.has_gaps(paths["--resume-file"], task):
+            return _run_share(role or multihost.SliceRole.single(), job, task, paths, attempt, args, stop)
+        resume = load_resume(paths["--resume-file"], task)
+        if attempt and attempt.isdigit():
+            resume = dataclasses.replace(resume, attempt=int(attempt))
         inputs = RunInputs(
             job=job,
             task=task,
@@ -136,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Stopped as stopped:
         log.warning("event=stopped signal=%d before the run loop", stopped.signum)
         return 128 + stopped.signum
+    except multihost.SliceFailed as failed:
+        log.error("event=slice_failed exit=%d error=%s", failed.exit_code, failed)
+        return failed.exit_code
     except Exception as exc:
         code = exit_code_for(exc)
         if code == EX_DATAERR:
@@ -145,3 +152,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             log.exception("event=failure exit=%d error=%r", code, exc)
         return code
+
+
+def _run_share(role, job, task, paths, attempt, args, stop) -> int:
+    """This host's share of a task run by a whole slice (or a resume whose committed shards have gaps)."""
+    from extract import multihost
+
+    multihost.initialize(role)
+    inputs = multihost.SliceInputs(
+        job=job,
+        task=task,
+        output_url=paths["--output"],
+        resume_path=paths["--resume-file"],
+        progress_path=paths["--progress-file"],
+        attempt=int(attempt) if attempt and attempt.isdigit() else None,
+        log_every_s=args.log_every,
+    )
+    try:
+        result = multihost.run_share(inputs, role, stop)
+    except BaseException as exc:
+        if role.process_count == 1:
+            raise
+        # Leave at once: a normal exit would wait at jax.distributed's shutdown barrier for hosts that may
+        # be dead, until the heartbeat timeout. The leader should learn of the failure now.
+        from extract.consumer import Stopped
+
+        if isinstance(exc, multihost.SliceFailed):
+            code = exc.exit_code
+        elif isinstance(exc, Stopped):
+            code = 128 + exc.signum
+        else:
+            code = exit_code_for(exc)
+        log.error("event=slice_failed exit=%d error=%r", code, exc)
+        logging.shutdown()
+        os._exit(code)
+    if result.stopped:
+        return 128 + (stop.signum or signal.SIGTERM)
+    return EX_OK

@@ -7,6 +7,10 @@ others instead of filling memory.
 
 A resumed task starts at the first position no committed record covers; positions before it are
 never read. Stopping (SIGTERM) drops the open shard and keeps only shards that are complete.
+
+Bad rows follow the job's `on_bad_row`: skipped rows are recorded with the shard that covers
+them (so a resumed run, which restarts at a shard boundary, records each one once), or the first
+one fails the task with BadInput (exit 65).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from extract import data
-from extract.batching import Prefetcher, Tokenizer, batches_for_slice
+from extract.batching import Prefetcher, Tokenizer, batches_for_slice, shard_token_limit, window_start
 from extract.errors import BadInput
 from extract.job import Job, ResumeState, Task
 from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype
@@ -152,7 +156,9 @@ def load_engine(job: Job) -> Any:
 def load_tokenizer(engine: Any, job: Job) -> Tokenizer:
     try:
         tokenizer = Tokenizer(engine.model_dir, job.max_seq_len)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:
+        # The files are local by now, so a failure is the checkpoint's (a malformed tokenizer.json raises
+        # ValueError, KeyError or the tokenizers library's bare Exception), the same on every retry.
         raise BadInput(
             f"model: cannot load a tokenizer from {engine.model_dir} ({exc}); the checkpoint needs tokenizer files"
         ) from exc
@@ -212,6 +218,10 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     )  # fmt: skip
 
     store = objectstore.open_store(inputs.output_url)
+    out_dtype = numpy_dtype(job.out_dtype_name)
+    # A token costs its hidden state at every layer plus its token id (the writer's layout).
+    bytes_per_token = len(engine.layers) * engine.config.hidden_size * out_dtype.itemsize + 4
+    shard_tokens = shard_token_limit(job.shard_bytes, bytes_per_token)
     progress = ProgressLog(inputs.progress_path)
     display = ProgressDisplay(total=end - start, every_s=inputs.log_every_s)
     batches: Prefetcher | None = None
@@ -220,7 +230,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
             writer = ShardWriter(
                 store=store,
                 layers=engine.layers,
-                out_dtype=numpy_dtype(job.out_dtype_name),
+                out_dtype=out_dtype,
                 start=start,
                 end=end,
                 shard_size=job.shard_size,
@@ -230,16 +240,21 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 peak_flops=engine.peak_flops(),
                 on_samples=display.update,
                 depth=INFLIGHT_BATCHES,
+                listed_skipped=inputs.resume.listed_skipped,
+                shard_tokens=shard_tokens,
             )
             batches = Prefetcher(
                 batches_for_slice(
-                    data.read_slice(task, job.text_field, skip=start),
+                    # From the start of the window holding `start` (itself, unless resumed at a cut by bytes).
+                    data.read_slice(task, job.text_field, skip=window_start(start, engine.batch_size, job.shard_size)),
                     tokenizer,
                     start=start,
                     end=end,
                     batch_size=engine.batch_size,
                     shard_size=job.shard_size,
                     buckets=job.buckets,
+                    on_bad_row=job.on_bad_row,
+                    packing=job.packing,
                 ),
                 depth=PREFETCH_BATCHES,
                 name="tokenize",
@@ -249,7 +264,12 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 for batch in batches:
                     if stop.is_set():
                         break
-                    hidden = engine.forward(batch.token_ids) if batch.token_ids is not None else {}
+                    if batch.token_ids is None:
+                        hidden = {}
+                    elif batch.segment_ids is not None:  # packed rows (job.packing)
+                        hidden = engine.forward(batch.token_ids, batch.segment_ids, batch.positions)
+                    else:
+                        hidden = engine.forward(batch.token_ids)
                     writer.submit(batch, hidden)
                 if stop.is_set():
                     records = writer.abort()

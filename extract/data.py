@@ -8,9 +8,12 @@ an array is parsed whole, so prefer parquet or `.jsonl` for large data.
 Row numbering: the rows of a parquet file are its records in order; the rows of a JSON Lines file
 are its non-blank lines in order; the rows of a JSON array file are its elements.
 
-Errors: a file that is missing, unreadable or malformed, a missing text field and a non-string
-text are `BadInput` (exit 65). Transient store or network failures stay `StoreUnavailable` or
-become `TransientIOError` (exit 75), so the task is retried.
+Errors: a file that is missing, unreadable or malformed, a text column that is missing or not a
+string column, and a JSON row without the text field are `BadInput` (exit 65): they are mistakes
+in the job or the file, not in one row. A *bad row* (null or non-string text, bytes that are not
+UTF-8, a JSON line that does not parse) is not an error here: its `Document` carries a `BadRow`
+and the caller applies the job's `on_bad_row`. Transient store or network failures stay
+`StoreUnavailable` or become `TransientIOError` (exit 75), so the task is retried.
 """
 
 from __future__ import annotations
@@ -222,12 +225,13 @@ def job_data_files(job: Job) -> list[str]:
 
 
 def _parquet_file(url: str, source: Any):
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         return pq.ParquetFile(source)
-    except (pa.ArrowInvalid, OSError) as exc:
+    except Exception as exc:
+        if not _is_corrupt_parquet(exc):
+            raise  # e.g. a connection error from the gs:// reader: transient, not a bad file
         raise BadInput(f"data file {url}: not a readable parquet file ({exc})") from exc
 
 
@@ -252,7 +256,7 @@ def _nonblank_lines(handle: BinaryIO) -> Iterator[bytes]:
 def _json_array(url: str, handle: BinaryIO) -> list[Any]:
     try:
         rows = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise BadInput(f"data file {url}: not valid JSON ({exc})") from exc
     if not isinstance(rows, list):
         raise BadInput(f"data file {url}: a .json file must be a JSON array of objects or JSON Lines")
@@ -281,22 +285,109 @@ def count_rows(url: str) -> int:
 # -- reading a slice ----------------------------------------------------------------------------
 
 
+#: Why a row is bad; the `reason` of a skipped-row entry (docs/EXTRACTION.md, "Bad rows").
+BAD_ROW_REASONS = (
+    "null", "not_a_string", "invalid_utf8", "invalid_json", "not_an_object", "lone_surrogate", "untokenizable",
+)  # fmt: skip
+#: A bad row's detail is cut to this many characters, so that records of skipped rows stay small.
+MAX_DETAIL_CHARS = 160
+
+
+@dataclasses.dataclass(frozen=True)
+class BadRow:
+    """Why one row cannot be extracted: a reason from BAD_ROW_REASONS and a short human detail."""
+
+    reason: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in BAD_ROW_REASONS:
+            raise ValueError(f"unknown bad-row reason {self.reason!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """One row of the task's slice: its position in the slice, its global sample id, its text."""
+    """One row of the task's slice: its position in the slice, its global sample id, its text.
+
+    `url` and `row` say where it came from. A bad row has `bad` set and an empty `text`; it keeps
+    its position and sample id, so the ids of the other rows never move.
+    """
 
     position: int
     sample_id: int
     text: str
+    url: str = ""
+    row: int = -1
+    bad: BadRow | None = None
 
+    def skipped_entry(self) -> dict[str, Any]:
+        """How a skipped row is recorded in its shard's progress record (and so in the done marker)."""
+        assert self.bad is not None
+        return {
+            "sample_id": self.sample_id,
+            "file": self.url,
+            "row": self.row,
+            "reason": self.bad.reason,
+            "detail": self.bad.detail[:MAX_DETAIL_CHARS],
+        }
 
-def _check_text(url: str, row: int, text: Any, text_field: str) -> str:
-    if not isinstance(text, str):
-        kind = "null" if text is None else type(text).__name__
-        raise BadInput(
-            f"text_field: {text_field!r} of row {row} in {url} is {kind}, not a string; fix the data or the field"
+    def bad_row_error(self) -> BadInput:
+        """With `on_bad_row: fail`: the exit-65 error naming the file, the row and the reason."""
+        assert self.bad is not None
+        return BadInput(
+            f"data file {self.url}: row {self.row} (sample id {self.sample_id}) is a bad row, "
+            f"{self.bad.reason}: {self.bad.detail[:MAX_DETAIL_CHARS]}; fix the row, "
+            'or set "on_bad_row": "skip" in the job to record such rows and extract the others'
         )
+
+
+def _check_text(text: Any, text_field: str) -> str | BadRow:
+    if text is None:
+        return BadRow("null", f"text_field {text_field!r} is null")
+    if not isinstance(text, str):
+        return BadRow("not_a_string", f"text_field {text_field!r} is {type(text).__name__}, not a string")
     return text
+
+
+def _decode_utf8(raw: bytes | None, text_field: str) -> str | BadRow:
+    """One value of a parquet string column read as bytes; invalid UTF-8 becomes a bad row."""
+    if raw is None:
+        return _check_text(None, text_field)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return BadRow("invalid_utf8", f"text_field {text_field!r}: {exc.reason} at byte {exc.start}")
+
+
+def _column_values(column: Any, text_field: str) -> list[str | BadRow]:
+    """A parquet text column slice as Python values.
+
+    Parquet does not check that a string column holds UTF-8, so one bad value makes `to_pylist`
+    raise for the whole slice. Only then is the slice re-read as bytes (a cast, which checks nothing) and
+    decoded row by row, so that the bad value is one bad row and the good ones keep their text.
+    """
+    import pyarrow as pa
+
+    try:
+        return [_check_text(text, text_field) for text in column.to_pylist()]
+    except UnicodeDecodeError:
+        pass
+    kind = column.type
+    binary = pa.large_binary() if pa.types.is_large_string(kind) else pa.binary()
+    if pa.types.is_string_view(kind):
+        binary = pa.binary_view()
+    return [_decode_utf8(raw, text_field) for raw in column.cast(binary).to_pylist()]
+
+
+def _is_corrupt_parquet(exc: BaseException) -> bool:
+    """pyarrow's own failures on a file's bytes: a plain OSError (pyarrow's IOError, e.g. "Couldn't deserialize
+    thrift"), ArrowInvalid, or ArrowNotImplementedError (a codec or encoding this pyarrow cannot read).
+    Exceptions raised by a Python file object (the gs:// and Hub readers) reach us unchanged and are other
+    types (ConnectionError, TimeoutError, StoreUnavailable...), so a transient network failure is never
+    mistaken for a corrupt file."""
+    import pyarrow as pa
+
+    return isinstance(exc, (pa.ArrowInvalid, pa.ArrowNotImplementedError)) or type(exc) is OSError
 
 
 def _parquet_text_column(url: str, pf: Any, text_field: str) -> None:
@@ -313,7 +404,7 @@ def _parquet_text_column(url: str, pf: Any, text_field: str) -> None:
         raise BadInput(f"text_field: column {text_field!r} of {url} has type {kind}, not string; pick a text column")
 
 
-def _parquet_rows(url: str, source: Any, text_field: str, start: int, end: int) -> Iterator[tuple[int, str]]:
+def _parquet_rows(url: str, source: Any, text_field: str, start: int, end: int) -> Iterator[tuple[int, str | BadRow]]:
     pf = _parquet_file(url, source)
     _parquet_text_column(url, pf, text_field)
     meta = pf.metadata
@@ -336,29 +427,42 @@ def _parquet_rows(url: str, source: Any, text_field: str, start: int, end: int) 
     batches = pf.iter_batches(
         batch_size=_PARQUET_READ_ROWS, row_groups=selected, columns=[text_field], use_threads=False
     )
-    for batch in batches:
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:
+            if not _is_corrupt_parquet(exc):
+                raise
+            raise BadInput(
+                f"data file {url}: the data after row {row} cannot be decoded ({exc}); "
+                "the file is corrupt: rewrite it or leave it out of the job"
+            ) from exc
+        if batch is None:
+            return
         column = batch.column(0)
         lo, hi = max(start - row, 0), min(end - row, len(column))
         if lo < hi:
-            for i, text in enumerate(column.slice(lo, hi - lo).to_pylist()):
-                yield row + lo + i, _check_text(url, row + lo + i, text, text_field)
+            for i, text in enumerate(_column_values(column.slice(lo, hi - lo), text_field)):
+                yield row + lo + i, text
         row += len(column)
         if row >= end:
             return
 
 
-def _json_text(url: str, row: int, record: Any, text_field: str) -> str:
+def _json_text(url: str, row: int, record: Any, text_field: str) -> str | BadRow:
     if not isinstance(record, dict):
-        raise BadInput(f"data file {url}: row {row} is {type(record).__name__}, not a JSON object")
+        return BadRow("not_an_object", f"the row is a JSON {type(record).__name__}, not an object")
     if text_field not in record:
+        # A missing key is what a wrong `text_field` looks like, so it stays a job error (as a
+        # missing parquet column is); a row that has the key with a null value is a bad row.
         raise BadInput(
             f"text_field: {text_field!r} is missing from row {row} of {url} (keys: {', '.join(record)}); "
             "set text_field in the job"
         )
-    return _check_text(url, row, record[text_field], text_field)
+    return _check_text(record[text_field], text_field)
 
 
-def _json_rows(url: str, handle: BinaryIO, text_field: str, start: int, end: int) -> Iterator[tuple[int, str]]:
+def _json_rows(url: str, handle: BinaryIO, text_field: str, start: int, end: int) -> Iterator[tuple[int, str | BadRow]]:
     if _is_json_array(handle):
         records: Iterable[tuple[int, Any]] = enumerate(_json_array(url, handle))
     else:
@@ -372,8 +476,15 @@ def _json_rows(url: str, handle: BinaryIO, text_field: str, start: int, end: int
         if isinstance(record, bytes):
             try:
                 record = json.loads(record)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadInput(f"data file {url}: row {row} is not valid JSON ({exc})") from exc
+            except UnicodeDecodeError as exc:
+                yield row, BadRow("invalid_utf8", f"the line is not UTF-8: {exc.reason} at byte {exc.start}")
+                continue
+            except json.JSONDecodeError as exc:
+                yield row, BadRow("invalid_json", f"the line is not JSON: {exc}")
+                continue
+            except RecursionError:
+                yield row, BadRow("invalid_json", "the line nests JSON deeper than Python's recursion limit")
+                continue
         yield row, _json_text(url, row, record, text_field)
     if row + 1 < end:
         raise BadInput(f"task.files: {url} has {row + 1} rows, the task asks for rows up to {end}; re-plan the tasks")
@@ -396,7 +507,10 @@ def check_task_files(task: Task, text_field: str) -> None:
 
 
 def read_slice(task: Task, text_field: str, skip: int = 0) -> Iterator[Document]:
-    """The task's documents in slice order, starting at position `skip` (rows before it are not read)."""
+    """The task's documents in slice order, starting at position `skip` (rows before it are not read).
+
+    Every position yields one document; a bad row is a document with `bad` set (see `BadRow`).
+    """
     position = 0
     for entry in task.files:
         if skip >= position + entry.rows:
@@ -410,7 +524,10 @@ def read_slice(task: Task, text_field: str, skip: int = 0) -> Iterator[Document]
             else:
                 rows = _json_rows(entry.path, source, text_field, start, entry.end)
             for row, text in rows:
-                yield Document(position=position, sample_id=entry.base + row, text=text)
+                if isinstance(text, BadRow):
+                    yield Document(position, entry.base + row, "", url=entry.path, row=row, bad=text)
+                else:
+                    yield Document(position, entry.base + row, text, url=entry.path, row=row)
                 position += 1
 
 
@@ -456,6 +573,8 @@ def list_shards(prefix: str) -> list[str]:
 
 
 __all__ = [
+    "BAD_ROW_REASONS",
+    "BadRow",
     "Document",
     "check_task_files",
     "count_rows",

@@ -116,12 +116,16 @@ class Engine:
         mesh: str | None = None,
         devices: Sequence[jax.Device] | None = None,
     ):
-        """`devices` defaults to every local device; tests pass a subset to get a single-device reference."""
+        """`devices` defaults to every device of the program (every host's, on a slice); tests pass a subset to
+        get a single-device reference."""
         started = time.monotonic()
         self._configure(batch_size, max_seq_len, compute_dtype, out_dtype)
-        self.model_dir = resolve_model_dir(model)
+        from_store = isinstance(model, str) and model.startswith("gs://")
+        # A gs:// checkpoint's weights are read where they lie (parallel ranged reads); only its small files are cached.
+        self.model_dir = resolve_model_dir(model, weights=not from_store)
         self.config = QwenConfig.from_file(self.model_dir / "config.json")
-        checkpoint = Checkpoint(self.model_dir)  # fail on missing files before any device work
+        # Fail on missing files before any device work.
+        checkpoint = Checkpoint.from_store(model) if from_store else Checkpoint(self.model_dir)
         self._place(layers, mesh, devices)
         self._state = load_state(checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype)
         self._log_ready(model, time.monotonic() - started)
@@ -167,7 +171,7 @@ class Engine:
         """Choose the mesh and shardings, and build the abstract (shapes-only) model truncated at the deepest layer."""
         self.layers = normalize_layers(layers, self.config.num_hidden_layers)
         self.num_computed_layers = max(self.layers)  # the final-norm index needs the whole stack
-        devices = list(devices) if devices is not None else jax.local_devices()
+        devices = list(devices) if devices is not None else shd.default_devices()
         if not devices:
             raise BadInput("devices is empty: the engine needs at least one device")
         if mesh is not None:
@@ -231,8 +235,9 @@ class Engine:
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
-    def _program(self, seq_len: int) -> jax.stages.Compiled:
-        program = self._programs.get(seq_len)
+    def _program(self, seq_len: int, packed: bool = False) -> jax.stages.Compiled:
+        key = (seq_len, "packed") if packed else seq_len
+        program = self._programs.get(key)
         if program is not None:
             return program
         started = time.monotonic()
@@ -242,21 +247,33 @@ class Engine:
             hidden = nnx.merge(graphdef, state)(token_ids, keep)
             return {index: hidden[index].astype(out_dtype) for index in keep}
 
+        def forward_packed(state, token_ids, segment_ids, positions):
+            hidden = nnx.merge(graphdef, state)(token_ids, keep, segment_ids, positions)
+            return {index: hidden[index].astype(out_dtype) for index in keep}
+
         tokens = jax.ShapeDtypeStruct((self.batch_size, seq_len), jnp.int32, sharding=self._token_sharding)
-        jitted = jax.jit(forward, out_shardings={index: self._hidden_sharding for index in keep})
-        program = jitted.lower(self._state, tokens).compile()
-        self._programs[seq_len] = program
+        out_shardings = {index: self._hidden_sharding for index in keep}
+        if packed:
+            jitted = jax.jit(forward_packed, out_shardings=out_shardings)
+            program = jitted.lower(self._state, tokens, tokens, tokens).compile()
+        else:
+            program = jax.jit(forward, out_shardings=out_shardings).lower(self._state, tokens).compile()
+        self._programs[key] = program
         self.compiled_programs += 1
         log.info(
-            "event=compile seq_len=%d batch_size=%d layers=%s mesh=%s seconds=%.2f programs=%d",
-            seq_len, self.batch_size, ",".join(map(str, keep)), shd.mesh_summary(self.mesh),
+            "event=compile seq_len=%d batch_size=%d layers=%s mesh=%s packed=%s seconds=%.2f programs=%d",
+            seq_len, self.batch_size, ",".join(map(str, keep)), shd.mesh_summary(self.mesh), packed,
             time.monotonic() - started, self.compiled_programs,
         )  # fmt: skip
         return program
 
-    def forward(self, token_ids: np.ndarray) -> dict[int, jax.Array]:
+    def forward(
+        self, token_ids: np.ndarray, segment_ids: np.ndarray | None = None, positions: np.ndarray | None = None
+    ) -> dict[int, jax.Array]:
         """{layer: [batch_size, T, hidden] in out_dtype} for an int [batch_size, T] right-padded batch.
 
+        Packed rows (several documents per row) also pass `segment_ids` and `positions`, both [batch_size, T]:
+        the document of each token and its position within it (see `extract.batching.pack_window`).
         Returns without waiting for the devices. Every distinct T compiles one program, so callers should use a
         small set of bucket lengths.
         """
@@ -275,9 +292,14 @@ class Engine:
                 f"token id {high if high >= self.config.vocab_size else low} is outside the model's "
                 f"vocab_size={self.config.vocab_size}: the tokenizer does not match the model"
             )
-        program = self._program(seq_len)
-        tokens = jax.device_put(token_ids.astype(np.int32, copy=False), self._token_sharding)
-        return program(self._state, tokens)
+        packed = segment_ids is not None
+        if packed and (positions is None or np.shape(segment_ids) != token_ids.shape or np.shape(positions) != token_ids.shape):
+            raise ValueError(f"packed rows need segment_ids and positions of token_ids' shape {token_ids.shape}")
+        program = self._program(seq_len, packed)
+        put = lambda a: jax.device_put(np.asarray(a).astype(np.int32, copy=False), self._token_sharding)  # noqa: E731
+        if packed:
+            return program(self._state, put(token_ids), put(segment_ids), put(positions))
+        return program(self._state, put(token_ids))
 
     # -- accounting ------------------------------------------------------------------------------------------------
 

@@ -29,11 +29,18 @@ COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 #: Smallest default bucket: below it padding costs less than another compiled program.
 MIN_DEFAULT_BUCKET = 64
 MESH_AXES = ("data", "model")
+#: What a bad row (null, not UTF-8, lone surrogate, untokenisable) does: skipped and recorded, or fails the task.
+ON_BAD_ROW = ("skip", "fail")
 
 _JOB_FIELDS = {
     "dataset", "data_files", "text_field", "model", "layers", "max_seq_len", "batch_size",
-    "dtype", "compute_dtype", "shard_size", "mesh", "buckets",
+    "dtype", "compute_dtype", "shard_size", "mesh", "buckets", "on_bad_row",
 }  # fmt: skip
+# Shard sizing by bytes (writer throughput, issue 10 section 2).
+_JOB_FIELDS |= {"shard_bytes", "packing"}
+#: Default cap of a shard's tensor bytes: large enough that per-object overheads vanish, small enough that a few
+#: shards in flight fit any host's memory (about 100-500 MB is a sensible object).
+DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 _DATASET_FIELDS = {"name", "config", "split", "revision"}
 _TASK_FIELDS = {"id", "files"}
 _FILE_FIELDS = {"path", "base", "start", "end"}
@@ -62,6 +69,12 @@ def _non_negative_int(where: str, value: Any) -> int:
 def _non_empty_str(where: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _fail(where, f"got {value!r}", "use a non-empty string")
+    return value
+
+
+def _bool(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, f"got {value!r}", "use true or false")
     return value
 
 
@@ -113,7 +126,7 @@ class HubDataset:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """job.json. `shard_size` counts samples (documents) per output shard, not bytes."""
+    """job.json. A shard ends after `shard_size` samples (documents) or before its tensors pass `shard_bytes`."""
 
     model: str
     layers: tuple[int, ...]
@@ -127,6 +140,9 @@ class Job:
     dtype: str = "bf16"
     compute_dtype: str = "bf16"
     mesh: str | None = None
+    on_bad_row: str = "skip"
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    packing: bool = False  # several documents per row (extract.batching.pack_window)
 
     @property
     def out_dtype_name(self) -> str:
@@ -148,6 +164,7 @@ class Job:
             "text_field": self.text_field,
             "dtype": self.dtype,
             "compute_dtype": self.compute_dtype,
+            "on_bad_row": self.on_bad_row,
         }
         if self.dataset is not None:
             out["dataset"] = {k: v for k, v in dataclasses.asdict(self.dataset).items() if v is not None}
@@ -155,6 +172,8 @@ class Job:
             out["data_files"] = list(self.data_files)
         if self.mesh is not None:
             out["mesh"] = self.mesh
+        out["shard_bytes"] = self.shard_bytes
+        out["packing"] = self.packing
         return out
 
     @classmethod
@@ -212,6 +231,14 @@ class Job:
         if compute_dtype not in COMPUTE_DTYPES:
             raise _fail("compute_dtype", f"got {compute_dtype!r}", f"use one of {', '.join(COMPUTE_DTYPES)}")
 
+        on_bad_row = raw.get("on_bad_row", "skip")
+        if on_bad_row not in ON_BAD_ROW:
+            raise _fail(
+                "on_bad_row",
+                f"got {on_bad_row!r}",
+                'use "skip" (record the row in the done marker, extract the rest) or "fail" (dead-letter the task)',
+            )
+
         mesh = raw.get("mesh")
         if mesh is not None:
             if not isinstance(mesh, str):
@@ -250,6 +277,9 @@ class Job:
             dtype=dtype,
             compute_dtype=compute_dtype,
             mesh=mesh,
+            on_bad_row=on_bad_row,
+            shard_bytes=_positive_int("shard_bytes", raw.get("shard_bytes", DEFAULT_SHARD_BYTES)),
+            packing=_bool("packing", raw.get("packing", False)),
         )
 
 
@@ -326,6 +356,11 @@ class ResumeState:
     attempt: int
     records: tuple[dict[str, Any], ...]
     committed: int  # positions [0, committed) are covered by committed shards
+
+    @property
+    def listed_skipped(self) -> int:
+        """Skipped rows the committed records already list, so that the task's list stays bounded."""
+        return sum(len(r["skipped"]) for r in self.records if isinstance(r.get("skipped"), list))
 
     @classmethod
     def fresh(cls) -> "ResumeState":

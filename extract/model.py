@@ -61,6 +61,13 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, j
     return jnp.sin(angles), jnp.cos(angles)
 
 
+def packed_rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """sin, cos of shape [B, T, H/2] in float32 for per-token positions (packed rows restart at 0 per document)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.sin(angles), jnp.cos(angles)
+
+
 def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array, scale: float = 1.0) -> jax.Array:
     """Rotate-half RoPE on [B, T, heads, H], computed in float32 so bf16 runs do not round the angles.
 
@@ -70,7 +77,10 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array, scale: float = 1.0)
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
-    sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+    if sin.ndim == 2:  # [T, H/2], shared by every row
+        sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+    else:  # [B, T, H/2], per-row positions of packed documents
+        sin, cos = sin[:, :, None, :], cos[:, :, None, :]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return (rotated * scale if scale != 1.0 else rotated).astype(x.dtype)
 
@@ -83,6 +93,14 @@ def attention_mask(seq_len: int, window: int | None) -> jax.Array:
     if window is not None:
         visible &= t - s < window
     return visible
+
+
+def packed_attention_mask(segment_ids: jax.Array, window: int | None) -> jax.Array:
+    """[B, T, S] boolean for packed rows: causal (and windowed) within a document, nothing across documents.
+
+    Documents are contiguous in a row, so row offsets t - s are position differences inside one document."""
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return attention_mask(segment_ids.shape[1], window)[None] & same
 
 
 class Attention(nnx.Module):
@@ -102,7 +120,7 @@ class Attention(nnx.Module):
         self.groups = config.num_query_groups
         self.scale = config.head_dim**-0.5
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
         k = jnp.einsum("BSD,DKH->BSKH", x, self.k_proj[...])
         # Values go straight to head-major order, the layout the weighted sum consumes.
@@ -119,7 +137,10 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, kv_heads, self.groups, h)
         # Scores and softmax in float32 whatever the compute dtype; the probabilities go back to it for the sum.
         logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-        logits = jnp.where(attention_mask(t, self.window), logits, _MASKED)
+        if segment_ids is None:
+            logits = jnp.where(attention_mask(t, self.window), logits, _MASKED)
+        else:
+            logits = jnp.where(packed_attention_mask(segment_ids, self.window)[:, None, None], logits, _MASKED)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         mixed = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v)
         o_proj = self.o_proj[...].reshape(kv_heads, self.groups, h, -1)
@@ -149,9 +170,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs)
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         with jax.named_scope("attention"):
-            x = x + self.attention(self.input_norm(x), sin, cos)
+            x = x + self.attention(self.input_norm(x), sin, cos, segment_ids)
         with jax.named_scope("mlp"):
             return x + self.mlp(self.post_attention_norm(x))
 
@@ -189,15 +210,26 @@ class QwenModel(nnx.Module):
             return x
         return jax.lax.with_sharding_constraint(x, self.activation_sharding)
 
-    def __call__(self, token_ids: jax.Array, keep: tuple[int, ...]) -> dict[int, jax.Array]:
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        keep: tuple[int, ...],
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> dict[int, jax.Array]:
+        """Packed rows pass `segment_ids` (the document of each token, [B, T]) and `positions` (its position within
+        that document): attention stays inside a document and RoPE restarts at every document."""
         final_index = self.config.num_hidden_layers
         with jax.named_scope("embedding"):
             x = self._pin(jnp.take(self.embedding[...], token_ids, axis=0))
         hidden = {0: x} if 0 in keep else {}
-        sin, cos = rope_tables(token_ids.shape[1], self.config.head_dim, self.config.rope_theta)
+        if segment_ids is None:
+            sin, cos = rope_tables(token_ids.shape[1], self.config.head_dim, self.config.rope_theta)
+        else:
+            sin, cos = packed_rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         for index, layer in enumerate(self.layers, start=1):
             with jax.named_scope(f"layer_{index}"):
-                x = self._pin(layer(x, sin, cos))
+                x = self._pin(layer(x, sin, cos, segment_ids))
             if index in keep and index != final_index:
                 hidden[index] = x
         if self.final_norm is not None and final_index in keep:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -96,9 +97,21 @@ def parse_mesh(spec: str, device_count: int) -> tuple[int, int]:
     return shape
 
 
+def default_devices() -> list[jax.Device]:
+    """This host's devices; on a multi-host slice (extract.multihost) every host's, listed process by process."""
+    if jax.process_count() == 1:
+        return jax.local_devices()
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
 def make_mesh(shape: tuple[int, int], devices: Sequence[jax.Device]) -> Mesh:
     # Auto axes: XLA propagates shardings from the weights and the batch; the model pins only the activations.
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=list(devices))
+    axis_types = (AxisType.Auto, AxisType.Auto)
+    if len({d.process_index for d in devices}) > 1:
+        # Across hosts, devices stay in process order (data outermost): host h's rows of a global batch,
+        # [h * B / hosts, (h + 1) * B / hosts), then always live on host h's devices, whatever the shape.
+        return Mesh(np.array(list(devices), dtype=object).reshape(shape), AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, AXES, axis_types=axis_types, devices=list(devices))
 
 
 def device_memory_bytes(device: jax.Device) -> int | None:
@@ -211,6 +224,7 @@ __all__ = [
     "MODEL",
     "ShardingRules",
     "choose_mesh_shape",
+    "default_devices",
     "device_memory_bytes",
     "make_mesh",
     "mesh_summary",

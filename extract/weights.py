@@ -1,12 +1,14 @@
 """Where a checkpoint comes from and how its tensors reach the devices.
 
 Sources: a local directory, a Hugging Face hub id (`snapshot_download`, config/tokenizer/safetensors only), or a
-`gs://` directory mirrored there by `tools/mirror_model.py` (downloaded once per machine into a cache directory).
+`gs://` directory mirrored there by `tools/mirror_model.py`. For a gs:// model only the small files (config,
+tokenizer, index) are downloaded into a cache directory; the weights are read in place by parallel ranged reads
+(`Checkpoint.from_store`), so loading runs at the bucket's aggregate rate rather than one stream's.
 
 Loading follows the abstract-model pattern: the model is first built with `nnx.eval_shape` (shapes only, no
 memory), then each parameter is read from its safetensors file, converted to the compute dtype and put straight
-onto its `NamedSharding`, one tensor at a time. The host therefore holds at most one tensor, never the model, and
-only the layers the caller needs are read; the LM head never is.
+onto its `NamedSharding`, LOAD_WORKERS tensors at a time. The host therefore holds a few tensors, never the model,
+and only the layers the caller needs are read; the LM head never is.
 
 Tensors are read through a memory map of the safetensors layout (an 8-byte header length, a JSON header, raw
 little-endian data) rather than `safe_open(framework="numpy")`, because numpy's backend of safetensors cannot
@@ -27,6 +29,7 @@ import struct
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import ml_dtypes
@@ -56,6 +59,10 @@ MODEL_FILE_PATTERNS = (
 INDEX_FILE = "model.safetensors.index.json"
 CACHE_ENV = "EXTRACT_MODEL_CACHE"
 _COPY_CHUNK = 16 * 1024 * 1024
+#: One ranged read of a tensor in an object store; several run at once, so a large tensor is fetched in parallel.
+READ_PIECE_BYTES = 32 * 1024 * 1024
+#: Tensors loaded at once by `load_state`.
+LOAD_WORKERS = 4
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 _SAFETENSORS_DTYPES = {
@@ -74,16 +81,18 @@ def is_model_file(name: str) -> bool:
 
 
 def resolve_model_dir(
-    model: str, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None
+    model: str, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None, weights: bool = True
 ) -> pathlib.Path:
     """A local directory holding config.json, tokenizer files and *.safetensors for `model`.
 
     `model` is a local directory, a `gs://bucket/prefix` directory, or a hub id such as `Qwen/Qwen2.5-7B`.
+    `weights=False` leaves a gs:// model's safetensors files in the bucket.
     """
     if not isinstance(model, str) or not model:
         raise BadInput(f"model={model!r} must be a local directory, a gs:// directory or a hub id")
     if model.startswith("gs://"):
-        return fetch_from_store(model, pathlib.Path(cache_dir) if cache_dir else default_cache_dir(model))
+        cache = pathlib.Path(cache_dir) if cache_dir else default_cache_dir(model)
+        return fetch_from_store(model, cache, weights=weights)
     path = pathlib.Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -97,8 +106,10 @@ def default_cache_dir(url: str) -> pathlib.Path:
     return root / url.removeprefix("gs://").strip("/")
 
 
-def fetch_from_store(url: str, cache_dir: pathlib.Path) -> pathlib.Path:
+def fetch_from_store(url: str, cache_dir: pathlib.Path, weights: bool = True) -> pathlib.Path:
     """Download a mirrored model directory into `cache_dir`, skipping files already fetched at the same generation.
+
+    With `weights=False` the `*.safetensors` files stay in the store (`Checkpoint.from_store` reads them there).
 
     Each file is streamed to a temporary name and renamed into place, so a killed download is never mistaken for
     a complete one; `.fetched.json` records the generation of every file that arrived whole.
@@ -130,6 +141,8 @@ def fetch_from_store(url: str, cache_dir: pathlib.Path) -> pathlib.Path:
     started = time.monotonic()
     downloaded = 0
     for entry in sorted(entries, key=lambda e: e.name):
+        if not weights and entry.name.endswith(".safetensors"):
+            continue
         target = cache_dir / entry.name
         if fetched.get(entry.name) == entry.generation and target.is_file() and target.stat().st_size == entry.size:
             continue
@@ -213,28 +226,30 @@ def mirror_hub_snapshot(hub_id: str, dest_url: str, *, revision: str | None = No
 
 @dataclasses.dataclass(frozen=True)
 class TensorLocation:
-    file: pathlib.Path
+    file: pathlib.Path | str  # a local path, or an object name in the checkpoint's store
     dtype: np.dtype
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the data in `file`
 
 
-def read_safetensors_header(path: pathlib.Path) -> dict[str, TensorLocation]:
+def read_safetensors_header(path: pathlib.Path | str, store: objectstore.ObjectStore | None = None) -> dict[str, TensorLocation]:
+    """Where each tensor of one safetensors file lies; `path` is an object name in `store` when one is given."""
+    where = store.url(str(path)) if store is not None else path
     try:
-        with open(path, "rb") as f:
+        with store.open_read(str(path)) if store is not None else open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) != 8:
-                raise BadInput(f"weights file {path} is not a safetensors file (shorter than 8 bytes)")
+                raise BadInput(f"weights file {where} is not a safetensors file (shorter than 8 bytes)")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > 100 * 1024 * 1024:
-                raise BadInput(f"weights file {path} is not a safetensors file (header length {header_len})")
+                raise BadInput(f"weights file {where} is not a safetensors file (header length {header_len})")
             header = json.loads(f.read(header_len))
-    except FileNotFoundError:
-        raise BadInput(f"weights file {path} is missing") from None
+    except (FileNotFoundError, objectstore.NotFound):
+        raise BadInput(f"weights file {where} is missing") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInput(f"weights file {path} has an unreadable safetensors header: {exc}") from exc
-    except OSError as exc:
-        raise TransientIOError(f"weights file {path} could not be read: {exc}") from exc
+        raise BadInput(f"weights file {where} has an unreadable safetensors header: {exc}") from exc
+    except (OSError, objectstore.StoreError) as exc:
+        raise TransientIOError(f"weights file {where} could not be read: {exc}") from exc
     data_start = 8 + header_len
     tensors = {}
     for name, spec in header.items():
@@ -244,13 +259,60 @@ def read_safetensors_header(path: pathlib.Path) -> dict[str, TensorLocation]:
         shape = tuple(spec.get("shape", ()))
         begin, end = spec.get("data_offsets", (0, -1))
         if dtype is not None and end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-            raise BadInput(f"weights file {path}: tensor {name} has data_offsets that do not match its shape")
+            raise BadInput(f"weights file {where}: tensor {name} has data_offsets that do not match its shape")
         tensors[name] = TensorLocation(path, dtype, shape, data_start + begin)
     return tensors
 
 
+def default_read_streams() -> int:
+    """Ranged reads in flight while loading weights from a store: network-bound, so several per core."""
+    return max(8, min(32, 4 * (os.cpu_count() or 1)))
+
+
 class Checkpoint:
-    """The safetensors files of one model directory: which file holds each tensor, and where in it."""
+    """The safetensors files of one model directory: which file holds each tensor, and where in it.
+
+    Local files are read through memory maps. A checkpoint in an object store (`from_store`) is read in place:
+    each tensor is fetched by ranged reads of at most READ_PIECE_BYTES, `streams` of them in flight, into one
+    host buffer that `load_state` converts and places on the devices; no local copy of the files is made.
+    """
+
+    store: objectstore.ObjectStore | None = None
+    _pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    @classmethod
+    def from_store(cls, url: str, streams: int | None = None) -> "Checkpoint":
+        """The checkpoint under `url` (gs://bucket/prefix), read where it lies."""
+        checkpoint = cls.__new__(cls)
+        checkpoint.model_dir = url
+        checkpoint.store = objectstore.open_store(url)
+        checkpoint.streams = streams or default_read_streams()
+        try:
+            names = sorted(e.name for e in checkpoint.store.list("") if "/" not in e.name)
+            if INDEX_FILE in names:
+                weight_map = json.loads(checkpoint.store.read(INDEX_FILE).data)["weight_map"]
+                files = sorted(set(weight_map.values()))
+                missing = [f for f in files if f not in names]
+                if missing:
+                    raise BadInput(f"weights file {missing[0]} named by {INDEX_FILE} is missing from {url}")
+            else:
+                files = [n for n in names if n.endswith(".safetensors")]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise BadInput(f"weights index {url}/{INDEX_FILE} is unreadable or has no weight_map: {exc}") from exc
+        except objectstore.StoreError as exc:
+            raise TransientIOError(f"model={url!r}: listing its weights failed: {exc}") from exc
+        if not files:
+            raise BadInput(f"model={url!r} has no *.safetensors weights (model.safetensors or shards)")
+        checkpoint.tensors = {}
+        for file in files:
+            checkpoint.tensors.update(read_safetensors_header(file, checkpoint.store))
+        checkpoint.prefix = "model." if any(name.startswith("model.") for name in checkpoint.tensors) else ""
+        return checkpoint
 
     def __init__(self, model_dir: pathlib.Path):
         self.model_dir = model_dir
@@ -283,6 +345,8 @@ class Checkpoint:
             raise BadInput(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
         if location.dtype is None:
             raise BadInput(f"tensor {name} in {location.file.name} has a dtype that is not a float type")
+        if self.store is not None:
+            return self._read_ranges(name, location)
         try:
             if not location.shape or 0 in location.shape:
                 return np.zeros(location.shape, location.dtype)
@@ -291,6 +355,29 @@ class Checkpoint:
             )
         except OSError as exc:
             raise TransientIOError(f"tensor {name} in {location.file} could not be read: {exc}") from exc
+
+
+    def _read_ranges(self, name: str, location: TensorLocation) -> np.ndarray:
+        nbytes = location.dtype.itemsize * int(np.prod(location.shape, dtype=np.int64))
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        view = memoryview(buffer)
+
+        def piece(lo: int) -> None:
+            hi = min(nbytes, lo + READ_PIECE_BYTES)
+            data = self.store.read_range(str(location.file), location.offset + lo, location.offset + hi)
+            if len(data) != hi - lo:
+                raise TransientIOError(f"tensor {name} in {self.store.url(str(location.file))}: short read at {lo}")
+            view[lo:hi] = data
+
+        if self._pool is None:
+            # Shared by every tensor being loaded: pieces never wait on other pieces, so callers may block on them.
+            self._pool = ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="weights-read")
+        try:
+            for future in [self._pool.submit(piece, lo) for lo in range(0, nbytes, READ_PIECE_BYTES)]:
+                future.result()
+        except objectstore.StoreError as exc:
+            raise TransientIOError(f"tensor {name} in {self.store.url(str(location.file))} could not be read: {exc}") from exc
+        return buffer.view(location.dtype).reshape(location.shape)
 
 
 # -- parameters ---------------------------------------------------------------------------------------------------
@@ -344,11 +431,15 @@ def load_state(
     mesh: Mesh,
     rules: ShardingRules,
     dtype,
+    workers: int = LOAD_WORKERS,
 ) -> nnx.State:
-    """Fill `abstract_state` (from `nnx.eval_shape`) with checkpoint tensors placed on their shardings."""
+    """Fill `abstract_state` (from `nnx.eval_shape`) with checkpoint tensors placed on their shardings.
+
+    `workers` tensors are read, converted and placed at once, so reads (ranged, from a store) overlap
+    conversion and transfer; the host holds at most that many tensors."""
     target_dtype = np.dtype(dtype)
-    values: dict = {}
-    for path, variable in nnx.to_flat_state(abstract_state):
+
+    def place(path, variable) -> jax.Array:
         name = checkpoint_name(path, checkpoint.prefix)
         shape = tuple(variable.get_value().shape)
         sharding = NamedSharding(mesh, getattr(rules, variable.get_metadata()["role"]))
@@ -356,9 +447,16 @@ def load_state(
         # astype copies out of the memory map (and converts); skip the copy when the layout already matches.
         host = np.ascontiguousarray(host.astype(target_dtype, copy=False))
         placed = jax.device_put(host, sharding)
-        # Wait for the transfer before reading the next tensor, so the host holds only one at a time.
+        # Wait for the transfer before this worker reads its next tensor, so host memory stays bounded.
         placed.block_until_ready()
-        del host
+        return placed
+
+    items = list(nnx.to_flat_state(abstract_state))
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="weights-place") as pool:
+        placed_values = list(pool.map(lambda item: place(*item), items))
+    checkpoint.close()
+    values: dict = {}
+    for (path, _), placed in zip(items, placed_values):
         node = values
         for key in path[:-1]:
             node = node.setdefault(key, {})

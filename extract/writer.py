@@ -7,16 +7,22 @@ are rows offsets[k]:offsets[k+1]. Padding is never stored. The header is written
 by the safetensors library because numpy has no bfloat16 (ml_dtypes supplies it), and the
 library's numpy API refuses it; the bytes are standard safetensors ("BF16").
 
-The writer runs two threads behind bounded queues, so the device never waits for storage:
-the collector copies activations to the host, puts samples back into slice order and encodes
-complete shards; the uploader stores each shard and only then appends its progress record. A
-full queue blocks the producer (backpressure); a failure in either thread is re-raised in the
-main thread on its next call.
+The writer (`ShardWriter`, whose docstring counts the host copies) runs a collector thread that copies
+activations to the host, puts samples back into slice order and encodes complete shards into one buffer each,
+an encode pool that does those copies in parallel, and an uploader that stores up to `streams` shards at once
+and appends their progress records in shard order. Bounded queues block the producer (backpressure); a failure
+in any thread is re-raised in the main thread on its next call.
+
+Skipped bad rows hold their positions without a sample: a shard still covers its positions but holds
+fewer samples (none, if every row was bad: the shard is then written with empty tensors, so that every
+record names a shard). Its record counts them in `counters.skipped_rows` and lists them in `skipped`,
+at most MAX_LISTED_SKIPPED per task.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import dataclasses
 import json
@@ -26,12 +32,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from extract.batching import Batch
+from extract.batching import Batch, ShardBounds
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +57,10 @@ _CODES = {
 _CODE_OF = {dtype: code for code, dtype in _CODES.items()}
 _ALIGN = 8
 MAX_PROGRESS_LINE = 64 * 1024
+#: Skipped rows listed (sample id, file, row, reason) per task, over all its attempts; the rest are only counted.
+MAX_LISTED_SKIPPED = 100
+#: The progress-record counter that counts a shard's skipped rows (summed into the done marker's metadata).
+SKIPPED_ROWS = "skipped_rows"
 
 
 class ShardFormatError(ValueError):
@@ -68,31 +79,36 @@ def layer_key(layer: int) -> str:
 # -- safetensors encoding -----------------------------------------------------------------------
 
 
-def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
-    """Standard safetensors bytes: u64 header length, JSON header padded to 8 bytes, tensor data."""
+def safetensors_layout(
+    specs: Sequence[tuple[str, np.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
+) -> tuple[bytes, list[int], int]:
+    """(the 8-byte length + JSON header padded to 8 bytes, each tensor's absolute byte offset, total file size)
+    for tensors given as (name, dtype, shape) in storage order."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
-    arrays = []
-    for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
-        if array.dtype not in _CODE_OF:
-            raise ShardFormatError(f"tensor {name}: dtype {array.dtype} has no safetensors code")
-        header[name] = {
-            "dtype": _CODE_OF[array.dtype],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-        arrays.append(array)
+    starts = []
+    for name, dtype, shape in specs:
+        dtype = np.dtype(dtype)
+        if dtype not in _CODE_OF:
+            raise ShardFormatError(f"tensor {name}: dtype {dtype} has no safetensors code")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        starts.append(offset)
+        offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % _ALIGN)
-    out = np.empty(8 + len(header_bytes) + offset, dtype=np.uint8)
-    out[:8] = np.frombuffer(len(header_bytes).to_bytes(8, "little"), dtype=np.uint8)
-    out[8 : 8 + len(header_bytes)] = np.frombuffer(header_bytes, dtype=np.uint8)
-    position = 8 + len(header_bytes)
-    for array in arrays:
+    head = len(header_bytes).to_bytes(8, "little") + header_bytes
+    return head, [len(head) + start for start in starts], len(head) + offset
+
+
+def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """Standard safetensors bytes: u64 header length, JSON header padded to 8 bytes, tensor data."""
+    arrays = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+    head, starts, total = safetensors_layout([(n, a.dtype, a.shape) for n, a in arrays.items()], metadata)
+    out = np.empty(total, dtype=np.uint8)
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    for array, position in zip(arrays.values(), starts):
         out[position : position + array.nbytes] = array.reshape(-1).view(np.uint8)
-        position += array.nbytes
     return out.tobytes()
 
 
@@ -130,8 +146,11 @@ def decode_safetensors(buffer: bytes) -> tuple[dict[str, np.ndarray], dict[str, 
     return tensors, metadata
 
 
-def crc32c_b64(data: bytes) -> str:
-    """CRC32C as GCS reports it: the 4 big-endian bytes, base64-encoded."""
+def crc32c_b64(data: bytes | np.ndarray) -> str:
+    """CRC32C as GCS reports it: the 4 big-endian bytes, base64-encoded.
+
+    google-crc32c's C implementation (it releases the GIL for buffers of 1 MB or more) takes `bytes` or a
+    read-only numpy array, so a shard buffer is checksummed in place."""
     import google_crc32c
 
     return base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
@@ -170,11 +189,26 @@ class ProgressLog:
 # -- the writer ---------------------------------------------------------------------------------
 
 
+def default_upload_streams() -> int:
+    """Parallel shard uploads: one per host core, at least 2 (an upload mostly waits on the network) and at
+    most 16 (each in-flight shard holds up to `shard_bytes` of host memory)."""
+    return max(2, min(16, os.cpu_count() or 1))
+
+
 @dataclasses.dataclass
-class _SampleResult:
+class _PendingSample:
+    """A sample waiting for its shard: its rows stay in its batch's host array until the shard is encoded."""
+
     sample_id: int
     token_ids: np.ndarray
-    layers: dict[int, np.ndarray]
+    host: Mapping[int, np.ndarray] | None  # layer -> [batch, T, hidden] host copy of the batch; None if empty
+    row: int
+    column: int = 0  # where the sample starts in its row (packed batches)
+
+
+@dataclasses.dataclass
+class _SkippedRow:
+    entry: dict[str, Any]  # Document.skipped_entry()
 
 
 @dataclasses.dataclass
@@ -184,8 +218,10 @@ class _EncodedShard:
     sample_end: int
     samples: int
     tokens: int
-    payload: bytes
+    buffer: np.ndarray  # uint8, the whole safetensors file; read-only once encoded
     final: bool
+    base: np.ndarray | None = None  # the pooled allocation `buffer` is a view of
+    skipped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -195,6 +231,7 @@ class RunTotals:
     samples: int = 0
     tokens: int = 0
     flops: float = 0.0
+    skipped_rows: int = 0
 
     def stats(self, seconds: float, peak_flops: float | None) -> dict[str, Any]:
         seconds = max(seconds, 1e-9)
@@ -202,6 +239,7 @@ class RunTotals:
         return {
             "samples": self.samples,
             "tokens": self.tokens,
+            "skipped_rows": self.skipped_rows,
             "seconds": round(seconds, 3),
             "tokens_per_s": round(self.tokens / seconds, 3),
             "mfu": None if mfu is None else round(mfu, 6),
@@ -215,8 +253,63 @@ class WriterFailed(RuntimeError):
     """Raised in the main thread when it tries to use a writer whose background thread died."""
 
 
+class _BufferPool:
+    """Shard buffers are reused rather than allocated per shard: the first write to fresh memory costs a page
+    fault per 4 KiB, which made a copy into a new buffer about 4 times slower than into a reused one (measured
+    here: 0.45 against 1.8 GB/s). At most `keep` idle buffers are kept, so memory stays bounded."""
+
+    def __init__(self, keep: int):
+        self._keep = keep
+        self._idle: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 buffer of at least `nbytes` (its base may be larger)."""
+        with self._lock:
+            fitting = [i for i, b in enumerate(self._idle) if b.nbytes >= nbytes]
+            if fitting:
+                return self._idle.pop(min(fitting, key=lambda i: self._idle[i].nbytes))
+        # A little headroom, so that the next, slightly larger shard reuses this buffer too.
+        return np.empty(nbytes + nbytes // 8, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            self._idle.append(buffer)
+            if len(self._idle) > self._keep:
+                self._idle.pop(min(range(len(self._idle)), key=lambda i: self._idle[i].nbytes))
+
+
+def _copy_rows(target: np.ndarray, source: np.ndarray) -> None:
+    """One copy; same-width dtypes are copied as raw integers so that numpy releases the GIL (bit-identical)."""
+    if target.dtype == source.dtype and target.dtype.itemsize in (2, 4):
+        raw = np.uint16 if target.dtype.itemsize == 2 else np.uint32
+        np.copyto(target.view(raw), source.view(raw))
+    else:
+        np.copyto(target, source, casting="unsafe")  # what np.array(source, dtype=target.dtype) computes
+
+
 class ShardWriter:
-    """Collects batches for positions [start, end) of a task's slice and writes them as shards."""
+    """Collects batches for positions [start, end) of a task's slice and writes them as shards.
+
+    Shards end at every multiple of `shard_size` positions and, with `shard_tokens`, before a sample that would
+    take a shard past that many tokens (`extract.batching.ShardBounds`). Batches may hold positions before
+    `start` (a run resumed inside a batching window recomputes the window); those samples are dropped.
+
+    Host copies per output byte, from device memory to the bytes handed to the store: two.
+      1. `jax.device_get` of a batch's output, [batch, T, hidden] per layer, into host memory (on the CPU
+         backend this aliases the device buffer and copies nothing).
+      2. `_copy_rows`: each sample's rows, from that host array straight to their final offset in one
+         preallocated uint8 buffer that is the whole safetensors file (header included). Padding is never
+         copied. The layers are copied in parallel on the encode pool.
+    The store is handed a read-only view of that buffer (LocalStore writes it with one `write`; GCSStore streams
+    it), and its CRC32C is computed over the same buffer by google-crc32c's C code: a read, not a copy.
+
+    Threads: the collector (device_get, slice order, encoding), an encode pool of `streams` threads, and the
+    uploader, which runs up to `streams` uploads at once and appends their progress records strictly in shard
+    order, so the records always tile a prefix of the slice. Host memory is bounded: the open shard's batches,
+    `depth` queued batches and encoded shards, and `streams` shards being uploaded, each shard at most about
+    `shard_tokens` tokens (one longer document alone excepted).
+    """
 
     def __init__(
         self,
@@ -233,33 +326,44 @@ class ShardWriter:
         peak_flops: float | None = None,
         on_samples: Callable[[int, int], None] | None = None,
         depth: int = 2,
+        shard_tokens: int | None = None,
+        streams: int | None = None,
+        listed_skipped: int = 0,
     ):
+        """`listed_skipped`: skipped rows the task's earlier attempts already listed (their records' `skipped`)."""
         if not 0 <= start < end:
             raise ValueError(f"writer range [{start}, {end}) is empty")
         self._store = store
         self._layers = tuple(layers)
         self._out_dtype = np.dtype(out_dtype)
         self._end = end
-        self._shard_size = shard_size
         self._metadata = dict(metadata)
         self._progress = progress
         self._flops_per_token = flops_per_token
         self._peak_flops = peak_flops
         self._on_samples = on_samples
+        self._streams = max(1, streams or default_upload_streams())
         self.totals = RunTotals()
         self.records: list[dict[str, Any]] = []
         self.started = time.monotonic()
 
+        self._start = start  # batches may hold earlier positions (their window began before): those are dropped
         self._next = start  # next position to append to the open shard
+        self._bounds = ShardBounds(start, shard_size, shard_tokens)
         self._shard_start = start
-        self._shard_samples: list[_SampleResult] = []
-        self._pending: dict[int, _SampleResult] = {}
+        self._shard_samples: list[_PendingSample] = []
+        self._shard_skipped: list[dict[str, Any]] = []
+        self._pending: dict[int, _PendingSample | _SkippedRow] = {}
+        self._listed_skipped = listed_skipped
 
         self._batches: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._uploads: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._abort = threading.Event()
         self._failed = threading.Event()
         self._error: BaseException | None = None
+        self._buffers = _BufferPool(keep=self._streams + 2 * max(1, depth) + 1)
+        self._encode_pool = ThreadPoolExecutor(max_workers=self._streams, thread_name_prefix="encode")
+        self._upload_pool = ThreadPoolExecutor(max_workers=self._streams, thread_name_prefix="upload")
         self._collector = threading.Thread(target=self._guard, args=(self._collect,), name="collector", daemon=True)
         self._uploader = threading.Thread(target=self._guard, args=(self._upload,), name="uploader", daemon=True)
         self._collector.start()
@@ -316,6 +420,8 @@ class ShardWriter:
         for thread in (self._collector, self._uploader):
             while thread.is_alive():
                 thread.join(timeout=0.1)
+        self._encode_pool.shutdown(wait=True)
+        self._upload_pool.shutdown(wait=True)
         self._raise_if_failed()
 
     def _guard(self, body: Callable[[], None]) -> None:
@@ -338,6 +444,7 @@ class ShardWriter:
                 if item is _END or self._abort.is_set():
                     return
                 batch, hidden = item
+                # Copy 1: device -> host, the whole [batch, T, hidden] output of each layer.
                 host = jax.device_get({layer: hidden[layer] for layer in self._layers}) if batch.samples else {}
                 self._accept(batch, host)
                 self._emit_complete_shards()
@@ -352,94 +459,179 @@ class ShardWriter:
 
     def _accept(self, batch: Batch, host: Mapping[int, Any]) -> None:
         arrays = {layer: np.asarray(host[layer]) for layer in host}
+        placements = batch.placements or [(row, 0) for row in range(len(batch.samples))]
+        rows = 1 + max((row for row, _ in placements), default=-1)
         for layer, array in arrays.items():
-            if array.shape[0] < len(batch.samples) or array.ndim != 3:
-                raise ValueError(f"layer {layer}: activations of shape {array.shape} for {len(batch.samples)} samples")
+            if array.shape[0] < rows or array.ndim != 3:
+                raise ValueError(f"layer {layer}: activations of shape {array.shape} for {rows} rows of samples")
         tokens = 0
         flops = 0.0
-        for row, sample in enumerate(batch.samples):
+        for sample, (row, column) in zip(batch.samples, placements):
+            if sample.position < self._start:
+                continue
             n = sample.n_tokens
-            layers = {layer: np.array(arrays[layer][row, :n], dtype=self._out_dtype) for layer in self._layers}
-            self._pending[sample.position] = _SampleResult(sample.sample_id, sample.token_ids, layers)
+            if arrays and arrays[self._layers[0]].shape[1] < column + n:
+                raise ValueError(f"sample {sample.sample_id}: {n} tokens but the batch's activations hold fewer")
+            self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, arrays, row, column)
             tokens += n
             if self._flops_per_token is not None:
                 flops += n * self._flops_per_token(n)
         for sample in batch.empty:
-            hidden = arrays[self._layers[0]].shape[-1] if arrays else self._hidden_size()
-            layers = {layer: np.zeros((0, hidden), dtype=self._out_dtype) for layer in self._layers}
-            self._pending[sample.position] = _SampleResult(sample.sample_id, sample.token_ids, layers)
-        n_samples = len(batch.samples) + len(batch.empty)
+            if sample.position >= self._start:
+                self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, None, 0)
+        skipped = [doc for doc in batch.skipped if doc.position >= self._start]
+        for doc in skipped:
+            self._pending[doc.position] = _SkippedRow(doc.skipped_entry())
+        n_samples = sum(s.position >= self._start for s in batch.samples + batch.empty)
         self.totals.samples += n_samples
         self.totals.tokens += tokens
         self.totals.flops += flops
+        self.totals.skipped_rows += len(skipped)
         if self._on_samples is not None:
-            self._on_samples(n_samples, tokens)
+            self._on_samples(n_samples + len(skipped), tokens)  # positions done, for the progress display
 
     def _hidden_size(self) -> int:
         return int(self._metadata["hidden_size"])
 
     def _emit_complete_shards(self) -> None:
         while self._next in self._pending:
-            self._shard_samples.append(self._pending.pop(self._next))
+            result = self._pending.pop(self._next)
+            if isinstance(result, _SkippedRow):
+                self._shard_skipped.append(result.entry)
+            else:
+                if self._bounds.starts_shard(self._next, int(result.token_ids.shape[0])) and self._shard_samples:
+                    self._emit(self._next)
+                self._shard_samples.append(result)
             self._next += 1
-            boundary = min((self._shard_start // self._shard_size + 1) * self._shard_size, self._end)
-            if self._next == boundary:
-                shard = self._encode(self._shard_start, self._next, self._shard_samples)
-                self._shard_samples = []
-                self._shard_start = self._next
-                self._put(self._uploads, shard)
+            # A shard that ends at a multiple of shard_size is stored at once (a stop keeps it); one cut by size
+            # is known complete only when the next sample arrives, above.
+            if self._next == self._end or self._next % self._bounds.shard_size == 0:
+                self._emit(self._next)
 
-    def _encode(self, start: int, end: int, samples: list[_SampleResult]) -> _EncodedShard:
+    def _emit(self, end: int) -> None:
+        shard = self._encode(self._shard_start, end, self._shard_samples)
+        shard.skipped = self._shard_skipped
+        self._shard_samples, self._shard_skipped = [], []
+        self._shard_start = end
+        self._put(self._uploads, shard)
+
+    def _encode(self, start: int, end: int, samples: list[_PendingSample]) -> _EncodedShard:
         lengths = np.array([s.token_ids.shape[0] for s in samples], dtype=np.int64)
         offsets = np.zeros(len(samples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        tensors: dict[str, np.ndarray] = {}
-        for layer in self._layers:
-            tensors[layer_key(layer)] = np.concatenate([s.layers[layer] for s in samples], axis=0)
-        tensors["token_ids"] = np.concatenate([s.token_ids for s in samples]).astype(np.int32, copy=False)
-        tensors["sample_ids"] = np.array([s.sample_id for s in samples], dtype=np.int64)
-        tensors["offsets"] = offsets
+        n_tokens = int(offsets[-1])
+        hidden = next((s.host[self._layers[0]].shape[-1] for s in samples if s.host), None) or self._hidden_size()
         metadata = {
             **self._metadata,
             "sample_start": str(start),
             "sample_end": str(end),
             "samples": str(len(samples)),
-            "tokens": str(int(offsets[-1])),
+            "tokens": str(n_tokens),
         }
+        specs = [(layer_key(layer), self._out_dtype, (n_tokens, hidden)) for layer in self._layers]
+        specs += [
+            ("token_ids", np.dtype(np.int32), (n_tokens,)),
+            ("sample_ids", np.dtype(np.int64), (len(samples),)),
+            ("offsets", np.dtype(np.int64), (len(samples) + 1,)),
+        ]
+        head, starts, total = safetensors_layout(specs, metadata)
+        base = self._buffers.take(total)
+        buffer = base[:total]
+        buffer[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        views = {
+            name: buffer[position : position + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+            for (name, dtype, shape), position in zip(specs, starts)
+        }
+
+        def copy_layer(layer: int) -> None:
+            # Copy 2: each sample's rows to their final place in the shard file.
+            target = views[layer_key(layer)]
+            for sample, lo, hi in zip(samples, offsets[:-1], offsets[1:]):
+                if hi > lo:
+                    _copy_rows(target[lo:hi], sample.host[layer][sample.row, sample.column : sample.column + hi - lo])
+
+        copies = [self._encode_pool.submit(copy_layer, layer) for layer in self._layers]
+        if n_tokens:
+            np.concatenate([s.token_ids for s in samples], out=views["token_ids"], casting="unsafe")
+        views["sample_ids"][:] = [s.sample_id for s in samples]
+        views["offsets"][:] = offsets
+        for copy in copies:
+            copy.result()
+        buffer.setflags(write=False)  # this view only: the pooled base is written again once the shard is stored
         return _EncodedShard(
             name=shard_name(start, end),
             sample_start=start,
             sample_end=end,
             samples=len(samples),
-            tokens=int(offsets[-1]),
-            payload=encode_safetensors(tensors, metadata),
+            tokens=n_tokens,
+            buffer=buffer,
             final=end == self._end,
+            base=base,
         )
 
     # -- uploader thread ----------------------------------------------------------------------
 
-    def _upload(self) -> None:
-        while True:
-            shard = self._get(self._uploads)
-            if shard is _END:
-                return
-            self._store.put(shard.name, shard.payload)
-            record: dict[str, Any] = {
-                "shard": self._store.url(shard.name),
-                "bytes": len(shard.payload),
-                "crc32c": crc32c_b64(shard.payload),
-                "sample_start": shard.sample_start,
-                "sample_end": shard.sample_end,
-                "samples": shard.samples,
-                "tokens": shard.tokens,
-            }
-            if shard.final:
-                record["final"] = True
-                record["stats"] = self.totals.stats(time.monotonic() - self.started, self._peak_flops)
-            self._progress.append(record)
-            self.records.append(record)
-            log.info(
-                "event=shard_written shard=%s samples=%d tokens=%d bytes=%d final=%s",
-                record["shard"], shard.samples, shard.tokens, len(shard.payload), shard.final,
-            )  # fmt: skip
+    def _listable(self, skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The first skipped rows that fit the task's MAX_LISTED_SKIPPED and half a progress line."""
+        listed: list[dict[str, Any]] = []
+        size = 0
+        for entry in skipped[: max(MAX_LISTED_SKIPPED - self._listed_skipped, 0)]:
+            size += len(json.dumps(entry)) + 1
+            if size > MAX_PROGRESS_LINE // 2:  # long gs:// paths: the record must stay a valid progress line
+                break
+            listed.append(entry)
+        return listed
 
+    def _store_shard(self, shard: _EncodedShard) -> str:
+        """Upload one shard (on the upload pool); return its CRC32C."""
+        self._store.put(shard.name, memoryview(shard.buffer))
+        return crc32c_b64(shard.buffer)
+
+    def _upload(self) -> None:
+        inflight: collections.deque[tuple[_EncodedShard, Future[str]]] = collections.deque()
+        try:
+            while True:
+                shard = self._get(self._uploads)
+                if shard is _END:
+                    break
+                inflight.append((shard, self._upload_pool.submit(self._store_shard, shard)))
+                while len(inflight) >= self._streams:
+                    self._commit(*inflight.popleft())
+            while inflight:
+                self._commit(*inflight.popleft())
+        finally:
+            for _, future in inflight:
+                future.cancel()
+
+    def _commit(self, shard: _EncodedShard, upload: Future[str]) -> None:
+        """Append the shard's record once it is stored; called in shard order."""
+        crc = upload.result()
+        record: dict[str, Any] = {
+            "shard": self._store.url(shard.name),
+            "bytes": int(shard.buffer.nbytes),
+            "crc32c": crc,
+            "sample_start": shard.sample_start,
+            "sample_end": shard.sample_end,
+            "samples": shard.samples,
+            "tokens": shard.tokens,
+        }
+        if shard.skipped:
+            record["counters"] = {SKIPPED_ROWS: len(shard.skipped)}
+            record["skipped"] = self._listable(shard.skipped)
+            self._listed_skipped += len(record["skipped"])
+            for entry in record["skipped"]:
+                log.warning(
+                    "event=row_skipped sample_id=%d file=%s row=%d reason=%s detail=%r",
+                    entry["sample_id"], entry["file"], entry["row"], entry["reason"], entry["detail"],
+                )  # fmt: skip
+        if shard.final:
+            record["final"] = True
+            record["stats"] = self.totals.stats(time.monotonic() - self.started, self._peak_flops)
+        self._progress.append(record)
+        self.records.append(record)
+        if shard.base is not None:
+            self._buffers.give(shard.base)
+        log.info(
+            "event=shard_written shard=%s samples=%d skipped_rows=%d tokens=%d bytes=%d final=%s",
+            record["shard"], shard.samples, len(shard.skipped), shard.tokens, shard.buffer.nbytes, shard.final,
+        )  # fmt: skip

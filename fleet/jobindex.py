@@ -3,11 +3,17 @@
 Built only from done markers (`done/<id>.json` under the queue prefix), whose `outputs` are the
 progress records the spawner committed for that task, so the index lists exactly the shards that
 count and none that a preempted holder left half-written.
+
+Rows the consumer skipped as bad (docs/EXTRACTION.md, "Bad rows") are counted in the records'
+`counters.skipped_rows` and listed, a bounded number per task, in their `skipped`; the index sums
+the counters into `totals` and keeps the first MAX_LISTED_SKIPPED listed rows of the job.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -18,6 +24,8 @@ log = logging.getLogger(__name__)
 
 DONE_PREFIX = "done/"
 INDEX_NAME = "index.json"
+MAX_LISTED_SKIPPED = 1000
+SKIPPED_ROWS = "skipped_rows"
 _RECORD_FIELDS = {"shard": str, "bytes": int, "crc32c": str, "sample_start": int, "sample_end": int, "samples": int, "tokens": int}
 
 
@@ -25,7 +33,26 @@ class JobIndexError(Exception):
     """A done marker or one of its progress records is malformed or inconsistent; the message names it."""
 
 
-def _shards_of(name: str, raw: bytes) -> tuple[str, list[dict]]:
+@dataclasses.dataclass
+class _TaskOutputs:
+    task: str
+    shards: list[dict]  # in sample order
+    counters: collections.Counter  # summed over the task's distinct shard records
+    skipped: list[dict]  # listed skipped rows, each with its task
+
+
+def _counters_and_skipped(name: str, i: int, record: dict) -> tuple[dict[str, int], list[dict]]:
+    """A record's optional `counters` ({name: int}) and `skipped` (listed skipped rows), checked."""
+    counters = record.get("counters", {})
+    if not isinstance(counters, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in counters.values()):
+        raise JobIndexError(f"done marker {name!r}: outputs[{i}] field 'counters' must map names to integers, got {counters!r}")
+    skipped = record.get("skipped", [])
+    if not isinstance(skipped, list) or not all(isinstance(entry, dict) for entry in skipped):
+        raise JobIndexError(f"done marker {name!r}: outputs[{i}] field 'skipped' must be a list of objects, got {skipped!r}")
+    return counters, skipped
+
+
+def _shards_of(name: str, raw: bytes) -> _TaskOutputs:
     try:
         marker = json.loads(raw)
     except ValueError as err:
@@ -34,6 +61,8 @@ def _shards_of(name: str, raw: bytes) -> tuple[str, list[dict]]:
         raise JobIndexError(f"done marker {name!r} needs 'task' and an 'outputs' list")
     task = str(marker["task"])
     shards = {}
+    counters: collections.Counter = collections.Counter()
+    skipped: list[dict] = []
     for i, record in enumerate(marker["outputs"]):
         for field, kind in _RECORD_FIELDS.items():
             value = record.get(field) if isinstance(record, dict) else None
@@ -53,6 +82,10 @@ def _shards_of(name: str, raw: bytes) -> tuple[str, list[dict]]:
         # shard, but only if both records say the same about it.
         if shard["url"] in shards and shards[shard["url"]] != shard:
             raise JobIndexError(f"done marker {name!r}: outputs[{i}] describes shard {shard['url']} differently than before")
+        record_counters, record_skipped = _counters_and_skipped(name, i, record)
+        if shard["url"] not in shards:  # a re-sent record counts once
+            counters.update(record_counters)
+            skipped += [{"task": task, **entry} for entry in record_skipped]
         shards[shard["url"]] = shard
     ordered = sorted(shards.values(), key=lambda s: (s["sample_start"], s["sample_end"], s["url"]))
     for before, after in zip(ordered, ordered[1:]):
@@ -61,7 +94,7 @@ def _shards_of(name: str, raw: bytes) -> tuple[str, list[dict]]:
                 f"done marker {name!r}: shards {before['url']} and {after['url']} cover overlapping samples "
                 f"[{before['sample_start']}, {before['sample_end']}) and [{after['sample_start']}, {after['sample_end']})"
             )
-    return task, ordered
+    return _TaskOutputs(task, ordered, counters, skipped)
 
 
 def build_index(store: ObjectStore, parallel: int = 16) -> dict:
@@ -69,7 +102,11 @@ def build_index(store: ObjectStore, parallel: int = 16) -> dict:
     names = [e.name for e in store.list(DONE_PREFIX) if e.name.endswith(".json")]
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         per_task = list(pool.map(lambda n: _shards_of(n, store.read(n).data), names))
-    shards = sorted((s for _, task_shards in per_task for s in task_shards), key=lambda s: (s["task"], s["sample_start"], s["url"]))
+    shards = sorted((s for outputs in per_task for s in outputs.shards), key=lambda s: (s["task"], s["sample_start"], s["url"]))
+    counters: collections.Counter = collections.Counter()  # only counters some record has: no noise
+    for outputs in per_task:
+        counters.update(outputs.counters)
+    skipped = sorted((e for outputs in per_task for e in outputs.skipped), key=lambda e: (e["task"], e.get("sample_id", 0)))
     return {
         "queue": store.root_url,
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -79,13 +116,19 @@ def build_index(store: ObjectStore, parallel: int = 16) -> dict:
             "samples": sum(s["samples"] for s in shards),
             "tokens": sum(s["tokens"] for s in shards),
             "bytes": sum(s["bytes"] for s in shards),
+            **dict(sorted(counters.items())),
         },
         "shards": shards,
+        "skipped": skipped[:MAX_LISTED_SKIPPED],
     }
 
 
 def write_index(store: ObjectStore, index: dict, name: str = INDEX_NAME) -> str:
     store.put(name, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
     url = store.url(name)
-    log.info("event=index_written url=%s tasks=%d shards=%d", url, index["totals"]["tasks"], index["totals"]["shards"])
+    totals = index["totals"]
+    log.info(
+        "event=index_written url=%s tasks=%d shards=%d skipped_rows=%d",
+        url, totals["tasks"], totals["shards"], totals.get(SKIPPED_ROWS, 0),
+    )  # fmt: skip
     return url

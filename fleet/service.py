@@ -1,5 +1,7 @@
 """The systemd service's command: read the spawn-* attributes and exec spawn.py with them.
 
+On a host of a multi-host TPU slice it adds the host's role (fleet/slice.py) as spawn.py options.
+
 The unit file stays fixed (startup/spawn-worker.service); everything job-specific comes from
 instance metadata each time the service starts. Extra flags are split with shlex, never handed
 to a shell, so no metadata value is ever run as code.
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 from fleet.metadata import MetadataClient
+from fleet.slice import SliceMetadataError, host_role
 from fleet.specs import ATTR_CONSUMER, ATTR_FLAGS, ATTR_QUEUE
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,15 @@ def worker_argv(metadata: MetadataClient, python: str = sys.executable, spawn: P
         flags = shlex.split(metadata.attribute(ATTR_FLAGS, "") or "")
     except ValueError as err:
         raise ServiceConfigError(f"instance attribute {ATTR_FLAGS!r} is not valid shell-quoted words: {err}") from None
-    return [python, str(spawn), queue.strip(), "--consumer", consumer, *flags]
+    argv = [python, str(spawn), queue.strip(), "--consumer", consumer, *flags]
+    try:
+        role = host_role(metadata)
+    except SliceMetadataError as err:
+        raise ServiceConfigError(f"this TPU host's slice metadata is inconsistent: {err}") from None
+    if role is not None:
+        # One claimant per slice: host 0 leads (claims, heartbeats, deletes the slice), the others follow.
+        argv += role.spawn_flags()
+    return argv
 
 
 def main() -> None:

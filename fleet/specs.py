@@ -32,7 +32,9 @@ ATTR_QUEUED_RESOURCE = "spawn-queued-resource"  # on a TPU node made by a queued
 SCOPE_PREFIX = "https://www.googleapis.com/auth/"
 STARTUP_SCRIPT = Path(__file__).resolve().parent.parent / "startup" / "startup.sh"
 # Single-host TPU VMs have at most 8 chips (v5e, v6e) or 8 TensorCores (v2-v5p) under the
-# number in the accelerator type; anything larger is a multi-host slice (docs/CLOUD.md, "Slices").
+# number in the accelerator type; anything larger is a multi-host slice, whose hosts run one
+# worker together (docs/CLOUD.md, "Slices"; https://cloud.google.com/tpu/docs/v5e,
+# https://cloud.google.com/tpu/docs/v4).
 MAX_SINGLE_HOST_TPU = 8
 
 
@@ -140,15 +142,15 @@ def _choice(*options: str) -> Callable[[object], str]:
 
 
 def _tpu_type(value: object) -> str:
+    """Single-host (v5litepod-8) and multi-host (v4-16, v5litepod-64) types alike: a slice is one worker."""
     match = re.match(r"^[a-z0-9]+-([0-9]+)$", value) if isinstance(value, str) else None
-    if not match:
-        raise ValueError("must be a TPU accelerator type such as v5litepod-8 or v4-8")
-    if int(match.group(1)) > MAX_SINGLE_HOST_TPU:
-        raise ValueError(
-            f"names a multi-host slice; the worker runs on single-host TPU VMs only (at most "
-            f"{MAX_SINGLE_HOST_TPU} under the number), see docs/CLOUD.md 'Slices'"
-        )
+    if not match or int(match.group(1)) < 1:
+        raise ValueError("must be a TPU accelerator type such as v5litepod-8, v5litepod-16 or v4-32")
     return value
+
+
+def is_multi_host(accelerator_type: str) -> bool:
+    return int(accelerator_type.rsplit("-", 1)[1]) > MAX_SINGLE_HOST_TPU
 
 
 def _field(check: Callable[[object], object], default: object = dataclasses.MISSING) -> dataclasses.Field:
@@ -205,11 +207,14 @@ class TpuSpec(_Common):
     accelerator_type: str = _field(_tpu_type)
     runtime_version: str = _field(_text)
     queued: bool | None = _field(_boolean, None)
+    #: Slices per queued resource (multislice): each slice is its own node and its own claimant.
+    slices: int = _field(_positive_int, 1)
 
     @property
     def use_queued_resources(self) -> bool:
         # Spot TPU capacity comes and goes; a queued resource waits for it instead of failing.
-        return self.spot if self.queued is None else self.queued
+        # Multislice exists only as a queued resource (multisliceParams).
+        return self.slices > 1 or (self.spot if self.queued is None else self.queued)
 
 
 _KINDS: dict[str, type[_Common]] = {"vm": VmSpec, "tpu": TpuSpec}
@@ -247,6 +252,17 @@ def parse_spec(raw: object, source: str) -> VmSpec | TpuSpec:
             raise SpecError(f"{source}: fields 'gpu_type' and 'gpu_count' go together; set both or neither")
         if spec.gpu_count and spec.accelerator == "cpu":
             raise SpecError(f"{source}: field 'accelerator' is 'cpu' but the spec attaches GPUs; use 'gpu'")
+    if isinstance(spec, TpuSpec) and spec.slices > 1:
+        if spec.queued is False:
+            raise SpecError(f"{source}: field 'slices' is {spec.slices}, which needs queued resources; drop 'queued: false'")
+        flags = spec.spawn_flags
+        if any(a == "--on-empty" and b == "delete" for a, b in zip(flags, flags[1:])):
+            # Deleting a multislice queued resource deletes every slice: a slice that is merely idle
+            # (others still run the last tasks) must not do it.
+            raise SpecError(
+                f"{source}: field 'spawn_flags' has '--on-empty delete', but with slices: {spec.slices} one idle "
+                "slice would delete the others mid-task; use '--on-empty delete-when-drained'"
+            )
     return spec
 
 
@@ -393,18 +409,21 @@ def tpu_node(spec: TpuSpec, launch: Launch, queued_resource_id: str | None = Non
 
 
 def queued_resource(spec: TpuSpec, launch: Launch, project: str, zone: str, resource_id: str) -> tpu_v2.QueuedResource:
-    """One queued resource holding one node named like the queued resource."""
-    qr = tpu_v2.QueuedResource(
-        tpu=tpu_v2.QueuedResource.Tpu(
-            node_spec=[
-                tpu_v2.QueuedResource.Tpu.NodeSpec(
-                    parent=f"projects/{project}/locations/{zone}",
-                    node_id=resource_id,
-                    node=tpu_node(spec, launch, queued_resource_id=resource_id),
-                )
-            ]
-        )
+    """One queued resource holding one node named like the queued resource, or with `spec.slices` > 1 a
+    multislice of nodes `<resource_id>-0`, `-1`, ... (multisliceParams instead of nodeId:
+    https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.queuedResources,
+    https://cloud.google.com/tpu/docs/multislice-introduction)."""
+    node_spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
+        parent=f"projects/{project}/locations/{zone}",
+        node=tpu_node(spec, launch, queued_resource_id=resource_id),
     )
+    if spec.slices > 1:
+        node_spec.multislice_params = tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
+            node_count=spec.slices, node_id_prefix=resource_id
+        )
+    else:
+        node_spec.node_id = resource_id
+    qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[node_spec]))
     if spec.spot:
         qr.spot = tpu_v2.QueuedResource.Spot()
     return qr

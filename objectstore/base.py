@@ -112,8 +112,10 @@ class ObjectStore(abc.ABC):
         """Delete, optionally only at `if_generation`. Raises NotFound or PreconditionFailed."""
 
     @abc.abstractmethod
-    def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
-        """Unconditional write (for outputs, whose path already carries the fencing token)."""
+    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
+        """Unconditional write (for outputs, whose path already carries the fencing token).
+
+        `data` may be any contiguous buffer (a memoryview of an output shard): it is written from where it lies."""
 
     @abc.abstractmethod
     def put_file(self, name: str, path: str | os.PathLike[str]) -> int:
@@ -124,22 +126,38 @@ class ObjectStore(abc.ABC):
     def open_read(self, name: str) -> BinaryIO:
         """A seekable binary file that reads the object lazily (ranged reads on GCS). Raises NotFound."""
 
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object, exactly (one ranged GET on GCS). Raises NotFound."""
+        with self.open_read(name) as f:
+            f.seek(start)
+            return f.read(end - start)
+
     @abc.abstractmethod
     def list_page(
-        self, prefix: str, page_token: str | None = None, start_offset: str | None = None, page_size: int = MAX_LIST_PAGE
+        self,
+        prefix: str,
+        page_token: str | None = None,
+        start_offset: str | None = None,
+        page_size: int = MAX_LIST_PAGE,
+        end_offset: str | None = None,
     ) -> Page:
-        """One page of objects whose names start with `prefix`, in lexicographic order.
+        """One page (one request) of objects whose names start with `prefix`, in lexicographic order.
 
-        `start_offset` (inclusive) skips names that sort before it, as in GCS.
+        `start_offset` (inclusive) skips names that sort before it and `end_offset` (exclusive)
+        stops before the first name that sorts at or after it, as GCS's `startOffset` and
+        `endOffset` do (https://cloud.google.com/storage/docs/json_api/v1/objects/list). A range
+        that holds at most `page_size` objects therefore costs exactly one request.
         """
 
-    def list(self, prefix: str, start_offset: str | None = None, limit: int | None = None) -> Iterator[Entry]:
-        """Every entry under `prefix`, page by page; stops after `limit` entries if given."""
+    def list(
+        self, prefix: str, start_offset: str | None = None, limit: int | None = None, end_offset: str | None = None
+    ) -> Iterator[Entry]:
+        """Every entry under `prefix` (within the offsets), page by page; stops after `limit` entries if given."""
         token: str | None = None
         seen = 0
         while True:
             size = MAX_LIST_PAGE if limit is None else max(1, min(MAX_LIST_PAGE, limit - seen))
-            page = self.list_page(prefix, page_token=token, start_offset=start_offset, page_size=size)
+            page = self.list_page(prefix, page_token=token, start_offset=start_offset, page_size=size, end_offset=end_offset)
             for entry in page.entries:
                 yield entry
                 seen += 1

@@ -13,6 +13,7 @@ nonce this call put in its custom metadata. A 412 on the first attempt is unambi
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import uuid
@@ -97,6 +98,40 @@ class _Attempts:
     @property
     def retried(self) -> bool:
         return self.count > 1
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview; `read` copies only the chunk the HTTP client asks for."""
+
+    def __init__(self, view: memoryview):
+        self._view = view
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._view.nbytes}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._view.nbytes if size is None or size < 0 else min(self._view.nbytes, self._position + size)
+        chunk = self._view[self._position : end].tobytes()
+        self._position = max(self._position, end)
+        return chunk
+
+    def readinto(self, target) -> int:
+        chunk = self._view[self._position : self._position + len(target)]
+        target[: len(chunk)] = chunk
+        self._position += len(chunk)
+        return len(chunk)
 
 
 class GCSStore(ObjectStore):
@@ -222,15 +257,25 @@ class GCSStore(ObjectStore):
                 return
             raise
 
-    def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
+    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
         blob = self._blob(name)
-        blob.metadata = dict(metadata) if metadata else None
-        self._call(
-            f"put {self.url(name)}",
-            lambda: blob.upload_from_string(
+        if metadata:
+            # Without metadata the resource must not carry the key at all: `blob.metadata = None` would
+            # send `"metadata": null`, which stricter JSON API implementations answer with 500.
+            blob.metadata = dict(metadata)
+        if isinstance(data, bytes):
+            upload = lambda: blob.upload_from_string(  # noqa: E731
                 data, content_type="application/octet-stream", retry=None, timeout=self._policy.timeout_s
-            ),
-        )
+            )
+        else:
+            # Any other buffer (an output shard's memoryview) is streamed from where it lies instead of being
+            # copied into one bytes object first; each attempt reads it from the start.
+            view = memoryview(data).cast("B")
+            upload = lambda: blob.upload_from_file(  # noqa: E731
+                _BufferReader(view), size=view.nbytes, content_type="application/octet-stream", retry=None,
+                timeout=self._policy.timeout_s,
+            )  # fmt: skip
+        self._call(f"put {self.url(name)}", upload)
         return int(blob.generation)
 
     def put_file(self, name: str, path: str | os.PathLike[str]) -> int:
@@ -251,8 +296,26 @@ class GCSStore(ObjectStore):
         # Ranged reads are idempotent, so the client's own retry object is the right tool here.
         return blob.open("rb", chunk_size=8 * 1024 * 1024)
 
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        blob = self._blob(name)
+        # One request for exactly these bytes (`end` is inclusive in the client); a BlobReader would fetch at
+        # least its chunk size. Checksums cover whole objects only, so none is checked for a range.
+        return self._call(
+            f"read {self.url(name)} bytes {start}-{end - 1}",
+            lambda: blob.download_as_bytes(
+                start=start, end=end - 1, checksum=None, retry=None, timeout=self._policy.timeout_s
+            ),
+        )
+
     def list_page(
-        self, prefix: str, page_token: str | None = None, start_offset: str | None = None, page_size: int = MAX_LIST_PAGE
+        self,
+        prefix: str,
+        page_token: str | None = None,
+        start_offset: str | None = None,
+        page_size: int = MAX_LIST_PAGE,
+        end_offset: str | None = None,
     ) -> Page:
         page_size = max(1, min(page_size, MAX_LIST_PAGE))
 
@@ -261,6 +324,7 @@ class GCSStore(ObjectStore):
                 self._bucket,
                 prefix=self._prefix + prefix,
                 start_offset=self._prefix + start_offset if start_offset else None,
+                end_offset=self._prefix + end_offset if end_offset else None,
                 page_size=page_size,
                 page_token=page_token,
                 retry=None,

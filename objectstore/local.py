@@ -93,7 +93,7 @@ class LocalStore(ObjectStore):
         self._atomic_write(counter, str(generation).encode())
         return generation
 
-    def _atomic_write(self, path: pathlib.Path, data: bytes) -> None:
+    def _atomic_write(self, path: pathlib.Path, data: bytes | memoryview) -> None:
         fd, tmp = tempfile.mkstemp(dir=self._state / "tmp")
         try:
             os.fchmod(fd, OBJECT_MODE)
@@ -114,7 +114,7 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             return None
 
-    def _store(self, key: str, data: bytes, metadata: Mapping[str, str] | None) -> int:
+    def _store(self, key: str, data: bytes | memoryview, metadata: Mapping[str, str] | None) -> int:
         """Caller holds the exclusive lock."""
         generation = self._next_generation()
         data_path = self._data_path(key)
@@ -176,7 +176,7 @@ class LocalStore(ObjectStore):
                 )
             self._remove(key)
 
-    def put(self, name: str, data: bytes, metadata: Mapping[str, str] | None = None) -> int:
+    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
         key = self._key(name)
         with self._locked(exclusive=True):
             return self._store(key, data, metadata)
@@ -208,12 +208,18 @@ class LocalStore(ObjectStore):
             raise NotFound(f"{self.url(name)} does not exist") from None
 
     def list_page(
-        self, prefix: str, page_token: str | None = None, start_offset: str | None = None, page_size: int = MAX_LIST_PAGE
+        self,
+        prefix: str,
+        page_token: str | None = None,
+        start_offset: str | None = None,
+        page_size: int = MAX_LIST_PAGE,
+        end_offset: str | None = None,
     ) -> Page:
         page_size = max(1, min(page_size, MAX_LIST_PAGE))
         full_prefix = self._prefix + prefix
         after = self._prefix + page_token if page_token else None
         start = self._prefix + start_offset if start_offset else None
+        end = self._prefix + end_offset if end_offset else None
         with self._locked(exclusive=False):
             keys = sorted(self._keys_under(full_prefix))
             entries: list[Entry] = []
@@ -221,6 +227,8 @@ class LocalStore(ObjectStore):
             for key in keys:
                 if (after is not None and key <= after) or (start is not None and key < start):
                     continue
+                if end is not None and key >= end:
+                    break
                 meta = self._meta(key)
                 if meta is None:  # a data file whose object was deleted under us: not an object
                     continue

@@ -275,7 +275,7 @@ ensure_uv() {
 }
 
 boot() {
-  local extras python endpoints
+  local extras python
   trap 'on_error $? $LINENO' ERR
   mkdir -p "${ROOT}${STATE_DIR}" "${ROOT}${CODE_DIR}"
   # Keep this boot's log for the failure record's tail (the journal has it too).
@@ -308,14 +308,6 @@ boot() {
       ;;
   esac
   record booting
-
-  # A multi-host TPU slice runs this on every host. One spawn.py per host would claim different
-  # tasks for what must be one JAX program, so slices run no worker yet (docs/CLOUD.md, "Slices").
-  endpoints="$(attribute worker-network-endpoints "")"
-  if [[ "$endpoints" == *,* ]]; then
-    log "event=worker_not_started reason=multi_host_slice worker=$(attribute agent-worker-number unknown)"
-    exit 0
-  fi
 
   PHASE="code_sync"
   log "event=code_sync source=${CODE_URL} dest=${CODE_DIR}"

@@ -1,12 +1,17 @@
 """Finding and claiming tasks: the worker's view of the queue and the claim loop (docs/PROTOCOL.md, "Claim").
 
-`Claimer` is an iterator of claimed tasks. The view is built from a few listings instead of a GET
-per task; it only has to be fresh enough to keep the claim cheap, because every state change is
-still decided by a conditional write.
+`Claimer` is an iterator of claimed tasks. The queue is cut into regions of about a thousand tasks
+(`submit` writes a split marker at each region's first id); a worker lists the region map, loads
+one region with four one-page listings and claims there, so its first claim costs the same at a
+thousand tasks or a million. It learns other regions only when it moves to them, and marks a region
+`swept` once every task in it is finished, so that the last workers find what is left, and know
+when nothing is, without listing the whole queue. The view only has to be fresh enough to keep
+claims cheap: every state change is still decided by a conditional write.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -17,13 +22,15 @@ from collections.abc import Iterator
 from objectstore import NotFound, ObjectStore, PreconditionFailed, StoreError, StoreUnavailable
 from taskqueue import layout
 from taskqueue.clock import Clock
-from taskqueue.lease import DEAD, HELD, RELEASED, HeldLease, encode, new_lease_body
+from taskqueue.lease import DEAD, HELD, RELEASED, HeldLease, encode, new_lease_body, sum_metadata_counters
 
 log = logging.getLogger(__name__)
 
 LOOKAHEAD = 64  # done markers read ahead by each claim's done check
-JUMP_TRIES = 4  # runs a jump re-lists before landing in the last one anyway
-RELIST_PAGE = 1000  # done markers per re-list: one request steps over another worker's finished stretch
+JUMP_TRIES = 4  # regions a move loads before giving up and waiting
+MAP_REFRESH_S = 30.0  # a move re-lists the region map when it is older than this
+MAX_LOADED_REGIONS = 8  # the view is a cache: the least recently loaded region is forgotten first
+MIN_RUN = 16  # after a collision, a run of work shorter than this in the same region is not worth staying for
 
 
 @dataclasses.dataclass
@@ -55,44 +62,136 @@ class ClaimOptions:
     seed: int | None = None
 
 
+def _offset(prefix: str, task_id: str | None) -> str | None:
+    """The listing offset of a region boundary; None for the head region's start or the keyspace's end."""
+    return prefix + layout.key(task_id) if task_id else None
+
+
 class QueueView:
-    """What one worker knows about the queue, from listings."""
+    """What one worker knows about the queue: the region map, and the regions it has loaded."""
 
     def __init__(self, store: ObjectStore, clock: Clock):
         self.store = store
         self.clock = clock
-        self.order: list[str] = []
-        self.position: dict[str, int] = {}
+        self.splits: list[str] = [layout.HEAD]  # region starts, in key order
+        self._split_keys: list[str] = [""]
+        self.map_complete = False  # False: the last known split's region has no known end yet
+        self._map_pages = 1
+        self.map_at: float | None = None
+        self.swept: dict[str, str | None] = {}  # region -> end of what its swept marker covers
+        self.tasks: dict[str, list[str]] = {}  # loaded region -> its task ids in key order
+        self.loaded: dict[str, float] = {}  # loaded region -> when, least recent first
         self.manifests: dict[str, bytes | None] = {}
         self.sizes: dict[str, int] = {}
         self.finished: set[str] = set()
+        self.failed: set[str] = set()
+        # Done markers' `counters` metadata (compact JSON), kept so that a sweep can sum them.
+        self.counters: dict[str, str] = {}
         self.leases: dict[str, Sighting] = {}
 
-    def scan_tasks(self) -> int:
-        """List tasks/; returns how many ids are new."""
-        before = len(self.order)
-        for entry in self.store.list(layout.TASKS):
-            task_id = layout.id_from_object(entry.name, layout.TASKS)
-            if task_id is None or task_id in self.sizes:
-                continue
-            copy = entry.metadata.get("manifest")
-            self.manifests[task_id] = copy.encode() if copy is not None else None
-            self.sizes[task_id] = entry.size
-        self.order = sorted(self.sizes)
-        self.position = {task_id: i for i, task_id in enumerate(self.order)}
-        return len(self.order) - before
+    # -- the region map ---------------------------------------------------------------------
 
-    def scan_finished(self) -> None:
-        for prefix in (layout.DONE, layout.FAILED):
-            for entry in self.store.list(prefix):
+    def scan_map(self) -> None:
+        """The split markers (one page per thousand regions, and only as many pages as needed so
+        far) and the swept markers of those regions."""
+        splits, token, pages = [], None, 0
+        while pages < self._map_pages:
+            page = self.store.list_page(layout.SPLITS, page_token=token)
+            pages += 1
+            splits += [t for t in (layout.id_from_object(e.name, layout.SPLITS) for e in page.entries) if t]
+            token = page.next_token
+            if not token:
+                break
+        self.map_complete = token is None
+        self.splits = [layout.HEAD] + splits  # listings come in key order
+        self._split_keys = [""] + [layout.key(t) for t in splits]
+        self.scan_swept()
+        self.map_at = self.clock.monotonic()
+
+    def scan_swept(self) -> None:
+        """The swept markers of the regions in the map: one request per thousand regions."""
+        end = None if self.map_complete else layout.swept_object(self.splits[-1])
+        swept = {}
+        for entry in self.store.list(layout.SWEPT, end_offset=end):
+            region = layout.region_from_swept(entry.name)
+            if region is not None:
+                swept[region] = entry.metadata.get("end") or None
+        self.swept = swept
+
+    def extend_map(self) -> bool:
+        """List one more page of splits; False when the map was already complete."""
+        if self.map_complete:
+            return False
+        self._map_pages += 1
+        self.scan_map()
+        return True
+
+    def region_of(self, task_id: str) -> str:
+        return self.splits[bisect.bisect_right(self._split_keys, layout.key(task_id)) - 1]
+
+    def region_end(self, region: str) -> str | None:
+        """The next region's start; None at the end of the keyspace."""
+        i = bisect.bisect_left(self._split_keys, layout.key(region) if region else "")
+        return self.splits[i + 1] if i + 1 < len(self.splits) else None
+
+    def known_regions(self) -> list[str]:
+        """Regions whose both ends are known (the last split's region is open until the map is complete)."""
+        return self.splits if self.map_complete else self.splits[:-1]
+
+    def is_swept(self, region: str) -> bool:
+        if region not in self.swept:
+            return False
+        covered, end = self.swept[region], self.region_end(region)
+        return covered is None or (end is not None and layout.key(covered) >= layout.key(end))
+
+    def open_regions(self) -> list[str]:
+        return [r for r in self.known_regions() if not self.is_swept(r)]
+
+    def all_swept(self) -> bool:
+        return self.map_complete and not self.open_regions()
+
+    # -- regions ----------------------------------------------------------------------------
+
+    def list_region_tasks(self, region: str) -> list[str]:
+        """Task ids of a region, from one listing (more pages only for a region over a thousand tasks)."""
+        end = self.region_end(region)
+        ids = []
+        for entry in self.store.list(
+            layout.TASKS, start_offset=_offset(layout.TASKS, region), end_offset=_offset(layout.TASKS, end)
+        ):
+            task_id = layout.id_from_object(entry.name, layout.TASKS)
+            if task_id is None:
+                continue
+            ids.append(task_id)
+            if task_id not in self.sizes:
+                copy = entry.metadata.get("manifest")
+                self.manifests[task_id] = copy.encode() if copy is not None else None
+                self.sizes[task_id] = entry.size
+        return ids
+
+    def load(self, region: str) -> None:
+        """Tasks, done and failed markers and leases of one region: four requests for a region of up to a thousand."""
+        ids = self.list_region_tasks(region)
+        self.refresh(region, ids, (layout.DONE, layout.FAILED))
+
+    def refresh(self, region: str, ids: list[str] | None = None, prefixes: tuple[str, ...] = (layout.DONE,)) -> None:
+        """Fresh done markers and leases of a region (two requests); with `ids`, its task list too."""
+        end = self.region_end(region)
+        ids = ids if ids is not None else self.tasks.get(region, [])
+        for prefix in prefixes:
+            for entry in self.store.list(prefix, start_offset=_offset(prefix, region), end_offset=_offset(prefix, end)):
                 task_id = layout.id_from_object(entry.name, prefix)
                 if task_id is not None:
                     self.finished.add(task_id)
-
-    def scan_leases(self) -> None:
+                    if prefix == layout.FAILED:
+                        self.failed.add(task_id)
+                    elif "counters" in entry.metadata:
+                        self.counters[task_id] = entry.metadata["counters"]
         now = self.clock.monotonic()
-        sightings: dict[str, Sighting] = {}
-        for entry in self.store.list(layout.LEASES):
+        seen: dict[str, Sighting] = {}
+        for entry in self.store.list(
+            layout.LEASES, start_offset=_offset(layout.LEASES, region), end_offset=_offset(layout.LEASES, end)
+        ):
             task_id = layout.id_from_object(entry.name, layout.LEASES)
             if task_id is None:
                 continue
@@ -100,20 +199,34 @@ class QueueView:
             if state == DEAD:
                 self.finished.add(task_id)
                 continue
-            seen = self.leases.get(task_id)
-            first_seen = seen.first_seen if seen and seen.generation == entry.generation else now
-            sightings[task_id] = Sighting(
+            old = self.leases.get(task_id)
+            first_seen = old.first_seen if old and old.generation == entry.generation else now
+            seen[task_id] = Sighting(
                 entry.generation, state, entry.metadata.get("worker", "?"), _float(entry.metadata.get("ttl_s")), first_seen
             )
-        self.leases = sightings
+        for task_id in [t for t in self.leases if self.region_of(t) == region and t not in seen]:
+            del self.leases[task_id]
+        self.leases.update(seen)
+        self.tasks[region] = ids
+        self.loaded.pop(region, None)
+        self.loaded[region] = now
+        while len(self.loaded) > MAX_LOADED_REGIONS:
+            self.forget(next(iter(self.loaded)))
 
-    def relist_done_from(self, task_id: str, page_size: int) -> None:
-        """One listing of done/ from `task_id` on, learning the next `page_size` done markers."""
-        page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=page_size)
-        for entry in page.entries:
-            done_id = layout.id_from_object(entry.name, layout.DONE)
-            if done_id is not None:
-                self.finished.add(done_id)
+    def forget(self, region: str) -> None:
+        self.loaded.pop(region, None)
+        for task_id in self.tasks.pop(region, []):
+            self.manifests.pop(task_id, None)
+            self.counters.pop(task_id, None)
+            self.sizes.pop(task_id, None)
+            self.finished.discard(task_id)
+            self.failed.discard(task_id)
+            self.leases.pop(task_id, None)
+
+    def region_finished(self, region: str) -> bool:
+        return all(t in self.finished for t in self.tasks.get(region, ()))
+
+    # -- one task ---------------------------------------------------------------------------
 
     def live(self, task_id: str) -> bool:
         """Held by someone and not yet seen unchanged for a whole TTL."""
@@ -122,8 +235,11 @@ class QueueView:
             return False
         return self.clock.monotonic() - sighting.first_seen < sighting.ttl_s
 
-    def pending(self) -> list[str]:
-        return [t for t in self.order if t not in self.finished]
+    def claimable(self, task_id: str) -> bool:
+        return task_id not in self.finished and not self.live(task_id)
+
+    def claimable_count(self) -> int:
+        return sum(self.claimable(t) for ids in self.tasks.values() for t in ids)
 
 
 def _float(text: str | None) -> float:
@@ -137,7 +253,9 @@ class Claimer:
     """`for claim in Claimer(store, options): ...` yields claimed tasks until the queue is empty.
 
     After each yielded claim the caller must finish with its lease (complete, release, dead
-    letter, or lose it) before asking for the next one.
+    letter, or lose it) before asking for the next one. The iterator ends with `exit_reason`
+    `drained` only when every region of the queue is swept, i.e. every task has a done or failed
+    marker; `idle` when the rest stayed leased by others for `idle_timeout_s`; `stopped` after `stop()`.
     """
 
     def __init__(self, store: ObjectStore, options: ClaimOptions, clock: Clock | None = None):
@@ -148,7 +266,8 @@ class Claimer:
         self.rng = random.Random(options.seed)
         self.stop_event = threading.Event()
         self.exit_reason = "running"
-        self._cursor: int | None = None
+        self._region: str | None = None  # where the walk is: a loaded region and a position in it
+        self._index = 0
         self._mine: set[str] = set()  # tasks this worker finished or dead-lettered itself
 
     def stop(self) -> None:
@@ -157,34 +276,38 @@ class Claimer:
     # -- the loop ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Claim]:
-        self._retrying(self._full_scan)
+        self._retrying(self._start)
         idle_since: float | None = None
         backoff = self.options.poll_min_s
+        waiting = False  # a move found nothing: only polls (one region each) look further
         while not self.stop_event.is_set():
             claim = self._retrying(self._try_claim)
             if isinstance(claim, Claim):
-                idle_since, backoff = None, self.options.poll_min_s
+                idle_since, backoff, waiting = None, self.options.poll_min_s, False
                 yield claim
                 self._learn_outcome(claim.lease)
                 continue
             if claim is False:  # the view changed (a collision, finished work ahead): go round again at once
                 continue
-            if not self.view.pending():
-                if self._retrying(self.view.scan_tasks) == 0:
-                    self.exit_reason = "drained"
-                    log.info("event=queue_drained tasks=%d", len(self.view.order))
-                    return
-                continue
+            if not waiting:
+                if self._retrying(self._move):
+                    continue
+                waiting = True
+            if self._retrying(self._drained):
+                self.exit_reason = "drained"
+                log.info("event=queue_drained regions=%d", len(self.view.splits))
+                return
             now = self.clock.monotonic()
             idle_since = idle_since if idle_since is not None else now
             if now - idle_since >= self.options.idle_timeout_s:
                 self.exit_reason = "idle"
-                log.info("event=idle_timeout waited_s=%.1f pending=%d", now - idle_since, len(self.view.pending()))
+                log.info("event=idle_timeout waited_s=%.1f open_regions=%d", now - idle_since, len(self.view.open_regions()))
                 return
-            # Everything left is leased by someone else: wait for it to finish or expire.
-            self.stop_event.wait(self.rng.uniform(0, backoff))
+            # Everything left within reach is leased by someone else: wait for it to finish or expire.
+            self.clock.wait(self.stop_event, self.rng.uniform(0, backoff))
             backoff = min(backoff * 2, self.options.poll_max_s)
-            self._retrying(self._poll)
+            if self._retrying(self._poll):
+                waiting = False
         self.exit_reason = "stopped"
 
     def _retrying(self, step):
@@ -195,78 +318,206 @@ class Claimer:
                 return step()
             except StoreUnavailable as exc:
                 log.warning("event=store_unavailable step=%s error=%s retry_in_s=%.1f", step.__name__, exc, delay)
-                if self.stop_event.wait(self.rng.uniform(0, delay)):
+                if self.clock.wait(self.stop_event, self.rng.uniform(0, delay)):
                     return None
                 delay = min(delay * 2, self.options.poll_max_s)
 
-    def _full_scan(self) -> None:
-        self.view.scan_tasks()
-        self.view.scan_finished()
-        self.view.scan_leases()
-        if self.view.finished or self.view.leases:
-            self._jump()  # a late joiner: start as far from everyone as the view allows
-        elif self.view.order:
-            self._cursor = self.rng.randrange(len(self.view.order))  # workers starting together spread out
+    def _start(self) -> None:
+        self.view.scan_map()
+        self._move(first=True)
         log.info(
-            "event=scan tasks=%d finished=%d leases=%d",
-            len(self.view.order),
-            len(self.view.finished),
-            len(self.view.leases),
+            "event=start regions=%d swept=%d map_complete=%s region=%r",
+            len(self.view.splits),
+            len(self.view.swept),
+            self.view.map_complete,
+            self._region,
         )
 
-    def _poll(self) -> None:
-        pending = self.view.pending()
-        self._relist(pending[0] if pending else None)
+    def _drained(self) -> bool:
+        """Every region swept, confirmed on a fresh listing of the map (free while the view knows an open region)."""
+        if self.view.open_regions():
+            return False
+        self.view.scan_map()
+        while not self.view.map_complete and not self.view.open_regions():
+            self.view.extend_map()
+        return self.view.all_swept()
 
-    def _relist(self, task_id: str | None) -> None:
-        """Fresh leases, and the done markers from `task_id` on: after evidence that the view is stale."""
-        self.view.scan_leases()
-        if task_id is not None:
-            self.view.relist_done_from(task_id, page_size=RELIST_PAGE)
+    def _poll(self) -> bool:
+        """While waiting: the swept markers, and one open region afresh. True when the walk can go on there.
+
+        One region per poll keeps a thousand waiting workers cheap; the region loaded longest ago
+        comes first, so a worker watching a few regions sees each lease again within a few polls
+        and can tell an expired one (unchanged for a TTL) from a live one.
+        """
+        self.view.scan_swept()
+        regions = self.view.open_regions()
+        if not regions:
+            return False
+        unseen = [r for r in regions if r not in self.view.loaded]
+        if unseen:
+            region = self.rng.choice(unseen)
+            self._load(region)
+        else:
+            region = min(regions, key=lambda r: self.view.loaded[r])
+            self.view.refresh(region)
+            if self.view.region_finished(region):
+                self._sweep(region)
+        return self._land(region, first=False)
+
+    def _load(self, region: str) -> None:
+        self.view.load(region)
+        if self.view.region_finished(region):
+            self._sweep(region)
+
+    def _sweep(self, region: str) -> None:
+        """Mark a region whose every task is finished (docs/PROTOCOL.md, "Regions").
+
+        The tasks are listed again after the marker is written: a task submitted after the load
+        shows up there (then the marker is taken back), and one submitted later finds the marker
+        and removes it, so a swept marker never hides a task that is still to run.
+        """
+        if region in self.view.swept and self.view.is_swept(region):
+            return
+        end = self.view.region_end(region)
+        ids = self.view.tasks.get(region, [])
+        record = {
+            "region": region,
+            "end": end,
+            "tasks": len(ids),
+            "failed": sum(t in self.view.failed for t in ids),
+            "worker": self.options.worker,
+            "swept_at": self.clock.wall_iso(),
+        }
+        metadata = {"end": end or "", "tasks": str(record["tasks"]), "failed": str(record["failed"])}
+        counters = sum_metadata_counters(self.view.counters[t] for t in ids if t in self.view.counters)
+        if counters:
+            # Status counts a swept region from its marker alone, so the done markers' counters go with it.
+            record["counters"] = counters
+            metadata["counters"] = json.dumps(counters, separators=(",", ":"), sort_keys=True)
+        try:
+            generation = self.store.create(layout.swept_object(region), json.dumps(record).encode(), metadata=metadata)
+        except PreconditionFailed:
+            self.view.swept[region] = end  # swept by someone else at the same moment
+            return
+        again = self.view.list_region_tasks(region)
+        if any(t not in self.view.finished for t in again):
+            log.info("event=sweep_withdrawn region=%r reason=new_tasks", region)
+            try:
+                self.store.delete(layout.swept_object(region), if_generation=generation)
+            except (NotFound, PreconditionFailed):
+                pass  # the submitter removed it already
+            self.view.tasks[region] = again
+            return
+        self.view.swept[region] = end
+        log.info("event=swept region=%r tasks=%d", region, len(ids))
+
+    # -- moving between regions -------------------------------------------------------------
+
+    def _move(self, first: bool = False) -> bool:
+        """Go to a region with claimable tasks: True when the walk has a new place to start.
+
+        Regions this worker has not loaded come first, in random order: nobody's trail is known
+        there, and workers that start together spread out over the map. A region found finished
+        is swept on the way.
+        """
+        view = self.view
+        if view.map_at is None or self.clock.monotonic() - view.map_at > MAP_REFRESH_S:
+            view.scan_map()
+        tries = 0
+        while True:
+            fresh = [r for r in view.open_regions() if r not in view.tasks]
+            known = [r for r in view.open_regions() if r in view.tasks and r != self._region and self._has_claimable(r)]
+            self.rng.shuffle(fresh)
+            self.rng.shuffle(known)
+            here = [self._region] if self._region is not None and self._region in view.tasks else []
+            for region in fresh + known + here:
+                if tries >= JUMP_TRIES:
+                    return False
+                tries += 1
+                self._load(region)
+                if self._land(region, first):
+                    return True
+            if tries >= JUMP_TRIES or not view.extend_map():
+                return False
+
+    def _has_claimable(self, region: str) -> bool:
+        return any(self.view.claimable(t) for t in self.view.tasks.get(region, ()))
+
+    def _land(self, region: str | None, first: bool, at_least: int = 1) -> bool:
+        """Start the walk in the middle of the region's longest run of claimable tasks, the spot
+        farthest from every worker there (workers walk forward from the end of their trail of done
+        markers). In a region nobody has touched, a random spot instead: workers that start
+        together in it spread out."""
+        if region is None:
+            return False
+        ids = self.view.tasks.get(region, [])
+        claimable = [self.view.claimable(t) for t in ids]
+        if not any(claimable):
+            return False
+        untouched = all(claimable) and not any(t in self.view.leases for t in ids)
+        if first and untouched:
+            self._region, self._index = region, self.rng.randrange(len(ids))
+            return True
+        best_start, best_length, run_start = 0, 0, None
+        for k, ok in enumerate(claimable):
+            if ok:
+                run_start = k if run_start is None else run_start
+                if k - run_start + 1 > best_length:
+                    best_start, best_length = run_start, k - run_start + 1
+            else:
+                run_start = None
+        if best_length < at_least:
+            return False
+        # Around the middle, not on it: workers that collided at the same task must not all land together again.
+        middle = best_start + best_length // 2
+        spread = best_length // 4
+        self._region, self._index = region, middle + self.rng.randint(-spread, spread)
+        return True
 
     # -- one claim --------------------------------------------------------------------------
 
-    def _next_candidate(self) -> str | None:
-        """The next claimable task on the ring. Reaching a stretch someone else finished means a
-        worker walks just ahead of us: following it would only collide, so jump instead."""
-        order = self.view.order
-        if not order:
+    def _next_candidate(self, may_move: bool = True) -> str | None:
+        """The next claimable task forward in the current region. Reaching a stretch someone else
+        finished or holds means a worker walks just ahead of us: following it would only collide,
+        so move to another region if there is one with work."""
+        region = self._region
+        if region is None or region not in self.view.tasks:
             return None
-        if self._cursor is None:
-            self._cursor = self.rng.randrange(len(order))
-        for attempt in range(2):
-            for step in range(len(order)):
-                task_id = order[(self._cursor + step) % len(order)]
-                if task_id in self.view.finished or self.view.live(task_id):
-                    continue
-                if attempt == 0 and step and self._others_between(step):
-                    self._jump()
-                    break
-                self._cursor = (self._cursor + step) % len(order)
-                return task_id
+        ids = self.view.tasks[region]
+        for step in range(self._index, len(ids)):
+            task_id = ids[step]
+            if not self.view.claimable(task_id):
+                continue
+            if may_move and step > self._index and any(ids[k] not in self._mine for k in range(self._index, step)):
+                # Re-read this region first (two requests): with a long enough run of work left,
+                # the middle of it is the cheapest place to go. The view changed either way: look again.
+                self.view.refresh(region)
+                if not self._land(region, first=False, at_least=MIN_RUN):
+                    self._move()
+                return self._next_candidate(may_move=False)
+            self._index = step
+            return task_id
         return None
 
-    def _others_between(self, step: int) -> bool:
-        order = self.view.order
-        return any(order[(self._cursor + k) % len(order)] not in self._mine for k in range(step))
-
     def _try_claim(self) -> Claim | None | bool:
-        """A claim; None when nothing is claimable; False when the view changed and it is worth going again."""
+        """A claim; None when nothing is claimable where the walk is; False when the view changed and it is worth going again."""
         task_id = self._next_candidate()
         if task_id is None:
             return None
         lease = self._acquire(task_id)
-        if lease is None:  # someone is at this very task, and will walk on ahead of us: go elsewhere
-            self.view.scan_leases()
-            self._jump()
+        if lease is None:
+            # Someone is at this very task and will walk on ahead of us: go where nobody is. The
+            # region was loaded recently, so its longest run of work is known without a request.
+            if not self._land(self._region, first=False, at_least=MIN_RUN):
+                self._move()
             return False
         if self._already_done(task_id):
             # A finished task has no lease, so our view was stale here: give the lease back and move.
             lease.abandon()
-            self.view.scan_leases()
-            self._jump()
+            self._move()
             return False
-        self._cursor = (self.view.position[task_id] + 1) % len(self.view.order)
+        if self._region is not None and self._index < len(self.view.tasks.get(self._region, [])):
+            self._index += 1
         return self._with_manifest(task_id, lease)
 
     def _already_done(self, task_id: str) -> bool:
@@ -296,11 +547,15 @@ class Claimer:
             )
         else:  # completed (lease deleted) or dead-lettered
             self.view.finished.add(lease.task_id)
+            if state == DEAD:
+                self.view.failed.add(lease.task_id)
             self._mine.add(lease.task_id)
             self.view.leases.pop(lease.task_id, None)
 
     def _acquire(self, task_id: str) -> HeldLease | None:
         """Create, take over or steal the lease; None when someone else won."""
+        if not self.view.claimable(task_id):
+            return None  # never write a lease the view says is live or finished
         sighting = self.view.leases.get(task_id)
         name = layout.lease_object(task_id)
         if sighting is None:
@@ -310,6 +565,8 @@ class Claimer:
                 generation = self.store.create(name, data, metadata=metadata)
             except PreconditionFailed:
                 log.debug("event=claim_collision task=%s", task_id)
+                # Held by someone we have not seen yet: live until the next load of its region says more.
+                self.view.leases[task_id] = Sighting(0, HELD, "?", float("inf"), self.clock.monotonic())
                 return None
             log.info("event=claimed task=%s token=%d attempt=%d", task_id, generation, body["attempt"])
             return HeldLease(self.store, body, generation, self.clock)
@@ -345,61 +602,6 @@ class Claimer:
             len(body["progress"]),
         )
         return HeldLease(self.store, body, generation, self.clock)
-
-    def _jump(self) -> None:
-        """Land in the middle of the longest run of pending tasks, the spot farthest from every worker.
-
-        Workers walk forward from the end of their trail of done markers, and hold a lease only
-        while a task runs, so runs of pending tasks (not gaps between leases) show where nobody
-        is. The view is stale away from where this worker has been, so the chosen run is re-listed
-        first, and the landing is the middle of what is still pending in it.
-        """
-        order = self.view.order
-        for _ in range(JUMP_TRIES):
-            run = self._longest_pending_run()
-            if run is None:
-                return
-            start, length = run
-            self.view.relist_done_from(order[start], page_size=RELIST_PAGE)
-            best_start, best_length, run_start = start, 0, None
-            for k in range(length):
-                position = (start + k) % len(order)
-                if self._claimable(order[position]):
-                    run_start = position if run_start is None else run_start
-                    run_length = (position - run_start) % len(order) + 1
-                    if run_length > best_length:
-                        best_start, best_length = run_start, run_length
-                else:
-                    run_start = None
-            self._cursor = (best_start + best_length // 2) % len(order)
-            if best_length * 2 >= length:  # still mostly pending on fresh data: land here
-                return
-
-    def _claimable(self, task_id: str) -> bool:
-        return task_id not in self.view.finished and not self.view.live(task_id)
-
-    def _longest_pending_run(self) -> tuple[int, int] | None:
-        """(start position, length) of the longest run of consecutive claimable tasks, around the ring."""
-        order = self.view.order
-        n = len(order)
-        claimable = [self._claimable(t) for t in order]
-        if not any(claimable):
-            return None
-        if all(claimable):
-            return (self._cursor or 0, n)
-        first_blocked = claimable.index(False)
-        best, run_start, run_length = (0, 0), None, 0
-        for k in range(1, n + 1):
-            position = (first_blocked + k) % n
-            if claimable[position]:
-                if run_start is None:
-                    run_start, run_length = position, 0
-                run_length += 1
-                if run_length > best[1]:
-                    best = (run_start, run_length)
-            else:
-                run_start = None
-        return best
 
     def _with_manifest(self, task_id: str, lease: HeldLease) -> Claim:
         where = self.store.url(layout.task_object(task_id))

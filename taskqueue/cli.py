@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from objectstore import open_store
 from taskqueue.clock import Clock
+from taskqueue.slice import Follower, SliceOptions
 from taskqueue.spawner import SpawnOptions, Spawner, resolve_consumer
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -45,7 +46,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tasks", type=int, default=None, help="exit after this many tasks")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for leased work before exiting")
     p.add_argument("--poll", type=float, default=1.0, help="shortest wait between polls of a busy queue (seconds)")
-    p.add_argument("--on-empty", choices=("exit", "delete"), default="exit", help="delete this machine when done")
+    p.add_argument(
+        "--on-empty", choices=("exit", "delete", "delete-when-drained"), default="exit",
+        help="delete this machine when the queue is drained or idle (delete), or only once it is drained "
+        "(delete-when-drained: for a multislice, whose deletion takes every slice along)",
+    )  # fmt: skip
     p.add_argument(
         "--preemption-watch",
         choices=("auto", "on", "off"),
@@ -59,13 +64,53 @@ def parser() -> argparse.ArgumentParser:
         help="write this machine's state to machines/<name>.json in the queue (auto: when on Google Cloud)",
     )
     p.add_argument("--log-level", default=os.environ.get("SPAWN_LOG_LEVEL", "INFO"))
+    multi = p.add_argument_group("multi-host slice", "set on every host of a multi-host TPU slice (docs/PROTOCOL.md, Slices)")
+    multi.add_argument("--slice-id", default=None, help="the slice's name, shared by its hosts")
+    multi.add_argument("--slice-hosts", type=int, default=1, help="hosts in the slice (1: an ordinary worker)")
+    multi.add_argument("--host-index", type=int, default=0, help="this host's index; 0 leads, the others follow")
+    multi.add_argument("--coordinator", default=None, help="ADDRESS:PORT of host 0's JAX coordination service")
+    multi.add_argument(
+        "--slice-heartbeat-timeout", type=int, default=None,
+        help="seconds without a heartbeat before the slice's JAX program declares a host dead (consumer default 30)",
+    )  # fmt: skip
     return p
 
 
-def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner]:
+def slice_options(args: argparse.Namespace) -> SliceOptions | None:
+    if args.slice_hosts <= 1:
+        return None
+    if not args.slice_id or not args.coordinator:
+        raise ValueError("--slice-hosts > 1 needs --slice-id and --coordinator (fleet/service.py passes them)")
+    return SliceOptions(
+        slice_id=args.slice_id,
+        hosts=args.slice_hosts,
+        host_index=args.host_index,
+        coordinator=args.coordinator,
+        heartbeat_timeout_s=args.slice_heartbeat_timeout,
+    )
+
+
+def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner | Follower]:
+    """A Spawner, or on a slice's follower host a Follower (it claims nothing)."""
     args = parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
+        role = slice_options(args)
+        if role is not None and not role.is_leader:
+            heartbeat = args.heartbeat if args.heartbeat is not None else args.lease_ttl / 4
+            follower = Follower(
+                open_store(args.queue),
+                role,
+                resolve_consumer(shlex.split(args.consumer)),
+                args.worker_id or default_worker_id(),
+                # The leader may wait up to its own idle timeout for leased work, then closes the slice;
+                # a follower gives up only when no leader has spoken for well past that.
+                idle_timeout_s=2 * args.idle_timeout + 60,
+                poll_s=max(args.poll, 0.05),
+                watch_s=min(5.0, heartbeat / 2),
+                clock=Clock.from_env(),
+            )
+            return args, follower
         options = SpawnOptions(
             consumer=resolve_consumer(shlex.split(args.consumer)),
             worker=args.worker_id or default_worker_id(),
@@ -76,13 +121,14 @@ def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner]:
             idle_timeout_s=args.idle_timeout,
             poll_min_s=args.poll,
             poll_max_s=max(args.poll, min(10.0, args.lease_ttl / 4)),
+            slice=role,
         )
     except ValueError as exc:
         parser().error(str(exc))
     return args, Spawner(open_store(args.queue), options, Clock.from_env())
 
 
-def install_stop_signals(spawner: Spawner) -> None:
+def install_stop_signals(spawner: Spawner | Follower) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda s, _frame: spawner.request_stop(signal.Signals(s).name))
 
@@ -102,7 +148,8 @@ def run(
     """
     args, spawner = build(argv)
     install_stop_signals(spawner)
-    if args.machine_record != "off" and machine_state is not None:
+    # A slice's follower claims nothing; its leader's record speaks for the slice.
+    if args.machine_record != "off" and machine_state is not None and isinstance(spawner, Spawner):
         spawner.on_state = machine_state(spawner.store, args.machine_record == "on")
     watcher = None
     if args.preemption_watch != "off" and watch_preemption is not None:
@@ -112,7 +159,11 @@ def run(
     finally:
         if watcher is not None:
             watcher.stop()
-    if reason in ("drained", "idle") and args.on_empty == "delete":
+    if isinstance(spawner, Follower):
+        return 0  # a slice deletes itself once, from its leader: never from a follower
+    if (reason in ("drained", "idle") and args.on_empty == "delete") or (
+        reason == "drained" and args.on_empty == "delete-when-drained"
+    ):
         if self_delete is None:
             raise SystemExit("--on-empty delete: this build has no self-delete hook")
         spawner.tell_state("deleting", reason=f"queue {reason}")

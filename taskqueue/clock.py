@@ -3,12 +3,16 @@
 Only the monotonic clock decides anything (lease expiry is observed on it); the wall clock only
 stamps records for people. `SPAWN_CLOCK_SKEW_S` shifts the wall clock and `SPAWN_CLOCK_RATE`
 scales the monotonic one, so tests can run workers whose clocks disagree.
+
+Every wait in the queue goes through `Clock.wait`, so a simulator can substitute a virtual clock
+(bench/fleet_sim.py) and run the real claim loop a thousand times faster than wall time.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import threading
 import time
 
 
@@ -30,3 +34,7 @@ class Clock:
 
     def wall_iso(self) -> str:
         return self.wall().isoformat(timespec="milliseconds")
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        """Sleep `seconds`, or less if `stop` is set meanwhile; True when stopped."""
+        return stop.wait(max(0.0, seconds))

@@ -11,6 +11,15 @@ LEASES = "leases/"
 DONE = "done/"
 FAILED = "failed/"
 OUT = "out/"
+SPLITS = "splits/"
+SWEPT = "swept/"
+
+#: Tasks per region: `submit` writes a split marker at every REGION_TASKS-th id of a batch, so one
+#: listing page (at most 1000 entries) covers a region's tasks.
+REGION_TASKS = 1000
+#: The region before the first split (ids created outside `submit`, or a queue with no splits).
+HEAD = ""
+_HEAD_NAME = "-"  # not a valid task id, so it never collides with a real region start
 
 TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_MANIFEST_BYTES = 64 * 1024
@@ -36,6 +45,26 @@ def done_object(task_id: str) -> str:
 
 def failed_object(task_id: str) -> str:
     return f"{FAILED}{task_id}.json"
+
+
+def split_object(task_id: str) -> str:
+    return f"{SPLITS}{task_id}.json"
+
+
+def swept_object(region: str) -> str:
+    return f"{SWEPT}{region or _HEAD_NAME}.json"
+
+
+def region_from_swept(name: str) -> str | None:
+    """`swept/-.json` -> HEAD; `swept/t1.json` -> `t1`; None for anything else."""
+    if name == swept_object(HEAD):
+        return HEAD
+    return id_from_object(name, SWEPT)
+
+
+def key(task_id: str) -> str:
+    """Where an id sorts in listings: object names end in `.json`, and `t1.json` sorts after `t1.5.json`."""
+    return task_id + ".json"
 
 
 def output_prefix(task_id: str, token: int) -> str:

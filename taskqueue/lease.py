@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from objectstore import NotFound, ObjectStore, PreconditionFailed
 from taskqueue import layout
@@ -44,6 +44,39 @@ def new_lease_body(task_id: str, worker: str, ttl_s: float, clock: Clock, previo
         "errors": errors,
         "takeovers": int(previous.get("takeovers", 0)) + (1 if previous.get("state") == HELD else 0),
     }
+
+
+def sum_counters(records: Sequence[dict]) -> dict[str, int]:
+    """The sum, per name, of the integer `counters` the consumer put in its progress records.
+
+    The queue does not know what they count. A malformed entry is a consumer bug that must not
+    cost the completion, so it is logged and left out of the sum.
+    """
+    totals: dict[str, int] = {}
+    for record in records:
+        counters = record.get("counters", {})
+        if not isinstance(counters, dict):
+            log.warning("event=bad_counters record=%s counters=%r: not an object, ignored", record.get("shard"), counters)
+            continue
+        for name, value in counters.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                totals[name] = totals.get(name, 0) + value
+            else:
+                log.warning(
+                    "event=bad_counters record=%s name=%s value=%r: not an integer, ignored", record.get("shard"), name, value
+                )
+    return totals
+
+
+def sum_metadata_counters(texts: Iterable[str]) -> dict[str, int]:
+    """The same sum over `counters` metadata values (compact JSON) of done or swept markers."""
+    records = []
+    for text in texts:
+        try:
+            records.append({"counters": json.loads(text)})
+        except ValueError:
+            log.warning("event=bad_counters metadata=%r: not JSON, ignored", text[:200])
+    return sum_counters(records)
 
 
 def encode(body: dict) -> tuple[bytes, dict[str, str]]:
@@ -135,7 +168,13 @@ class HeldLease:
             }
             duplicate = False
             try:
-                self.store.create(layout.done_object(self.task_id), json.dumps(marker, indent=1).encode())
+                counters = sum_counters(self.committed)
+                self.store.create(
+                    layout.done_object(self.task_id),
+                    json.dumps(marker, indent=1).encode(),
+                    # In the metadata, listings return the counters with the marker: status reads no body.
+                    metadata={"counters": json.dumps(counters, separators=(",", ":"))} if counters else None,
+                )
             except PreconditionFailed:
                 duplicate = True
                 log.warning("event=duplicate_completion task=%s token=%d outputs=abandoned", self.task_id, self.token)

@@ -25,6 +25,7 @@ from taskqueue import layout
 from taskqueue.claims import Claim, Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, LeaseLost
+from taskqueue.slice import AssignmentBoard, SliceOptions
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ ERROR_TAIL_LINES = 40
 #: keep dying without a word is poison: after this many steals it is dead-lettered.
 MAX_TAKEOVERS = 10
 MAX_PROGRESS_LINE = 64 * 1024
+#: A slice consumer's exit code when one of its hosts was stopped by SIGTERM (docs/PROTOCOL.md, "Slices").
+SLICE_HOST_STOPPED = 128 + signal.SIGTERM
 
 
 class ProgressError(ValueError):
@@ -81,6 +84,8 @@ class SpawnOptions:
     idle_timeout_s: float = 300.0
     poll_min_s: float = 1.0
     poll_max_s: float = 30.0
+    #: Set on a multi-host slice's leader (host 0): every claim is published to the followers.
+    slice: SliceOptions | None = None
 
     def __post_init__(self) -> None:
         if not self.consumer:
@@ -137,6 +142,11 @@ class Spawner:
         self._consumer: subprocess.Popen | None = None
         self._consumer_lock = threading.Lock()
         self._job: bytes | None = None
+        self.board = (
+            AssignmentBoard(store, options.slice, options.worker, self.clock)
+            if options.slice is not None and options.slice.is_leader
+            else None
+        )
 
     # -- control ----------------------------------------------------------------------------
 
@@ -185,6 +195,11 @@ class Spawner:
                 self.claimer.exit_reason = "max_tasks"
                 break
         reason = "stopped" if self._stop.is_set() else self.claimer.exit_reason
+        if self.board is not None:
+            try:
+                self.board.close(reason)  # the followers exit too
+            except StoreError as exc:
+                log.error("event=slice_close_failed error=%s", exc)
         log.info("event=worker_exit worker=%s reason=%s %s", self.options.worker, reason, _fields(self.tally))
         return reason
 
@@ -238,6 +253,16 @@ class Spawner:
             SPAWN_ATTEMPT=str(lease.attempt),
             SPAWN_OUTPUT=self.store.url(lease.output_prefix),
         )
+        if self.board is not None:
+            env.update(self.options.slice.consumer_env())
+            try:
+                self.board.assign(lease, claim.manifest, env["SPAWN_OUTPUT"])
+            except StoreError as exc:
+                # The followers cannot join, so neither can we: give the task back (not an attempt).
+                log.error("event=slice_assign_failed task=%s error=%s", claim.task_id, exc)
+                lease.release()
+                self.tally.released += 1
+                return
         progress = ProgressFile(files["SPAWN_PROGRESS_FILE"])
         started = self.clock.monotonic()
         tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
@@ -270,6 +295,7 @@ class Spawner:
             pump.join(timeout=5)
             with self._consumer_lock:
                 self._consumer = None
+            self._withdraw(claim.task_id, proc.returncode)
         error = {
             "attempt": lease.attempt,
             "worker": self.options.worker,
@@ -287,10 +313,13 @@ class Spawner:
             self._dead_letter(lease, f"consumer broke the progress contract: {trouble[0]}", (), error)
             return
         log.info("event=consumer_exit task=%s exit_code=%d seconds=%.1f", claim.task_id, exit_code, self.clock.monotonic() - started)
-        if self._stop.is_set():
+        if self._stop.is_set() or (self.board is not None and exit_code == SLICE_HOST_STOPPED):
+            # On a slice, 128+SIGTERM from our consumer while we were not stopped means another host
+            # was (preempted, maintenance): like our own stop, that is not the task's fault.
             lease.release(records)
             self.tally.released += 1
-            log.info("event=released task=%s reason=%r committed=%d", claim.task_id, self.stop_reason, len(lease.committed))
+            reason = self.stop_reason if self._stop.is_set() else "a slice host was stopped"
+            log.info("event=released task=%s reason=%r committed=%d", claim.task_id, reason, len(lease.committed))
         elif exit_code == 0:
             if lease.complete(records, started):
                 self.tally.done += 1
@@ -306,6 +335,16 @@ class Spawner:
             else:
                 lease.release(records, error=error)
                 log.warning("event=attempt_failed task=%s attempt=%d exit_code=%d", claim.task_id, lease.attempt, exit_code)
+
+    def _withdraw(self, task_id: str, exit_code: int | None) -> None:
+        """Followers stop once their consumer's task is no longer assigned (their consumers have failed or
+        finished with ours: they are one JAX program)."""
+        if self.board is None:
+            return
+        try:
+            self.board.withdraw(task_id, f"consumer exit {exit_code}")
+        except StoreError as exc:  # the followers also stop when the lease goes away
+            log.error("event=slice_withdraw_failed task=%s error=%s", task_id, exc)
 
     def _dead_letter(self, lease: HeldLease, reason: str, records, error: dict | None) -> None:
         lease.dead_letter(reason, records, error)

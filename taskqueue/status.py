@@ -1,33 +1,119 @@
-"""Progress of a queue from its listings: counts, holders, stale leases, throughput, ETA, dead letters."""
+"""Progress of a queue from its listings: counts, holders, stale leases, throughput, ETA, dead letters.
+
+The region map (docs/PROTOCOL.md, "Regions") keeps this cheap: a swept region is counted from its
+marker, so only open regions are listed, and an estimate lists only a sample of them. Every
+snapshot states its own cost in requests.
+"""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime as dt
 import json
+import random
 
 from objectstore import ObjectStore, StoreError
+from objectstore.counting import CountingStore
 from taskqueue import layout
-from taskqueue.lease import DEAD, HELD, RELEASED
+from taskqueue.lease import DEAD, HELD, RELEASED, sum_metadata_counters
 
 RATE_WINDOW_S = 600.0  # throughput is measured over the last ten minutes of done markers
 MAX_REASONS = 20
 
 
-def snapshot(store: ObjectStore, now: dt.datetime | None = None) -> dict:
-    """A JSON-ready summary. Staleness uses the store's own update times, never a worker's clock."""
+@dataclasses.dataclass
+class RegionCache:
+    """What `--watch` keeps between ticks: the task ids of regions still open.
+
+    Done and failed markers only ever appear, and a swept region is finished for good (its marker
+    carries its counts), so a tick lists only the done and failed markers of open regions; their
+    task lists are re-listed every `TASKS_EVERY` ticks, or when the region is new.
+    """
+
+    tasks: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    ticks: int = 0
+
+
+TASKS_EVERY = 10
+
+
+def _regions(store: ObjectStore) -> tuple[list[str], dict[str, dict]]:
+    splits = [layout.HEAD] + [t for t in (layout.id_from_object(e.name, layout.SPLITS) for e in store.list(layout.SPLITS)) if t]
+    swept = {}
+    for entry in store.list(layout.SWEPT):
+        region = layout.region_from_swept(entry.name)
+        if region is not None:
+            swept[region] = dict(entry.metadata)
+    return splits, swept
+
+
+def _range(prefix: str, start: str, end: str | None) -> dict:
+    return {
+        "start_offset": prefix + layout.key(start) if start else None,
+        "end_offset": prefix + layout.key(end) if end else None,
+    }
+
+
+def snapshot(
+    store: ObjectStore,
+    now: dt.datetime | None = None,
+    sample: int | None = None,
+    seed: int | None = None,
+    cache: RegionCache | None = None,
+) -> dict:
+    """A JSON-ready summary, and what it cost (`requests`). Staleness uses the store's update times.
+
+    Swept regions count from their markers alone. Open regions are listed (tasks, done, failed:
+    three requests each); with `sample`, only that many open regions, chosen at random, and the
+    counts of the others are extrapolated from them: the result then says `"estimate": true`.
+    Leases are always listed in full (about one request per thousand workers), so holders and
+    stale leases are exact.
+    """
     now = now or dt.datetime.now(dt.timezone.utc)
-    tasks = {layout.id_from_object(e.name, layout.TASKS) for e in store.list(layout.TASKS)} - {None}
-    done_times = {}
-    for entry in store.list(layout.DONE):
-        task_id = layout.id_from_object(entry.name, layout.DONE)
-        if task_id:
-            done_times[task_id] = entry.updated
-    failed = [layout.id_from_object(e.name, layout.FAILED) for e in store.list(layout.FAILED)]
-    failed = sorted(t for t in failed if t)
+    counted = CountingStore(store)
+    splits, swept_markers = _regions(counted)
+    ends = {r: (splits[i + 1] if i + 1 < len(splits) else None) for i, r in enumerate(splits)}
+
+    def is_swept(region: str) -> bool:
+        if region not in swept_markers:
+            return False
+        covered, end = swept_markers[region].get("end") or None, ends[region]
+        return covered is None or (end is not None and layout.key(covered) >= layout.key(end))
+
+    swept = [r for r in splits if is_swept(r)]
+    open_regions = [r for r in splits if not is_swept(r)]
+    listed = open_regions
+    if sample is not None and sample < len(open_regions):
+        listed = sorted(random.Random(seed).sample(open_regions, sample), key=splits.index)
+    tasks: set[str] = set()
+    done_times: dict[str, dt.datetime] = {}
+    failed: set[str] = set()
+    counter_texts: list[str] = []
+    if cache is not None:
+        cache.ticks += 1
+        for region in list(cache.tasks):
+            if region not in listed:
+                del cache.tasks[region]
+    for region in listed:
+        where = dict(zip(("start", "end"), (region, ends[region])))
+        if cache is not None and region in cache.tasks and cache.ticks % TASKS_EVERY:
+            tasks |= cache.tasks[region]
+        else:
+            ids = {layout.id_from_object(e.name, layout.TASKS) for e in counted.list(layout.TASKS, **_range(layout.TASKS, **where))} - {None}
+            tasks |= ids
+            if cache is not None:
+                cache.tasks[region] = ids
+        for entry in counted.list(layout.DONE, **_range(layout.DONE, **where)):
+            task_id = layout.id_from_object(entry.name, layout.DONE)
+            if task_id:
+                done_times[task_id] = entry.updated
+                if "counters" in entry.metadata:  # the task's progress-record counters, summed by lease.complete
+                    counter_texts.append(entry.metadata["counters"])
+        failed |= {layout.id_from_object(e.name, layout.FAILED) for e in counted.list(layout.FAILED, **_range(layout.FAILED, **where))} - {None}
     leased, stale, released = [], [], []
     holders: collections.Counter[str] = collections.Counter()
-    for entry in store.list(layout.LEASES):
+    for entry in counted.list(layout.LEASES):
         task_id = layout.id_from_object(entry.name, layout.LEASES)
         state = entry.metadata.get("state", HELD)
         if not task_id or task_id in done_times or state == DEAD:
@@ -43,31 +129,52 @@ def snapshot(store: ObjectStore, now: dt.datetime | None = None) -> dict:
         else:
             leased.append(task_id)
             holders[worker] += 1
-    finished = set(done_times) | set(failed)
-    total = len(tasks | finished)
-    pending = total - len(done_times) - len(failed) - len(leased) - len(stale)
+    # Counts of the listed open regions, scaled up to every open region when only a sample was listed.
+    scale = len(open_regions) / len(listed) if listed else 0.0
+    open_total = len(tasks | set(done_times) | failed) * scale
+    open_done, open_failed = len(done_times) * scale, len(failed) * scale
+    swept_tasks = sum(int(swept_markers[r].get("tasks", 0)) for r in swept)
+    swept_failed = sum(int(swept_markers[r].get("failed", 0)) for r in swept)
+    total = round(swept_tasks + open_total)
+    done = round(swept_tasks - swept_failed + open_done)
+    failed_count = round(swept_failed + open_failed)
+    remaining = total - done - failed_count
+    pending = max(0, remaining - len(leased) - len(stale))
+    # A slice is one claimant: its leader holds the leases; its assignment says how many hosts it has.
+    slice_hosts = {e.metadata["leader"]: int(e.metadata["hosts"]) for e in counted.list("slices/")
+                   if e.metadata.get("leader") in holders and e.metadata.get("hosts", "").isdigit()}  # fmt: skip
     recent = [t for t in done_times.values() if (now - t).total_seconds() <= RATE_WINDOW_S]
     rate = None
     if len(recent) >= 2:
         span = max((now - min(recent)).total_seconds(), 1.0)
-        rate = len(recent) / span
-    remaining = total - len(done_times) - len(failed)
-    return {
+        rate = len(recent) * scale / span
+    reasons_for = sorted(failed)[:MAX_REASONS]
+    view = {
         "queue": store.root_url,
+        "estimate": len(listed) < len(open_regions),
         "total": total,
         "pending": pending,
         "leased": len(leased),
         "stale": len(stale),
         "released": len(released),
-        "done": len(done_times),
-        "failed": len(failed),
+        "done": done,
+        "failed": failed_count,
         "holders": dict(sorted(holders.items())),
+        "slice_hosts": dict(sorted(slice_hosts.items())),
         "stale_leases": sorted(stale, key=lambda s: s["task"]),
         "tasks_per_s": round(rate, 4) if rate else None,
         "eta_s": round(remaining / rate, 1) if rate and remaining else (0.0 if not remaining else None),
-        "failed_reasons": _reasons(store, failed[:MAX_REASONS]),
-        "complete": total > 0 and remaining == 0,
+        "failed_reasons": _reasons(counted, reasons_for),
+        # Exact for swept and listed regions; an estimate counts only what it listed.
+        "counters": dict(sorted(sum_metadata_counters(
+            [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
+        ).items())),
+        "complete": total > 0 and (not open_regions or (listed is open_regions and remaining == 0)),
+        "regions": {"total": len(splits), "swept": len(swept), "open": len(open_regions), "listed": len(listed)},
     }
+    view["requests"] = counted.requests
+    view["requests_by_kind"] = dict(sorted(counted.counts.items()))
+    return view
 
 
 def _reasons(store: ObjectStore, failed: list[str]) -> dict[str, str]:
@@ -83,9 +190,10 @@ def _reasons(store: ObjectStore, failed: list[str]) -> dict[str, str]:
 
 def render(view: dict) -> str:
     total = view["total"] or 1
+    approx = "~" if view["estimate"] else ""
     lines = [
         f"queue   {view['queue']}",
-        f"tasks   {view['total']} total: {view['done']} done ({100 * view['done'] / total:.1f}%), "
+        f"tasks   {approx}{view['total']} total: {view['done']} done ({100 * view['done'] / total:.1f}%), "
         f"{view['pending']} pending, {view['leased']} leased, {view['stale']} stale, {view['failed']} failed",
     ]
     if view["tasks_per_s"]:
@@ -93,14 +201,26 @@ def render(view: dict) -> str:
         lines.append(
             f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min, eta {_duration(eta) if eta is not None else '?'}"
         )
+    if view["counters"]:
+        lines.append("counted " + ", ".join(f"{name}={n}" for name, n in view["counters"].items()))
     if view["holders"]:
-        lines.append("holders " + ", ".join(f"{w}={n}" for w, n in view["holders"].items()))
+        hosts = view.get("slice_hosts", {})
+        lines.append("holders " + ", ".join(
+            f"{w} ({hosts[w]} hosts)={n}" if w in hosts else f"{w}={n}" for w, n in view["holders"].items()
+        ))  # fmt: skip
     for stale in view["stale_leases"]:
         lines.append(f"stale   {stale['task']} held by {stale['worker']}, silent {stale['silent_s']:.0f}s")
     for task_id, reason in view["failed_reasons"].items():
         lines.append(f"failed  {task_id}: {reason}")
     if view["complete"]:
         lines.append("complete: every task has a done or failed marker")
+    regions = view["regions"]
+    how = (
+        f"ESTIMATE from {regions['listed']} of {regions['open']} open regions"
+        if view["estimate"]
+        else f"exact, {regions['listed']} open regions listed"
+    )
+    lines.append(f"cost    {view['requests']} requests ({how}; {regions['swept']} of {regions['total']} regions swept)")
     return "\n".join(lines)
 
 

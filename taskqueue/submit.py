@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import dataclasses
 import json
 import pathlib
 from collections.abc import Iterable
 
-from objectstore import ObjectStore, PreconditionFailed
+from objectstore import NotFound, ObjectStore, PreconditionFailed
 from taskqueue import layout
 
 
@@ -71,6 +72,8 @@ def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, byt
                 ) from None
             report.job = "existing"
 
+    tasks = list(tasks)
+
     def create(task: tuple[str, bytes]) -> bool:
         task_id, data = task
         copy = {"manifest": data.decode()} if len(data) <= layout.MANIFEST_METADATA_BYTES else None
@@ -91,4 +94,46 @@ def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, byt
                 report.created += 1
             else:
                 report.existing += 1
+    mark_regions(store, [task_id for task_id, _ in tasks], parallel)
     return report
+
+
+def mark_regions(store: ObjectStore, task_ids: list[str], parallel: int = 16) -> None:
+    """Split markers for a batch, and no swept marker left over any of its ids (docs/PROTOCOL.md, "Regions").
+
+    Runs after the tasks exist, so a worker never sees a region's split before its tasks. A batch
+    that lands inside a region some worker already swept un-sweeps it: the marker said every task
+    there was finished, which is no longer true.
+    """
+    if not task_ids:
+        return
+    ordered = sorted(task_ids, key=layout.key)
+    # No split at the batch's first id: its first thousand tasks join the region before them (the
+    # head region, in a new queue), so no region is left empty.
+    splits = ordered[layout.REGION_TASKS :: layout.REGION_TASKS]
+    keys = [layout.key(t) for t in ordered]
+    stale = []
+    for entry in store.list(layout.SWEPT):
+        region = layout.region_from_swept(entry.name)
+        if region is None:
+            continue
+        start, end = layout.key(region) if region else "", entry.metadata.get("end") or None
+        first = bisect.bisect_left(keys, start)
+        if first < len(keys) and (end is None or keys[first] < layout.key(end)):
+            stale.append(entry)
+
+    def split(task_id: str) -> None:
+        try:
+            store.create(layout.split_object(task_id), b"{}")
+        except PreconditionFailed:
+            pass  # an earlier submission of the same batch wrote it
+
+    def unsweep(entry) -> None:
+        try:
+            store.delete(entry.name, if_generation=entry.generation)
+        except (NotFound, PreconditionFailed):
+            pass  # somebody else removed or replaced it
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(split, splits))
+        list(pool.map(unsweep, stale))

@@ -200,9 +200,11 @@ class FakeCloud(FakeHTTPServer):
                 resource["state"] = {"state": "ACTIVE"}
                 self.resources[target] = resource
                 for spec in body.get("tpu", {}).get("nodeSpec", []):
-                    node_name = f"{spec['parent']}/nodes/{spec['nodeId']}"
-                    self.resources[node_name] = {**spec.get("node", {}), "name": node_name, "state": "READY",
-                                                 "queuedResource": target}
+                    for node_id in queued_node_ids(spec):
+                        node_name = f"{spec['parent']}/nodes/{node_id}"
+                        self.resources[node_name] = {**spec.get("node", {}), "name": node_name, "state": "READY",
+                                                     "queuedResource": target,
+                                                     "networkEndpoints": network_endpoints(spec.get("node", {}))}
                 return self._lro(location, resource, "google.cloud.tpu.v2.QueuedResource")
             target = f"{location}/{collection}/{name}"
             if target not in self.resources:
@@ -285,3 +287,30 @@ class FakeCloud(FakeHTTPServer):
             if state in ("SUSPENDED", "FAILED"):
                 for key in [k for k, v in self.resources.items() if v.get("queuedResource") == name]:
                     del self.resources[key]
+
+def queued_node_ids(node_spec: dict) -> list[str]:
+    """The nodes one nodeSpec of a queued resource provisions: `nodeId`, or for a multislice
+    `multisliceParams.nodeCount` nodes named `<nodeIdPrefix>-<i>` (the API's rule for multislice requests)."""
+    params = node_spec.get("multisliceParams")
+    if params is None:
+        if "nodeId" not in node_spec:
+            raise _ApiError(400, "nodeSpec needs nodeId or multisliceParams")
+        return [node_spec["nodeId"]]
+    if "nodeId" in node_spec:
+        raise _ApiError(400, "nodeSpec has both nodeId and multisliceParams; give one")
+    count = int(params.get("nodeCount", 0))
+    if count <= 1:
+        raise _ApiError(400, f"multisliceParams.nodeCount must be > 1, got {count}")
+    return [f"{params['nodeIdPrefix']}-{i}" for i in range(count)]
+
+
+def network_endpoints(node: dict) -> list[dict]:
+    """One endpoint per host: v2-v5p types count TensorCores (8 per host), v5e/v6e count chips
+    (up to 8 on a single host, 4 per host in a multi-host slice)."""
+    kind, _, size = node.get("acceleratorType", "v5litepod-1").rpartition("-")
+    size = int(size)
+    if kind in ("v5litepod", "v6e"):
+        hosts = 1 if size <= 8 else size // 4
+    else:
+        hosts = max(1, size // 8)
+    return [{"ipAddress": f"10.0.0.{i + 2}", "port": 8470} for i in range(hosts)]

@@ -230,13 +230,13 @@ def test_code_sync_is_retried_with_backoff(boot: Boot):
     assert result.stderr.count("event=retry") == 2
 
 
-def test_multi_host_slice_starts_no_worker(boot: Boot):
+def test_every_host_of_a_multi_host_slice_starts_the_worker(boot: Boot):
+    # Roles (leader, followers) are chosen by fleet/service.py from the same metadata, not here.
     boot.metadata.values.update(tpu_vm("p", "us-west4-a", "big-slice", {**ATTRS, "spawn-accelerator": "tpu"}, hosts=4))
     result = boot.run()
     assert result.returncode == 0, result.stderr
-    assert "reason=multi_host_slice" in result.stderr
-    assert _without_records(boot.stubs.calls()) == []
-    assert not boot.unit.exists()
+    assert boot.stubs.calls()[-1] == ["systemctl", "start", "spawn-worker.service"]
+    assert boot.unit.exists()
 
 
 @pytest.mark.parametrize(

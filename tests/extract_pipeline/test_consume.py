@@ -299,6 +299,7 @@ def test_bad_input_exits_65_naming_the_field(case, tmp_path, tiny_models, corpus
     elif how == "int_column":
         job["text_field"] = "int_score"
     elif how == "jsonl":
+        job["on_bad_row"] = "fail"  # by default a bad row is skipped (tests/extract_pipeline/test_bad_rows.py)
         rows = tmp_path / "rows.jsonl"
         rows.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["one", "two", 3, "four"]))
         task["files"] = [{"path": str(rows), "base": 0, "start": 0, "end": 4}]

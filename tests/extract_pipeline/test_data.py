@@ -59,12 +59,13 @@ def test_jsonl_rows_are_non_blank_lines(tmp_path):
     assert data.count_rows(str(array)) == 2
 
 
-def test_non_string_jsonl_text_is_bad_input(tmp_path):
+def test_non_string_jsonl_text_is_a_bad_row_not_a_failed_read(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a"}\n{"text": 7}\n')
     task = Task.from_dict({"id": "t", "files": [{"path": str(path), "base": 0, "start": 0, "end": 2}]})
-    with pytest.raises(BadInput, match="^text_field: 'text' of row 1"):
-        list(data.read_slice(task, "text"))
+    good, bad = data.read_slice(task, "text")
+    assert good.text == "a" and good.bad is None
+    assert (bad.position, bad.row, bad.bad.reason) == (1, 1, "not_a_string") and "int" in bad.bad.detail
 
 
 def test_task_asking_for_rows_past_the_file_end_is_bad_input(corpus):

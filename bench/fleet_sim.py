@@ -1,0 +1,612 @@
+"""A fleet on a virtual clock: the real `Claimer` and `HeldLease` against a store that behaves like GCS.
+
+    python -m bench.fleet_sim [--workers 1000] [--tasks 100000] [--mean-task-s 60] [--preempt-per-hour 0]
+
+Each worker is a thread running the real claim loop (`taskqueue.claims.Claimer`) and the real lease
+(`taskqueue.lease.HeldLease`), with the spawner's task handling reduced to what a no-op consumer
+needs: heartbeats every `--heartbeat-s` committing the consumer's checkpoints, `complete` at the end,
+`release` on a preemption, dead-lettering after `MAX_TAKEOVERS` steals (the spawner's constant). Only
+one thread runs at a time: a scheduler hands the turn to whichever worker's virtual wake-up time
+comes first, so a run is deterministic for a seed and 1,000 workers x 100,000 tasks take minutes.
+
+The store (`SimStore`) follows what GCS documents:
+- per-request latency (lognormal around `--latency-ms`; a listing also pays per item returned);
+- listings of at most 1000 objects per page, in name order, with startOffset/endOffset
+  (https://cloud.google.com/storage/docs/json_api/v1/objects/list);
+- one mutation per second per object name; faster ones get 429
+  (https://cloud.google.com/storage/quotas#objects: "a limit of one write per second to the same object name");
+- a bucket that starts at about 1,000 object writes/s and 5,000 reads/s and doubles every 20 minutes
+  (https://cloud.google.com/storage/docs/request-rate); requests beyond that get 429.
+A 429 is retried like `objectstore.gcs` does (full-jitter exponential backoff), and every attempt counts.
+
+It reports requests per task by kind, requests and time before each worker's first claim, claim
+collisions, makespan against the ideal (total work / workers), work lost to preemption, the peak
+request rate against the bucket's limits, and an extrapolation to a bigger fleet from a cost model
+whose terms it prints. It is a benchmark: it prints figures, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import dataclasses
+import datetime as dt
+import heapq
+import json
+import logging
+import math
+import random
+import sys
+import threading
+import time
+
+from objectstore.base import MAX_LIST_PAGE, Blob, Entry, NotFound, ObjectStore, Page, PreconditionFailed, StoreUnavailable
+from taskqueue import layout
+from taskqueue.claims import Claimer, ClaimOptions
+from taskqueue.clock import Clock
+from taskqueue.lease import LeaseLost
+from taskqueue.spawner import MAX_TAKEOVERS
+from taskqueue.submit import submit
+
+EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+PREFIXES = (layout.TASKS, layout.LEASES, layout.DONE, layout.FAILED, layout.SPLITS, layout.SWEPT, layout.OUT)
+
+
+# -- virtual time ---------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """Runs one actor thread at a time, in order of virtual wake-up time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, "Actor"]] = []
+        self._seq = 0
+        self._turn_over = threading.Semaphore(0)
+        self.current: Actor | None = None
+
+    def spawn(self, name: str, target, at: float) -> None:
+        actor = Actor(self, name, target)
+        self._push(at, actor)
+
+    def _push(self, at: float, actor: "Actor") -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, actor))
+
+    def sleep(self, seconds: float) -> None:
+        """Called by the running actor: give the turn away until `seconds` of virtual time have passed."""
+        actor = self.current
+        assert actor is not None, "sleep outside an actor"
+        self._push(self.now + max(0.0, seconds), actor)
+        self._turn_over.release()
+        actor.turn.acquire()
+
+    def run(self, progress=None, every_s: float = 600.0) -> None:
+        """Until every actor has finished; `progress(now)` is called every `every_s` of virtual time."""
+        next_report = every_s
+        while self._heap:
+            at, _, actor = heapq.heappop(self._heap)
+            self.now = max(self.now, at)
+            if progress is not None and self.now >= next_report:
+                progress(self.now)
+                next_report += every_s
+            self.current = actor
+            actor.resume()
+            self._turn_over.acquire()
+            if actor.error is not None:
+                raise RuntimeError(f"actor {actor.name} failed") from actor.error
+
+
+class Actor:
+    def __init__(self, scheduler: Scheduler, name: str, target) -> None:
+        self.scheduler, self.name, self.target = scheduler, name, target
+        self.turn = threading.Semaphore(0)
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def resume(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+            self.thread.start()
+        else:
+            self.turn.release()
+
+    def _main(self) -> None:
+        try:
+            self.target()
+        except BaseException as exc:  # handed to the scheduler, which stops the run with it
+            self.error = exc
+        finally:
+            self.scheduler._turn_over.release()
+
+
+class SimClock(Clock):
+    """The queue's clock on virtual time: monotonic is scheduler time, waits give the turn away."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+
+    def monotonic(self) -> float:
+        return self.scheduler.now
+
+    def wall(self) -> dt.datetime:
+        return EPOCH + dt.timedelta(seconds=self.scheduler.now)
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        if not stop.is_set():
+            self.scheduler.sleep(seconds)
+        return stop.is_set()
+
+
+# -- a store that behaves like GCS ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Limits:
+    latency_s: float = 0.030  # median request latency
+    per_item_s: float = 0.00002  # extra per listed object (a full page of 1000 adds 20 ms)
+    initial_writes_per_s: float = 1000.0
+    initial_reads_per_s: float = 5000.0
+    doubling_s: float = 1200.0
+    per_object_mutation_s: float = 1.0
+    retry_initial_s: float = 0.1
+    retry_cap_s: float = 8.0
+
+
+class TooManyRequests(Exception):
+    """429 from the simulated bucket; retried inside SimStore like objectstore.gcs retries it."""
+
+
+class SimStore(ObjectStore):
+    """In-memory objects with GCS's generations, preconditions, listing pages and rate limits.
+
+    Requests are counted per (operation, prefix) and per worker; every retried attempt counts.
+    """
+
+    def __init__(self, scheduler: Scheduler, limits: Limits, seed: int) -> None:
+        self.root_url = "gs://sim-bucket/q"
+        self.scheduler = scheduler
+        self.limits = limits
+        self.rng = random.Random(seed)
+        self.entries: dict[str, Entry] = {}
+        self.data: dict[str, bytes] = {}
+        self.names: dict[str, list[str]] = {p: [] for p in PREFIXES}
+        self.generation = 0
+        self.last_mutation: dict[str, float] = {}
+        self.by_kind: collections.Counter[str] = collections.Counter()
+        self.by_worker: collections.Counter[str] = collections.Counter()
+        self.per_second: dict[str, collections.Counter[int]] = {"read": collections.Counter(), "write": collections.Counter()}
+        self.throttled: collections.Counter[str] = collections.Counter()
+        self.refused: collections.Counter[str] = collections.Counter()  # 412s by kind
+        self.first_claim: dict[str, tuple[int, float]] = {}  # worker -> (requests before its first claim, when)
+        self.counting = True
+
+    # -- the request path
+
+    def _request(self, op: str, name: str, items: int = 0, tag: str = "") -> None:
+        """Count one attempt, wait out its latency, and raise TooManyRequests when a limit is hit."""
+        now = self.scheduler.now
+        rw = "read" if op in ("read", "list") else "write"
+        second = int(now)
+        if self.counting:
+            self.by_kind[f"{op} {name.split('/', 1)[0]}/{tag}"] += 1
+            actor = self.scheduler.current
+            if actor is not None:
+                self.by_worker[actor.name] += 1
+            self.per_second[rw][second] += 1
+        latency = self.limits.latency_s * self.rng.lognormvariate(0, 0.3) + items * self.limits.per_item_s
+        if self.scheduler.current is not None:
+            self.scheduler.sleep(latency)
+        capacity = self.capacity(rw, now)
+        if self.per_second[rw][second] > capacity:
+            self.throttled[f"{rw} bucket"] += 1
+            raise TooManyRequests(f"{op} {name}: bucket {rw} rate over {capacity:.0f}/s")
+        if rw == "write":
+            last = self.last_mutation.get(name)
+            if last is not None and self.scheduler.now - last < self.limits.per_object_mutation_s:
+                self.throttled["write same object"] += 1
+                raise TooManyRequests(f"{op} {name}: more than one mutation per second")
+
+    def capacity(self, rw: str, now: float) -> float:
+        base = self.limits.initial_writes_per_s if rw == "write" else self.limits.initial_reads_per_s
+        return base * 2 ** (now / self.limits.doubling_s)
+
+    def _retrying(self, op: str, name: str, apply, items: int = 0, tag: str = ""):
+        """objectstore.gcs's policy: full-jitter exponential backoff on 429, every attempt on the wire."""
+        attempt = 0
+        while True:
+            try:
+                self._request(op, name, items, tag)
+                return apply()
+            except PreconditionFailed:
+                if self.counting:
+                    self.refused[f"{op} {name.split('/', 1)[0]}/"] += 1
+                raise
+            except TooManyRequests:
+                attempt += 1
+                if attempt > 20:
+                    raise StoreUnavailable(f"{op} {name}: still throttled after {attempt} attempts") from None
+                self.scheduler.sleep(
+                    self.rng.uniform(0, min(self.limits.retry_cap_s, self.limits.retry_initial_s * 2**attempt))
+                )
+
+    def _prefix(self, name: str) -> str:
+        return name.split("/", 1)[0] + "/"
+
+    def _store(self, name: str, data: bytes, metadata) -> int:
+        actor = self.scheduler.current
+        if name.startswith(layout.LEASES) and actor is not None and actor.name not in self.first_claim:
+            # A worker's first successful lease write is its first claim (heartbeats come later).
+            self.first_claim[actor.name] = (self.by_worker[actor.name] - 1, self.scheduler.now)
+        self.generation += 1
+        if name not in self.entries:
+            bisect.insort(self.names.setdefault(self._prefix(name), []), name)
+        self.entries[name] = Entry(name, self.generation, len(data), EPOCH + dt.timedelta(seconds=self.scheduler.now),
+                                   dict(metadata or {}))
+        self.data[name] = data
+        self.last_mutation[name] = self.scheduler.now
+        return self.generation
+
+    # -- the contract
+
+    def read(self, name: str) -> Blob:
+        def apply():
+            entry = self.entries.get(name)
+            if entry is None:
+                raise NotFound(f"{name} does not exist")
+            return Blob(name, entry.generation, self.data[name])
+
+        return self._retrying("read", name, apply)
+
+    def create(self, name: str, data: bytes, metadata=None) -> int:
+        def apply():
+            if name in self.entries:
+                raise PreconditionFailed(f"{name} already exists")
+            return self._store(name, data, metadata)
+
+        return self._retrying("create", name, apply)
+
+    def write(self, name: str, data: bytes, if_generation: int, metadata=None) -> int:
+        def apply():
+            entry = self.entries.get(name)
+            if entry is None or entry.generation != if_generation:
+                raise PreconditionFailed(f"{name} is not at generation {if_generation}")
+            return self._store(name, data, metadata)
+
+        return self._retrying("write", name, apply)
+
+    def delete(self, name: str, if_generation: int | None = None) -> None:
+        def apply():
+            entry = self.entries.get(name)
+            if entry is None:
+                raise NotFound(f"{name} does not exist")
+            if if_generation is not None and entry.generation != if_generation:
+                raise PreconditionFailed(f"{name} is not at generation {if_generation}")
+            del self.entries[name], self.data[name]
+            names = self.names[self._prefix(name)]
+            del names[bisect.bisect_left(names, name)]
+            self.last_mutation[name] = self.scheduler.now
+
+        return self._retrying("delete", name, apply)
+
+    def put(self, name: str, data: bytes, metadata=None) -> int:
+        return self._retrying("put", name, lambda: self._store(name, data, metadata))
+
+    def put_file(self, name, path):
+        raise NotImplementedError("the simulated fleet writes no files")
+
+    def open_read(self, name):
+        raise NotImplementedError("the simulated fleet reads no files")
+
+    def list_page(self, prefix, page_token=None, start_offset=None, page_size=MAX_LIST_PAGE, end_offset=None) -> Page:
+        names = self.names.get(prefix, []) if prefix in self.names else sorted(n for n in self.entries if n.startswith(prefix))
+        page_size = max(1, min(page_size, MAX_LIST_PAGE))
+
+        def apply():
+            lo = max(prefix, start_offset or "", page_token + "\x00" if page_token else "")
+            i = bisect.bisect_left(names, lo)
+            j = bisect.bisect_left(names, end_offset) if end_offset else len(names)
+            picked = names[i : min(j, i + page_size)]
+            more = i + page_size < j
+            return Page([self.entries[n] for n in picked], picked[-1] if more and picked else None)
+
+        page = None
+
+        def listed():
+            nonlocal page
+            page = apply()
+            return page
+
+        tag = "" if page_size >= MAX_LIST_PAGE else f" page{page_size}"
+        return self._retrying("list", prefix, listed, items=min(page_size, len(names)), tag=tag)
+
+    def child(self, prefix):
+        raise NotImplementedError("the simulated fleet has one queue")
+
+
+# -- the fleet ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class FleetOptions:
+    workers: int = 1000
+    tasks: int = 100_000
+    mean_task_s: float = 60.0
+    task_sigma: float = 0.5  # lognormal shape of task durations
+    lease_ttl_s: float = 120.0
+    heartbeat_s: float = 30.0
+    checkpoint_s: float = 30.0  # the consumer commits a progress record this often (resume point)
+    preempt_per_hour: float = 0.0  # per worker
+    boot_s: float = 60.0  # a preempted VM's replacement starts this much later
+    start_spread_s: float = 30.0  # the first workers boot uniformly over this
+    idle_timeout_s: float = 300.0
+    poll_min_s: float = 1.0
+    poll_max_s: float = 10.0
+    seed: int = 1
+
+
+@dataclasses.dataclass
+class Stats:
+    first_claim_requests: list[int] = dataclasses.field(default_factory=list)
+    first_claim_s: list[float] = dataclasses.field(default_factory=list)
+    completions: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    duplicates: int = 0
+    collisions: int = 0
+    preemptions: int = 0
+    lost_work_s: float = 0.0
+    lost_leases: int = 0
+    dead_letters: int = 0
+    exit_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    last_done_s: float = 0.0
+
+
+class Fleet:
+    def __init__(self, options: FleetOptions, limits: Limits) -> None:
+        self.o = options
+        self.rng = random.Random(options.seed)
+        self.scheduler = Scheduler()
+        self.clock = SimClock(self.scheduler)
+        self.store = SimStore(self.scheduler, limits, options.seed)
+        self.stats = Stats()
+        mu = math.log(options.mean_task_s) - options.task_sigma**2 / 2
+        self.ids = [f"t{k:07d}" for k in range(options.tasks)]
+        self.duration = {t: self.rng.lognormvariate(mu, options.task_sigma) for t in self.ids}
+        self._spawned = 0
+
+    def setup(self) -> None:
+        self.store.counting = False
+        submit(self.store, b"{}", [(t, json.dumps({"id": t}).encode()) for t in self.ids], parallel=1)
+        self.store.counting = True
+
+    def _spawn_worker(self, at: float) -> None:
+        self._spawned += 1
+        name = f"w{self._spawned:05d}"
+        lifetime = self.rng.expovariate(self.o.preempt_per_hour / 3600) if self.o.preempt_per_hour > 0 else math.inf
+        seed = self.rng.randrange(2**32)
+        self.scheduler.spawn(name, lambda: self._worker(name, at, at + lifetime, seed), at)
+
+    def _worker(self, name: str, booted: float, preempt_at: float, seed: int) -> None:
+        o, store, stats = self.o, self.store, self.stats
+        claimer = Claimer(
+            store,
+            ClaimOptions(name, o.lease_ttl_s, o.idle_timeout_s, o.poll_min_s, o.poll_max_s, seed=seed),
+            self.clock,
+        )
+        first = True
+        for claim in claimer:
+            lease = claim.lease
+            if first:
+                first = False
+                requests, at = store.first_claim[name]
+                stats.first_claim_requests.append(requests)
+                stats.first_claim_s.append(at - booted)
+            if int(lease.body.get("takeovers", 0)) >= MAX_TAKEOVERS:
+                lease.dead_letter(f"its lease expired {lease.body['takeovers']} times", ())
+                stats.dead_letters += 1
+                continue
+            if not self._run(claim.task_id, lease, preempt_at):
+                stats.preemptions += 1
+                self._spawn_worker(self.scheduler.now + o.boot_s)
+                stats.exit_reasons["preempted"] += 1
+                return
+        stats.exit_reasons[claimer.exit_reason] += 1
+
+    def _run(self, task_id: str, lease, preempt_at: float) -> bool:
+        """The consumer and its heartbeats on virtual time; False when the VM was preempted."""
+        o, now = self.o, self.scheduler
+        done_before = len(lease.committed) * o.checkpoint_s
+        need = max(0.0, self.duration[task_id] - done_before)
+        started = now.now
+        worked = 0.0
+        committed = done_before
+        while True:
+            step = min(o.heartbeat_s, need - worked, preempt_at - now.now)
+            if step > 0:
+                now.sleep(step)
+                worked += step
+            checkpoints = int((done_before + worked) // o.checkpoint_s) - len(lease.committed)
+            records = [{"checkpoint": len(lease.committed) + k} for k in range(max(0, checkpoints))]
+            if now.now >= preempt_at:
+                self.stats.lost_work_s += done_before + worked - max(committed, (len(lease.committed) + len(records)) * o.checkpoint_s)
+                try:
+                    lease.release(records)
+                except LeaseLost:
+                    self.stats.lost_leases += 1
+                return False
+            if worked >= need:
+                try:
+                    if lease.complete(records, started):
+                        self.stats.completions[task_id] += 1
+                        self.stats.last_done_s = max(self.stats.last_done_s, now.now)
+                    else:
+                        self.stats.duplicates += 1
+                except LeaseLost:
+                    self.stats.lost_leases += 1
+                return True
+            try:
+                lease.heartbeat(records)
+                committed = len(lease.committed) * o.checkpoint_s
+            except LeaseLost:
+                self.stats.lost_leases += 1
+                return True
+
+    def run(self) -> None:
+        for _ in range(self.o.workers):
+            self._spawn_worker(self.rng.uniform(0, self.o.start_spread_s))
+        started = time.monotonic()
+        self.scheduler.run(
+            lambda now: print(
+                f"event=progress virtual_s={now:.0f} done={len(self.stats.completions)}/{self.o.tasks} "
+                f"requests={sum(self.store.by_kind.values())} wall_s={time.monotonic() - started:.0f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        )
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(fleet: Fleet, seconds: float) -> dict:
+    o, s, store = fleet.o, fleet.stats, fleet.store
+    total = sum(store.by_kind.values())
+    heartbeats = store.by_kind.get("write leases/", 0)
+    by_kind = {k: round(v / o.tasks, 4) for k, v in sorted(store.by_kind.items())}
+    work = sum(fleet.duration.values())
+    ideal = work / o.workers
+    done = len(s.completions)
+    peak = {rw: max(c.values(), default=0) for rw, c in store.per_second.items()}
+    peak_at = {rw: max(c, key=c.get, default=0) for rw, c in store.per_second.items()}
+    return {
+        "workers": o.workers,
+        "tasks": o.tasks,
+        "wall_seconds": round(seconds, 1),
+        "done": done,
+        "double_completions": sum(1 for n in s.completions.values() if n > 1) + s.duplicates,
+        "requests_per_task": round(total / o.tasks, 3),
+        "requests_per_task_without_heartbeats": round((total - heartbeats) / o.tasks, 3),
+        "by_kind_per_task": by_kind,
+        "first_claim_requests": {"max": max(s.first_claim_requests, default=0),
+                                  "p50": percentile(s.first_claim_requests, 0.5),
+                                  "p99": percentile(s.first_claim_requests, 0.99)},
+        "first_claim_s": {"max": round(max(s.first_claim_s, default=0), 2),
+                          "p50": round(percentile(s.first_claim_s, 0.5), 2)},
+        "claim_collisions": store.refused.get("create leases/", 0),
+        "refused_412": dict(store.refused),
+        "makespan_s": round(s.last_done_s, 1),
+        "ideal_s": round(ideal, 1),
+        "makespan_over_ideal": round(s.last_done_s / ideal, 4) if ideal else None,
+        "preemptions": s.preemptions,
+        "work_lost_s": round(s.lost_work_s, 1),
+        "work_lost_fraction": round(s.lost_work_s / work, 5),
+        "lost_leases": s.lost_leases,
+        "dead_letters": s.dead_letters,
+        "exit_reasons": dict(s.exit_reasons),
+        "peak_per_s": peak,
+        "peak_at_s": peak_at,
+        "limit_at_peak_per_s": {rw: round(store.capacity(rw, peak_at[rw])) for rw in peak},
+        "throttled": dict(store.throttled),
+        "mean_task_s": o.mean_task_s,
+        "heartbeat_s": o.heartbeat_s,
+    }
+
+
+# Requests that belong to one task's own objects, whatever the fleet's size: its lease (create,
+# heartbeats, takeover reads and writes, delete), its done check, its done marker.
+PER_TASK_KINDS = ("create leases/", "write leases/", "read leases/", "delete leases/", "create done/",
+                  "list done/ page64", "create failed/", "read tasks/")
+
+
+def extrapolate(result: dict, workers: int, tasks: int) -> dict:
+    """R(W, T) = T * per_task + W * per_worker, with both terms taken from the run.
+
+    per_task: requests on each task's own objects (lease, done check, done marker), which do not
+    depend on W or T. per_worker: everything else (start-up, moving between regions, sweeping,
+    waiting at the end) divided by the workers that ran; it depends on how many regions a worker
+    visits, which stays the same when W and T grow together (regions per worker = T / 1000 / W),
+    and on how long the tail lasts, which depends on task durations, not on T.
+    """
+    per_task = sum(v for k, v in result["by_kind_per_task"].items() if k in PER_TASK_KINDS)
+    other = result["requests_per_task"] - per_task
+    workers_run = result["workers"] + result["preemptions"]
+    per_worker = other * result["tasks"] / workers_run
+    scaled_workers = workers * workers_run / result["workers"]
+    return {
+        "workers": workers,
+        "tasks": tasks,
+        "per_task_requests": round(per_task, 3),
+        "per_worker_requests": round(per_worker, 1),
+        "requests_per_task": round(per_task + per_worker * scaled_workers / tasks, 3),
+        "total_requests": round(per_task * tasks + per_worker * scaled_workers),
+        # The map is listed one page at a time (a thousand regions), so start-up does not grow with T.
+        "first_claim_requests_max": result["first_claim_requests"]["max"],
+        "peak_writes_per_s": round(result["peak_per_s"]["write"] * workers / result["workers"]),
+        "peak_reads_per_s": round(result["peak_per_s"]["read"] * workers / result["workers"]),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = FleetOptions()
+    for field in dataclasses.fields(FleetOptions):
+        p.add_argument("--" + field.name.replace("_", "-"), type=type(getattr(defaults, field.name)),
+                       default=getattr(defaults, field.name))
+    p.add_argument("--latency-ms", type=float, default=30.0)
+    p.add_argument("--extrapolate", default="10000x1000000", help="WORKERSxTASKS to extrapolate to")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("taskqueue").setLevel(logging.ERROR)  # a million event lines would cost more than the run
+    threading.stack_size(512 * 1024)
+    options = FleetOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FleetOptions)})
+    fleet = Fleet(options, Limits(latency_s=args.latency_ms / 1000))
+    started = time.monotonic()
+    fleet.setup()
+    setup_s = time.monotonic() - started
+    fleet.run()
+    result = report(fleet, time.monotonic() - started)
+    result["setup_seconds"] = round(setup_s, 1)
+    ew, et = (int(x) for x in args.extrapolate.lower().split("x"))
+    result["extrapolated"] = extrapolate(result, ew, et)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    r = result
+    print(f"fleet  {r['workers']} workers x {r['tasks']} tasks, tasks ~{options.mean_task_s:g}s (lognormal sigma "
+          f"{options.task_sigma}), heartbeat {options.heartbeat_s:g}s, preemptions {options.preempt_per_hour:g}/worker-hour; "
+          f"simulated in {r['wall_seconds']}s (setup {r['setup_seconds']}s)")
+    print(f"done   {r['done']}/{r['tasks']}, double completions {r['double_completions']}, dead letters {r['dead_letters']}, "
+          f"exits {r['exit_reasons']}")
+    print(f"cost   {r['requests_per_task']} requests/task ({r['requests_per_task_without_heartbeats']} without heartbeats)")
+    print("       per task by kind: " + ", ".join(f"{k}={v}" for k, v in r["by_kind_per_task"].items()))
+    fc = r["first_claim_requests"]
+    print(f"start  requests before first claim: max {fc['max']}, p50 {fc['p50']}, p99 {fc['p99']}; "
+          f"time to first claim: max {r['first_claim_s']['max']}s, p50 {r['first_claim_s']['p50']}s")
+    print(f"claims collisions (412 on lease create) {r['claim_collisions']}; all 412s {r['refused_412']}")
+    print(f"time   makespan {r['makespan_s']}s vs ideal {r['ideal_s']}s (total work / workers; the fleet boots over "
+          f"{options.start_spread_s:g}s): "
+          f"{r['makespan_over_ideal']}x")
+    print(f"loss   preemptions {r['preemptions']}, work lost {r['work_lost_s']}s = {100 * r['work_lost_fraction']:.3f}% "
+          f"of all work, leases lost {r['lost_leases']}")
+    print(f"rate   peak {r['peak_per_s']['write']} writes/s at t={r['peak_at_s']['write']}s "
+          f"(bucket limit then {r['limit_at_peak_per_s']['write']}/s), peak {r['peak_per_s']['read']} reads/s at "
+          f"t={r['peak_at_s']['read']}s (limit {r['limit_at_peak_per_s']['read']}/s); throttled {r['throttled']}")
+    e = r["extrapolated"]
+    print(f"model  R(W,T) = T x {e['per_task_requests']} (per task: lease, heartbeats, done check, done marker) "
+          f"+ W x {e['per_worker_requests']} (per worker: start, moves, sweeps, waiting at the end)")
+    print(f"extrap {e['workers']} workers x {e['tasks']} tasks: {e['requests_per_task']} requests/task, "
+          f"{e['total_requests']:.3g} requests, first claim <= {e['first_claim_requests_max']} requests, "
+          f"peak ~{e['peak_writes_per_s']} writes/s and ~{e['peak_reads_per_s']} reads/s if the fleet boots as fast")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""What an extraction job will compute and write, worked out before it runs: tokens, FLOPs, output bytes.
+
+Every figure follows from the job file, the model's `config.json` and the data, by formulas written out here:
+
+- **FLOPs** per sample of `n` tokens, to the deepest requested hidden state, counted as `Engine.flops_per_token`
+  counts them (docs/MODEL.md, "Tokens, FLOPs and MFU"): `n * flops_per_token(n)` with, per computed layer,
+  projections `2 (D·N·H + 2·D·K·H + N·H·D + 3·D·F)` and attention `4·N·H·n`. Over many samples that is
+  `depth * (P * sum(n) + 4·N·H * sum(n²))`, so a job needs the sum of lengths and the sum of squared lengths.
+- **Tokens**: rows from parquet footers (or the task manifests, or given), times the tokens per row measured by
+  tokenising a sample of rows with the checkpoint's tokenizer exactly as the consumer does (truncated to
+  `max_seq_len`). Without a sample, a given mean tokens-per-row is used for both sums (sum(n²) = rows · mean²,
+  which undercounts attention when lengths vary; the planner says so).
+- **Output bytes** (docs/EXTRACTION.md, "Output shards"): per token, `len(layers) · hidden · dtype bytes` plus a
+  4-byte token id; per sample an 8-byte sample id and an 8-byte offset; per shard one more offset and the
+  safetensors header (JSON metadata that repeats the job and the task manifest: estimated, see
+  `shard_header_bytes`).
+
+Nothing here imports JAX or the cloud glue; `tools/plan.py` joins these figures to prices (fleet/pricing.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from extract.config import QwenConfig
+from extract.errors import BadInput
+from extract.job import Job, Task
+
+#: Bytes per stored activation value, by the job's `dtype`. fp16 is no smaller than bf16.
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+TOKEN_ID_BYTES = 4  # token_ids: int32
+SAMPLE_ID_BYTES = 8  # sample_ids: int64
+OFFSET_BYTES = 8  # offsets: int64, n_samples + 1 per shard
+#: The shard metadata's fixed part (format, model, layers, tokenization, tensor entries, ...) without the job and
+#: the task manifest, which are added at their real JSON length. Measured on `make run` shards: 931-947 bytes
+#: besides those two (a longer model path adds its length); rounded up.
+SHARD_HEADER_FIXED_BYTES = 1024
+
+#: config.json of a few Hub checkpoints, so a job on them can be planned without the Hub. The engine never uses
+#: these (it always reads the checkpoint); they only size the plan. Copied from the checkpoints' config.json.
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B": {
+        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+    },
+    "Qwen/Qwen2.5-1.5B": {
+        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+    },
+    "Qwen/Qwen2.5-7B": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+    },
+    "Qwen/Qwen2.5-14B": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
+        "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+    },
+    "Qwen/Qwen3-8B": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False,
+    },
+}  # fmt: skip
+
+
+def computed_layers(layers: Sequence[int], num_hidden_layers: int) -> tuple[int, ...]:
+    """The job's hidden-state indices as the engine normalises them: sorted, unique, non-negative.
+
+    Index `i` needs `i` decoder layers (the final-norm index `num_hidden_layers` needs all of them), so the
+    deepest index is the number of layers computed. Same rule and range as `extract.engine.normalize_layers`.
+    """
+    count = num_hidden_layers + 1
+    normalized = set()
+    for index in layers:
+        if isinstance(index, bool) or not isinstance(index, int) or not -count <= index < count:
+            raise BadInput(
+                f"layers: index {index!r} is out of range for a model with num_hidden_layers={num_hidden_layers}: "
+                f"use 0..{num_hidden_layers} or -{count}..-1"
+            )
+        normalized.add(index % count)
+    if not normalized:
+        raise BadInput("layers is empty: request at least one hidden-state index")
+    return tuple(sorted(normalized))
+
+
+def projection_flops_per_token(config: QwenConfig) -> int:
+    """Matmul FLOPs of one decoder layer's projections for one token (2 per multiply-add)."""
+    d, f = config.hidden_size, config.intermediate_size
+    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    return 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f)
+
+
+def attention_flops_per_token_per_key(config: QwenConfig) -> int:
+    """One decoder layer's score and weighted-sum FLOPs for one query token against one key."""
+    return 4 * config.num_attention_heads * config.head_dim
+
+
+def flops_per_token(config: QwenConfig, depth: int, seq_len: int) -> float:
+    """Forward FLOPs per token of a `seq_len`-token sample through `depth` decoder layers (Engine's count)."""
+    return float(depth * (projection_flops_per_token(config) + attention_flops_per_token_per_key(config) * seq_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEstimate:
+    """How many tokens a job stores: rows, and the per-row mean of n and n² (n = stored tokens of a row)."""
+
+    rows: int
+    tokens_per_row: float
+    tokens_sq_per_row: float
+    source: str  # how the per-row figures were obtained, for the plan's reader
+    sampled_rows: int = 0  # rows tokenised (0 when the figures were given)
+    sample_lengths: tuple[int, ...] = ()  # their stored lengths, to re-estimate at a lower max_seq_len
+
+    @property
+    def tokens(self) -> float:
+        return self.rows * self.tokens_per_row
+
+    @property
+    def tokens_sq(self) -> float:
+        return self.rows * self.tokens_sq_per_row
+
+    @classmethod
+    def from_lengths(cls, rows: int, lengths: Sequence[int], source: str) -> TokenEstimate:
+        if not lengths:
+            raise BadInput("token sample: no rows were read; the data files hold no rows")
+        return cls(
+            rows=rows,
+            tokens_per_row=sum(lengths) / len(lengths),
+            tokens_sq_per_row=sum(n * n for n in lengths) / len(lengths),
+            source=source,
+            sampled_rows=len(lengths),
+            sample_lengths=tuple(lengths),
+        )
+
+    @classmethod
+    def from_mean(cls, rows: int, tokens_per_row: float, max_seq_len: int, source: str) -> TokenEstimate:
+        """A given mean, capped at max_seq_len (no row stores more); every row is taken to be that long."""
+        if rows < 0 or not tokens_per_row >= 0:
+            raise BadInput(f"rows={rows}, tokens_per_row={tokens_per_row}: use numbers >= 0")
+        mean = min(float(tokens_per_row), float(max_seq_len))
+        return cls(rows=rows, tokens_per_row=mean, tokens_sq_per_row=mean * mean, source=source)
+
+    def truncated(self, max_seq_len: int) -> TokenEstimate | None:
+        """The estimate had rows been cut at a smaller max_seq_len; None without a sample of lengths."""
+        if not self.sample_lengths:
+            return None
+        return TokenEstimate.from_lengths(
+            self.rows, [min(n, max_seq_len) for n in self.sample_lengths], f"{self.source}, cut at {max_seq_len}"
+        )
+
+
+def job_flops(config: QwenConfig, depth: int, tokens: TokenEstimate) -> float:
+    """Total forward FLOPs of the job: depth · (P · sum n + A · sum n²), the engine's per-sample count summed."""
+    return depth * (
+        projection_flops_per_token(config) * tokens.tokens
+        + attention_flops_per_token_per_key(config) * tokens.tokens_sq
+    )
+
+
+def value_bytes_per_token(job: Job, hidden_size: int, n_layers: int) -> int:
+    """Activation bytes per stored token: every requested layer's hidden vector in the output dtype."""
+    return n_layers * hidden_size * DTYPE_BYTES[job.dtype]
+
+
+def bytes_per_token(job: Job, hidden_size: int, n_layers: int) -> int:
+    """All bytes a stored token costs: its activations plus its int32 token id."""
+    return value_bytes_per_token(job, hidden_size, n_layers) + TOKEN_ID_BYTES
+
+
+def shard_header_bytes(job: Job, task: Task | None = None) -> int:
+    """Estimated safetensors header of one shard: a fixed part plus the job's and the task manifest's JSON."""
+    task_json = len(json.dumps(task.to_dict())) if task is not None else 256
+    return SHARD_HEADER_FIXED_BYTES + len(json.dumps(job.to_dict())) + task_json
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputEstimate:
+    bytes_per_token: int
+    token_bytes: float  # activations and token ids
+    sample_bytes: float  # sample ids and offsets
+    shards: int
+    header_bytes: float  # headers and the per-shard extra offset
+
+    @property
+    def total(self) -> float:
+        return self.token_bytes + self.sample_bytes + self.header_bytes
+
+
+def shards_in_task(rows: int, shard_size: int) -> int:
+    """Shards start at multiples of shard_size within a task, so a task of `rows` rows writes ceil(rows / size)."""
+    return -(-rows // shard_size)
+
+
+def output_bytes(
+    job: Job, hidden_size: int, n_layers: int, tokens: TokenEstimate, task_rows: Sequence[int], header_bytes: int
+) -> OutputEstimate:
+    """Bytes the job writes, given the rows of each of its tasks (their sum is `tokens.rows`)."""
+    shards = sum(shards_in_task(rows, job.shard_size) for rows in task_rows)
+    per_token = bytes_per_token(job, hidden_size, n_layers)
+    return OutputEstimate(
+        bytes_per_token=per_token,
+        token_bytes=tokens.tokens * per_token,
+        sample_bytes=tokens.rows * (SAMPLE_ID_BYTES + OFFSET_BYTES),
+        shards=shards,
+        header_bytes=shards * (header_bytes + OFFSET_BYTES),
+    )
+
+
+def split_rows(rows: int, rows_per_task: int) -> list[int]:
+    """The row counts of the tasks `plan_tasks` cuts `rows` rows into: all full but the last."""
+    full, rest = divmod(rows, rows_per_task)
+    return [rows_per_task] * full + ([rest] if rest else [])
+
+
+def rows_per_task_for(
+    target_seconds: float, seconds_per_row: float, shard_size: int, at_most: int | None = None
+) -> int:
+    """Rows per task so that a task runs about `target_seconds`: whole shards when a task holds one or more.
+
+    A task of whole shards never writes a short shard before its last one; below one shard the count is
+    rounded down to two significant digits. Never below 1, and never above `at_most` (the job's rows).
+    """
+    if seconds_per_row <= 0:
+        raise ValueError(f"seconds_per_row={seconds_per_row} must be positive")
+    rows = target_seconds / seconds_per_row
+    if rows >= shard_size:
+        chosen = int(rows // shard_size) * shard_size
+    else:
+        digits = max(0, int(math.floor(math.log10(max(rows, 1)))) - 1)
+        chosen = int(rows // 10**digits) * 10**digits
+    chosen = max(1, chosen)
+    return min(chosen, at_most) if at_most else chosen
+
+
+def sample_token_lengths(
+    files: Sequence[tuple[str, int]],
+    text_field: str,
+    encode: Callable[[list[str]], list[Any]],
+    max_rows: int,
+    max_files: int = 8,
+) -> list[int]:
+    """Stored lengths of up to `max_rows` rows: the first rows of up to `max_files` files spread over the list.
+
+    Reads through `extract.data.read_slice` (only the text column, only the row groups needed), so a gs:// or
+    hf:// file costs a few ranged reads; `encode` is the consumer's tokenisation (truncating to max_seq_len).
+    """
+    from extract.data import read_slice  # pyarrow and the store clients load only when a sample is taken
+    from extract.job import FileSlice
+
+    nonempty = [(path, count) for path, count in files if count > 0]
+    if not nonempty or max_rows <= 0:
+        return []
+    step = max(1, len(nonempty) // max_files)
+    chosen = nonempty[::step][:max_files]
+    per_file = max(1, max_rows // len(chosen))
+    lengths: list[int] = []
+    for path, count in chosen:
+        task = Task(id="sample", files=(FileSlice(path=path, base=0, start=0, end=min(per_file, count)),))
+        texts = [doc.text for doc in read_slice(task, text_field)]
+        lengths.extend(len(ids) for ids in encode(texts))
+    return lengths
+
+
+def model_config(
+    job: Job, config_file: str | None = None, workdir: pathlib.Path | None = None
+) -> tuple[QwenConfig, str, pathlib.Path | None]:
+    """The job model's architecture: (config, where it came from, a local directory with its tokenizer, or None).
+
+    From `config_file` if given; else from the model's directory if it is local; else, for a gs:// model, from its
+    config.json and tokenizer files fetched into `workdir` (never the weights); else from `KNOWN_CONFIGS`.
+    A Hub model is never downloaded for a plan.
+    """
+    local = pathlib.Path(job.model).expanduser()
+    model_dir = local if local.is_dir() else None
+    if job.model.startswith("gs://") and workdir is not None:
+        model_dir = fetch_model_metadata(job.model, workdir)
+    if config_file:
+        return QwenConfig.from_file(pathlib.Path(config_file)), str(config_file), model_dir
+    if model_dir is not None:
+        source = f"{job.model.rstrip('/')}/config.json" if job.model.startswith("gs://") else str(local / "config.json")
+        return QwenConfig.from_file(model_dir / "config.json"), source, model_dir
+    if job.model in KNOWN_CONFIGS:
+        config = QwenConfig.from_dict(KNOWN_CONFIGS[job.model], source=f"built-in {job.model}")
+        return config, f"built-in copy of {job.model}'s config.json (extract/costmodel.py)", None
+    raise BadInput(
+        f"model: {job.model!r} is not a local or gs:// directory and has no built-in config; pass the "
+        "checkpoint's config.json (--model-config)"
+    )
+
+
+def _is_model_metadata(name: str) -> bool:
+    """config.json and tokenizer files (tokenizer.json, vocab.json, merges.txt, ...), not weights or their index."""
+    return "/" not in name and name.endswith((".json", ".txt", ".model")) and not name.endswith(".index.json")
+
+
+def fetch_model_metadata(url: str, directory: pathlib.Path) -> pathlib.Path:
+    """Copy a gs:// model directory's config.json and tokenizer files into `directory`; return it.
+
+    A few small reads: the weights (`*.safetensors`) are never fetched, so planning a 7B job costs kilobytes.
+    """
+    import objectstore
+    from extract.errors import TransientIOError
+
+    store = objectstore.open_store(url)
+    try:
+        names = [e.name for e in store.list("") if _is_model_metadata(e.name)]
+        if "config.json" not in names:
+            raise BadInput(f"model: {url!r} holds no config.json; mirror the checkpoint with tools/mirror_model.py")
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (directory / name).write_bytes(store.read(name).data)
+    except objectstore.StoreError as exc:
+        raise TransientIOError(f"model: reading {url!r} failed: {exc}") from exc
+    return directory
+
+
+def measure_tokens(
+    job: Job, files: Sequence[tuple[str, int]], rows: int, tokenizer_dir: str | pathlib.Path, sample_rows: int
+) -> TokenEstimate:
+    """Tokens of a job of `rows` rows, per row measured on a sample of `files` with the checkpoint's tokenizer."""
+    from extract.batching import Tokenizer  # transformers loads only when a sample is taken
+
+    tokenizer = Tokenizer(tokenizer_dir, job.max_seq_len)
+    lengths = sample_token_lengths(files, job.text_field, tokenizer.encode, sample_rows)
+    return TokenEstimate.from_lengths(
+        rows, lengths, f"{len(lengths)} rows tokenised with {tokenizer_dir} (max_seq_len {job.max_seq_len})"
+    )
+
+
+def seconds_per_row(config: QwenConfig, depth: int, tokens: TokenEstimate, flops_per_second: float) -> float:
+    """Mean seconds one row takes at a sustained `flops_per_second` (peak x MFU)."""
+    if not tokens.rows:
+        return 0.0
+    return job_flops(config, depth, tokens) / tokens.rows / flops_per_second
+
+
+def recommend_rows_per_task(
+    config: QwenConfig, depth: int, tokens: TokenEstimate, flops_per_second: float, target_seconds: float,
+    shard_size: int,
+) -> int:
+    """--rows-per-task for tasks of about `target_seconds` at `flops_per_second`; all rows if the job is shorter.
+
+    About ten minutes bounds the work a preemption loses (a task resumes from its last committed shard, but the
+    open shard is lost) while keeping the per-task requests (claim, done check, done marker) a small share.
+    """
+    per_row = seconds_per_row(config, depth, tokens, flops_per_second)
+    if per_row <= 0:
+        return max(1, tokens.rows)
+    return rows_per_task_for(target_seconds, per_row, shard_size, at_most=tokens.rows)

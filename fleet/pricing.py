@@ -1,0 +1,212 @@
+"""List prices of accelerators and Cloud Storage, read from a dated data file, and what an accelerator type is.
+
+The figures live in `fleet/prices.json` (its `as_of`, `sources` and `provenance` say where they come from and
+how fresh they are); this module only validates that file and answers two questions for the planner:
+
+- `PriceTable.accelerator("v5litepod-8")`: how many chips, their dense bf16 peak, and the on-demand and spot
+  price per hour of one such machine (a TPU VM slice, or a GPU machine type);
+- `PriceTable.storage_prices("region")`: Standard storage per GiB-month and Class A / Class B operations.
+
+TPU accelerator types are `<prefix>-<N>`. For v4 and v5p, N counts TensorCores (two per chip), so `v4-8` is
+4 chips; for v5e (`v5litepod-N`) and v6e, N counts chips (https://cloud.google.com/tpu/docs/v4,
+https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e). TPUs are priced per chip-hour
+(https://cloud.google.com/tpu/pricing). A GPU machine type (`a3-highgpu-8g`) comes with its GPUs attached
+(https://cloud.google.com/compute/docs/gpus) and is priced per machine-hour here.
+
+Nothing here imports the extraction code: the planner (tools/plan.py) joins prices to FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+PRICES_FILE = pathlib.Path(__file__).resolve().parent / "prices.json"
+FORMAT = "gcs-spawner/prices/v1"
+
+
+class PriceError(ValueError):
+    """The price file is malformed, or an accelerator type or storage class is not in it; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One machine of a given accelerator type: a TPU VM slice or a GPU machine."""
+
+    name: str
+    family: str  # "v5e", "v6e", ... or the GPU model
+    chips: int  # TPU chips or GPUs
+    hosts: int  # VMs that make up the machine (more than 1 only for multi-host TPU slices)
+    peak_flops: float  # dense bf16 FLOP/s of the whole machine
+    on_demand_per_hour: float
+    spot_per_hour: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StoragePrices:
+    location: str  # "region" or "multi-region"
+    standard_per_gib_month: float
+    class_a_per_1000: float
+    class_b_per_1000: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PriceTable:
+    source: str  # the file it was read from
+    as_of: str
+    provenance: str
+    sources: Mapping[str, str]
+    tpu: Mapping[str, Mapping[str, Any]]
+    gpu_machines: Mapping[str, Mapping[str, Any]]
+    storage: Mapping[str, StoragePrices]
+
+    def known_accelerators(self) -> list[str]:
+        """Examples of valid names: each TPU family's single-host type, then every GPU machine type."""
+        tpus = [f"{f['type_prefix']}-{f['chips_per_host'] * f['cores_per_chip']}" for f in self.tpu.values()]
+        return tpus + list(self.gpu_machines)
+
+    def accelerator(self, name: str) -> Accelerator:
+        if name in self.gpu_machines:
+            m = self.gpu_machines[name]
+            return Accelerator(
+                name=name,
+                family=m["gpu"],
+                chips=m["gpus"],
+                hosts=1,
+                peak_flops=m["gpus"] * m["peak_bf16_tflops_per_gpu"] * 1e12,
+                on_demand_per_hour=m["on_demand_per_hour"],
+                spot_per_hour=m["spot_per_hour"],
+            )
+        match = re.fullmatch(r"([a-z0-9]+)-([0-9]+)", name or "")
+        family = None
+        if match:
+            family = next((k for k, f in self.tpu.items() if f["type_prefix"] == match.group(1)), None)
+        if family is None:
+            raise PriceError(
+                f"accelerator: {name!r} is not in the price table {self.source}; use a TPU type such as "
+                f"{', '.join(self.known_accelerators())} (any size of those families), or add the machine type "
+                "to the table"
+            )
+        f = self.tpu[family]
+        units = int(match.group(2))
+        if units % f["cores_per_chip"]:
+            raise PriceError(
+                f"accelerator: {name!r} counts TensorCores, {f['cores_per_chip']} per {family} chip; "
+                f"use a multiple of {f['cores_per_chip']}"
+            )
+        chips = units // f["cores_per_chip"]
+        if chips == 0:
+            raise PriceError(f"accelerator: {name!r} has no chips")
+        return Accelerator(
+            name=name,
+            family=family,
+            chips=chips,
+            hosts=-(-chips // f["chips_per_host"]),
+            peak_flops=chips * f["peak_bf16_tflops_per_chip"] * 1e12,
+            on_demand_per_hour=chips * f["on_demand_per_chip_hour"],
+            spot_per_hour=chips * f["spot_per_chip_hour"],
+        )
+
+    def storage_prices(self, location: str) -> StoragePrices:
+        if location not in self.storage:
+            raise PriceError(
+                f"storage location {location!r} is not in the price table {self.source}; "
+                f"use one of {', '.join(self.storage)}"
+            )
+        return self.storage[location]
+
+
+def _number(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise PriceError(f"{where}: got {value!r}; use a number >= 0")
+    return float(value)
+
+
+def _count(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PriceError(f"{where}: got {value!r}; use a positive integer")
+    return value
+
+
+def _section(raw: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
+    value = raw.get(key)
+    if not isinstance(value, Mapping):
+        raise PriceError(f"{source}: {key}: missing or not an object; see fleet/prices.json for the layout")
+    return value
+
+
+def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
+    """Validate a price file's JSON; every problem is a PriceError naming the file and the field."""
+    if not isinstance(raw, Mapping):
+        raise PriceError(f"{source}: must hold a JSON object")
+    if raw.get("format") != FORMAT:
+        raise PriceError(f"{source}: format: got {raw.get('format')!r}; expected {FORMAT!r}")
+    as_of = raw.get("as_of")
+    if not isinstance(as_of, str) or not re.fullmatch(r"\d{4}-\d{2}-\d{2}", as_of):
+        raise PriceError(f"{source}: as_of: got {as_of!r}; write the date the prices were taken, YYYY-MM-DD")
+    sources = _section(raw, "sources", source)
+
+    tpu: dict[str, dict[str, Any]] = {}
+    for family, spec in _section(raw, "tpu", source).items():
+        where = f"{source}: tpu.{family}"
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("type_prefix"), str):
+            raise PriceError(f"{where}.type_prefix: missing; name the accelerator-type prefix, e.g. 'v5litepod'")
+        tpu[family] = {
+            "type_prefix": spec["type_prefix"],
+            "cores_per_chip": _count(f"{where}.cores_per_chip", spec.get("cores_per_chip")),
+            "chips_per_host": _count(f"{where}.chips_per_host", spec.get("chips_per_host")),
+            **{
+                key: _number(f"{where}.{key}", spec.get(key))
+                for key in ("peak_bf16_tflops_per_chip", "on_demand_per_chip_hour", "spot_per_chip_hour")
+            },
+        }
+    gpus: dict[str, dict[str, Any]] = {}
+    for machine, spec in _section(raw, "gpu_machines", source).items():
+        where = f"{source}: gpu_machines.{machine}"
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("gpu"), str):
+            raise PriceError(f"{where}.gpu: missing; name the GPU model")
+        gpus[machine] = {
+            "gpu": spec["gpu"],
+            "gpus": _count(f"{where}.gpus", spec.get("gpus")),
+            **{
+                key: _number(f"{where}.{key}", spec.get(key))
+                for key in ("peak_bf16_tflops_per_gpu", "on_demand_per_hour", "spot_per_hour")
+            },
+        }
+    storage = {}
+    for location, spec in _section(raw, "storage", source).items():
+        where = f"{source}: storage.{location}"
+        if not isinstance(spec, Mapping):
+            raise PriceError(f"{where}: must be an object")
+        storage[location] = StoragePrices(
+            location=location,
+            **{
+                key: _number(f"{where}.{key}", spec.get(key))
+                for key in ("standard_per_gib_month", "class_a_per_1000", "class_b_per_1000")
+            },
+        )
+    return PriceTable(
+        source=source,
+        as_of=as_of,
+        provenance=str(raw.get("provenance", "")),
+        sources=dict(sources),
+        tpu=tpu,
+        gpu_machines=gpus,
+        storage=storage,
+    )
+
+
+def load_prices(path: str | pathlib.Path | None = None) -> PriceTable:
+    """The price table in `path`, by default the one shipped with the package (fleet/prices.json)."""
+    path = pathlib.Path(path) if path is not None else PRICES_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise PriceError(f"price file {path}: cannot be read ({exc.strerror or exc}); check the path") from exc
+    except json.JSONDecodeError as exc:
+        raise PriceError(f"price file {path}: not JSON ({exc}); fix the file") from exc
+    return parse_prices(raw, source=str(path))

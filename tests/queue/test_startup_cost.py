@@ -1,0 +1,118 @@
+"""Start-up, drain and status cost, counted in requests against the test GCS server through the real client.
+
+Big queues are seeded straight into the server's storage (the same objects `submit` would write:
+manifests, and a split marker at every thousandth id); every request under test goes over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from objectstore.counting import CountingStore
+from objectstore.gcs import GCSStore
+from taskqueue import layout
+from taskqueue.claims import Claimer, ClaimOptions
+from taskqueue.status import RegionCache, snapshot
+from taskqueue.submit import submit
+from tests.fakegcs.server import Preconditions
+
+PREFIX = "q"
+
+
+def seed(gcs, bucket: str, n: int, done: range = range(0)) -> list[str]:
+    """n tasks as `submit` lays them out, and done markers for the ids at positions `done`."""
+    ids = [f"t{k:07d}" for k in range(n)]
+    for task_id in ids:
+        manifest = json.dumps({"id": task_id})
+        gcs.storage.commit(bucket, f"{PREFIX}/{layout.task_object(task_id)}", manifest.encode(),
+                           {"metadata": {"manifest": manifest}}, Preconditions(), "application/json")
+    for task_id in ids[layout.REGION_TASKS :: layout.REGION_TASKS]:
+        gcs.storage.commit(bucket, f"{PREFIX}/{layout.split_object(task_id)}", b"{}", {}, Preconditions(), None)
+    for k in done:
+        gcs.storage.commit(bucket, f"{PREFIX}/{layout.done_object(ids[k])}", b"{}", {}, Preconditions(), None)
+    return ids
+
+
+def first_claim_cost(store: GCSStore, worker: str, seed: int = 7) -> tuple[int, str]:
+    counted = CountingStore(store)
+    claimer = Claimer(counted, ClaimOptions(worker=worker, idle_timeout_s=5, poll_min_s=0.01, poll_max_s=0.05, seed=seed))
+    claim = next(iter(claimer))
+    # The claim's own create and its done check come after the start; everything before them is start-up.
+    requests = counted.requests - 2
+    claim.lease.complete([], time.monotonic())
+    return requests, claim.task_id
+
+
+@pytest.mark.parametrize("size", [100, 100_000])
+def test_first_claim_takes_the_same_few_requests_at_any_queue_size(gcs, gcs_client, gcs_bucket, size):
+    seed(gcs, gcs_bucket, size)
+    store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
+    requests, task_id = first_claim_cost(store, "w0")
+    # splits/ and swept/ (one page each up to a million tasks), then one region: tasks, done, failed, leases.
+    assert requests == 6
+    assert store.read(layout.done_object(task_id)).generation > 0
+
+
+def test_workers_starting_together_spread_over_regions(gcs, gcs_client, gcs_bucket):
+    seed(gcs, gcs_bucket, 20_000)
+    store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
+    claimed = [first_claim_cost(store, f"w{k}", seed=k)[1] for k in range(4)]
+    assert len({t[:5] for t in claimed}) > 1  # not all in the same region of a thousand
+    assert len(set(claimed)) == 4
+
+
+def test_a_worker_leaves_drained_only_once_every_region_is_swept(gcs, gcs_client, gcs_bucket):
+    ids = seed(gcs, gcs_bucket, 2500, done=range(2499))
+    store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
+    options = ClaimOptions(worker="w", idle_timeout_s=0.3, poll_min_s=0.01, poll_max_s=0.05, lease_ttl_s=60)
+    # The last task is held by a live worker: the others are finished, yet the queue is not drained.
+    holder = next(iter(Claimer(store, ClaimOptions(worker="holder", lease_ttl_s=60, seed=1))))
+    assert holder.task_id == ids[-1]
+    waiting = Claimer(store, options)
+    assert list(waiting) == [] and waiting.exit_reason == "idle"
+    swept = {e.name for e in store.list(layout.SWEPT)}
+    assert swept == {layout.swept_object(layout.HEAD), layout.swept_object(ids[1000])}  # the finished regions
+    holder.lease.complete([], time.monotonic())
+    last = Claimer(store, options)
+    assert list(last) == [] and last.exit_reason == "drained"
+    assert len(list(store.list(layout.SWEPT))) == 3
+
+
+def test_a_submission_into_a_swept_region_unsweeps_it(gcs_client, gcs_bucket):
+    store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
+    submit(store, b"{}", [(f"a{k}", json.dumps({"id": f"a{k}"}).encode()) for k in range(3)])
+    options = ClaimOptions(worker="w", idle_timeout_s=5, poll_min_s=0.01, poll_max_s=0.05)
+    first = Claimer(store, options)
+    for claim in first:
+        claim.lease.complete([], time.monotonic())
+    assert first.exit_reason == "drained" and list(store.list(layout.SWEPT))
+    submit(store, b"{}", [("a1b", json.dumps({"id": "a1b"}).encode())])
+    assert list(store.list(layout.SWEPT)) == []
+    second = Claimer(store, options)
+    assert [c.task_id for c in second] == ["a1b"]
+
+
+def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(gcs, gcs_client, gcs_bucket):
+    ids = seed(gcs, gcs_bucket, 5000, done=range(3000))
+    store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
+    exact = snapshot(store)
+    assert (exact["total"], exact["done"], exact["pending"], exact["estimate"]) == (5000, 3000, 2000, False)
+    assert exact["requests"] == 2 + 3 * 5 + 1  # map, three listings per open region, leases
+    # A worker sweeps the finished regions it visits; status then counts them from their markers.
+    for region in (layout.HEAD, ids[1000], ids[2000]):
+        claimer = Claimer(store, ClaimOptions(worker="w"))
+        claimer.view.scan_map()
+        claimer._load(region)
+    swept = snapshot(store)
+    assert (swept["total"], swept["done"], swept["regions"]["swept"]) == (5000, 3000, 3)
+    assert swept["requests"] == 2 + 3 * 2 + 1
+    estimate = snapshot(store, sample=1, seed=3)
+    assert estimate["estimate"] is True and estimate["requests"] == 2 + 3 + 1
+    assert estimate["total"] == 5000 and estimate["done"] == 3000  # both open regions are alike here
+    cache = RegionCache()
+    snapshot(store, cache=cache)
+    watched = snapshot(store, cache=cache)
+    assert watched["requests"] == 2 + 2 * 2 + 1 and watched["total"] == 5000  # task lists kept between ticks

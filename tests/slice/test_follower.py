@@ -1,0 +1,145 @@
+"""The slice protocol at queue level, with the queue tests' consumer (no JAX): fast, and it pins the contract
+of docs/PROTOCOL.md "Slices" (who writes the assignment, when a follower may start, when it must stop)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from objectstore import open_store
+from taskqueue import layout
+from taskqueue.clock import Clock
+from taskqueue.slice import ASSIGNED, AssignmentBoard, SliceConflict, SliceOptions, assignment_object
+from taskqueue.submit import submit
+from tests.workers import Workers, lease_body, markers, wait_for
+
+SLICE_FLAGS = ("--slice-id", "s1", "--slice-hosts", "2", "--coordinator", "127.0.0.1:1")
+
+
+def queue_with(tmp_path, tasks: list[dict]) -> str:
+    url = str(tmp_path / "queue")
+    submit(open_store(url), b"{}", [(t["id"], json.dumps(t).encode()) for t in tasks])
+    return url
+
+
+def test_follower_runs_each_task_the_leader_holds_and_exits_with_it(tmp_path):
+    url = queue_with(tmp_path, [{"id": f"t{i}", "outputs": 2, "sleep": 0.3} for i in range(3)])
+    workers = Workers(url, tmp_path)
+    try:
+        workers.start("leader", *SLICE_FLAGS, "--host-index", "0")
+        workers.start("follower", *SLICE_FLAGS, "--host-index", "1")
+        codes = workers.wait(timeout=60)
+    finally:
+        workers.kill_all()
+    assert codes == {"leader": 0, "follower": 0}, workers.all_logs()
+    assert sorted(markers(url, layout.DONE)) == ["t0", "t1", "t2"]
+    follower = workers.log("follower")
+    started = re.findall(r"event=follower_consumer_start task=(\S+)", follower)
+    assert sorted(started) == ["t0", "t1", "t2"]  # one run per claim, never a task twice
+    assert "reason=leader_exit" in follower
+    # The consumer saw its role in the slice.
+    assert all(m["worker"] == "leader" for m in markers(url, layout.DONE).values())
+
+
+def test_follower_never_starts_an_assignment_whose_lease_the_leader_does_not_hold(tmp_path):
+    url = queue_with(tmp_path, [{"id": "t0", "outputs": 1}])
+    store = open_store(url)
+    # An assignment naming a claim (nonce) that no lease carries: a stale or forged one.
+    store.create(
+        assignment_object("s1"),
+        json.dumps({"state": ASSIGNED, "task": "t0", "fencing_token": 7, "nonce": "not-the-lease", "leader": "ghost",
+                    "attempt": 1, "manifest": {"id": "t0"}, "resume": {"progress": []}, "output": url}).encode(),
+    )  # fmt: skip
+    workers = Workers(url, tmp_path)
+    try:
+        workers.start("follower", *SLICE_FLAGS, "--host-index", "1", "--idle-timeout", "0.5")
+        time.sleep(2)
+        assert "event=follower_consumer_start" not in workers.log("follower")
+    finally:
+        workers.kill_all()
+
+
+def test_follower_stops_its_consumer_once_the_leaders_lease_is_taken_over(tmp_path):
+    url = queue_with(tmp_path, [{"id": "t0", "outputs": 40, "sleep": 0.25}])
+    workers = Workers(url, tmp_path)
+    try:
+        workers.start("leader", *SLICE_FLAGS, "--host-index", "0", "--lease-ttl", "3", "--heartbeat", "0.5")
+        workers.start("follower", *SLICE_FLAGS, "--host-index", "1", "--lease-ttl", "3", "--heartbeat", "0.5")
+        wait_for(lambda: "event=follower_consumer_start" in workers.log("follower"), 30, "the follower's consumer")
+        workers.procs["leader"].send_signal(signal.SIGKILL)  # a frozen or dead leader: its lease goes silent
+        workers.start("other", "--lease-ttl", "3", "--idle-timeout", "30")
+        stolen = wait_for(lambda: (lease_body(url, "t0") or {}).get("worker") == "other", 30, "the steal")
+        assert stolen
+        stopped_at = time.monotonic()
+        wait_for(lambda: "event=follower_stop task=t0" in workers.log("follower"), 10, "the follower stopping")
+        # watch_s = min(5, heartbeat / 2): it notices within one watch interval of the steal.
+        assert time.monotonic() - stopped_at < 0.25 + 2
+        wait_for(lambda: "event=follower_consumer_exit task=t0" in workers.log("follower"), 10, "the consumer's exit")
+    finally:
+        workers.kill_all()
+
+
+def test_a_second_leader_of_the_same_slice_is_refused(tmp_path):
+    store = open_store(str(tmp_path / "queue"))
+    options = SliceOptions(slice_id="s1", hosts=4, host_index=0, coordinator="10.0.0.2:8476")
+    first = AssignmentBoard(store, options, "leader-a", Clock())
+    second = AssignmentBoard(store, options, "leader-b", Clock())
+    first.close("drained")
+    second.close("drained")  # reads the current generation when it starts
+    with pytest.raises(SliceConflict, match="another process leading slice s1"):
+        first.close("drained")
+    entry = next(iter(store.list("slices/")))
+    assert entry.metadata == {"state": "closed", "leader": "leader-b", "hosts": "4"}
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (("--slice-hosts", "2", "--coordinator", "h:1"), "--slice-id"),
+        (("--slice-hosts", "2", "--slice-id", "s", "--coordinator", "h:1", "--host-index", "2"), "--host-index"),
+        (("--slice-hosts", "2", "--slice-id", "s", "--coordinator", "nohostport"), "--coordinator"),
+    ],
+)
+def test_bad_slice_options_are_refused_naming_the_option(flags, problem, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.workers import REPO
+
+    result = subprocess.run([sys.executable, "spawn.py", str(tmp_path), "--consumer", "true", *flags], cwd=REPO,
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 2 and problem in result.stderr, result.stderr
+
+
+def test_a_slice_host_stopped_by_sigterm_releases_the_task_without_counting_an_attempt(tmp_path):
+    # 143 = 128 + SIGTERM: what every host of a slice exits with once one of them was stopped (preempted).
+    url = queue_with(tmp_path, [{"id": "t0", "exit": 143}])
+    workers = Workers(url, tmp_path)
+    try:
+        workers.start("leader", *SLICE_FLAGS, "--host-index", "0", "--max-tasks", "1")
+        wait_for(lambda: "event=released task=t0" in workers.log("leader"), 30, "the release")
+    finally:
+        workers.kill_all()
+    assert "a slice host was stopped" in workers.log("leader")
+    lease = lease_body(url, "t0")
+    assert lease["state"] == "released" and lease["errors"] == []
+
+
+def test_status_shows_a_slice_as_one_worker_with_its_host_count(tmp_path):
+    from taskqueue import status
+
+    url = queue_with(tmp_path, [{"id": "t0", "outputs": 20, "sleep": 0.2}])
+    workers = Workers(url, tmp_path)
+    try:
+        workers.start("leader", *SLICE_FLAGS, "--host-index", "0")
+        workers.start("follower", *SLICE_FLAGS, "--host-index", "1")
+        wait_for(lambda: "event=follower_consumer_start" in workers.log("follower"), 30, "the follower's consumer")
+        view = status.snapshot(open_store(url))
+    finally:
+        workers.kill_all()
+    assert view["holders"] == {"leader": 1} and view["slice_hosts"] == {"leader": 2}
+    assert "holders leader (2 hosts)=1" in status.render(view)
