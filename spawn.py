@@ -2,12 +2,15 @@
 """Worker entry point: drain a task queue. `python spawn.py QUEUE --consumer "python consume.py"`.
 
 The queue package does the work; this file only plugs in the cloud hooks (self-deletion when the
-queue is empty, the preemption watcher), so that neither package imports the other.
+queue is empty, the preemption watcher, the machine record), so that neither package imports the other.
 """
 
+import socket
 import sys
 
 from taskqueue.cli import run
+
+_recorder = None  # this machine's fleet.machines.MachineRecorder, once machine_state made it
 
 
 def self_delete() -> None:
@@ -16,16 +19,39 @@ def self_delete() -> None:
     delete_self()
 
 
+def _on_maintenance(value: str) -> None:
+    # The worker goes on until the machine actually stops (SIGTERM); the record shows the notice.
+    if _recorder is not None:
+        _recorder.base_fields["maintenance"] = value
+
+
 def watch_preemption(on_preempted, required: bool):
     from fleet.metadata import on_gcp
     from fleet.preemption import PreemptionWatcher
 
     if not required and not on_gcp():
         return None
-    watcher = PreemptionWatcher(on_preempted=on_preempted)
+    watcher = PreemptionWatcher(on_preempted=on_preempted, on_notice=_on_maintenance)
     watcher.start()
     return watcher
 
 
+def machine_state(store, required: bool):
+    """The on_state hook: this machine's record, machines/<name>.json in the queue."""
+    global _recorder
+    from fleet.machines import MachineRecorder, machine_identity, maybe_on_gce
+    from fleet.metadata import MetadataClient, on_gcp
+
+    if maybe_on_gce() and on_gcp():
+        identity = machine_identity(MetadataClient())
+    elif required:
+        identity = {"name": socket.gethostname().split(".")[0]}
+    else:
+        return None
+    name = identity.pop("name")
+    _recorder = MachineRecorder(store, name, **identity).start()
+    return _recorder.set
+
+
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:], self_delete=self_delete, watch_preemption=watch_preemption))
+    sys.exit(run(sys.argv[1:], self_delete=self_delete, watch_preemption=watch_preemption, machine_state=machine_state))

@@ -1,8 +1,15 @@
-"""Mirroring this checkout to a bucket prefix, which every machine syncs its code from at boot.
+"""Mirroring this checkout to a bucket prefix, which every machine syncs its code from at boot,
+together with the pinned environment the machines install.
 
 With gcloud on PATH the work is done by `gcloud storage rsync`; without it, by a small
 checksum-comparing sync on google-cloud-storage. Both skip the same things (one regular
-expression, built from globs, serves both) and both delete objects whose files are gone.
+expression, built from globs, serves both) and both delete objects whose files are gone. In a
+git checkout, files git ignores (`local-run/`, models, queues) are skipped too.
+
+Next to the code go `locks/<lock>.txt` (cpu, cuda12, tpu: every pin, compiled by `uv pip compile`
+for the fleet's Python and manylinux x86_64) and, for firewalled fleets, `wheelhouse/<lock>/`
+(those exact wheels, and uv and the build backend, from `pip download`), so that every machine
+installs the same versions, with no index at all if need be (startup/startup.sh).
 """
 
 from __future__ import annotations
@@ -42,6 +49,15 @@ DEFAULT_EXCLUDES = (
 )
 
 
+#: Written by upload_code next to the code, never part of the mirrored checkout (and never deleted by it).
+GENERATED = ("locks", "wheelhouse", "python-mirror")
+#: What each lock installs beside the package and its extras (startup.sh maps spawn-accelerator to it).
+LOCKS = {"cpu": "jax", "cuda12": "jax[cuda12]", "tpu": "jax[tpu]"}
+#: The machines: manylinux x86_64 (the templates' images and TPU VMs), glibc 2.28 or newer.
+UV_PLATFORM = "x86_64-manylinux_2_28"
+PIP_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "linux_x86_64")
+
+
 class CodeSyncError(Exception):
     """The sync could not run or did not finish; the message names the command or object."""
 
@@ -53,7 +69,7 @@ def _glob_regex(glob: str) -> str:
     return "".join(out)
 
 
-def exclude_regex(globs: Iterable[str]) -> str:
+def exclude_regex(globs: Iterable[str], paths: Iterable[str] = ()) -> str:
     """One regular expression, matched from the start of a relative path (as gcloud does).
 
     A glob without '/' matches any single path component (`*.egg-info`, `.git`); a glob with '/'
@@ -67,6 +83,8 @@ def exclude_regex(globs: Iterable[str]) -> str:
             parts.append(f"{_glob_regex(glob)}(/.*)?$")
         else:
             parts.append(f"(.*/)?{_glob_regex(glob)}(/.*)?$")
+    # Exact relative paths (from git), each with everything under it.
+    parts += [f"{re.escape(p.strip('/'))}(/.*)?$" for p in paths if p.strip("/")]
     # gcloud splits --exclude at commas, so alternatives are joined with '|' into one pattern.
     return "|".join(f"(?:{p})" for p in parts)
 
@@ -81,9 +99,29 @@ def split_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def local_files(root: Path, excludes: Sequence[str]) -> dict[str, Path]:
+def git_ignored(root: Path) -> list[str]:
+    """Paths under `root` that git ignores (whole directories collapsed), or [] outside a git checkout.
+
+    `git ls-files --others --ignored --exclude-standard --directory` names exactly what
+    `git ls-files --cached --others --exclude-standard` (what git would upload) leaves out."""
+    git = shutil.which("git")
+    if not git or not (root / ".git").exists():
+        return []
+    inside = subprocess.run([git, "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=False)
+    if inside.returncode != 0 or Path(inside.stdout.strip()).resolve() != root.resolve():
+        return []  # not a checkout of its own (a stray .git, or a subdirectory of another repository)
+    result = subprocess.run(
+        [git, "-C", str(root), "ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory"],
+        capture_output=True, check=False,
+    )
+    if result.returncode != 0:
+        raise CodeSyncError(f"git ls-files in {root} failed: {result.stderr.decode(errors='replace').strip()}")
+    return [p.rstrip("/") for p in result.stdout.decode().split("\0") if p]
+
+
+def local_files(root: Path, excludes: Sequence[str], ignored: Sequence[str] = ()) -> dict[str, Path]:
     """Relative POSIX path -> file, for every regular file not excluded (symlinks skipped, as gcloud does)."""
-    pattern = re.compile(exclude_regex(excludes)) if excludes else None
+    pattern = re.compile(exclude_regex(excludes, ignored)) if (excludes or ignored) else None
     files = {}
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root).as_posix()
@@ -131,13 +169,15 @@ class SyncReport:
     unchanged: int = 0
 
 
-def sync_with_client(source: Path, dest_url: str, excludes: Sequence[str], client, parallel: int = 8) -> SyncReport:
+def sync_with_client(
+    source: Path, dest_url: str, excludes: Sequence[str], client, parallel: int = 8, ignored: Sequence[str] = ()
+) -> SyncReport:
     """Upload new or changed files (by crc32c, or md5 where the listing has no crc32c) and delete
     objects under the prefix that no longer have a file. Excluded names are left alone remotely."""
     bucket_name, prefix = split_url(dest_url)
     bucket = client.bucket(bucket_name)
-    files = local_files(source, excludes)
-    pattern = re.compile(exclude_regex(excludes)) if excludes else None
+    files = local_files(source, excludes, ignored)
+    pattern = re.compile(exclude_regex(excludes, ignored)) if (excludes or ignored) else None
     remote = {}
     for blob in client.list_blobs(bucket_name, prefix=prefix + "/"):
         remote[blob.name[len(prefix) + 1 :]] = (blob.crc32c, blob.md5_hash)
@@ -166,10 +206,10 @@ def sync_with_client(source: Path, dest_url: str, excludes: Sequence[str], clien
     return report
 
 
-def gcloud_argv(gcloud: str, source: Path, dest_url: str, excludes: Sequence[str]) -> list[str]:
+def gcloud_argv(gcloud: str, source: Path, dest_url: str, excludes: Sequence[str], ignored: Sequence[str] = ()) -> list[str]:
     argv = [gcloud, "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects"]
-    if excludes:
-        argv.append(f"--exclude={exclude_regex(excludes)}")
+    if excludes or ignored:
+        argv.append(f"--exclude={exclude_regex(excludes, ignored)}")
     return [*argv, str(source), dest_url.rstrip("/")]
 
 
@@ -187,9 +227,11 @@ def sync_code(
     if not source.is_dir():
         raise CodeSyncError(f"source {str(source)!r} is not a directory")
     excludes = [*DEFAULT_EXCLUDES, *extra_excludes]
+    # Generated next to the code by upload_code, from elsewhere: the mirror neither uploads nor deletes them.
+    ignored = [*git_ignored(source), *GENERATED]
     gcloud = gcloud or (shutil.which("gcloud") if use_gcloud is not False else None)
     if gcloud:
-        argv = gcloud_argv(gcloud, source, dest_url, excludes)
+        argv = gcloud_argv(gcloud, source, dest_url, excludes, ignored)
         log.info("event=code_sync method=gcloud argv=%s", argv)
         result = subprocess.run(argv, check=False)
         if result.returncode != 0:
@@ -198,9 +240,128 @@ def sync_code(
     if client is None:
         client = storage.Client()
     log.info("event=code_sync method=python source=%s dest=%s", source, dest_url)
-    report = sync_with_client(source, dest_url, excludes, client)
+    report = sync_with_client(source, dest_url, excludes, client, ignored=ignored)
     log.info(
         "event=code_synced uploaded=%d deleted=%d unchanged=%d dest=%s",
         len(report.uploaded), len(report.deleted), report.unchanged, dest_url,
     )
     return report
+
+
+# ---- the pinned environment ------------------------------------------------------------------
+
+
+def requirements_of(source: Path, extras: Sequence[str], accelerator_req: str) -> list[str]:
+    """What a machine installs: install_requires, the extras' requirements, and the JAX variant.
+    Read from setup.cfg, the package's one schema of its dependencies."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    if not config.read(source / "setup.cfg"):
+        raise CodeSyncError(f"{source / 'setup.cfg'} is missing; the locks are compiled from it")
+
+    def lines(section: str, key: str) -> list[str]:
+        raw = config.get(section, key, fallback="")
+        return [line.strip() for line in raw.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+    reqs = lines("options", "install_requires")
+    for extra in extras:
+        if not config.has_option("options.extras_require", extra):
+            raise CodeSyncError(f"setup.cfg has no extra {extra!r} (options.extras_require)")
+        reqs += lines("options.extras_require", extra)
+    return [*reqs, accelerator_req]
+
+
+def uv_command() -> list[str]:
+    uv = shutil.which("uv")
+    if uv:
+        return [uv]
+    import sys
+
+    return [sys.executable, "-m", "uv"]
+
+
+def _run(argv: Sequence[str], what: str) -> None:
+    log.info("event=%s argv=%s", what, " ".join(argv))
+    result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise CodeSyncError(f"{what}: {' '.join(argv[:4])} ... exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
+
+
+def compile_lock(
+    requirements: Sequence[str],
+    out: Path,
+    python_version: str,
+    platform: str | None = UV_PLATFORM,
+    index_args: Sequence[str] = (),
+) -> Path:
+    """`uv pip compile` the requirements into a complete, pinned lock for the machines' Python and platform."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    source = out.with_suffix(".in")
+    source.write_text("\n".join(requirements) + "\n")
+    argv = [*uv_command(), "pip", "compile", str(source), "--output-file", str(out), "--no-header",
+            "--python-version", python_version, *index_args]
+    if platform:
+        argv += ["--python-platform", platform]
+    _run(argv, "lock_compile")
+    source.unlink()
+    return out
+
+
+def download_wheelhouse(
+    lock: Path,
+    dest: Path,
+    python_version: str,
+    also: Sequence[str] = ("uv", "setuptools>=68", "wheel"),
+    platforms: Sequence[str] = PIP_PLATFORMS,
+    index_args: Sequence[str] = (),
+) -> Path:
+    """Every wheel of `lock` (and `also`: uv for the bootstrap, the build backend for the editable
+    install) for the machines' platform and Python, with `pip download --only-binary=:all:`."""
+    import sys
+
+    dest.mkdir(parents=True, exist_ok=True)
+    common = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+              "--python-version", python_version, "--dest", str(dest), *index_args]
+    for platform in platforms:
+        common += ["--platform", platform]
+    # The lock is complete: its pins alone. `also` is not locked: its dependencies come along
+    # (wheel needs packaging, for one).
+    _run([*common, "--no-deps", "--requirement", str(lock)], "wheelhouse_download")
+    if also:
+        _run([*common, *also], "wheelhouse_download")
+    return dest
+
+
+def build_environment(
+    source: Path,
+    staging: Path,
+    python_version: str,
+    extras: Sequence[str] = ("extract",),
+    locks: Sequence[str] = tuple(LOCKS),
+    wheelhouse: bool = False,
+    index_args: Sequence[str] = (),
+    uv_platform: str | None = UV_PLATFORM,
+    pip_platforms: Sequence[str] = PIP_PLATFORMS,
+) -> list[Path]:
+    """locks/<lock>.txt (and wheelhouse/<lock>/) under `staging`, to upload next to the code."""
+    made = []
+    for name in locks:
+        if name not in LOCKS:
+            raise CodeSyncError(f"unknown lock {name!r}; choose from {', '.join(LOCKS)}")
+        lock = compile_lock(requirements_of(source, extras, LOCKS[name]), staging / "locks" / f"{name}.txt",
+                            python_version, uv_platform, index_args)
+        made.append(lock)
+        log.info("event=lock_compiled lock=%s pins=%d", name, sum(1 for line in lock.read_text().splitlines() if "==" in line))
+        if wheelhouse:
+            made.append(download_wheelhouse(lock, staging / "wheelhouse" / name, python_version,
+                                            platforms=pip_platforms, index_args=index_args))
+    return made
+
+
+def upload_generated(staging: Path, dest_url: str, client=None, use_gcloud: bool | None = None) -> None:
+    """Mirror each generated directory (locks/, wheelhouse/) to dest_url/<dir>, deleting stale objects."""
+    for name in GENERATED:
+        directory = staging / name
+        if directory.is_dir():
+            sync_code(directory, f"{dest_url.rstrip('/')}/{name}", client=client, use_gcloud=use_gcloud)

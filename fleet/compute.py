@@ -102,16 +102,37 @@ def delete_template(project: str, name: str) -> compute_v1.DeleteInstanceTemplat
     return compute_v1.DeleteInstanceTemplateRequest(project=project, instance_template=name)
 
 
+ON_FAILURE = ("REPAIR", "DO_NOTHING")
+
+
 def insert_group(
-    project: str, name: str, template: str, size: int, zone: str | None = None, region: str | None = None
+    project: str,
+    name: str,
+    template: str,
+    size: int,
+    zone: str | None = None,
+    region: str | None = None,
+    on_failure: str = "REPAIR",
 ) -> proto.Message:
-    """A managed instance group of `size` members made from the global instance template `template`."""
+    """A managed instance group of `size` members made from the global instance template `template`.
+
+    `on_failure` is instanceLifecyclePolicy.defaultActionOnFailure: REPAIR (the default) recreates
+    a member that stops or fails, which is what brings preempted spot members back; DO_NOTHING
+    leaves it (https://cloud.google.com/compute/docs/instance-groups/about-repairing-vms-in-a-mig,
+    https://cloud.google.com/compute/docs/reference/rest/v1/instanceGroupManagers). forceUpdateOnRepair
+    is YES either way, so a repaired member boots the group's current template (fixed roles or
+    code), not the one that failed."""
     _where(zone, region)
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
     group = compute_v1.InstanceGroupManager(
         name=name,
         base_instance_name=name,
         instance_template=f"projects/{project}/global/instanceTemplates/{template}",
         target_size=size,
+        instance_lifecycle_policy=compute_v1.InstanceGroupManagerInstanceLifecyclePolicy(
+            default_action_on_failure=on_failure, force_update_on_repair="YES"
+        ),
     )
     if zone:
         return compute_v1.InsertInstanceGroupManagerRequest(project=project, zone=zone, instance_group_manager_resource=group)

@@ -60,13 +60,14 @@ def create_group(
     resize: bool = False,
     dry_run: bool = False,
     clients: compute.ComputeClients | None = None,
+    on_failure: str = "REPAIR",
 ) -> list[proto.Message]:
     """A managed instance group named `name` (default: the template's name), or a resize of it."""
     name = name or template
     if resize:
         request = compute.resize_group(project, name, size, zone=zone, region=region)
     else:
-        request = compute.insert_group(project, name, template, size, zone=zone, region=region)
+        request = compute.insert_group(project, name, template, size, zone=zone, region=region, on_failure=on_failure)
     return _send([request], dry_run, lambda: clients or compute.ComputeClients.connect())
 
 

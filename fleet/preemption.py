@@ -1,9 +1,17 @@
 """Noticing that this machine is about to be taken away.
 
-Spot and preemptible VMs see `instance/preempted` turn TRUE about 30 s before they stop;
-TPU VMs and GPU VMs (which cannot live-migrate) see `instance/maintenance-event` announce a
-TERMINATE_ON_HOST_MAINTENANCE. Either way the worker has seconds to hand its task back, so the
-watcher long-polls both keys and calls `on_preempted()` once, from its own thread.
+Spot and preemptible VMs see `instance/preempted` turn TRUE about 30 s before they stop: the
+worker has seconds to hand its task back, so the watcher calls `on_preempted()` once, from its own
+thread.
+
+`instance/maintenance-event` is different. A non-spot GPU or TPU VM that cannot live-migrate sees
+TERMINATE_ON_HOST_MAINTENANCE up to an hour before the host maintenance stops it
+(https://cloud.google.com/compute/docs/gpus/gpu-host-maintenance,
+https://cloud.google.com/compute/docs/instances/host-maintenance-overview). Stopping then would
+leave the machine idle, and billed, for that hour: the worker exits 0 and systemd does not restart
+it. So a maintenance notice only calls `on_notice(value)` (the machine record shows it) and the
+worker goes on; the actual stop is a guest shutdown, which reaches spawn.py as SIGTERM, and spawn.py
+releases its lease then, as on any SIGTERM.
 """
 
 from __future__ import annotations
@@ -45,8 +53,10 @@ class PreemptionWatcher:
         min_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         keys: tuple[str, ...] = (PREEMPTED, MAINTENANCE),
+        on_notice: Callable[[str], None] | None = None,
     ):
         self._on_preempted = on_preempted
+        self._on_notice = on_notice
         self._metadata = metadata or MetadataClient()
         self._poll_timeout_s = poll_timeout_s
         self._min_backoff_s = min_backoff_s
@@ -108,6 +118,20 @@ class PreemptionWatcher:
                 backoff_s = min(backoff_s * 2, self._max_backoff_s)
                 continue
             backoff_s = self._min_backoff_s
-            if _is_termination(key, value):
+            if key == MAINTENANCE:
+                self._notice(value)
+            elif _is_termination(key, value):
                 self._fire(key, value)
                 return
+
+    def _notice(self, value: str) -> None:
+        value = value.strip()
+        if value.upper() in ("", "NONE"):
+            return
+        log.warning("event=maintenance_notice value=%s action=keep_working_until_sigterm", value)
+        if self._on_notice is not None:
+            try:
+                self._on_notice(value)
+            except Exception:
+                # The callback is the worker's; a failure there would otherwise vanish with this thread.
+                log.exception("event=maintenance_callback_failed value=%s", value)

@@ -11,26 +11,47 @@ What to delete depends on how the machine was made, which it learns from the met
 
 API errors are retried with exponential backoff and jitter, a bounded number of times. A machine
 that still cannot delete itself logs why and powers off, which at least stops the VM's
-compute charges (its disk, or a stopped TPU VM, may still cost until teardown).
+compute charges (its disk, or a stopped TPU VM, may still cost until teardown) -- except a
+managed instance group member: a group repairs a stopped member by recreating it
+(https://cloud.google.com/compute/docs/instance-groups/about-repairing-vms-in-a-mig), which would
+boot, fail to delete, power off, and so on forever. Such a member stays up, idle, with its failed
+record in the bucket, until teardown or the template's max_run_duration.
+
+Before any of that can happen, `check_permissions()` runs at boot, before the worker claims
+anything (startup.sh: `python -m fleet.selfdelete check`): it asks Cloud Resource Manager
+(projects.testIamPermissions) whether this machine's credentials hold the permissions its delete
+call needs, so a machine that could never delete itself says so in the bucket and does no work.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
-from collections.abc import Callable
 import shutil
 import subprocess
+import sys
+from collections.abc import Callable
 
 import proto
 import requests
 import tenacity
 from google.api_core import exceptions as api_exceptions
 
-from fleet import compute, tpu
+from fleet import iam
 from fleet.gapi import API_ERRORS, target_of
 from fleet.metadata import MetadataClient, MetadataError
-from fleet.specs import ATTR_QUEUED_RESOURCE
+
+# fleet.compute, fleet.tpu and fleet.specs import google.cloud.compute_v1, whose import alone is
+# most of the boot's permission check (seconds of CPU): they are imported where a delete needs them.
+# fleet.specs.ATTR_QUEUED_RESOURCE names this attribute; a test pins the two equal.
+ATTR_QUEUED_RESOURCE = "spawn-queued-resource"
+
+
+def _clouds():
+    from fleet import compute, tpu
+
+    return compute, tpu
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +132,13 @@ class SelfDeleter:
     operation_wait_s: float = 300.0
 
     def _compute(self) -> compute.ComputeClients:
+        compute, _ = _clouds()
         if self.compute_clients is None:
             self.compute_clients = compute.ComputeClients.connect()
         return self.compute_clients
 
     def _tpu(self) -> tpu.TpuClients:
+        _, tpu = _clouds()
         if self.tpu_clients is None:
             self.tpu_clients = tpu.TpuClients.connect()
         return self.tpu_clients
@@ -136,6 +159,7 @@ class SelfDeleter:
 
         Our tool records it in the node's metadata; a node made some other way is asked about
         through the TPU API (Node.queued_resource)."""
+        _, tpu = _clouds()
         location = tpu.location(identity.project, identity.zone)
         if identity.queued_resource:
             return f"{location}/queuedResources/{identity.queued_resource}"
@@ -144,6 +168,7 @@ class SelfDeleter:
 
     def plan(self, identity: Identity) -> tuple[str, proto.Message, Callable[..., None]]:
         """(kind, request, send): the deletion this machine should ask for."""
+        compute, tpu = _clouds()
         if identity.tpu_node:
             queued = self.queued_resource_of(identity)
             if queued:
@@ -167,6 +192,55 @@ class SelfDeleter:
         log.info("event=self_delete_accepted kind=%s target=%s", what, target_of(request))
 
 
+#: The permissions each kind of self-deletion needs, on the project
+#: (https://cloud.google.com/compute/docs/access/iam-permissions, https://cloud.google.com/tpu/docs/tpu-iam-permissions).
+PERMISSIONS = {
+    "group_member": ("compute.instanceGroupManagers.update",),  # instanceGroupManagers.deleteInstances
+    "instance": ("compute.instances.delete",),
+    "tpu_queued_resource": ("tpu.queuedResources.delete", "tpu.nodes.delete"),
+    "tpu_node": ("tpu.nodes.get", "tpu.nodes.delete"),
+}
+ROLE_HINT = {
+    "group_member": "roles/compute.instanceAdmin.v1",
+    "instance": "roles/compute.instanceAdmin.v1",
+    "tpu_queued_resource": "roles/tpu.admin",
+    "tpu_node": "roles/tpu.admin",
+}
+
+
+def deletion_kind(identity: Identity) -> str:
+    """Which PERMISSIONS entry applies, from the identity alone (no API call)."""
+    if identity.tpu_node:
+        return "tpu_queued_resource" if identity.queued_resource else "tpu_node"
+    return "group_member" if identity.created_by else "instance"
+
+
+class PermissionMissing(Exception):
+    """This machine's credentials lack a permission its self-deletion needs; the message names it."""
+
+
+def check_permissions(metadata: MetadataClient, resource_manager: iam.ResourceManager | None = None) -> str:
+    """Return the deletion kind if this machine may delete itself; raise PermissionMissing naming
+    what is missing (or why it could not be checked: a machine that cannot tell must not claim)."""
+    identity = read_identity(metadata)
+    kind = deletion_kind(identity)
+    wanted = PERMISSIONS[kind]
+    try:
+        held = (resource_manager or iam.ResourceManager()).held(identity.project, wanted)
+    except (iam.IamError, *API_ERRORS) as err:
+        raise PermissionMissing(
+            f"permission_check_failed: cannot check {','.join(wanted)} on project {identity.project}: {err}; "
+            "enable cloudresourcemanager.googleapis.com in the project and give the machines the cloud-platform scope"
+        ) from None
+    missing = [p for p in wanted if p not in held]
+    if missing:
+        raise PermissionMissing(
+            f"missing_permission: {','.join(missing)} on project {identity.project} (needed for self-deletion as "
+            f"{kind}); grant the machines' service account {ROLE_HINT[kind]}"
+        )
+    return kind
+
+
 def power_off() -> None:
     """Last resort: stop the machine from inside (argument lists, no shell)."""
     argv = ["systemctl", "poweroff"] if shutil.which("systemctl") else ["shutdown", "-h", "now"]
@@ -183,22 +257,64 @@ def delete_self(
     tpu_clients: tpu.TpuClients | None = None,
     attempts: int = 6,
     max_wait_s: float = 30.0,
-) -> None:
-    """Delete this machine; if that fails for good, log why and power off."""
-    deleter = SelfDeleter(
-        metadata or MetadataClient(), compute_clients, tpu_clients, attempts=attempts, max_wait_s=max_wait_s
-    )
+) -> bool:
+    """Delete this machine and return True; if that fails for good, log why and power off (a
+    group member stays up instead, see the module docstring) and return False."""
+    compute, _ = _clouds()
+    metadata = metadata or MetadataClient()
+    deleter = SelfDeleter(metadata, compute_clients, tpu_clients, attempts=attempts, max_wait_s=max_wait_s)
     try:
         deleter.run()
-        return
+        return True
     # API_ERRORS includes missing credentials, and an accepted delete that has not finished
     # while this machine still runs (the operation's wait timing out).
     except (MetadataError, SelfDeleteError, compute.GroupRefError, *API_ERRORS) as err:
+        in_group = _in_group(metadata)
         log.critical(
-            "event=self_delete_failed error_type=%s error=%s action=power_off hint=%s",
+            "event=self_delete_failed error_type=%s error=%s action=%s hint=%s",
             type(err).__name__,
             str(err).replace("\n", " "),
+            "stay_up reason=a_group_recreates_a_stopped_member" if in_group else "power_off",
             "check the VM's service account roles and scopes (docs/CLOUD.md, IAM)",
         )
+        if in_group:
+            return False
     power_off()
+    return False
+
+
+def _in_group(metadata: MetadataClient) -> bool:
+    try:
+        return bool(metadata.attribute("created-by"))
+    except (MetadataError, requests.RequestException):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fleet.selfdelete check|delete`, for startup/startup.sh.
+
+    check: exit 0 when this machine may delete itself, 3 (with the reason on stdout) when not.
+    delete: exit 0 when the delete was accepted, 1 when it failed (after powering off, unless in a group)."""
+    parser = argparse.ArgumentParser(prog="python -m fleet.selfdelete", description=main.__doc__)
+    parser.add_argument("action", choices=("check", "delete"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    if args.action == "delete":
+        return 0 if delete_self() else 1
+    try:
+        kind = check_permissions(MetadataClient())
+    except PermissionMissing as err:
+        log.error("event=permission_check ok=false reason=%s", err)
+        print(err)
+        return 3
+    except (MetadataError, SelfDeleteError, requests.RequestException) as err:
+        log.error("event=permission_check ok=false reason=%s", err)
+        print(f"permission_check_failed: {err}")
+        return 3
+    log.info("event=permission_check ok=true kind=%s", kind)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 

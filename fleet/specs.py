@@ -26,7 +26,7 @@ ATTR_CONSUMER = "spawn-consumer"
 ATTR_FLAGS = "spawn-flags"  # shlex-quoted; split by fleet.service, never evaluated by a shell
 ATTR_ACCELERATOR = "spawn-accelerator"  # cpu | gpu | tpu: which JAX the startup script installs
 ATTR_EXTRAS = "spawn-extras"  # comma-separated package extras, e.g. "extract"
-ATTR_PYTHON = "spawn-python"  # interpreter the virtualenv is made from, e.g. python3.11
+ATTR_PYTHON = "spawn-python"  # CPython version uv provisions for the virtualenv, e.g. 3.11
 ATTR_QUEUED_RESOURCE = "spawn-queued-resource"  # on a TPU node made by a queued resource: its id
 
 SCOPE_PREFIX = "https://www.googleapis.com/auth/"
@@ -114,10 +114,21 @@ def _extras(value: object) -> list[str]:
     return extras
 
 
+MIN_PYTHON_MINOR = 11  # JAX 0.10 needs CPython 3.11
+
+
 def _python(value: object) -> str:
-    # Used as an executable name and as an apt package name by startup.sh; keep it that shape.
-    if not isinstance(value, str) or not re.match(r"^python3(\.[0-9]+)?$", value):
-        raise ValueError("must be an interpreter name such as python3 or python3.11")
+    # startup.sh hands it to `uv python install`; `python3.11` is accepted for older specs.
+    match = re.match(r"^(?:python)?3\.([0-9]+)$", value) if isinstance(value, str) else None
+    if not match or int(match.group(1)) < MIN_PYTHON_MINOR:
+        raise ValueError(f"must be a CPython version of at least 3.{MIN_PYTHON_MINOR}, such as 3.11 or 3.12")
+    return f"3.{match.group(1)}"
+
+
+# Compute Engine accepts 30 s to 120 days (https://cloud.google.com/compute/docs/instances/limit-vm-runtime).
+def _run_duration(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 30 <= value <= 120 * 86400:
+        raise ValueError("must be a number of seconds between 30 and 10368000 (120 days)")
     return value
 
 
@@ -157,7 +168,10 @@ class _Common:
     consumer: str = _field(_text)
     spawn_flags: list[str] = _field(_text_list, [])
     extras: list[str] = _field(_extras, ["extract"])
-    python: str = _field(_python, "python3")
+    python: str = _field(_python, "3.11")
+    # Seconds the worker waits for work held by others before it leaves (spawn.py --idle-timeout):
+    # the idle cap that matters most on TPU VMs, which have no max_run_duration.
+    max_idle_s: int | None = _field(_positive_int, None)
     spot: bool = _field(_boolean, True)
     service_account: str = _field(_text, "default")
     scopes: list[str] = _field(_scopes, ["cloud-platform"])
@@ -178,6 +192,8 @@ class VmSpec(_Common):
     gpu_type: str | None = _field(_text, None)
     gpu_count: int = _field(_non_negative_int, 0)
     accelerator: str | None = _field(_choice("cpu", "gpu"), None)
+    # Hard cap: Compute Engine deletes the VM this many seconds after it starts, whatever it is doing.
+    max_run_duration_s: int | None = _field(_run_duration, None)
 
     @property
     def jax_flavour(self) -> str:
@@ -284,11 +300,14 @@ class Launch:
         for flag, url in (("--queue", queue), ("--code", code)):
             if not url.startswith("gs://") or len(url.rstrip("/")) <= len("gs://"):
                 raise SpecError(f"{flag} must be a gs://bucket/prefix URL the machines can reach, got {url!r}")
+        flags = list(spec.spawn_flags if spawn_flags is None else spawn_flags)
+        if spec.max_idle_s is not None and "--idle-timeout" not in flags:
+            flags += ["--idle-timeout", str(spec.max_idle_s)]
         return cls(
             queue=queue.rstrip("/"),
             code=code.rstrip("/"),
             consumer=consumer or spec.consumer,
-            spawn_flags=list(spec.spawn_flags if spawn_flags is None else spawn_flags),
+            spawn_flags=flags,
             startup_script=startup_script.read_text(),
         )
 
@@ -326,6 +345,11 @@ def instance_template(spec: VmSpec, launch: Launch, name: str | None = None) -> 
         scheduling = compute_v1.Scheduling(
             provisioning_model="STANDARD", on_host_maintenance="TERMINATE" if gpu else "MIGRATE", automatic_restart=True
         )
+    if spec.max_run_duration_s is not None:
+        # The backstop against a machine that never manages to delete itself: Compute Engine
+        # deletes it at the limit (https://cloud.google.com/compute/docs/instances/limit-vm-runtime).
+        scheduling.max_run_duration = compute_v1.Duration(seconds=spec.max_run_duration_s)
+        scheduling.instance_termination_action = "DELETE"
     interface = compute_v1.NetworkInterface(network=_compute_network(spec.network))
     if spec.subnetwork:
         interface.subnetwork = spec.subnetwork

@@ -57,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="watch the metadata server for preemption (auto: when on Google Cloud)",
     )
+    p.add_argument(
+        "--machine-record",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="write this machine's state to machines/<name>.json in the queue (auto: when on Google Cloud)",
+    )
     p.add_argument("--log-level", default=os.environ.get("SPAWN_LOG_LEVEL", "INFO"))
     multi = p.add_argument_group("multi-host slice", "set on every host of a multi-host TPU slice (docs/PROTOCOL.md, Slices)")
     multi.add_argument("--slice-id", default=None, help="the slice's name, shared by its hosts")
@@ -131,14 +137,20 @@ def run(
     argv: list[str] | None = None,
     self_delete: Callable[[], None] | None = None,
     watch_preemption: Callable[[Callable[[], None], bool], object | None] | None = None,
+    machine_state: Callable[[object, bool], Callable[..., None] | None] | None = None,
 ) -> int:
     """Parse, run until the queue is empty or a stop, then delete the machine if asked to.
 
     `watch_preemption(on_preempted, required)` starts a watcher (or returns None when not on a
-    cloud machine and not required); `self_delete()` is the `--on-empty delete` hook.
+    cloud machine and not required); `self_delete()` is the `--on-empty delete` hook;
+    `machine_state(store, required)` returns the `on_state(state, **fields)` hook that records this
+    machine's state (or None when not on a cloud machine and not required).
     """
     args, spawner = build(argv)
     install_stop_signals(spawner)
+    # A slice's follower claims nothing; its leader's record speaks for the slice.
+    if args.machine_record != "off" and machine_state is not None and isinstance(spawner, Spawner):
+        spawner.on_state = machine_state(spawner.store, args.machine_record == "on")
     watcher = None
     if args.preemption_watch != "off" and watch_preemption is not None:
         watcher = watch_preemption(lambda: spawner.request_stop("preempted"), args.preemption_watch == "on")
@@ -154,5 +166,8 @@ def run(
     ):
         if self_delete is None:
             raise SystemExit("--on-empty delete: this build has no self-delete hook")
+        spawner.tell_state("deleting", reason=f"queue {reason}")
         self_delete()
+    else:
+        spawner.tell_state("exited", reason=reason)
     return 0

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 from objectstore import NotFound, ObjectStore, StoreError
 from taskqueue import layout
@@ -110,8 +111,17 @@ class Tally:
     duplicates: int = 0
 
 
+#: `on_state(state, **fields)`: told when the worker starts a task ("working", task=...) and when it
+#: waits for work ("idle"). The cloud glue records it (spawn.py wires fleet.machines); the queue
+#: never depends on what it does, and an exception from it is logged, not raised.
+StateHook = Callable[..., None]
+
+
 class Spawner:
-    def __init__(self, store: ObjectStore, options: SpawnOptions, clock: Clock | None = None):
+    def __init__(
+        self, store: ObjectStore, options: SpawnOptions, clock: Clock | None = None, on_state: StateHook | None = None
+    ):
+        self.on_state = on_state
         self.store = store
         self.options = options
         self.clock = clock or Clock()
@@ -158,15 +168,27 @@ class Spawner:
             except ProcessLookupError:
                 pass
 
+    def tell_state(self, state: str, **fields: object) -> None:
+        if self.on_state is None:
+            return
+        try:
+            self.on_state(state, worker=self.options.worker, **fields)
+        except Exception:  # noqa: BLE001 - the hook is the cloud glue's; it must never stop the worker
+            log.exception("event=state_hook_failed state=%s", state)
+
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> str:
         """Drain the queue. Returns why it stopped: drained, idle, max_tasks or stopped."""
         log.info("event=worker_start worker=%s queue=%s", self.options.worker, self.store.root_url)
         handled = 0
+        self.tell_state("idle")
         for claim in self.claimer:
+            self.tell_state("working", task=claim.task_id, attempt=claim.lease.attempt)
             self._handle(claim)
             handled += 1
+            if not self._stop.is_set():
+                self.tell_state("idle", last_task=claim.task_id)
             if self._stop.is_set():
                 break
             if self.options.max_tasks is not None and handled >= self.options.max_tasks:

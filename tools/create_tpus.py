@@ -2,6 +2,10 @@
 
     python tools/create_tpus.py templates/tpu.yaml --count 32 --zone us-west4-a \
         --queue gs://B/jobs/J --code gs://B/code/NAME
+
+First a pre-flight (also in --dry-run) checks the service account's roles and the bucket's
+location (fleet/preflight.py; TPU quotas cannot be read through an API and are reported as not
+checked); a shortfall stops the tool unless --force.
 """
 
 import argparse
@@ -9,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from fleet import gapi, launch, specs
+from fleet import gapi, launch, preflight, specs
 
 
 def main() -> None:
@@ -24,6 +28,8 @@ def main() -> None:
     parser.add_argument("--zone", help="default: CLOUDSDK_COMPUTE_ZONE or gcloud config")
     parser.add_argument("--project", default=None, help="default: CLOUDSDK_CORE_PROJECT or gcloud config")
     parser.add_argument("--dry-run", action="store_true", help="print the requests as JSON instead of sending them")
+    parser.add_argument("--force", action="store_true", help="create even if the pre-flight finds a shortfall")
+    parser.add_argument("--no-preflight", action="store_true", help="skip the pre-flight checks")
     args = parser.parse_args()
     gapi.setup_logging()
     if args.count <= 0 or args.first_index < 0:
@@ -33,12 +39,17 @@ def main() -> None:
     if not project or not zone:
         sys.exit("error: need --project and --zone (or gcloud config defaults)")
     try:
+        if not args.no_preflight:
+            spec = specs.load_spec(args.spec)
+            if isinstance(spec, specs.TpuSpec):
+                request = preflight.request_for_tpus(spec, args.count, zone, args.queue)
+                preflight.enforce(preflight.run_checks(project, request), force=args.force)
         launch.create_tpus(
             args.spec, project, zone, args.count, args.queue, args.code, first_index=args.first_index,
             consumer=args.consumer, spawn_flags=None if args.spawn_flags is None else shlex.split(args.spawn_flags),
             dry_run=args.dry_run,
         )
-    except (specs.SpecError, gapi.LaunchError) as err:
+    except (specs.SpecError, gapi.LaunchError, preflight.PreflightError) as err:
         sys.exit(f"error: {err}")
 
 

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from fleet.machines import fleet_snapshot, render_fleet
 from objectstore import open_store
 from taskqueue.status import RegionCache, render, snapshot
 
@@ -30,7 +31,8 @@ def main() -> int:
     cache = RegionCache() if args.watch else None
     while True:
         view = snapshot(store, sample=args.estimate, cache=cache)
-        text = json.dumps(view, indent=1) if args.json else render(view)
+        fleet = fleet_snapshot(store)  # one listing of machines/ (docs/PROTOCOL.md, "Machine records")
+        text = json.dumps({**view, "fleet": fleet}, indent=1) if args.json else render(view) + "\n" + render_fleet(fleet)
         if args.watch and sys.stdout.isatty():
             print("\033[H\033[2J", end="")
         print(text, flush=True)

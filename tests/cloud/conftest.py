@@ -38,10 +38,12 @@ def metadata(metadata_server: FakeMetadata) -> MetadataClient:
 
 @pytest.fixture
 def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCloud]:
-    """Fake Compute and TPU APIs; FLEET_*_ENDPOINT point at them for subprocesses."""
+    """Fake Compute, TPU, Resource Manager and bucket APIs; FLEET_*_ENDPOINT point at them for subprocesses."""
     server = FakeCloud().start()
     monkeypatch.setenv("FLEET_COMPUTE_ENDPOINT", server.url)
     monkeypatch.setenv("FLEET_TPU_ENDPOINT", server.url)
+    monkeypatch.setenv("FLEET_CRM_ENDPOINT", server.url)
+    monkeypatch.setenv("FLEET_STORAGE_ENDPOINT", server.url)
     try:
         yield server
     finally:

@@ -23,6 +23,8 @@ from tests.cloud.fakehttp import FakeHTTPServer, Request, Response
 
 COMPUTE = "/compute/v1/"
 TPU = "/v2/"
+CRM = "/v1/projects/"  # Cloud Resource Manager: testIamPermissions, getIamPolicy
+STORAGE = "/storage/v1/b/"  # bucket metadata and bucket IAM policy (objects are tests/fakegcs's)
 _STATUS_NAMES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
                  412: "FAILED_PRECONDITION", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 
@@ -38,6 +40,10 @@ class FakeCloud(FakeHTTPServer):
         super().__init__()
         self.resources: dict[str, dict] = {}  # "projects/p/..." -> resource JSON
         self._ids = itertools.count(1)
+        #: Permissions the caller holds on every project (testIamPermissions); None: all it asks for.
+        self.held_permissions: set[str] | None = None
+        self.project_policies: dict[str, dict] = {}  # project -> IAM policy (getIamPolicy)
+        self.buckets: dict[str, dict] = {}  # bucket -> {"location": ..., "policy": {...}}
 
     # -- helpers for tests
 
@@ -68,6 +74,10 @@ class FakeCloud(FakeHTTPServer):
                 return self._compute(request, request.path[len(COMPUTE) :])
             if request.path.startswith(TPU):
                 return self._tpu(request, request.path[len(TPU) :])
+            if request.path.startswith(CRM):
+                return self._resource_manager(request, request.path[len(CRM) :])
+            if request.path.startswith(STORAGE):
+                return self._bucket(request, request.path[len(STORAGE) :])
             raise _ApiError(404, f"no such API on the fake: {request.method} {request.path}")
         except _ApiError as err:
             return self._error(err, tpu=request.path.startswith(TPU))
@@ -107,11 +117,19 @@ class FakeCloud(FakeHTTPServer):
 
     def _compute(self, request: Request, path: str) -> Response:
         method, body = request.method, request.body
+        if method == "GET" and re.fullmatch(r"projects/[^/]+(/regions/[^/]+)?", path):
+            with self.lock:
+                if path not in self.resources:
+                    raise _ApiError(404, f"The resource '{path}' was not found")
+                return Response.json(200, self.resources[path])
         match = re.fullmatch(r"(projects/[^/]+/(?:global|zones/[^/]+|regions/[^/]+))/(.+)", path)
         if not match:
             raise self._unsupported(request)
         scope, rest = match.groups()
         with self.lock:
+            served = self._compute_reads(method, scope, rest)
+            if served is not None:
+                return served
             if re.fullmatch(r"operations/[^/]+", rest) and method == "GET":
                 return Response.json(200, {"kind": "compute#operation", "name": rest.split("/")[1], "status": "DONE"})
             if rest in ("instanceTemplates", "instanceGroupManagers") and method == "POST":
@@ -204,6 +222,71 @@ class FakeCloud(FakeHTTPServer):
                 return self._lro(location, None, "google.protobuf.Empty")
         raise self._unsupported(request)
 
+    # -- reads the pre-flight makes: regions (quotas) and machine types
+
+    def _compute_reads(self, method: str, scope: str, rest: str) -> Response | None:
+        """regions.get (`projects/P/regions/R` with an empty rest is matched by the caller's regex
+        as scope + rest) and machineTypes.get, served from `resources` like everything else."""
+        if method != "GET":
+            return None
+        if re.fullmatch(r"machineTypes/[^/]+", rest):
+            target = f"{scope}/{rest}"
+            if target not in self.resources:
+                raise _ApiError(404, f"The resource '{target}' was not found")
+            return Response.json(200, self.resources[target])
+        return None
+
+    def set_region(self, project: str, region: str, quotas: dict[str, tuple[float, float]]) -> None:
+        """A region whose quotas are {metric: (limit, usage)}."""
+        self.add(f"projects/{project}/regions/{region}", {
+            "name": region, "status": "UP",
+            "quotas": [{"metric": m, "limit": limit, "usage": usage} for m, (limit, usage) in quotas.items()],
+        })
+
+    # -- Cloud Resource Manager
+
+    def _resource_manager(self, request: Request, path: str) -> Response:
+        match = re.fullmatch(r"([^/:]+):(testIamPermissions|getIamPolicy)", path)
+        if not match or request.method != "POST":
+            raise self._unsupported(request)
+        project, verb = match.groups()
+        with self.lock:
+            if verb == "testIamPermissions":
+                asked = request.body.get("permissions", [])
+                held = [p for p in asked if self.held_permissions is None or p in self.held_permissions]
+                return Response.json(200, {"permissions": held} if held else {})
+            if project not in self.project_policies:
+                raise _ApiError(403, f"The caller does not have permission resourcemanager.projects.getIamPolicy on {project}")
+            return Response.json(200, self.project_policies[project])
+
+    # -- Cloud Storage buckets (metadata and IAM only)
+
+    def _bucket(self, request: Request, path: str) -> Response:
+        match = re.fullmatch(r"([^/]+)(/iam)?", path)
+        if not match or request.method != "GET":
+            raise self._unsupported(request)
+        name, iam = match.groups()
+        with self.lock:
+            if name not in self.buckets:
+                raise _ApiError(404, f"bucket {name} not found")
+            bucket = self.buckets[name]
+            if iam:
+                return Response.json(200, {"kind": "storage#policy", "resourceId": f"projects/_/buckets/{name}",
+                                           "version": 1, "bindings": bucket.get("bindings", []), "etag": "CAE="})
+            return Response.json(200, {"kind": "storage#bucket", "name": name, "id": name,
+                                       "location": bucket["location"], "locationType": bucket.get("locationType", "region")})
+
+    # -- queued-resource state transitions
+
+    def set_queued_resource_state(self, name: str, state: str) -> None:
+        """Move a queued resource to `state` (ACTIVE, SUSPENDED, FAILED, ...). A spot TPU that is
+        preempted leaves its queued resource SUSPENDED and its node gone
+        (https://cloud.google.com/tpu/docs/queued-resources)."""
+        with self.lock:
+            self.resources[name]["state"] = {"state": state}
+            if state in ("SUSPENDED", "FAILED"):
+                for key in [k for k, v in self.resources.items() if v.get("queuedResource") == name]:
+                    del self.resources[key]
 
 def queued_node_ids(node_spec: dict) -> list[str]:
     """The nodes one nodeSpec of a queued resource provisions: `nodeId`, or for a multislice

@@ -89,10 +89,10 @@ def test_python_sync_uploads_changes_only_and_deletes_what_is_gone(tmp_path: Pat
 
 def test_upload_tool_without_gcloud_syncs_through_the_client(tmp_path: Path, gcs_bucket: str, gcs_client, no_gcloud_path: str):
     src = _tree(tmp_path / "checkout", CHECKOUT)
-    env = {**os.environ, "PATH": no_gcloud_path}
+    env = {**os.environ, "PATH": no_gcloud_path, "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, "tools/upload_code.py", f"gs://{gcs_bucket}/code/x", "--source", str(src), "--exclude", "data/*",
-         "--exclude", "*.tmp"],
+         "--exclude", "*.tmp", "--no-locks"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -103,14 +103,15 @@ def test_upload_tool_without_gcloud_syncs_through_the_client(tmp_path: Path, gcs
 def test_upload_tool_uses_gcloud_rsync_when_gcloud_is_on_path(tmp_path: Path, stubs: StubBin):
     stubs.add("gcloud")
     src = _tree(tmp_path / "checkout", {"spawn.py": "x\n"})
-    env = {**os.environ, "PATH": f"{stubs.dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{stubs.dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
     result = subprocess.run(
-        [sys.executable, "tools/upload_code.py", "gs://bkt/code/run1/", "--source", str(src), "--exclude", "data/*"],
+        [sys.executable, "tools/upload_code.py", "gs://bkt/code/run1/", "--source", str(src), "--exclude", "data/*",
+         "--no-locks"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     [argv] = stubs.calls()
-    regex = codesync.exclude_regex([*codesync.DEFAULT_EXCLUDES, "data/*"])
+    regex = codesync.exclude_regex([*codesync.DEFAULT_EXCLUDES, "data/*"], codesync.GENERATED)
     assert argv == ["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects",
                     f"--exclude={regex}", str(src), "gs://bkt/code/run1"]
 
@@ -125,3 +126,67 @@ def test_failing_gcloud_is_reported_with_its_exit_code(tmp_path: Path, stubs: St
 def test_destination_must_be_a_bucket_prefix(tmp_path: Path, dest: str):
     with pytest.raises(codesync.CodeSyncError, match="gs://"):
         codesync.sync_code(tmp_path, dest, use_gcloud=False)
+
+
+def test_git_ignored_files_are_not_uploaded(tmp_path: Path, gcs_bucket: str, gcs_client):
+    src = _tree(tmp_path / "checkout", {
+        ".gitignore": "/local-run/\n*.bin\n", "spawn.py": "x\n", "fleet/a.py": "a\n", "local-run/model/w.safetensors": "21 MB",
+        "fleet/cache.bin": "blob", "untracked_new.py": "new\n",
+    })
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(["git", "-C", str(src), "add", "spawn.py", "fleet/a.py", ".gitignore"], check=True)
+    codesync.sync_code(src, f"gs://{gcs_bucket}/code/g", client=gcs_client, use_gcloud=False)
+    # Tracked and untracked-but-not-ignored files go; ignored ones (and .git) do not.
+    assert sorted(_listing(gcs_client, gcs_bucket, "code/g")) == [".gitignore", "fleet/a.py", "spawn.py", "untracked_new.py"]
+
+
+def _tiny_package(root: Path, name: str, version: str, deps: list[str]) -> Path:
+    pkg = root / name
+    (pkg / name).mkdir(parents=True)
+    (pkg / name / "__init__.py").write_text(f"VERSION = {version!r}\n")
+    requires = "".join(f"\n    {d}" for d in deps)
+    (pkg / "setup.cfg").write_text(f"[metadata]\nname = {name}\nversion = {version}\n\n[options]\npackages = {name}\ninstall_requires ={requires}\n")
+    (pkg / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n')
+    return pkg
+
+
+def test_locked_environment_installs_offline_from_a_wheelhouse_with_no_index(tmp_path: Path):
+    """The upload side (uv pip compile, pip download) and the machine side (uv pip install
+    --no-index --find-links) for this machine's platform, with two tiny wheels built here: no network."""
+    index = tmp_path / "index"
+    for name, version, deps in (("tinydep", "0.2.0", []), ("tinyapp", "0.1.0", ["tinydep>=0.2"])):
+        pkg = _tiny_package(tmp_path / "src", name, version, deps)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--wheel-dir", str(index), str(pkg)], check=True, capture_output=True)
+    offline = ["--no-index", "--find-links", str(index)]
+    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+    lock = codesync.compile_lock(["tinyapp"], tmp_path / "stage" / "locks" / "cpu.txt", python_version,
+                                 platform=None, index_args=offline)
+    pins = sorted(line.split(" ")[0] for line in lock.read_text().splitlines() if "==" in line)
+    assert pins == ["tinyapp==0.1.0", "tinydep==0.2.0"]
+
+    import sysconfig
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    wheelhouse = codesync.download_wheelhouse(lock, tmp_path / "stage" / "wheelhouse" / "cpu", python_version,
+                                              also=(), platforms=(platform,), index_args=offline)
+    assert sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl")) == ["tinyapp", "tinydep"]
+
+    # The machine: a fresh virtualenv and exactly the lock, from the wheelhouse alone.
+    uv = codesync.uv_command()
+    venv = tmp_path / "venv"
+    subprocess.run([*uv, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, capture_output=True)
+    env = {**os.environ, "UV_NO_CACHE": "1"}
+    subprocess.run([*uv, "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"), "--no-index",
+                    "--find-links", str(wheelhouse), "--requirement", str(lock)], check=True, capture_output=True, env=env)
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", "import tinyapp, tinydep; print(tinyapp.VERSION, tinydep.VERSION)"],
+                         check=True, capture_output=True, text=True)
+    assert out.stdout.split() == ["0.1.0", "0.2.0"]
+
+
+def test_requirements_of_reads_setup_cfg_extras_and_the_jax_variant():
+    reqs = codesync.requirements_of(REPO, ["extract"], codesync.LOCKS["tpu"])
+    assert reqs[-1] == "jax[tpu]"
+    assert any(r.startswith("google-cloud-tpu") for r in reqs) and any(r.startswith("flax") for r in reqs)
+    with pytest.raises(codesync.CodeSyncError, match="no extra 'gpu'"):
+        codesync.requirements_of(REPO, ["gpu"], "jax")

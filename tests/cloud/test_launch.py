@@ -4,6 +4,7 @@ the exact REST calls (paths and bodies) for templates, groups, TPU nodes, queued
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ QUEUE, CODE = "gs://bkt/jobs/j1", "gs://bkt/code/run1"
 
 
 def tool(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    # PYTHONPATH: the tools import this checkout's packages, whatever the shared venv has installed.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_create_template_tool_inserts_the_template_through_the_endpoint_override(cloud: FakeCloud):
@@ -79,7 +82,8 @@ def test_zonal_group_insert_then_resize(cloud: FakeCloud, compute_clients: compu
     insert, resize = cloud.calls()
     assert (insert.method, insert.path) == ("POST", "/compute/v1/projects/proj-a/zones/us-central1-a/instanceGroupManagers")
     assert insert.body == {"name": "spawn-worker", "baseInstanceName": "spawn-worker", "targetSize": 200,
-                           "instanceTemplate": "projects/proj-a/global/instanceTemplates/spawn-worker"}
+                           "instanceTemplate": "projects/proj-a/global/instanceTemplates/spawn-worker",
+                           "instanceLifecyclePolicy": {"defaultActionOnFailure": "REPAIR", "forceUpdateOnRepair": "YES"}}
     assert (resize.method, resize.path) == (
         "POST", "/compute/v1/projects/proj-a/zones/us-central1-a/instanceGroupManagers/spawn-worker/resize")
     assert resize.query["size"] == "50"
@@ -90,7 +94,9 @@ def test_regional_group_is_created_without_proactive_redistribution(cloud: FakeC
     result = tool("tools/create_group.py", "--template", "tmpl", "--name", "fleet-a", "--size", "8", "--region", "europe-west4",
                   "--project", "proj-a")
     assert result.returncode == 0, result.stderr
-    [call] = cloud.calls()
+    # The pre-flight could not read the (absent) template: it says so and the tool goes on.
+    assert "preflight unchecked template" in result.stdout
+    [call] = [c for c in cloud.calls("POST")]
     assert (call.method, call.path) == ("POST", "/compute/v1/projects/proj-a/regions/europe-west4/instanceGroupManagers")
     assert call.body["targetSize"] == 8 and call.body["name"] == "fleet-a"
     assert call.body["updatePolicy"] == {"instanceRedistributionType": "NONE", "type": "OPPORTUNISTIC"}

@@ -116,13 +116,20 @@ def test_watcher_fires_once_promptly_when_preempted_turns_true(vm: FakeMetadata)
         watcher.stop()
 
 
-def test_watcher_fires_on_terminate_maintenance_but_not_on_migrate(vm: FakeMetadata):
-    watcher, fired, times = _watch(vm)
+def test_terminate_maintenance_notice_is_reported_but_does_not_stop_the_worker(vm: FakeMetadata):
+    notices: list[str] = []
+    watcher, fired, times = _watch(vm, on_notice=notices.append)
     try:
         _wait_for_long_polls(vm, 2)
         vm.set("instance/maintenance-event", "MIGRATE_ON_HOST_MAINTENANCE")
-        assert not fired.wait(0.5)
         vm.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+        deadline = time.monotonic() + 5
+        while "TERMINATE_ON_HOST_MAINTENANCE" not in notices:
+            assert time.monotonic() < deadline, f"no notice reported, got {notices}"
+            time.sleep(0.02)
+        assert not fired.wait(0.5)
+        # The watcher keeps watching: a later preemption still stops the worker.
+        vm.set("instance/preempted", "TRUE")
         assert fired.wait(5)
         assert len(times) == 1
     finally:

@@ -153,3 +153,80 @@ def test_unreachable_metadata_server_powers_off(poweroff: StubBin, caplog: pytes
         _delete(MetadataClient(f"127.0.0.1:{port}", timeout_s=0.5))
     assert any("event=self_delete_failed error_type=ConnectionError" in r.getMessage() for r in caplog.records)
     assert poweroff.calls() == [["systemctl", "poweroff"]]
+
+
+def test_group_member_that_cannot_delete_itself_stays_up_instead_of_powering_off_into_a_repair_loop(
+    metadata_server: FakeMetadata, metadata: MetadataClient, cloud: FakeCloud, compute_clients, poweroff: StubBin,
+    caplog: pytest.LogCaptureFixture,
+):
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "spawn-worker-q1", {"created-by": f"projects/1/zones/{ZONE}/instanceGroupManagers/spawn-worker"}))
+    cloud.fail_next(10, 403)
+    with caplog.at_level(logging.INFO, logger="fleet.selfdelete"):
+        accepted = delete_self(metadata, compute_clients=compute_clients, attempts=2, max_wait_s=0.05)
+    assert accepted is False
+    assert poweroff.calls() == []
+    assert any("action=stay_up" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "values, held, missing",
+    [
+        (gce_vm(PROJECT, ZONE, "m1", {"created-by": f"projects/1/zones/{ZONE}/instanceGroupManagers/g"}),
+         {"compute.instances.delete"}, "compute.instanceGroupManagers.update"),
+        (gce_vm(PROJECT, ZONE, "solo"), set(), "compute.instances.delete"),
+        (tpu_vm(PROJECT, "us-west4-a", "t-1", {"spawn-queued-resource": "t-1"}), {"tpu.nodes.delete"}, "tpu.queuedResources.delete"),
+    ],
+)
+def test_boot_permission_check_names_the_missing_permission(
+    metadata_server: FakeMetadata, cloud: FakeCloud, monkeypatch: pytest.MonkeyPatch, capsys, values, held, missing
+):
+    from fleet.selfdelete import main
+
+    monkeypatch.setenv("FLEET_CRM_ENDPOINT", cloud.url)
+    metadata_server.values.update(values)
+    cloud.held_permissions = held
+    assert main(["check"]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("missing_permission: ") and missing in out and PROJECT in out
+    [call] = cloud.calls()
+    assert call.path == f"/v1/projects/{PROJECT}:testIamPermissions"
+
+
+def test_boot_permission_check_passes_when_every_permission_is_held(
+    metadata_server: FakeMetadata, cloud: FakeCloud, monkeypatch: pytest.MonkeyPatch
+):
+    from fleet.selfdelete import main
+
+    monkeypatch.setenv("FLEET_CRM_ENDPOINT", cloud.url)
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "m1", {"created-by": f"projects/1/zones/{ZONE}/instanceGroupManagers/g"}))
+    cloud.held_permissions = {"compute.instanceGroupManagers.update"}
+    assert main(["check"]) == 0
+
+
+def test_queued_resource_attribute_name_matches_the_specs():
+    from fleet import selfdelete, specs
+
+    assert selfdelete.ATTR_QUEUED_RESOURCE == specs.ATTR_QUEUED_RESOURCE
+
+
+def test_permission_check_does_not_import_the_compute_client():
+    # The boot runs it before every start; compute_v1's import alone costs seconds of CPU.
+    import subprocess
+    import sys
+
+    code = "import sys, fleet.selfdelete; print('google.cloud.compute_v1' in sys.modules, 'google.cloud.tpu_v2' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_permission_check_that_cannot_run_fails_closed_and_says_what_to_enable(
+    metadata_server: FakeMetadata, cloud: FakeCloud, monkeypatch: pytest.MonkeyPatch, capsys
+):
+    from fleet.selfdelete import main
+
+    monkeypatch.setenv("FLEET_CRM_ENDPOINT", cloud.url)
+    metadata_server.values.update(gce_vm(PROJECT, ZONE, "solo"))
+    cloud.fail_next(1, 403, path_contains=":testIamPermissions")
+    assert main(["check"]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("permission_check_failed: ") and "403" in out and "cloudresourcemanager.googleapis.com" in out

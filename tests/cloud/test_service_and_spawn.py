@@ -4,6 +4,7 @@ and a real spawn.py worker hands its task back within 10 s of a preemption notic
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -99,3 +100,77 @@ def test_preempted_worker_releases_its_lease_within_10_s_and_the_attempt_is_not_
     done = json.loads(store.read("done/t1.json").data)
     assert done["attempt"] == 1
     assert [r["index"] for r in done["outputs"]] == list(range(12))
+
+
+def test_maintenance_notice_keeps_the_worker_going_until_sigterm_then_it_releases_its_lease(
+    tmp_path: Path, metadata_server: FakeMetadata
+):
+    metadata_server.values.update(gce_vm("p", "us-central1-a", "gpu-1", {"spawn-accelerator": "gpu"}))
+    queue = tmp_path / "queue"
+    store = open_store(str(queue))
+    submit(store, None, [("t1", json.dumps({"id": "t1", "outputs": 200, "sleep": 0.1}).encode())])
+
+    worker = _spawn(queue, "--worker-id", "w-maint", "--preemption-watch", "on")
+    try:
+        _wait_for("two committed outputs", lambda: len((_lease(store, "t1") or {}).get("progress", [])) >= 2, 60, worker)
+        metadata_server.set("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")
+        at_notice = len(_lease(store, "t1")["progress"])
+        # An hour's notice is not a stop: the worker keeps committing outputs under the same lease.
+        _wait_for("more outputs after the notice", lambda: len(_lease(store, "t1")["progress"]) >= at_notice + 3, 30, worker)
+        assert _lease(store, "t1")["state"] != "released"
+        assert worker.poll() is None
+        signalled = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        released = _wait_for("the lease to be released", lambda: (_lease(store, "t1") or {}).get("state") == "released" and _lease(store, "t1"), 10)
+        assert time.monotonic() - signalled < 10
+        assert worker.wait(timeout=15) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    output = worker.stdout.read()
+    assert "event=maintenance_notice value=TERMINATE_ON_HOST_MAINTENANCE" in output
+    assert "event=preempted" not in output
+    assert released["errors"] == []
+    assert at_notice + 3 <= len(released["progress"]) < 200
+
+
+def test_worker_writes_its_machine_record_on_each_state_change(tmp_path: Path, metadata_server: FakeMetadata):
+    metadata_server.values.update(gce_vm("p", "us-central1-a", "w-7", {"spawn-accelerator": "cpu", "spawn-code": "gs://b/code/v3"}))
+    queue = tmp_path / "queue"
+    store = open_store(str(queue))
+    submit(store, None, [(t, json.dumps({"id": t, "outputs": 2}).encode()) for t in ("t1", "t2")])
+
+    worker = _spawn(queue, "--worker-id", "w-7-worker", "--preemption-watch", "off", "--machine-record", "auto")
+    output, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, output
+    states = [line.split("state=")[1].split()[0] for line in output.splitlines() if "event=machine_record " in line]
+    assert states[0] == "idle" and states[-1] == "exited"
+    assert states.count("working") == 2
+    assert "event=machine_record machine=w-7 state=working task=t1" in output
+    record = json.loads(store.read("machines/w-7.json").data)
+    assert record["state"] == "exited" and record["reason"] == "drained"
+    assert (record["machine"], record["zone"], record["accelerator"], record["code"]) == ("w-7", "us-central1-a", "cpu", "gs://b/code/v3")
+    [entry] = list(store.list("machines/"))
+    assert entry.metadata["state"] == "exited" and entry.metadata["code"] == "gs://b/code/v3"
+
+
+def test_group_whose_queue_is_drained_ends_at_size_zero(tmp_path: Path, metadata_server: FakeMetadata, cloud):
+    """Each member finds the queue drained, records `deleting` and leaves its group through
+    deleteInstances, which lowers the target size: the group is not told to recreate anyone."""
+    group = "projects/p/zones/us-central1-a/instanceGroupManagers/spawn-worker"
+    cloud.add(group, {"name": "spawn-worker", "targetSize": 2})
+    queue = tmp_path / "queue"
+    store = open_store(str(queue))
+    submit(store, None, [("t1", json.dumps({"id": "t1"}).encode())])
+    for member in ("spawn-worker-a1b2", "spawn-worker-c3d4"):
+        cloud.add(f"projects/p/zones/us-central1-a/instances/{member}", {"name": member})
+        metadata_server.values.clear()
+        metadata_server.values.update(gce_vm("p", "us-central1-a", member, {"created-by": f"projects/1/zones/us-central1-a/instanceGroupManagers/spawn-worker"}))
+        worker = _spawn(queue, "--on-empty", "delete", "--preemption-watch", "off")
+        output, _ = worker.communicate(timeout=60)
+        assert worker.returncode == 0, output
+        assert json.loads(store.read(f"machines/{member}.json").data)["state"] == "deleting"
+    assert cloud.resources[group]["targetSize"] == 0
+    calls = [(c.method, c.path) for c in cloud.calls() if c.method == "POST"]
+    assert calls == [("POST", f"/compute/v1/{group}/deleteInstances")] * 2
+    assert not [k for k in cloud.resources if "/instances/" in k]

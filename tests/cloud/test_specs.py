@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,9 @@ def test_shipped_templates_are_valid():
         ("vm.yaml", {"name": "Bad_Name"}, "field 'name' must be lowercase letters"),
         ("vm.yaml", {"accelerator": "tpu"}, "field 'accelerator' must be one of cpu, gpu, got 'tpu'"),
         ("vm.yaml", {"labels": {"Team": "x"}}, "field 'labels' has label 'Team'"),
-        ("vm.yaml", {"python": "python3 -c evil"}, "field 'python' must be an interpreter name"),
+        ("vm.yaml", {"python": "python3 -c evil"}, "field 'python' must be a CPython version of at least 3.11"),
+        ("vm.yaml", {"python": "3.10"}, "field 'python' must be a CPython version of at least 3.11"),
+        ("vm.yaml", {"max_run_duration_s": 5}, "field 'max_run_duration_s' must be a number of seconds between 30"),
         ("vm.yaml", {"scopes": []}, "field 'scopes' must list at least one OAuth scope"),
         ("vm.yaml", {"machine_type": None}, "field 'machine_type' is required for kind 'vm'"),
         ("vm.yaml", {"disk_size": 10}, "unknown field 'disk_size' for kind 'vm'"),
@@ -94,8 +97,8 @@ def test_spot_template_deletes_on_preemption_and_carries_the_launch_attributes()
         "spawn-extras": "extract",
         "spawn-python": spec.python,
     }
-    assert "https://www.googleapis.com/auth/devstorage.read_write" in props.service_accounts[0].scopes
-    assert "https://www.googleapis.com/auth/compute" in props.service_accounts[0].scopes
+    # cloud-platform: the boot's projects.testIamPermissions needs it; IAM roles do the limiting.
+    assert props.service_accounts[0].scopes == ["https://www.googleapis.com/auth/cloud-platform"]
 
 
 def test_standard_cpu_vm_migrates_and_gpu_vm_terminates_on_maintenance(tmp_path: Path):
@@ -109,3 +112,34 @@ def test_standard_cpu_vm_migrates_and_gpu_vm_terminates_on_maintenance(tmp_path:
     assert gpu.jax_flavour == "gpu"
     assert props.scheduling.on_host_maintenance == "TERMINATE"
     assert [(a.accelerator_type, a.accelerator_count) for a in props.guest_accelerators] == [("nvidia-tesla-t4", 2)]
+
+
+def test_max_run_duration_makes_compute_engine_delete_the_vm_at_the_limit(tmp_path: Path):
+    spec = specs.load_spec(_write(tmp_path, "vm.yaml", spot=False, max_run_duration_s=7200, python="python3.12"))
+    assert spec.python == "3.12"
+    template = specs.instance_template(spec, specs.Launch.make(spec, "gs://b/q", "gs://b/c"))
+    body = json.loads(type(template).to_json(template))
+    assert body["properties"]["scheduling"]["maxRunDuration"] == {"seconds": "7200"}
+    assert body["properties"]["scheduling"]["instanceTerminationAction"] == "DELETE"
+    items = {i["key"]: i["value"] for i in body["properties"]["metadata"]["items"]}
+    assert items["spawn-python"] == "3.12"
+
+
+def test_idle_cap_becomes_the_workers_idle_timeout(tmp_path: Path):
+    spec = specs.load_spec(_write(tmp_path, "tpu.yaml", max_idle_s=600))
+    launch = specs.Launch.make(spec, "gs://b/q", "gs://b/c")
+    assert launch.spawn_flags[-2:] == ["--idle-timeout", "600"]
+    explicit = specs.Launch.make(spec, "gs://b/q", "gs://b/c", spawn_flags=["--idle-timeout", "30"])
+    assert explicit.spawn_flags == ["--idle-timeout", "30"]
+
+
+def test_setup_cfg_requires_the_tpu_client_that_has_queued_resources():
+    # tpu_v2.QueuedResource first appears in google-cloud-tpu 1.21; an older floor installs a client without it.
+    import configparser
+    import re as _re
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    [line] = [r for r in config["options"]["install_requires"].split() if r.startswith("google-cloud-tpu")]
+    floor = tuple(int(p) for p in _re.match(r"google-cloud-tpu>=([0-9.]+)", line).group(1).split("."))
+    assert floor >= (1, 21)

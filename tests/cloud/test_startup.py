@@ -1,11 +1,13 @@
 """startup/startup.sh: shellcheck-clean, and executed for real in a temporary root with stub
-gcloud, python3, apt-get and systemctl on PATH and the fake metadata server behind curl."""
+gcloud, uv, python3, apt-get and systemctl on PATH and the fake metadata server behind curl."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,9 @@ SCRIPT = REPO / "startup" / "startup.sh"
 UNIT = REPO / "startup" / "spawn-worker.service"
 SHELLCHECK = REPO / ".venv" / "bin" / "shellcheck"
 # The only real programs the script may run; everything else it calls is a stub, so a real
-# gcloud, python or apt-get on this machine can never be reached.
-REAL_TOOLS = ("bash", "curl", "cat", "sha256sum", "mkdir", "rm", "install", "cp")
+# gcloud, uv, python or apt-get on this machine can never be reached.
+REAL_TOOLS = ("bash", "curl", "cat", "sha256sum", "mkdir", "rm", "install", "cp", "tee", "tail", "date", "tr",
+              "sleep", "env", "flock", "dirname")
 ATTRS = {"spawn-code": "gs://bkt/code/run1", "spawn-queue": "gs://bkt/jobs/j1", "spawn-consumer": "python consume.py"}
 
 
@@ -42,33 +45,94 @@ class Boot:
         for name in ("setup.cfg", "pyproject.toml"):
             shutil.copy(REPO / name, bucket / name)
         self.bucket = bucket
-        # gcloud storage rsync SRC DEST: the "bucket" is a local directory here.
-        stubs.add("gcloud", 'cp -R "$FAKE_BUCKET_CODE/." "${@: -1}"\n')
-        stubs.add("venv-python")
-        stubs.add("python3", 'if [[ "$1 $2" == "-m venv" ]]; then mkdir -p "$3/bin"; cp "$STUB_DIR/venv-python" "$3/bin/python"; fi\n')
-        # Installing python3.X makes a python3.X that behaves like the python3 stub.
-        stubs.add("apt-get", 'for p in "$@"; do if [[ "$p" == python3.* && "$p" != *-venv ]]; then cp "$STUB_DIR/python3" "$STUB_DIR/$p"; fi; done\n')
+        self.records = tmp_path / "bucket-records"
+        self.records.mkdir()
+        self.dpkg_lock = tmp_path / "dpkg-lock-frontend"
+        self.dpkg_lock.touch()
+        self.extra_env: dict[str, str] = {}
+        # gcloud storage rsync SRC DEST: the "bucket" is a local directory here (failing the first
+        # $RSYNC_FAILURES times); gcloud storage cp - URL keeps a machine record.
+        stubs.add("gcloud", """
+            if [[ "$1 $2" == "storage rsync" ]]; then
+              n=$(( $(cat "$STUB_DIR/.rsyncs" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$STUB_DIR/.rsyncs"
+              if (( n <= ${RSYNC_FAILURES:-0} )); then echo "rsync: 503 from the bucket" >&2; exit 1; fi
+              cp -R "$FAKE_BUCKET_CODE/." "${@: -1}"
+            elif [[ "$1 $2" == "storage cp" ]]; then
+              url="${@: -1}"; cat > "$FAKE_RECORDS/${url##*/}"
+              printf '%s\n' "$url" >> "$FAKE_RECORDS/.history"; for a in "$@"; do case "$a" in --custom-metadata=*) printf '%s\n' "${a#*=}" >> "$FAKE_RECORDS/.history";; esac; done
+            fi
+        """)
+        # The virtualenv's python: `-m fleet.selfdelete check` answers as $PERMISSION_VERDICT says.
+        stubs.add("venv-python", """
+            if [[ "$*" == "-m fleet.selfdelete check" && -n "${PERMISSION_VERDICT:-}" ]]; then echo "$PERMISSION_VERDICT"; exit 3; fi
+        """)
+        stubs.add("uv-stub", """
+            if [[ "$1" == venv ]]; then mkdir -p "${@: -1}/bin"; cp "$STUB_DIR/venv-python" "${@: -1}/bin/python"; fi
+            if [[ "$1 $2" == "pip install" && -n "${UV_PIP_FAILS:-}" ]]; then echo "error: no matching distribution for jax" >&2; exit 1; fi
+        """)
+        shutil.copy(stubs.dir / "uv-stub", stubs.dir / "uv")
+        # The image's python3 can make a venv only once python3-venv is installed; its pip installs uv.
+        stubs.add("pip", """if [[ " $* " == *" uv "* ]]; then cp "$STUB_DIR/uv-stub" "$(dirname "$0")/uv"; fi
+""")
+        stubs.add("python3", """
+            if [[ "$1 $2" == "-m venv" ]]; then
+              [[ -f "$STUB_DIR/.python3-venv" ]] || { echo "ensurepip is not available" >&2; exit 1; }
+              mkdir -p "$3/bin"; cp "$STUB_DIR/pip" "$3/bin/pip"
+            fi
+        """)
+        # apt-get as Debian's: without -o DPkg::Lock::Timeout it fails at once while the lock is held.
+        stubs.add("apt-get", """
+            wait_s=0
+            for a in "$@"; do case "$a" in DPkg::Lock::Timeout=*) wait_s="${a#*=}";; esac; done
+            exec 9>"$DPKG_LOCK"
+            if ! flock -w "$wait_s" 9; then echo "E: Could not get lock $DPKG_LOCK" >&2; exit 100; fi
+            for p in "$@"; do if [[ "$p" == python3-venv ]]; then : > "$STUB_DIR/.python3-venv"; fi; done
+        """)
         stubs.add("systemctl")
+        stubs.add("journalctl", "echo 'Traceback (most recent call last):'; echo 'ImportError: no module named jax'\n")
         self.tools = tmp_path / "real-tools"
         self.tools.mkdir()
         for tool in REAL_TOOLS:
             (self.tools / tool).symlink_to(shutil.which(tool))
 
-    def run(self) -> subprocess.CompletedProcess:
-        env = {
+    def run(self, *args: str, **env: str) -> subprocess.CompletedProcess:
+        full_env = {
             "PATH": f"{self.stubs.dir}{os.pathsep}{self.tools}",
             "HOME": str(self.root),
             "STARTUP_ROOT": str(self.root),
+            "STARTUP_RETRY_DELAY_S": "0",
             "GCE_METADATA_HOST": self.metadata.host,
             "FAKE_BUCKET_CODE": str(self.bucket),
+            "FAKE_RECORDS": str(self.records),
+            "DPKG_LOCK": str(self.dpkg_lock),
             "STUB_DIR": str(self.stubs.dir),
+            **self.extra_env,
+            **env,
         }
         self.stubs.log.write_text("")
-        return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+        return subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=60)
+
+    def without_uv(self) -> None:
+        (self.stubs.dir / "uv").unlink()
+
+    def record(self, name: str) -> dict:
+        return json.loads((self.records / f"{name}.json").read_text())
+
+    def states(self) -> list[str]:
+        history = (self.records / ".history").read_text().splitlines() if (self.records / ".history").exists() else []
+        return [line.split("state=")[1].split(",")[0] for line in history if line.startswith("state=")]
 
     @property
     def unit(self) -> Path:
         return self.root / "etc/systemd/system/spawn-worker.service"
+
+    @property
+    def venv(self) -> str:
+        return f"{self.root}/opt/fleet/venv"
+
+    @property
+    def code(self) -> str:
+        return f"{self.root}/opt/fleet/code"
 
 
 @pytest.fixture
@@ -76,45 +140,94 @@ def boot(tmp_path: Path, stubs: StubBin, metadata_server: FakeMetadata) -> Boot:
     return Boot(tmp_path, stubs, metadata_server)
 
 
-def test_gpu_vm_boot_syncs_installs_cuda_jax_and_starts_the_unit_and_reboot_reinstalls_nothing(boot: Boot):
+def _record_call(name: str) -> list[str]:
+    return ["gcloud", "storage", "cp", "--content-type=application/json"]
+
+
+def _without_records(calls: list[list[str]]) -> list[list[str]]:
+    return [c for c in calls if c[:3] != ["gcloud", "storage", "cp"]]
+
+
+def test_gpu_vm_boot_syncs_provisions_python_installs_cuda_jax_and_starts_the_unit_and_reboot_reinstalls_nothing(boot: Boot):
     boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-1", {**ATTRS, "spawn-accelerator": "gpu", "spawn-extras": "extract"}))
-    code, venv = f"{boot.root}/opt/fleet/code", f"{boot.root}/opt/fleet/venv"
-    rsync = ["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects", "gs://bkt/code/run1", code]
+    rsync = ["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects", "gs://bkt/code/run1", boot.code]
+    check = ["python", "-m", "fleet.selfdelete", "check"]
     start = [["systemctl", "daemon-reload"], ["systemctl", "start", "spawn-worker.service"]]
 
     first = boot.run()
     assert first.returncode == 0, first.stderr
-    assert boot.stubs.calls() == [
+    assert _without_records(boot.stubs.calls()) == [
         rsync,
-        ["python3", "-m", "venv", venv],
-        ["python", "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
-        ["python", "-m", "pip", "install", "--quiet", "--editable", f"{code}[extract]", "jax[cuda12]"],
+        ["uv", "python", "install", "3.11"],
+        ["uv", "venv", "--managed-python", "--python", "3.11", boot.venv],
+        ["uv", "pip", "install", "--python", f"{boot.venv}/bin/python", "--editable", f"{boot.code}[extract]", "jax[cuda12]"],
+        check,
         *start,
     ]
+    assert boot.states() == ["booting", "installing"]
+    record = boot.record("w-1")
+    assert (record["state"], record["accelerator"], record["code"]) == ("installing", "gpu", "gs://bkt/code/run1")
     unit = boot.unit.read_text()
     assert unit == UNIT.read_text()
     assert "ExecStart=/opt/fleet/venv/bin/python -m fleet.service" in unit
-    assert "Restart=on-failure" in unit and "StandardOutput=journal+console" in unit
+    assert "ExecStopPost=-/bin/bash /opt/fleet/code/startup/startup.sh worker-stopped" in unit
 
     second = boot.run()
     assert second.returncode == 0, second.stderr
-    assert boot.stubs.calls() == [rsync, *start]
+    assert _without_records(boot.stubs.calls()) == [rsync, check, *start]
     assert "event=install_skipped" in second.stderr
     assert boot.unit.read_text() == unit
 
 
-def test_tpu_vm_boot_installs_missing_python_and_tpu_jax(boot: Boot):
-    boot.metadata.values.update(
-        tpu_vm("p", "us-west4-a", "spawn-tpu-0000", {**ATTRS, "spawn-accelerator": "tpu", "spawn-python": "python3.11"})
-    )
+def test_locked_install_takes_exactly_the_lock_from_the_wheelhouse_with_no_index(boot: Boot):
+    (boot.bucket / "locks").mkdir()
+    (boot.bucket / "locks" / "tpu.txt").write_text("jax[tpu]==0.10.0\n")
+    (boot.bucket / "wheelhouse" / "tpu").mkdir(parents=True)
+    boot.metadata.values.update(tpu_vm("p", "us-west4-a", "spawn-tpu-0000", {**ATTRS, "spawn-accelerator": "tpu", "spawn-python": "python3.11"}))
     result = boot.run()
     assert result.returncode == 0, result.stderr
+    wheelhouse, python = f"{boot.code}/wheelhouse/tpu", f"{boot.venv}/bin/python"
+    pip_calls = [c for c in boot.stubs.calls() if c[:3] == ["uv", "pip", "install"]]
+    assert pip_calls == [
+        ["uv", "pip", "install", "--python", python, "--no-index", "--find-links", wheelhouse, "--requirement", f"{boot.code}/locks/tpu.txt"],
+        ["uv", "pip", "install", "--python", python, "--no-index", "--find-links", wheelhouse, "--no-deps", "--editable", boot.code],
+    ]
+    assert boot.record("spawn-tpu-0000")["accelerator"] == "tpu"
+
+
+def test_image_without_uv_waits_for_the_dpkg_lock_bootstraps_uv_and_boots_twice(boot: Boot):
+    boot.without_uv()
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-2", ATTRS))
+    holder = subprocess.Popen(["flock", str(boot.dpkg_lock), "sleep", "2"])  # unattended-upgrades, say
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        first = boot.run()
+        waited = time.monotonic() - started
+    finally:
+        holder.wait(timeout=10)
+    assert first.returncode == 0, first.stderr
     calls = boot.stubs.calls()
-    assert ["apt-get", "install", "-y", "-q", "--no-install-recommends", "python3.11", "python3.11-venv"] in calls
-    assert ["python3.11", "-m", "venv", f"{boot.root}/opt/fleet/venv"] in calls
-    assert calls[-3] == ["python", "-m", "pip", "install", "--quiet", "--editable", f"{boot.root}/opt/fleet/code", "jax[tpu]"]
+    apt = [c for c in calls if c[0] == "apt-get"]
+    assert apt and all("DPkg::Lock::Timeout=900" in c for c in apt)
+    assert ["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "-q", "--no-install-recommends", "python3-venv"] in apt
+    assert waited >= 1.5  # it waited for the lock instead of failing
+    assert ["pip", "install", "--quiet", "uv"] in calls
+    assert (boot.root / "opt/fleet/uv/bin/uv").exists()
     assert calls[-1] == ["systemctl", "start", "spawn-worker.service"]
-    assert boot.unit.exists()
+
+    second = boot.run()
+    assert second.returncode == 0, second.stderr
+    assert not [c for c in boot.stubs.calls() if c[0] in ("apt-get", "pip", "python3")]
+    assert boot.stubs.calls()[-1] == ["systemctl", "start", "spawn-worker.service"]
+
+
+def test_code_sync_is_retried_with_backoff(boot: Boot):
+    boot.metadata.values.update(gce_vm("p", "z", "w-3", ATTRS))
+    result = boot.run(RSYNC_FAILURES="2")
+    assert result.returncode == 0, result.stderr
+    assert sum(c[:3] == ["gcloud", "storage", "rsync"] for c in boot.stubs.calls()) == 3
+    assert result.stderr.count("event=retry") == 2
 
 
 def test_every_host_of_a_multi_host_slice_starts_the_worker(boot: Boot):
@@ -130,21 +243,87 @@ def test_every_host_of_a_multi_host_slice_starts_the_worker(boot: Boot):
     "attrs, named",
     [
         ({"spawn-accelerator": "rocm"}, "spawn-accelerator=rocm"),
-        ({"spawn-python": "python3; reboot"}, "spawn-python=python3; reboot"),
+        ({"spawn-python": "python3; reboot"}, "spawn-python=3; reboot"),
         ({"spawn-code": "/local/dir"}, "spawn-code=/local/dir"),
+        ({"spawn-code": None}, "spawn-code= "),
     ],
 )
-def test_bad_attribute_stops_the_boot_before_anything_runs(boot: Boot, attrs: dict, named: str):
-    boot.metadata.values.update(gce_vm("p", "z", "w", {**ATTRS, **attrs}))
+def test_bad_attribute_records_the_failure_and_deletes_the_machine_before_anything_runs(boot: Boot, attrs: dict, named: str):
+    values = {**ATTRS, **attrs}
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-bad", {k: v for k, v in values.items() if v is not None}))
     result = boot.run()
     assert result.returncode == 1
     assert named in result.stderr
-    assert boot.stubs.calls() == []
+    record = boot.record("w-bad")
+    assert record["state"] == "failed" and record["reason"].startswith("bad_attribute: ") and named.strip() in record["reason"]
+    assert "event=bad_attribute" in record["log_tail"]
+    # No virtualenv yet: gcloud deletes the VM.
+    assert _without_records(boot.stubs.calls()) == [["gcloud", "compute", "instances", "delete", "w-bad", "--zone=us-central1-a", "--quiet"]]
 
 
-def test_missing_code_attribute_fails_naming_the_metadata_path(boot: Boot):
-    boot.metadata.values.update(gce_vm("p", "z", "w", {"spawn-queue": "gs://bkt/jobs/j1"}))
+def test_install_failure_records_reason_and_log_tail_then_the_machine_deletes_itself(boot: Boot):
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-4", {**ATTRS, "created-by": "projects/1/zones/us-central1-a/instanceGroupManagers/grp"}))
+    result = boot.run(UV_PIP_FAILS="1")
+    assert result.returncode == 1
+    record = boot.record("w-4")
+    assert record["state"] == "failed" and record["phase"] == "install"
+    assert record["reason"].startswith("install_failed: exit 1")
+    assert "no matching distribution for jax" in record["log_tail"]
+    calls = boot.stubs.calls()
+    assert sum(c[:3] == ["uv", "pip", "install"] for c in calls) == 4  # retried
+    assert calls[-1] == ["python", "-m", "fleet.selfdelete", "delete"]
+    assert not boot.unit.exists()
+
+
+def test_broken_virtualenv_falls_back_to_gcloud_to_leave_the_group(boot: Boot):
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-5", {**ATTRS, "created-by": "projects/1/regions/us-central1/instanceGroupManagers/grp"}))
+    boot.stubs.add("venv-python", "exit 1\n")  # the venv exists but cannot run anything
     result = boot.run()
-    assert result.returncode != 0
-    assert "path=instance/attributes/spawn-code status=404" in result.stderr
-    assert boot.stubs.calls() == []
+    assert result.returncode == 1
+    assert boot.record("w-5")["reason"].startswith("permission_check_failed")
+    assert boot.stubs.calls()[-1] == [
+        "gcloud", "compute", "instance-groups", "managed", "delete-instances", "grp", "--region=us-central1", "--instances=w-5"]
+
+
+def test_missing_permission_stops_the_boot_before_the_worker_claims_anything(boot: Boot):
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-6", {**ATTRS, "created-by": "projects/1/zones/us-central1-a/instanceGroupManagers/grp"}))
+    verdict = "missing_permission: compute.instanceGroupManagers.update on project p"
+    result = boot.run(PERMISSION_VERDICT=verdict)
+    assert result.returncode == 1
+    record = boot.record("w-6")
+    assert (record["state"], record["reason"], record["phase"]) == ("failed", verdict, "permissions")
+    assert ["systemctl", "start", "spawn-worker.service"] not in boot.stubs.calls()
+    assert not boot.unit.exists()
+    # The listing shows the reason without reading the object.
+    assert f"reason={verdict}" in (boot.records / ".history").read_text()
+
+
+def test_worker_crash_loop_ends_in_a_failed_record_and_a_delete(boot: Boot):
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-7", ATTRS))
+    assert boot.run().returncode == 0
+    assert boot.run("worker-stopped", SERVICE_RESULT="success").returncode == 0
+    for _ in range(4):
+        stopped = boot.run("worker-stopped", SERVICE_RESULT="exit-code", EXIT_CODE="exited", EXIT_STATUS="1")
+        assert stopped.returncode == 0, stopped.stderr
+        assert _without_records(boot.stubs.calls()) == []
+    assert boot.record("w-7")["state"] == "installing"
+    last = boot.run("worker-stopped", SERVICE_RESULT="exit-code", EXIT_CODE="exited", EXIT_STATUS="1")
+    assert last.returncode == 0, last.stderr
+    record = boot.record("w-7")
+    assert record["state"] == "failed" and record["reason"].startswith("worker_crash_loop: 5 failures")
+    assert "ImportError: no module named jax" in record["log_tail"]
+    calls = boot.stubs.calls()
+    assert ["systemctl", "disable", "--now", "--no-block", "spawn-worker.service"] in calls
+    assert calls[-1] == ["python", "-m", "fleet.selfdelete", "delete"]
+
+
+def test_metadata_server_error_inside_a_substitution_deletes_the_machine_once(boot: Boot):
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-8", ATTRS))
+    boot.metadata.fail_next(100, 500, path_contains="attributes/spawn-extras")
+    result = boot.run()
+    assert result.returncode == 1
+    assert "event=metadata_failed path=instance/attributes/spawn-extras status=500" in result.stderr
+    record = boot.record("w-8")
+    assert record["state"] == "failed" and record["reason"].startswith("metadata_failed: ")
+    deletes = [c for c in boot.stubs.calls() if c[:3] == ["gcloud", "compute", "instances"]]
+    assert deletes == [["gcloud", "compute", "instances", "delete", "w-8", "--zone=us-central1-a", "--quiet"]]

@@ -1,0 +1,104 @@
+"""fleet.preflight and the launch tools' pre-flight, against the fake Compute, Resource Manager
+and bucket endpoints: roles on the project and the bucket, regional quotas, the bucket's region."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from fleet import iam, preflight
+from tests.cloud.fakecloud import FakeCloud
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = "proj-p"
+SA = "worker@proj-p.iam.gserviceaccount.com"
+MEMBER = f"serviceAccount:{SA}"
+
+
+def _world(cloud: FakeCloud, *, project_roles=("roles/compute.instanceAdmin.v1",), bucket_roles=("roles/storage.objectUser",),
+           location="US-CENTRAL1", cpus=(96, 0), l4=(8, 0), addresses=(100, 0)) -> None:
+    cloud.add(f"projects/{PROJECT}", {"name": PROJECT, "defaultServiceAccount": SA})
+    cloud.project_policies[PROJECT] = {"version": 1, "bindings": [{"role": r, "members": [MEMBER]} for r in project_roles]}
+    cloud.buckets["bkt"] = {"location": location, "bindings": [{"role": r, "members": [MEMBER]} for r in bucket_roles]}
+    cloud.set_region(PROJECT, "us-central1", {"G2_CPUS": cpus, "PREEMPTIBLE_NVIDIA_L4_GPUS": l4, "IN_USE_ADDRESSES": addresses,
+                                              "CPUS": (24, 0)})
+    cloud.resources[f"projects/{PROJECT}/regions/us-central1"]["zones"] = [f"projects/{PROJECT}/zones/us-central1-a"]
+    cloud.add(f"projects/{PROJECT}/zones/us-central1-a/machineTypes/g2-standard-8", {
+        "name": "g2-standard-8", "guestCpus": 8, "accelerators": [{"guestAcceleratorType": "nvidia-l4", "guestAcceleratorCount": 1}]})
+
+
+def _checks(cloud: FakeCloud, count: int, kind: str = "vm") -> dict[str, preflight.Finding]:
+    request = preflight.Request(kind=kind, count=count, region="us-central1", zone="us-central1-a", service_account="default",
+                                bucket="bkt", machine_type="g2-standard-8", spot=True, external_ip=True)
+    args = {"client_options": {"api_endpoint": cloud.url}, "credentials": AnonymousCredentials(), "transport": "rest"}
+    storage_client = storage.Client(project=PROJECT, credentials=AnonymousCredentials(), client_options={"api_endpoint": cloud.url})
+    findings = preflight.run_checks(PROJECT, request, compute_args=args, rm=iam.ResourceManager(cloud.url), storage_client=storage_client)
+    return {f.check: f for f in findings}
+
+
+def test_everything_in_place_passes(cloud: FakeCloud):
+    _world(cloud)
+    checks = _checks(cloud, 8)
+    assert {k: f.status for k, f in checks.items()} == {
+        "role:self-delete": "ok", "role:bucket": "ok", "bucket:location": "ok",
+        "quota:G2_CPUS": "ok", "quota:PREEMPTIBLE_NVIDIA_L4_GPUS": "ok", "quota:IN_USE_ADDRESSES": "ok",
+    }
+    preflight.enforce(list(checks.values()))
+
+
+def test_shortfalls_name_the_role_the_quota_and_the_location(cloud: FakeCloud):
+    _world(cloud, project_roles=(), bucket_roles=(), location="EUROPE-WEST4", l4=(8, 6))
+    checks = _checks(cloud, 4)
+    assert checks["role:self-delete"].status == "short" and "roles/compute.instanceAdmin.v1" in checks["role:self-delete"].detail
+    assert checks["role:bucket"].status == "short" and "roles/storage.objectUser on gs://bkt" in checks["role:bucket"].detail
+    assert checks["bucket:location"].status == "short" and "EUROPE-WEST4" in checks["bucket:location"].detail
+    assert checks["quota:PREEMPTIBLE_NVIDIA_L4_GPUS"].detail.startswith("need 4, only 2 free in us-central1")
+    with pytest.raises(preflight.PreflightError) as caught:
+        preflight.enforce(list(checks.values()))
+    assert "quota:PREEMPTIBLE_NVIDIA_L4_GPUS" in str(caught.value) and "role:self-delete" in str(caught.value)
+    preflight.enforce(list(checks.values()), force=True)  # --force goes on
+
+
+def test_tpu_quota_is_reported_as_not_checked_and_needs_tpu_admin(cloud: FakeCloud):
+    _world(cloud, project_roles=("roles/compute.instanceAdmin.v1", "roles/storage.objectUser"), location="US")
+    checks = _checks(cloud, 4, kind="tpu")
+    assert checks["quota:tpu"].status == "unchecked"
+    assert checks["role:self-delete"].status == "short" and "roles/tpu.admin" in checks["role:self-delete"].detail
+    assert checks["bucket:location"].status == "ok" and "multi-region US" in checks["bucket:location"].detail
+
+
+def _tool(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_create_tpus_dry_run_prints_the_preflight_and_a_shortfall_stops_it_unless_forced(cloud: FakeCloud):
+    _world(cloud, project_roles=("roles/storage.objectUser",))
+    argv = ["tools/create_tpus.py", str(REPO / "templates" / "tpu.yaml"), "--count", "2", "--zone", "us-central1-a",
+            "--queue", "gs://bkt/jobs/j", "--code", "gs://bkt/code/c", "--project", PROJECT, "--dry-run"]
+    stopped = _tool(*argv)
+    assert stopped.returncode == 1
+    assert "preflight short     role:self-delete" in stopped.stdout
+    assert "lacks roles/tpu.admin" in stopped.stderr
+    forced = _tool(*argv, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "CreateQueuedResourceRequest" in forced.stdout
+    assert not [m for m in cloud.mutations() if "/v2/" in m[1]]  # a dry run
+
+
+def test_create_group_reads_the_template_back_for_its_preflight(cloud: FakeCloud):
+    _world(cloud, cpus=(8, 0))
+    cloud.add(f"projects/{PROJECT}/global/instanceTemplates/tmpl", {"name": "tmpl", "properties": {
+        "machineType": "g2-standard-8", "scheduling": {"provisioningModel": "SPOT"},
+        "networkInterfaces": [{"accessConfigs": [{"type": "ONE_TO_ONE_NAT"}]}],
+        "serviceAccounts": [{"email": SA}], "metadata": {"items": [{"key": "spawn-queue", "value": "gs://bkt/jobs/j"}]}}})
+    result = _tool("tools/create_group.py", "--template", "tmpl", "--size", "3", "--zone", "us-central1-a", "--project", PROJECT)
+    assert result.returncode == 1
+    assert "quota:G2_CPUS: need 24, only 8 free in us-central1" in result.stderr
+    assert not [m for m in cloud.mutations() if "instanceGroupManagers" in m[1]]

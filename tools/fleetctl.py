@@ -1,0 +1,68 @@
+"""Keep a TPU fleet alive while its queue has work: `fleetctl.py keep`. (Not `fleet.py`: a script of that
+name would shadow the fleet package it imports.)
+
+    python tools/fleetctl.py keep templates/tpu.yaml --count 32 --zone us-west4-a --zone us-east5-b \
+        --queue gs://B/jobs/J --code gs://B/code/NAME [--interval 60] [--once] [--dry-run]
+
+Every --interval seconds: deletes SUSPENDED and FAILED queued resources named SPEC.name-NNNN and
+creates replacements until --count are alive, trying the zones in order; stops once no task is
+pending (every task has a done marker or a dead letter). Runs anywhere with credentials.
+"""
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from fleet import gapi, keeper, specs, tpu
+from objectstore import open_store
+from taskqueue import layout
+
+
+def pending_tasks(queue: str):
+    """A callable counting tasks with neither a done marker nor a dead letter: three listings."""
+    store = open_store(queue)
+
+    def ids(prefix: str) -> set[str]:
+        return {i for i in (layout.id_from_object(e.name, prefix) for e in store.list(prefix)) if i}
+
+    return lambda: len(ids(layout.TASKS) - ids(layout.DONE) - ids(layout.FAILED))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    keep = sub.add_parser("keep", help="keep --count TPU VMs alive while the queue has pending tasks")
+    keep.add_argument("spec", type=Path, help="machine spec, kind: tpu (queued resources)")
+    keep.add_argument("--count", required=True, type=int, help="TPU VMs to keep alive")
+    keep.add_argument("--zone", action="append", default=[], help="zone to create in; repeat for fallbacks, in order")
+    keep.add_argument("--queue", required=True, help="gs:// URL of the job's queue prefix")
+    keep.add_argument("--code", required=True, help="gs:// URL the code was uploaded to (tools/upload_code.py)")
+    keep.add_argument("--consumer", help="consumer command, overriding the spec's")
+    keep.add_argument("--spawn-flags", help="extra spawn.py flags as one shell-quoted string, overriding the spec's")
+    keep.add_argument("--project", default=None, help="default: CLOUDSDK_CORE_PROJECT or gcloud config")
+    keep.add_argument("--interval", type=float, default=60.0, help="seconds between checks (default 60)")
+    keep.add_argument("--once", action="store_true", help="one check, then exit")
+    keep.add_argument("--dry-run", action="store_true", help="list, and print the delete/create requests instead of sending them")
+    args = parser.parse_args()
+    gapi.setup_logging()
+    project = args.project or gapi.default_project()
+    zones = args.zone or [z for z in [gapi.default_zone()] if z]
+    if not project or not zones:
+        sys.exit("error: need --project and --zone (or gcloud config defaults)")
+    try:
+        spec = specs.load_spec(args.spec)
+        if not isinstance(spec, specs.TpuSpec):
+            raise specs.SpecError(f"{args.spec}: kind {spec.kind!r} is not a TPU spec")
+        launch = specs.Launch.make(spec, args.queue, args.code, args.consumer,
+                                   None if args.spawn_flags is None else shlex.split(args.spawn_flags))
+        fleet_keeper = keeper.Keeper(tpu.TpuClients.connect(), spec, launch, project, zones, args.count,
+                                     pending_tasks(args.queue), dry_run=args.dry_run)
+        report = fleet_keeper.run(args.interval, max_steps=1 if args.once else None)
+    except (specs.SpecError, keeper.KeeperError) as err:
+        sys.exit(f"error: {err}")
+    print(f"pending={report.pending} alive={len(report.alive)} deleted={len(report.deleted)} created={len(report.created)}")
+
+
+if __name__ == "__main__":
+    main()
