@@ -149,6 +149,11 @@ def snapshot(
         span = max((now - min(recent)).total_seconds(), 1.0)
         rate = len(recent) * scale / span
     reasons_for = sorted(failed)[:MAX_REASONS]
+    if swept_failed and len(reasons_for) < MAX_REASONS:
+        # Dead letters of swept regions are counted from their markers; one short page names some of them.
+        page = counted.list_page(layout.FAILED, page_size=MAX_REASONS)
+        named = {layout.id_from_object(e.name, layout.FAILED) for e in page.entries} - {None}
+        reasons_for = sorted(named | set(reasons_for))[:MAX_REASONS]
     view = {
         "queue": store.root_url,
         "estimate": len(listed) < len(open_regions),
