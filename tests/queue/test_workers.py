@@ -167,7 +167,9 @@ def test_ignored_sigterm_is_escalated_and_release_still_fits_in_10s(local_queue_
     submit_tasks(url, [{"id": "stubborn", "outputs": 1, "sleep": 60, "ignore_term": True}])
     worker = workers.start("w", "--lease-ttl", "60", "--heartbeat", "1")
     wait_for(lambda: lease_body(url, "stubborn"), 10, "the claim")
-    time.sleep(0.5)
+    # On a loaded machine the consumer may take seconds to start; a SIGTERM before it ignores the
+    # signal would simply end it, and there would be nothing to escalate.
+    wait_for(lambda: "ignoring SIGTERM" in workers.log("w"), 60, "the consumer ignoring SIGTERM")
     worker.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     wait_for(lambda: (lease_body(url, "stubborn") or {}).get("state") == "released", 10, "the release")
