@@ -115,10 +115,13 @@ def snapshot(
     # Dead letters are few: one listing of failed/ for the whole queue, kept to the listed regions.
     listed_set = set(listed)
     split_keys = [layout.key(r) if r else "" for r in splits]
+    every_failed = set()  # for the reasons shown, whichever region; counts come from markers or listed regions
     for entry in counted.list(layout.FAILED):
         task_id = layout.id_from_object(entry.name, layout.FAILED)
-        if task_id and _region_of(splits, split_keys, task_id) in listed_set:
-            failed.add(task_id)
+        if task_id:
+            every_failed.add(task_id)
+            if _region_of(splits, split_keys, task_id) in listed_set:
+                failed.add(task_id)
     leased, stale, released = [], [], []
     holders: collections.Counter[str] = collections.Counter()
     for entry in counted.list(layout.LEASES):
@@ -153,7 +156,7 @@ def snapshot(
     if len(recent) >= 2:
         span = max((now - min(recent)).total_seconds(), 1.0)
         rate = len(recent) * scale / span
-    reasons_for = sorted(failed)[:MAX_REASONS]
+    reasons_for = sorted(every_failed)[:MAX_REASONS]
     view = {
         "queue": store.root_url,
         "estimate": len(listed) < len(open_regions),

@@ -116,3 +116,17 @@ def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(g
     snapshot(store, cache=cache)
     watched = snapshot(store, cache=cache)
     assert watched["requests"] == 2 + 2 + 2 and watched["total"] == 5000  # task lists kept between ticks
+
+
+def test_status_names_dead_letters_of_swept_regions(tmp_path):
+    from objectstore.local import LocalStore
+
+    store = LocalStore(tmp_path / "q")
+    submit(store, b"{}", [("bad", b'{"id": "bad"}'), ("good", b'{"id": "good"}')])
+    store.create(layout.done_object("good"), b"{}")
+    store.create(layout.failed_object("bad"), json.dumps({"reason": "bad input: field 'text'"}).encode())
+    claimer = Claimer(store, ClaimOptions(worker="w", idle_timeout_s=1, poll_min_s=0.01, poll_max_s=0.05))
+    assert list(claimer) == [] and claimer.exit_reason == "drained"  # it swept the only region
+    view = snapshot(store)
+    assert (view["total"], view["done"], view["failed"], view["complete"]) == (2, 1, 1, True)
+    assert view["failed_reasons"] == {"bad": "bad input: field 'text'"}
