@@ -531,9 +531,10 @@ def extrapolate(result: dict, workers: int, tasks: int) -> dict:
 
     per_task: requests on each task's own objects (lease, done check, done marker), which do not
     depend on W or T. per_worker: everything else (start-up, moving between regions, sweeping,
-    waiting at the end) divided by the workers that ran; it depends on how many regions a worker
-    visits, which stays the same when W and T grow together (regions per worker = T / 1000 / W),
-    and on how long the tail lasts, which depends on task durations, not on T.
+    waiting at the end) divided by the workers that ran. Holding per_worker constant is the
+    optimistic reading: measured at the same W / T, it grew from 122 (100 x 10,000) to 245
+    (1,000 x 100,000), because idle workers at the end load more regions when there are more;
+    docs/PROTOCOL.md ("Cost") gives the figure with that growth.
     """
     per_task = sum(v for k, v in result["by_kind_per_task"].items() if k in PER_TASK_KINDS)
     other = result["requests_per_task"] - per_task
@@ -602,7 +603,8 @@ def main() -> None:
           f"t={r['peak_at_s']['read']}s (limit {r['limit_at_peak_per_s']['read']}/s); throttled {r['throttled']}")
     e = r["extrapolated"]
     print(f"model  R(W,T) = T x {e['per_task_requests']} (per task: lease, heartbeats, done check, done marker) "
-          f"+ W x {e['per_worker_requests']} (per worker: start, moves, sweeps, waiting at the end)")
+          f"+ W x {e['per_worker_requests']} (per worker: start, moves, sweeps, waiting at the end; measured here, "
+          f"and held constant below, which is optimistic: see docs/PROTOCOL.md)")
     print(f"extrap {e['workers']} workers x {e['tasks']} tasks: {e['requests_per_task']} requests/task, "
           f"{e['total_requests']:.3g} requests, first claim <= {e['first_claim_requests_max']} requests, "
           f"peak ~{e['peak_writes_per_s']} writes/s and ~{e['peak_reads_per_s']} reads/s if the fleet boots as fast")

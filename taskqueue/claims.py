@@ -238,9 +238,6 @@ class QueueView:
     def claimable(self, task_id: str) -> bool:
         return task_id not in self.finished and not self.live(task_id)
 
-    def claimable_count(self) -> int:
-        return sum(self.claimable(t) for ids in self.tasks.values() for t in ids)
-
 
 def _float(text: str | None) -> float:
     try:

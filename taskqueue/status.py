@@ -7,6 +7,7 @@ snapshot states its own cost in requests.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import datetime as dt
@@ -48,6 +49,10 @@ def _regions(store: ObjectStore) -> tuple[list[str], dict[str, dict]]:
     return splits, swept
 
 
+def _region_of(splits: list[str], split_keys: list[str], task_id: str) -> str:
+    return splits[bisect.bisect_right(split_keys, layout.key(task_id)) - 1]
+
+
 def _range(prefix: str, start: str, end: str | None) -> dict:
     return {
         "start_offset": prefix + layout.key(start) if start else None,
@@ -64,8 +69,8 @@ def snapshot(
 ) -> dict:
     """A JSON-ready summary, and what it cost (`requests`). Staleness uses the store's update times.
 
-    Swept regions count from their markers alone. Open regions are listed (tasks, done, failed:
-    three requests each); with `sample`, only that many open regions, chosen at random, and the
+    Swept regions count from their markers alone. Open regions are listed (tasks and done markers:
+    two requests each), dead letters once for the whole queue; with `sample`, only that many open regions, chosen at random, and the
     counts of the others are extrapolated from them: the result then says `"estimate": true`.
     Leases are always listed in full (about one request per thousand workers), so holders and
     stale leases are exact.
@@ -110,7 +115,16 @@ def snapshot(
                 done_times[task_id] = entry.updated
                 if "counters" in entry.metadata:  # the task's progress-record counters, summed by lease.complete
                     counter_texts.append(entry.metadata["counters"])
-        failed |= {layout.id_from_object(e.name, layout.FAILED) for e in counted.list(layout.FAILED, **_range(layout.FAILED, **where))} - {None}
+    # Dead letters are few: one listing of failed/ for the whole queue, kept to the listed regions.
+    listed_set = set(listed)
+    split_keys = [layout.key(r) if r else "" for r in splits]
+    every_failed = set()  # for the reasons shown, whichever region; counts come from markers or listed regions
+    for entry in counted.list(layout.FAILED):
+        task_id = layout.id_from_object(entry.name, layout.FAILED)
+        if task_id:
+            every_failed.add(task_id)
+            if _region_of(splits, split_keys, task_id) in listed_set:
+                failed.add(task_id)
     leased, stale, released = [], [], []
     holders: collections.Counter[str] = collections.Counter()
     for entry in counted.list(layout.LEASES):
@@ -148,12 +162,7 @@ def snapshot(
     if len(recent) >= 2:
         span = max((now - min(recent)).total_seconds(), 1.0)
         rate = len(recent) * scale / span
-    reasons_for = sorted(failed)[:MAX_REASONS]
-    if swept_failed and len(reasons_for) < MAX_REASONS:
-        # Dead letters of swept regions are counted from their markers; one short page names some of them.
-        page = counted.list_page(layout.FAILED, page_size=MAX_REASONS)
-        named = {layout.id_from_object(e.name, layout.FAILED) for e in page.entries} - {None}
-        reasons_for = sorted(named | set(reasons_for))[:MAX_REASONS]
+    reasons_for = sorted(every_failed)[:MAX_REASONS]
     view = {
         "queue": store.root_url,
         "estimate": len(listed) < len(open_regions),

@@ -100,7 +100,7 @@ def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(g
     store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
     exact = snapshot(store)
     assert (exact["total"], exact["done"], exact["pending"], exact["estimate"]) == (5000, 3000, 2000, False)
-    assert exact["requests"] == 2 + 3 * 5 + 1 + 1  # map, three listings per open region, leases, slices
+    assert exact["requests"] == 2 + 2 * 5 + 3  # map, two listings per open region, failed/, leases/, slices/ once
     # A worker sweeps the finished regions it visits; status then counts them from their markers.
     for region in (layout.HEAD, ids[1000], ids[2000]):
         claimer = Claimer(store, ClaimOptions(worker="w"))
@@ -108,11 +108,25 @@ def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(g
         claimer._load(region)
     swept = snapshot(store)
     assert (swept["total"], swept["done"], swept["regions"]["swept"]) == (5000, 3000, 3)
-    assert swept["requests"] == 2 + 3 * 2 + 1 + 1
+    assert swept["requests"] == 2 + 2 * 2 + 3
     estimate = snapshot(store, sample=1, seed=3)
-    assert estimate["estimate"] is True and estimate["requests"] == 2 + 3 + 1 + 1
+    assert estimate["estimate"] is True and estimate["requests"] == 2 + 2 + 3
     assert estimate["total"] == 5000 and estimate["done"] == 3000  # both open regions are alike here
     cache = RegionCache()
     snapshot(store, cache=cache)
     watched = snapshot(store, cache=cache)
-    assert watched["requests"] == 2 + 2 * 2 + 1 + 1 and watched["total"] == 5000  # task lists kept between ticks
+    assert watched["requests"] == 2 + 2 + 3 and watched["total"] == 5000  # task lists kept between ticks
+
+
+def test_status_names_dead_letters_of_swept_regions(tmp_path):
+    from objectstore.local import LocalStore
+
+    store = LocalStore(tmp_path / "q")
+    submit(store, b"{}", [("bad", b'{"id": "bad"}'), ("good", b'{"id": "good"}')])
+    store.create(layout.done_object("good"), b"{}")
+    store.create(layout.failed_object("bad"), json.dumps({"reason": "bad input: field 'text'"}).encode())
+    claimer = Claimer(store, ClaimOptions(worker="w", idle_timeout_s=1, poll_min_s=0.01, poll_max_s=0.05))
+    assert list(claimer) == [] and claimer.exit_reason == "drained"  # it swept the only region
+    view = snapshot(store)
+    assert (view["total"], view["done"], view["failed"], view["complete"]) == (2, 1, 1, True)
+    assert view["failed_reasons"] == {"bad": "bad input: field 'text'"}
