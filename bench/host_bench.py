@@ -346,7 +346,7 @@ def padding_fraction(
     """(real / computed tokens, mean real tokens per document) for the batcher on `document_lengths`."""
     lengths = np.minimum(document_lengths(n_docs, seed), max_seq_len)
     buckets = default_buckets(max_seq_len)
-    window = batching.WINDOW_BATCHES * batch_size
+    window = batching.window_size(batch_size, packing)
     real = computed = 0
     for lo in range(0, n_docs, window):
         samples = [
