@@ -346,7 +346,7 @@ def padding_fraction(
     """(real / computed tokens, mean real tokens per document) for the batcher on `document_lengths`."""
     lengths = np.minimum(document_lengths(n_docs, seed), max_seq_len)
     buckets = default_buckets(max_seq_len)
-    window = batching.WINDOW_BATCHES * batch_size
+    window = batching.window_size(batch_size, packing)
     real = computed = 0
     for lo in range(0, n_docs, window):
         samples = [
@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
 
     flops = setup.engine.flops_per_token(args.max_seq_len)
     print(
-        f"job: Qwen2.5-7B shape, layers {','.join(map(str, setup.engine.layers))} x hidden {setup.engine.config.hidden_size} "
+        f"job: Qwen2.5-7B shape, layers {','.join(map(str, setup.engine.layers))} "
+        f"x hidden {setup.engine.config.hidden_size} "
         f"bf16 = {setup.bytes_per_token} B/token; max_seq_len={args.max_seq_len} batch={args.batch_size} "
         f"shard_size={args.shard_size}; {args.docs} docs, {stage_tokens} real tokens; cores={cores}; "
         f"load average {os.getloadavg()[0]:.1f}"

@@ -246,7 +246,9 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
             batches = Prefetcher(
                 batches_for_slice(
                     # From the start of the window holding `start` (itself, unless resumed at a cut by bytes).
-                    data.read_slice(task, job.text_field, skip=window_start(start, engine.batch_size, job.shard_size)),
+                    data.read_slice(
+                        task, job.text_field, skip=window_start(start, engine.batch_size, job.shard_size, job.packing)
+                    ),
                     tokenizer,
                     start=start,
                     end=end,

@@ -293,7 +293,8 @@ class Engine:
                 f"vocab_size={self.config.vocab_size}: the tokenizer does not match the model"
             )
         packed = segment_ids is not None
-        if packed and (positions is None or np.shape(segment_ids) != token_ids.shape or np.shape(positions) != token_ids.shape):
+        shapes = {np.shape(segment_ids), np.shape(positions)} if packed else set()
+        if packed and (positions is None or shapes != {token_ids.shape}):
             raise ValueError(f"packed rows need segment_ids and positions of token_ids' shape {token_ids.shape}")
         program = self._program(seq_len, packed)
         put = lambda a: jax.device_put(np.asarray(a).astype(np.int32, copy=False), self._token_sharding)  # noqa: E731

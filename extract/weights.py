@@ -232,7 +232,9 @@ class TensorLocation:
     offset: int  # absolute byte offset of the data in `file`
 
 
-def read_safetensors_header(path: pathlib.Path | str, store: objectstore.ObjectStore | None = None) -> dict[str, TensorLocation]:
+def read_safetensors_header(
+    path: pathlib.Path | str, store: objectstore.ObjectStore | None = None
+) -> dict[str, TensorLocation]:
     """Where each tensor of one safetensors file lies; `path` is an object name in `store` when one is given."""
     where = store.url(str(path)) if store is not None else path
     try:
@@ -376,7 +378,8 @@ class Checkpoint:
             for future in [self._pool.submit(piece, lo) for lo in range(0, nbytes, READ_PIECE_BYTES)]:
                 future.result()
         except objectstore.StoreError as exc:
-            raise TransientIOError(f"tensor {name} in {self.store.url(str(location.file))} could not be read: {exc}") from exc
+            where = self.store.url(str(location.file))
+            raise TransientIOError(f"tensor {name} in {where} could not be read: {exc}") from exc
         return buffer.view(location.dtype).reshape(location.shape)
 
 

@@ -17,9 +17,10 @@ def test_packed_run_writes_the_same_samples_and_activations_as_an_unpacked_one(t
     task = Task.from_dict({"id": "t000001", "files": corpus.slice_files([(0, 10, 90), (1, 0, 20)])})
     spec = base_job(tiny_models["qwen2"], corpus, dtype="fp32", compute_dtype="fp32", shard_size=40)
     plain = run(RunInputs(job=Job.from_dict(spec), task=task, output_url=str(tmp_path / "plain")))
-    packed = run(RunInputs(job=Job.from_dict({**spec, "packing": True}), task=task, output_url=str(tmp_path / "packed")))
-    strip = lambda records: [{k: r[k] for k in ("sample_start", "sample_end", "samples", "tokens")} for r in records]  # noqa: E731
-    assert strip(packed.records) == strip(plain.records)
+    packed_job = Job.from_dict({**spec, "packing": True})
+    packed = run(RunInputs(job=packed_job, task=task, output_url=str(tmp_path / "packed")))
+    keys = ("sample_start", "sample_end", "samples", "tokens")
+    assert [{k: r[k] for k in keys} for r in packed.records] == [{k: r[k] for k in keys} for r in plain.records]
     a, b = open_activations(str(tmp_path / "plain")), open_activations(str(tmp_path / "packed"))
     assert np.array_equal(a.sample_ids(), b.sample_ids()) and np.array_equal(a.offsets(), b.offsets())
     assert np.array_equal(a.token_ids(), b.token_ids())

@@ -74,7 +74,9 @@ def test_run_resumed_at_a_size_cut_recomputes_its_window_and_writes_the_same_lat
     assert window_start(resume_at, 2, 100) < resume_at, "the cut lies inside a batching window"
     resumed = write(objectstore.open_store(str(tmp_path / "resumed")), lengths, start=resume_at, shard_tokens=10)
     tail = [r for r in full if r["sample_start"] >= resume_at]
-    same = lambda records: [(r["sample_start"], r["sample_end"], r["bytes"], r["crc32c"]) for r in records]  # noqa: E731
+    def same(records):
+        return [(r["sample_start"], r["sample_end"], r["bytes"], r["crc32c"]) for r in records]
+
     assert same(resumed) == same(tail)
     assert resumed[-1]["stats"]["samples"] == len(lengths) - resume_at
 
