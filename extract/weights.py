@@ -455,6 +455,11 @@ def load_state(
         return placed
 
     items = list(nnx.to_flat_state(abstract_state))
+    if {device.process_index for device in mesh.devices.flat} != {jax.process_index()}:
+        # Across the processes of a slice, placing a tensor is a collective (device_put checks that every
+        # process passes the same value), and collectives must come in the same order on every process:
+        # threads would interleave them differently on each host and the slice's collectives mismatch.
+        workers = 1
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="weights-place") as pool:
         placed_values = list(pool.map(lambda item: place(*item), items))
     checkpoint.close()
