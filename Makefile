@@ -24,7 +24,7 @@ run: $(VENV)/.run-installed
 	$(PY) tools/local_run.py
 
 test: $(VENV)/.test-installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 clean:
 	rm -rf $(VENV) local-run
