@@ -25,57 +25,12 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from objectstore import NotFound, ObjectStore, PreconditionFailed
+from objectstore.counting import CountingStore
 from objectstore.gcs import GCSStore
 from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions
 from taskqueue.submit import submit
 from tests.fakegcs import FakeGCS
-
-
-class CountingStore(ObjectStore):
-    """Counts every call by what it is for in the protocol (operation + prefix)."""
-
-    def __init__(self, inner: ObjectStore, counts: collections.Counter, lock: threading.Lock):
-        self.inner, self.counts, self.lock = inner, counts, lock
-        self.root_url = inner.root_url
-
-    def _count(self, op: str, name: str) -> None:
-        with self.lock:
-            self.counts[f"{op} {name.split('/', 1)[0]}/"] += 1
-
-    def read(self, name):
-        self._count("read", name)
-        return self.inner.read(name)
-
-    def create(self, name, data, metadata=None):
-        self._count("create", name)
-        return self.inner.create(name, data, metadata)
-
-    def write(self, name, data, if_generation, metadata=None):
-        self._count("write", name)
-        return self.inner.write(name, data, if_generation, metadata)
-
-    def delete(self, name, if_generation=None):
-        self._count("delete", name)
-        return self.inner.delete(name, if_generation)
-
-    def put(self, name, data, metadata=None):
-        self._count("put", name)
-        return self.inner.put(name, data, metadata)
-
-    def put_file(self, name, path):
-        self._count("put", name)
-        return self.inner.put_file(name, path)
-
-    def open_read(self, name):
-        return self.inner.open_read(name)
-
-    def list_page(self, prefix, page_token=None, start_offset=None, page_size=1000, end_offset=None):
-        self._count("list", prefix)
-        return self.inner.list_page(prefix, page_token, start_offset, page_size, end_offset)
-
-    def child(self, prefix):
-        return self.inner.child(prefix)
 
 
 def ours(store: ObjectStore, worker: str, runs: collections.Counter, lock: threading.Lock) -> None:

@@ -9,13 +9,20 @@ from objectstore.base import MAX_LIST_PAGE, ObjectStore
 
 
 class CountingStore(ObjectStore):
-    """Delegates every call to `inner` and counts it under "<operation> <top-level prefix>/"."""
+    """Delegates every call to `inner` and counts it under "<operation> <top-level prefix>/".
 
-    def __init__(self, inner: ObjectStore):
+    Several stores may share one `counts` (with its `lock`), e.g. one per worker thread of a benchmark."""
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        counts: collections.Counter[str] | None = None,
+        lock: threading.Lock | None = None,
+    ):
         self.inner = inner
         self.root_url = inner.root_url
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
+        self.counts: collections.Counter[str] = counts if counts is not None else collections.Counter()
+        self._lock = lock or threading.Lock()
 
     @property
     def requests(self) -> int:
@@ -58,4 +65,4 @@ class CountingStore(ObjectStore):
         return self.inner.list_page(prefix, page_token, start_offset, page_size, end_offset)
 
     def child(self, prefix):
-        return CountingStore(self.inner.child(prefix))
+        return CountingStore(self.inner.child(prefix), self.counts, self._lock)
