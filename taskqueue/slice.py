@@ -39,12 +39,12 @@ from objectstore import NotFound, ObjectStore, PreconditionFailed, StoreError
 from taskqueue import layout
 from taskqueue.clock import Clock
 from taskqueue.lease import HELD, HeldLease
+from taskqueue.process import STOP_GRACE_S, pump_output, signal_group
 
 log = logging.getLogger(__name__)
 
 SLICES = "slices/"
 ASSIGNED, IDLE, CLOSED = "assigned", "idle", "closed"
-STOP_GRACE_S = 5.0
 
 
 class SliceConflict(StoreError):
@@ -190,11 +190,7 @@ class Follower:
     def _signal(self, signum: int) -> None:
         with self._lock:
             proc = self._proc
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signum)
-            except ProcessLookupError:
-                pass
+        signal_group(proc, signum)
 
     # -- reading the leader's state --------------------------------------------------------------
 
@@ -281,8 +277,6 @@ class Follower:
             env.update({key: str(path) for key, path in files.items()})
             env.update(self.options.consumer_env())
             env.update(SPAWN_TASK_ID=task_id, SPAWN_ATTEMPT=str(assignment["attempt"]), SPAWN_OUTPUT=assignment["output"])
-            from taskqueue.spawner import _pump_output  # the same one-line-per-line log as the leader's
-
             tail: collections.deque[str] = collections.deque(maxlen=40)
             with self._lock:
                 proc = self._proc = subprocess.Popen(
@@ -291,7 +285,7 @@ class Follower:
                 )  # fmt: skip
             self.runs += 1
             log.info("event=follower_consumer_start task=%s token=%s pid=%d", task_id, assignment["fencing_token"], proc.pid)
-            pump = threading.Thread(target=_pump_output, args=(proc, task_id, tail), daemon=True)
+            pump = threading.Thread(target=pump_output, args=(proc, task_id, tail), daemon=True)
             pump.start()
             code = self._watch(proc, assignment)
             pump.join(timeout=5)

@@ -25,12 +25,12 @@ from taskqueue import layout
 from taskqueue.claims import Claim, Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, LeaseLost
+from taskqueue.process import STOP_GRACE_S, pump_output, signal_group
 from taskqueue.slice import AssignmentBoard, SliceOptions
 
 log = logging.getLogger(__name__)
 
 EX_DATAERR = 65
-STOP_GRACE_S = 5.0  # consumer's time to exit after SIGTERM; release must fit in 10 s
 ERROR_TAIL_LINES = 40
 #: Expiries are not attempts (a dead machine is not the task's fault), but a task whose holders
 #: keep dying without a word is poison: after this many steals it is dead-lettered.
@@ -162,11 +162,7 @@ class Spawner:
     def _signal_consumer(self, signum: int) -> None:
         with self._consumer_lock:
             proc = self._consumer
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signum)
-            except ProcessLookupError:
-                pass
+        signal_group(proc, signum)
 
     def tell_state(self, state: str, **fields: object) -> None:
         if self.on_state is None:
@@ -279,7 +275,7 @@ class Spawner:
         if self._stop.is_set():  # a stop that arrived while we were starting it
             self._signal_consumer(signal.SIGTERM)
         log.info("event=consumer_start task=%s pid=%d attempt=%d", claim.task_id, proc.pid, lease.attempt)
-        pump = threading.Thread(target=_pump_output, args=(proc, claim.task_id, tail), daemon=True)
+        pump = threading.Thread(target=pump_output, args=(proc, claim.task_id, tail), daemon=True)
         pump.start()
         beat_stop = threading.Event()
         trouble: list[BaseException] = []
@@ -386,15 +382,6 @@ class Spawner:
                     trouble.append(LeaseLost(f"no heartbeat for {silent:.0f}s, a whole TTL: the lease may be stolen"))
                     self._signal_consumer(signal.SIGKILL)
                     return
-
-
-def _pump_output(proc: subprocess.Popen, task_id: str, tail: collections.deque) -> None:
-    assert proc.stdout is not None
-    consumer_log = logging.getLogger("consumer")
-    for raw in proc.stdout:
-        line = raw.decode("utf-8", "replace").rstrip("\n")
-        tail.append(line)
-        consumer_log.info("task=%s | %s", task_id, line)
 
 
 def _fields(tally: Tally) -> str:
