@@ -27,21 +27,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from extract.config import QwenConfig  # noqa: E402
+from extract.costmodel import KNOWN_CONFIGS  # noqa: E402
 from extract.engine import Engine  # noqa: E402
 
-QWEN25_7B = {
-    "model_type": "qwen2",
-    "vocab_size": 152064,
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
+QWEN25_7B = KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]  # the one copy of its config.json
 
 
 def _timed(fn) -> float:

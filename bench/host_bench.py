@@ -56,20 +56,9 @@ from extract.engine import Engine, normalize_layers  # noqa: E402
 from extract.job import Job, Task, default_buckets  # noqa: E402
 from extract.tiny import write_tiny_tokenizer  # noqa: E402
 from extract.writer import ProgressLog, ShardWriter  # noqa: E402
+from extract.costmodel import KNOWN_CONFIGS  # noqa: E402
 
-QWEN25_7B = {
-    "model_type": "qwen2",
-    "vocab_size": 152064,
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
+QWEN25_7B = KNOWN_CONFIGS["Qwen/Qwen2.5-7B"]  # the one copy of its config.json
 #: Dense bf16 peak per chip, as in extract/engine.py, times chips per machine.
 ACCELERATORS = (("v4-8", 4 * 275e12), ("v5litepod-8", 8 * 197e12), ("H100", 989e12))
 MFU = 0.5
