@@ -208,6 +208,15 @@ def _tokenizer_refusal(text: str, exc: Exception) -> BadRow:
     return BadRow("untokenizable", f"the tokenizer raised {type(exc).__name__}: {exc}")
 
 
+def _split_window(
+    window: Sequence[TokenizedSample], skipped: Sequence[Document]
+) -> tuple[tuple[TokenizedSample, ...], tuple[Document, ...], list[TokenizedSample]]:
+    """(empty samples, skipped rows, the rest longest first with ties by position): how both batchers start."""
+    empty = tuple(s for s in window if s.n_tokens == 0)
+    ordered = sorted((s for s in window if s.n_tokens > 0), key=lambda s: (-s.n_tokens, s.position))
+    return empty, tuple(skipped), ordered
+
+
 def make_batches(
     window: Sequence[TokenizedSample],
     batch_size: int,
@@ -219,9 +228,7 @@ def make_batches(
 
     Empty samples and the window's `skipped` bad rows ride with the first batch.
     """
-    empty = tuple(s for s in window if s.n_tokens == 0)
-    skipped = tuple(skipped)
-    ordered = sorted((s for s in window if s.n_tokens > 0), key=lambda s: (-s.n_tokens, s.position))
+    empty, skipped, ordered = _split_window(window, skipped)
     if not ordered:
         return [Batch(samples=(), token_ids=None, empty=empty, skipped=skipped)] if empty or skipped else []
     batches = []
@@ -259,9 +266,7 @@ def pack_window(
     Deterministic for a given window, so resumed runs pack identically. Empty samples and the window's
     `skipped` bad rows ride with the first batch, as in `make_batches`.
     """
-    empty = tuple(s for s in window if s.n_tokens == 0)
-    skipped = tuple(skipped)
-    ordered = sorted((s for s in window if s.n_tokens > 0), key=lambda s: (-s.n_tokens, s.position))
+    empty, skipped, ordered = _split_window(window, skipped)
     if not ordered:
         return [Batch(samples=(), token_ids=None, empty=empty, skipped=skipped)] if empty or skipped else []
     capacity = buckets[-1]
