@@ -18,6 +18,7 @@ from objectstore import ObjectStore, StoreError
 from objectstore.counting import CountingStore
 from taskqueue import layout
 from taskqueue.lease import DEAD, HELD, RELEASED, sum_metadata_counters
+from taskqueue.slice import SLICES
 
 RATE_WINDOW_S = 600.0  # throughput is measured over the last ten minutes of done markers
 MAX_REASONS = 20
@@ -155,7 +156,7 @@ def snapshot(
     remaining = total - done - failed_count
     pending = max(0, remaining - len(leased) - len(stale))
     # A slice is one claimant: its leader holds the leases; its assignment says how many hosts it has.
-    slice_hosts = {e.metadata["leader"]: int(e.metadata["hosts"]) for e in counted.list("slices/")
+    slice_hosts = {e.metadata["leader"]: int(e.metadata["hosts"]) for e in counted.list(SLICES)
                    if e.metadata.get("leader") in holders and e.metadata.get("hosts", "").isdigit()}  # fmt: skip
     recent = [t for t in done_times.values() if (now - t).total_seconds() <= RATE_WINDOW_S]
     rate = None
