@@ -20,9 +20,12 @@ The store (`SimStore`) follows what GCS documents:
 A 429 is retried like `objectstore.gcs` does (full-jitter exponential backoff), and every attempt counts.
 
 It reports requests per task by kind, requests and time before each worker's first claim, claim
-collisions, makespan against the ideal (total work / workers), work lost to preemption, the peak
-request rate against the bucket's limits, and an extrapolation to a bigger fleet from a cost model
-whose terms it prints. It is a benchmark: it prints figures, it asserts nothing.
+collisions, makespan against the ideal (total work / workers), the machine time the fleet ran and
+how much of it went to tasks, work lost to preemption, the peak request rate against the bucket's
+limits, and an extrapolation to a bigger fleet from a cost model whose terms it prints. For the
+extrapolation it also runs a companion fleet of a tenth of the workers and tasks (`--no-companion`
+skips it), to measure how the per-worker share grows with the queue. It is a benchmark: it prints
+figures, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import time
 
 from objectstore.base import MAX_LIST_PAGE, Blob, Entry, NotFound, ObjectStore, Page, PreconditionFailed, StoreUnavailable
 from taskqueue import layout
-from taskqueue.claims import Claimer, ClaimOptions
+from taskqueue.claims import Claimer, ClaimOptions, default_poll_max
 from taskqueue.clock import Clock
 from taskqueue.lease import LeaseLost
 from taskqueue.spawner import MAX_TAKEOVERS
@@ -343,7 +346,7 @@ class FleetOptions:
     start_spread_s: float = 30.0  # the first workers boot uniformly over this
     idle_timeout_s: float = 300.0
     poll_min_s: float = 1.0
-    poll_max_s: float = 10.0
+    poll_max_s: float = 0.0  # 0: spawn.py's default for the TTL (taskqueue.claims.default_poll_max)
     seed: int = 1
 
 
@@ -360,6 +363,8 @@ class Stats:
     dead_letters: int = 0
     exit_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     last_done_s: float = 0.0
+    machine_s: float = 0.0  # from each worker's boot to its exit: what the fleet pays for
+    busy_s: float = 0.0  # of which running a task
 
 
 class Fleet:
@@ -391,7 +396,8 @@ class Fleet:
         o, store, stats = self.o, self.store, self.stats
         claimer = Claimer(
             store,
-            ClaimOptions(name, o.lease_ttl_s, o.idle_timeout_s, o.poll_min_s, o.poll_max_s, seed=seed),
+            ClaimOptions(name, o.lease_ttl_s, o.idle_timeout_s, o.poll_min_s,
+                         o.poll_max_s or default_poll_max(o.poll_min_s, o.lease_ttl_s), seed=seed),
             self.clock,
         )
         first = True
@@ -406,12 +412,17 @@ class Fleet:
                 lease.dead_letter(f"its lease expired {lease.body['takeovers']} times", ())
                 stats.dead_letters += 1
                 continue
-            if not self._run(claim.task_id, lease, preempt_at):
+            started = self.scheduler.now
+            finished = self._run(claim.task_id, lease, preempt_at)
+            stats.busy_s += self.scheduler.now - started
+            if not finished:
                 stats.preemptions += 1
                 self._spawn_worker(self.scheduler.now + o.boot_s)
                 stats.exit_reasons["preempted"] += 1
+                stats.machine_s += self.scheduler.now - booted
                 return
         stats.exit_reasons[claimer.exit_reason] += 1
+        stats.machine_s += self.scheduler.now - booted
 
     def _run(self, task_id: str, lease, preempt_at: float) -> bool:
         """The consumer and its heartbeats on virtual time; False when the VM was preempted."""
@@ -505,6 +516,8 @@ def report(fleet: Fleet, seconds: float) -> dict:
         "makespan_s": round(s.last_done_s, 1),
         "ideal_s": round(ideal, 1),
         "makespan_over_ideal": round(s.last_done_s / ideal, 4) if ideal else None,
+        "machine_hours": round(s.machine_s / 3600, 1),
+        "busy_fraction": round(s.busy_s / s.machine_s, 4) if s.machine_s else None,
         "preemptions": s.preemptions,
         "work_lost_s": round(s.lost_work_s, 1),
         "work_lost_fraction": round(s.lost_work_s / work, 5),
@@ -521,38 +534,61 @@ def report(fleet: Fleet, seconds: float) -> dict:
 
 
 # Requests that belong to one task's own objects, whatever the fleet's size: its lease (create,
-# heartbeats, takeover reads and writes, delete), its done check, its done marker.
-PER_TASK_KINDS = ("create leases/", "write leases/", "read leases/", "delete leases/", "create done/",
-                  "list done/ page64", "create failed/", "read tasks/")
+# heartbeats, takeover reads and writes, tombstone), a takeover's done check, its done marker.
+PER_TASK_KINDS = ("create leases/", "write leases/", "read leases/", "create done/", "list done/ page64",
+                  "list failed/ page1", "create failed/", "read tasks/")
 
 
-def extrapolate(result: dict, workers: int, tasks: int) -> dict:
-    """R(W, T) = T * per_task + W * per_worker, with both terms taken from the run.
-
-    per_task: requests on each task's own objects (lease, done check, done marker), which do not
-    depend on W or T. per_worker: everything else (start-up, moving between regions, sweeping,
-    waiting at the end) divided by the workers that ran. Holding per_worker constant is the
-    optimistic reading: measured at the same W / T, it grew from 122 (100 x 10,000) to 245
-    (1,000 x 100,000), because idle workers at the end load more regions when there are more;
-    docs/PROTOCOL.md ("Cost") gives the figure with that growth.
-    """
+def per_task_and_worker(result: dict) -> tuple[float, float]:
+    """Requests on each task's own objects (lease, heartbeats, tombstone, done marker), which do not
+    depend on W or T; and everything else (start-up, moving between regions, sweeping, waiting at
+    the end) per worker that ran."""
     per_task = sum(v for k, v in result["by_kind_per_task"].items() if k in PER_TASK_KINDS)
     other = result["requests_per_task"] - per_task
-    workers_run = result["workers"] + result["preemptions"]
-    per_worker = other * result["tasks"] / workers_run
-    scaled_workers = workers * workers_run / result["workers"]
+    return per_task, other * result["tasks"] / (result["workers"] + result["preemptions"])
+
+
+def extrapolate(result: dict, companion: dict | None, workers: int, tasks: int) -> dict:
+    """R(W, T) = T * per_task + W * per_worker(T), both terms measured.
+
+    per_worker grows with the queue: the last tasks take longer at more tasks (the slowest of more
+    draws), so the fleet waits longer at the end, and it watches more regions while it does. The
+    companion run (a tenth of the workers and tasks, the same W / T and task durations) gives the
+    growth per tenfold of tasks, taken as constant (never negative) beyond the main run.
+    """
+    per_task, per_worker = per_task_and_worker(result)
+    growth = 0.0
+    if companion is not None:
+        _, small = per_task_and_worker(companion)
+        growth = max(0.0, (per_worker - small) / math.log10(result["tasks"] / companion["tasks"]))
+    target = per_worker + growth * math.log10(tasks / result["tasks"])
+    scaled_workers = workers * (result["workers"] + result["preemptions"]) / result["workers"]
     return {
         "workers": workers,
         "tasks": tasks,
         "per_task_requests": round(per_task, 3),
         "per_worker_requests": round(per_worker, 1),
-        "requests_per_task": round(per_task + per_worker * scaled_workers / tasks, 3),
-        "total_requests": round(per_task * tasks + per_worker * scaled_workers),
+        "per_worker_requests_companion": round(small, 1) if companion is not None else None,
+        "per_worker_growth_per_tenfold": round(growth, 1),
+        "per_worker_requests_extrapolated": round(target, 1),
+        "requests_per_task": round(per_task + target * scaled_workers / tasks, 3),
+        "total_requests": round(per_task * tasks + target * scaled_workers),
         # The map is listed one page at a time (a thousand regions), so start-up does not grow with T.
         "first_claim_requests_max": result["first_claim_requests"]["max"],
         "peak_writes_per_s": round(result["peak_per_s"]["write"] * workers / result["workers"]),
         "peak_reads_per_s": round(result["peak_per_s"]["read"] * workers / result["workers"]),
     }
+
+
+def simulate(options: FleetOptions, limits: Limits) -> dict:
+    fleet = Fleet(options, limits)
+    started = time.monotonic()
+    fleet.setup()
+    setup_s = time.monotonic() - started
+    fleet.run()
+    result = report(fleet, time.monotonic() - started)
+    result["setup_seconds"] = round(setup_s, 1)
+    return result
 
 
 def main() -> None:
@@ -563,21 +599,23 @@ def main() -> None:
                        default=getattr(defaults, field.name))
     p.add_argument("--latency-ms", type=float, default=30.0)
     p.add_argument("--extrapolate", default="10000x1000000", help="WORKERSxTASKS to extrapolate to")
+    p.add_argument("--no-companion", action="store_true",
+                   help="skip the run at a tenth of the workers and tasks that measures how per-worker requests grow")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("taskqueue").setLevel(logging.ERROR)  # a million event lines would cost more than the run
     threading.stack_size(512 * 1024)
     options = FleetOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FleetOptions)})
-    fleet = Fleet(options, Limits(latency_s=args.latency_ms / 1000))
-    started = time.monotonic()
-    fleet.setup()
-    setup_s = time.monotonic() - started
-    fleet.run()
-    result = report(fleet, time.monotonic() - started)
-    result["setup_seconds"] = round(setup_s, 1)
+    limits = Limits(latency_s=args.latency_ms / 1000)
+    result = simulate(options, limits)
+    companion = None
+    if not args.no_companion and options.workers >= 10 and options.tasks >= 10:
+        small = dataclasses.replace(options, workers=options.workers // 10, tasks=options.tasks // 10)
+        companion = simulate(small, limits)
+        result["companion"] = {k: companion[k] for k in ("workers", "tasks", "requests_per_task", "wall_seconds")}
     ew, et = (int(x) for x in args.extrapolate.lower().split("x"))
-    result["extrapolated"] = extrapolate(result, ew, et)
+    result["extrapolated"] = extrapolate(result, companion, ew, et)
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -595,19 +633,22 @@ def main() -> None:
     print(f"claims collisions (412 on lease create) {r['claim_collisions']}; all 412s {r['refused_412']}")
     print(f"time   makespan {r['makespan_s']}s vs ideal {r['ideal_s']}s (total work / workers; the fleet boots over "
           f"{options.start_spread_s:g}s): "
-          f"{r['makespan_over_ideal']}x")
+          f"{r['makespan_over_ideal']}x; machines ran {r['machine_hours']} worker-hours, "
+          f"{100 * r['busy_fraction']:.1f}% of it running tasks (the rest: boot spread, moving, waiting at the end)")
     print(f"loss   preemptions {r['preemptions']}, work lost {r['work_lost_s']}s = {100 * r['work_lost_fraction']:.3f}% "
           f"of all work, leases lost {r['lost_leases']}")
     print(f"rate   peak {r['peak_per_s']['write']} writes/s at t={r['peak_at_s']['write']}s "
           f"(bucket limit then {r['limit_at_peak_per_s']['write']}/s), peak {r['peak_per_s']['read']} reads/s at "
           f"t={r['peak_at_s']['read']}s (limit {r['limit_at_peak_per_s']['read']}/s); throttled {r['throttled']}")
     e = r["extrapolated"]
-    print(f"model  R(W,T) = T x {e['per_task_requests']} (per task: lease, heartbeats, done check, done marker) "
-          f"+ W x {e['per_worker_requests']} (per worker: start, moves, sweeps, waiting at the end; measured here, "
-          f"and held constant below, which is optimistic: see docs/PROTOCOL.md)")
-    print(f"extrap {e['workers']} workers x {e['tasks']} tasks: {e['requests_per_task']} requests/task, "
-          f"{e['total_requests']:.3g} requests, first claim <= {e['first_claim_requests_max']} requests, "
-          f"peak ~{e['peak_writes_per_s']} writes/s and ~{e['peak_reads_per_s']} reads/s if the fleet boots as fast")
+    grows = (f"{e['per_worker_requests_companion']} at {r['companion']['workers']} x {r['companion']['tasks']}, "
+             f"so +{e['per_worker_growth_per_tenfold']} per tenfold of tasks" if "companion" in r else "no companion run: held constant")  # fmt: skip
+    print(f"model  R(W,T) = T x {e['per_task_requests']} (per task: lease, heartbeats, done marker, tombstone) "
+          f"+ W x per_worker(T) (start, moves, sweeps, waiting at the end): {e['per_worker_requests']} here, {grows}")
+    print(f"extrap {e['workers']} workers x {e['tasks']} tasks: per_worker {e['per_worker_requests_extrapolated']}, "
+          f"{e['requests_per_task']} requests/task, {e['total_requests']:.3g} requests, first claim <= "
+          f"{e['first_claim_requests_max']} requests, peak ~{e['peak_writes_per_s']} writes/s and "
+          f"~{e['peak_reads_per_s']} reads/s if the fleet boots as fast")
 
 
 if __name__ == "__main__":

@@ -351,7 +351,7 @@ def recommend_rows_per_task(
     """--rows-per-task for tasks of about `target_seconds` at `flops_per_second`; all rows if the job is shorter.
 
     About ten minutes bounds the work a preemption loses (a task resumes from its last committed shard, but the
-    open shard is lost) while keeping the per-task requests (claim, done check, done marker) a small share.
+    open shard is lost) while keeping the per-task requests (claim, done marker, tombstone) a small share.
     """
     per_row = seconds_per_row(config, depth, tokens, flops_per_second)
     if per_row <= 0:

@@ -2,10 +2,10 @@
 
 `Claimer` is an iterator of claimed tasks. The queue is cut into regions of about a thousand tasks
 (`submit` writes a split marker at each region's first id); a worker lists the region map, loads
-one region with four one-page listings and claims there, so its first claim costs the same at a
-thousand tasks or a million. It learns other regions only when it moves to them, and marks a region
-`swept` once every task in it is finished, so that the last workers find what is left, and know
-when nothing is, without listing the whole queue. The view only has to be fresh enough to keep
+one region with two one-page listings (its tasks and its leases) and claims there, so its first
+claim costs the same at a thousand tasks or a million. It learns other regions only when it moves
+to them, and marks a region `swept` once every task in it is finished, so that the last workers
+find what is left, and know when nothing is, without listing the whole queue. The view only has to be fresh enough to keep
 claims cheap: every state change is still decided by a conditional write.
 """
 
@@ -22,15 +22,28 @@ from collections.abc import Iterator
 from objectstore import NotFound, ObjectStore, PreconditionFailed, StoreError, StoreUnavailable
 from taskqueue import layout
 from taskqueue.clock import Clock
-from taskqueue.lease import DEAD, HELD, RELEASED, HeldLease, encode, new_lease_body, sum_metadata_counters
+from taskqueue.lease import DEAD, DONE, FINISHED, HELD, RELEASED, HeldLease, encode, new_lease_body, sum_metadata_counters
 
 log = logging.getLogger(__name__)
 
-LOOKAHEAD = 64  # done markers read ahead by each claim's done check
+LOOKAHEAD = 64  # done markers read ahead by a takeover's done check
 JUMP_TRIES = 4  # regions a move loads before giving up and waiting
 MAP_REFRESH_S = 30.0  # a move re-lists the region map when it is older than this
 MAX_LOADED_REGIONS = 8  # the view is a cache: the least recently loaded region is forgotten first
+EXPLORE = 0.25  # a waiting worker's polls that look at a region it is not watching (two requests, not one)
 MIN_RUN = 16  # after a collision, a run of work shorter than this in the same region is not worth staying for
+
+
+POLL_CAP_S = 60.0
+
+
+def default_poll_max(poll_min_s: float, lease_ttl_s: float) -> float:
+    """The longest wait between polls of a worker with nothing to claim: half the TTL (a worker
+    watching a region sees a lease expire within 1.5 TTL), at most a minute. At the end of a queue
+    most of the fleet waits, so with W workers waiting somebody polls every minute / W even so,
+    and a released task is taken over within seconds; the long waits are what keeps a thousand
+    waiting workers cheap (docs/PROTOCOL.md, "Cost")."""
+    return max(poll_min_s, min(POLL_CAP_S, lease_ttl_s / 2))
 
 
 @dataclasses.dataclass
@@ -78,6 +91,7 @@ class QueueView:
         self.map_complete = False  # False: the last known split's region has no known end yet
         self._map_pages = 1
         self.map_at: float | None = None
+        self.swept_at: float | None = None
         self.swept: dict[str, str | None] = {}  # region -> end of what its swept marker covers
         self.tasks: dict[str, list[str]] = {}  # loaded region -> its task ids in key order
         self.loaded: dict[str, float] = {}  # loaded region -> when, least recent first
@@ -117,6 +131,7 @@ class QueueView:
             if region is not None:
                 swept[region] = entry.metadata.get("end") or None
         self.swept = swept
+        self.swept_at = self.clock.monotonic()
 
     def extend_map(self) -> bool:
         """List one more page of splits; False when the map was already complete."""
@@ -170,42 +185,43 @@ class QueueView:
         return ids
 
     def load(self, region: str) -> None:
-        """Tasks, done and failed markers and leases of one region: four requests for a region of up to a thousand."""
-        ids = self.list_region_tasks(region)
-        self.refresh(region, ids, (layout.DONE, layout.FAILED))
+        """Tasks and leases of one region: two requests for a region of up to a thousand."""
+        self.refresh(region, self.list_region_tasks(region))
 
-    def refresh(self, region: str, ids: list[str] | None = None, prefixes: tuple[str, ...] = (layout.DONE,)) -> None:
-        """Fresh done markers and leases of a region (two requests); with `ids`, its task list too."""
+    def refresh(self, region: str, ids: list[str] | None = None) -> None:
+        """Fresh leases of a region (one request); with `ids`, its task list too.
+
+        The leases say everything a claim needs: a finished task's lease stays as its tombstone
+        (`done` or `dead`, written after its done or failed marker), so done markers need no listing.
+        """
         end = self.region_end(region)
         ids = ids if ids is not None else self.tasks.get(region, [])
-        for prefix in prefixes:
-            for entry in self.store.list(prefix, start_offset=_offset(prefix, region), end_offset=_offset(prefix, end)):
-                task_id = layout.id_from_object(entry.name, prefix)
-                if task_id is not None:
-                    self.finished.add(task_id)
-                    if prefix == layout.FAILED:
-                        self.failed.add(task_id)
-                    elif "counters" in entry.metadata:
-                        self.counters[task_id] = entry.metadata["counters"]
         now = self.clock.monotonic()
         seen: dict[str, Sighting] = {}
+        lease_name = layout.object_pattern(layout.LEASES).fullmatch  # a thousand entries a page: keep the loop lean
         for entry in self.store.list(
             layout.LEASES, start_offset=_offset(layout.LEASES, region), end_offset=_offset(layout.LEASES, end)
         ):
-            task_id = layout.id_from_object(entry.name, layout.LEASES)
-            if task_id is None:
+            match = lease_name(entry.name)
+            if match is None:
                 continue
+            task_id = match.group(1)
             state = entry.metadata.get("state", HELD)
-            if state == DEAD:
+            if state in FINISHED:
                 self.finished.add(task_id)
+                if state == DEAD:
+                    self.failed.add(task_id)
+                elif "counters" in entry.metadata:
+                    self.counters[task_id] = entry.metadata["counters"]
                 continue
             old = self.leases.get(task_id)
             first_seen = old.first_seen if old and old.generation == entry.generation else now
             seen[task_id] = Sighting(
                 entry.generation, state, entry.metadata.get("worker", "?"), _float(entry.metadata.get("ttl_s")), first_seen
             )
-        for task_id in [t for t in self.leases if self.region_of(t) == region and t not in seen]:
-            del self.leases[task_id]
+        here = set(ids)
+        for task_id in [t for t in self.leases if t not in seen and t in here]:
+            del self.leases[task_id]  # gone from the listing: finished, or never there
         self.leases.update(seen)
         self.tasks[region] = ids
         self.loaded.pop(region, None)
@@ -237,6 +253,21 @@ class QueueView:
 
     def claimable(self, task_id: str) -> bool:
         return task_id not in self.finished and not self.live(task_id)
+
+
+def _release_quietly(lease: HeldLease) -> None:
+    try:
+        lease.release()
+    except Exception:  # noqa: BLE001 - best effort: otherwise the lease expires after its TTL
+        log.warning("event=release_failed task=%s", lease.task_id)
+
+
+def _counters(text: str | None) -> dict | None:
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _float(text: str | None) -> float:
@@ -342,20 +373,26 @@ class Claimer:
     def _poll(self) -> bool:
         """While waiting: the swept markers, and one open region afresh. True when the walk can go on there.
 
-        One region per poll keeps a thousand waiting workers cheap; the region loaded longest ago
-        comes first, so a worker watching a few regions sees each lease again within a few polls
-        and can tell an expired one (unchanged for a TTL) from a live one.
+        One region per poll keeps a thousand waiting workers cheap. Mostly it is one the worker
+        watches (loaded already: one listing of its leases), the one it looked at longest ago, so it
+        sees each lease again within a few polls and can tell an expired one (unchanged for a TTL)
+        from a live one; one poll in four loads a region it does not watch, so that between them
+        the waiting workers watch every open region, however few they are.
         """
-        self.view.scan_swept()
+        if self.view.swept_at is None or self.clock.monotonic() - self.view.swept_at > MAP_REFRESH_S:
+            # Regions swept by others; one this worker finds finished itself it sweeps (or learns
+            # from the marker's 412), so in between its view of them stays right where it looks.
+            self.view.scan_swept()
         regions = self.view.open_regions()
         if not regions:
             return False
         unseen = [r for r in regions if r not in self.view.loaded]
-        if unseen:
+        watched = [r for r in regions if r in self.view.loaded]
+        if unseen and (not watched or self.rng.random() < EXPLORE):
             region = self.rng.choice(unseen)
             self._load(region)
         else:
-            region = min(regions, key=lambda r: self.view.loaded[r])
+            region = min(watched, key=lambda r: self.view.loaded[r])
             self.view.refresh(region)
             if self.view.region_finished(region):
                 self._sweep(region)
@@ -486,7 +523,7 @@ class Claimer:
             if not self.view.claimable(task_id):
                 continue
             if may_move and step > self._index and any(ids[k] not in self._mine for k in range(self._index, step)):
-                # Re-read this region first (two requests): with a long enough run of work left,
+                # Re-read this region's leases first (one request): with a long enough run of work left,
                 # the middle of it is the cheapest place to go. The view changed either way: look again.
                 self.view.refresh(region)
                 if not self._land(region, first=False, at_least=MIN_RUN):
@@ -503,35 +540,38 @@ class Claimer:
             return None
         lease = self._acquire(task_id)
         if lease is None:
-            # Someone is at this very task and will walk on ahead of us: go where nobody is. The
-            # region was loaded recently, so its longest run of work is known without a request.
+            # Someone holds or finished this very task: our view of the region is stale. Re-read its
+            # leases (one request) and go where nobody is, the middle of its longest run of work.
+            if self._region is not None and self._region in self.view.tasks:
+                self.view.refresh(self._region)
             if not self._land(self._region, first=False, at_least=MIN_RUN):
                 self._move()
-            return False
-        if self._already_done(task_id):
-            # A finished task has no lease, so our view was stale here: give the lease back and move.
-            lease.abandon()
-            self._move()
             return False
         if self._region is not None and self._index < len(self.view.tasks.get(self._region, [])):
             self._index += 1
         return self._with_manifest(task_id, lease)
 
-    def _already_done(self, task_id: str) -> bool:
-        """Checked while holding the lease, so nobody can finish the task between this check and our run.
+    def _finished_already(self, task_id: str) -> tuple[str, dict | None] | None:
+        """For a lease taken over: is the task done or dead-lettered already? `(state, counters)` or None.
 
-        One listing of done/ from the task on answers exactly for this task (listings are strongly
-        consistent) and also shows the done markers just ahead, so the walk sees another worker's
-        finished stretch before reaching it.
+        A finished task's lease is its tombstone, so a lease created from nothing needs no check. A
+        lease taken over may belong to a holder that died between writing its done (or failed)
+        marker and its tombstone. Checked while holding the lease, so nobody can finish the task
+        between this check and our run: a finished task is never run again. The done/ listing from
+        the task on answers exactly for it (listings are strongly consistent) and shows the done
+        markers just ahead too.
         """
         page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=LOOKAHEAD)
-        found = False
         for entry in page.entries:
             done_id = layout.id_from_object(entry.name, layout.DONE)
             if done_id is not None:
                 self.view.finished.add(done_id)
-                found = found or done_id == task_id
-        return found
+                if done_id == task_id:
+                    return DONE, _counters(entry.metadata.get("counters"))
+        page = self.store.list_page(layout.FAILED, start_offset=layout.failed_object(task_id), page_size=1)
+        if any(entry.name == layout.failed_object(task_id) for entry in page.entries):
+            return DEAD, None
+        return None
 
     def _learn_outcome(self, lease: HeldLease) -> None:
         """What this worker did with a claim is news its view can use without a listing."""
@@ -542,7 +582,7 @@ class Claimer:
             self.view.leases[lease.task_id] = Sighting(
                 lease.generation, RELEASED, self.options.worker, float(lease.body["ttl_s"]), self.clock.monotonic()
             )
-        else:  # completed (lease deleted) or dead-lettered
+        else:  # completed or dead-lettered: the lease is a tombstone now
             self.view.finished.add(lease.task_id)
             if state == DEAD:
                 self.view.failed.add(lease.task_id)
@@ -579,7 +619,7 @@ class Claimer:
             )
             return None
         previous = json.loads(current.data)
-        if previous.get("state") == DEAD:
+        if previous.get("state") in FINISHED:
             self.view.finished.add(task_id)
             return None
         body = new_lease_body(task_id, self.options.worker, self.options.lease_ttl_s, self.clock, previous)
@@ -587,6 +627,23 @@ class Claimer:
         try:
             generation = self.store.write(name, data, if_generation=sighting.generation, metadata=metadata)
         except PreconditionFailed:
+            return None
+        lease = HeldLease(self.store, body, generation, self.clock)
+        try:
+            finished = self._finished_already(task_id)
+        except StoreError:
+            _release_quietly(lease)  # unsure whether it is finished: give it back rather than guess
+            raise
+        if finished is not None:
+            state, counters = finished
+            log.info("event=tombstone task=%s state=%s previous_worker=%s", task_id, state, previous.get("worker"))
+            if state == DONE:
+                lease.settle_done(counters)
+            else:
+                lease.settle_dead()
+            self.view.finished.add(task_id)
+            if state == DEAD:
+                self.view.failed.add(task_id)
             return None
         how = "takeover" if previous.get("state") == RELEASED else "steal"
         log.info(
@@ -598,7 +655,7 @@ class Claimer:
             previous.get("worker"),
             len(body["progress"]),
         )
-        return HeldLease(self.store, body, generation, self.clock)
+        return lease
 
     def _with_manifest(self, task_id: str, lease: HeldLease) -> Claim:
         where = self.store.url(layout.task_object(task_id))

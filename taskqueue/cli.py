@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from objectstore import open_store
+from taskqueue.claims import default_poll_max
 from taskqueue.clock import Clock
 from taskqueue.slice import Follower, SliceOptions
 from taskqueue.spawner import SpawnOptions, Spawner, resolve_consumer
@@ -120,7 +121,7 @@ def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner | 
             max_tasks=args.max_tasks,
             idle_timeout_s=args.idle_timeout,
             poll_min_s=args.poll,
-            poll_max_s=max(args.poll, min(10.0, args.lease_ttl / 4)),
+            poll_max_s=default_poll_max(args.poll, args.lease_ttl),
             slice=role,
         )
     except ValueError as exc:

@@ -71,12 +71,22 @@ def output_prefix(task_id: str, token: int) -> str:
     return f"{OUT}{task_id}/{token}"
 
 
+_OBJECT_NAMES: dict[str, re.Pattern] = {}
+
+
+def object_pattern(prefix: str) -> re.Pattern:
+    """Matches the names of a prefix's queue objects, the task id as group 1: one regular expression
+    for every entry of every listing (a thousand a page)."""
+    pattern = _OBJECT_NAMES.get(prefix)
+    if pattern is None:
+        pattern = _OBJECT_NAMES[prefix] = re.compile(re.escape(prefix) + f"({TASK_ID.pattern})" + re.escape(".json"))
+    return pattern
+
+
 def id_from_object(name: str, prefix: str) -> str | None:
     """`tasks/t1.json` -> `t1`; None for anything that is not a queue object of that prefix."""
-    if not name.startswith(prefix) or not name.endswith(".json"):
-        return None
-    task_id = name[len(prefix) : -len(".json")]
-    return task_id if TASK_ID.fullmatch(task_id) else None
+    match = object_pattern(prefix).fullmatch(name)
+    return match.group(1) if match else None
 
 
 def check_task_id(task_id: object, where: str) -> str:

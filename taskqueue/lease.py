@@ -19,7 +19,11 @@ from taskqueue.clock import Clock
 
 log = logging.getLogger(__name__)
 
-HELD, RELEASED, DEAD = "held", "released", "dead"
+HELD, RELEASED, DEAD, DONE = "held", "released", "dead", "done"
+#: A lease in one of these states is a tombstone: its task is finished for good, nobody writes it again,
+#: and its existence alone makes every later claim (create-if-absent) fail (docs/PROTOCOL.md, "Completion").
+FINISHED = (DONE, DEAD)
+MIN_WRITE_GAP_S = 1.0
 
 
 class LeaseLost(Exception):
@@ -87,7 +91,14 @@ def encode(body: dict) -> tuple[bytes, dict[str, str]]:
         "ttl_s": str(body["ttl_s"]),
         "heartbeat_at": body["heartbeat_at"],
     }
+    if body.get("counters"):
+        # A `done` tombstone repeats its done marker's counters, so a sweep sums them from the leases listing.
+        metadata["counters"] = compact(body["counters"])
     return json.dumps(body, separators=(",", ":")).encode(), metadata
+
+
+def compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
 class HeldLease:
@@ -120,6 +131,9 @@ class HeldLease:
         """Caller holds self._lock."""
         if self.lost:
             raise LeaseLost(f"lease on task {self.task_id} was already lost")
+        if self.body["state"] in FINISHED:
+            # A tombstone is final: a late release must never turn a finished task back into work.
+            raise LeaseLost(f"lease on task {self.task_id} is already {self.body['state']}")
         data, metadata = encode(body)
         try:
             self.generation = self.store.write(
@@ -150,35 +164,39 @@ class HeldLease:
             self._write(self._updated(records, state=RELEASED, errors=errors))
 
     def complete(self, records: Sequence[dict], started_mono: float) -> bool:
-        """Done marker, then lease delete. False when another holder had already completed the task."""
+        """Done marker, then the lease becomes a `done` tombstone. False when another holder had
+        already completed the task."""
         with self._lock:
             ttl = float(self.body["ttl_s"])
-            if records or self.clock.monotonic() - self.last_write > ttl / 2:
-                # Only inside half a TTL of our last write is nobody able to have stolen the lease.
+            if self.clock.monotonic() - self.last_write > ttl / 2:
+                # Only inside half a TTL of our last write is nobody able to have stolen the lease, so
+                # only then may the done marker commit outputs without a lease write first.
                 self._write(self._updated(records))
+                records = ()
+            outputs = self.committed + list(records)
+            counters = sum_counters(outputs)
             marker = {
                 "task": self.task_id,
                 "fencing_token": self.token,
                 "worker": self.body["worker"],
                 "attempt": self.attempt,
-                "outputs": self.committed,
+                "outputs": outputs,
                 "claimed_at": self.body["claimed_at"],
                 "completed_at": self.clock.wall_iso(),
                 "seconds": round(self.clock.monotonic() - started_mono, 3),
             }
             duplicate = False
             try:
-                counters = sum_counters(self.committed)
                 self.store.create(
                     layout.done_object(self.task_id),
                     json.dumps(marker, indent=1).encode(),
                     # In the metadata, listings return the counters with the marker: status reads no body.
-                    metadata={"counters": json.dumps(counters, separators=(",", ":"))} if counters else None,
+                    metadata={"counters": compact(counters)} if counters else None,
                 )
             except PreconditionFailed:
                 duplicate = True
                 log.warning("event=duplicate_completion task=%s token=%d outputs=abandoned", self.task_id, self.token)
-            self._delete()
+            self._settle(DONE, records, counters=counters if not duplicate else None)
             return not duplicate
 
     def dead_letter(self, reason: str, records: Sequence[dict] = (), error: dict | None = None) -> None:
@@ -199,14 +217,33 @@ class HeldLease:
                 log.warning("event=duplicate_dead_letter task=%s", self.task_id)
             self._write(self._updated(records, state=DEAD, errors=errors))
 
-    def abandon(self) -> None:
-        """Delete a lease we should not have taken (the task turned out to be done)."""
+    def settle_done(self, counters: dict | None = None) -> None:
+        """Make our lease the `done` tombstone of a task someone else finished (its holder died before
+        writing the tombstone); `counters` are its done marker's."""
         with self._lock:
-            self._delete()
+            self._settle(DONE, (), counters=counters)
 
-    def _delete(self) -> None:
+    def settle_dead(self) -> None:
+        """Make our lease the `dead` tombstone of a task whose dead letter exists already."""
+        with self._lock:
+            self._settle(DEAD, ())
+
+    def _settle(self, state: str, records: Sequence[dict], counters: dict | None = None) -> None:
+        """The final write: conditional like every other, so only the holder can make the tombstone.
+
+        If it fails, the marker is there anyway; the lease expires, and whoever takes it over finds
+        the marker (the takeover's check) and writes the tombstone then.
+        """
+        # GCS allows about one write per second to one object name, and a task often ends right after
+        # a heartbeat: waiting out the rest of that second is cheaper than a 429 and its retry
+        # (https://cloud.google.com/storage/quotas#objects).
+        gap = self.clock.monotonic() - self.last_write
+        if gap < MIN_WRITE_GAP_S:
+            self.clock.wait(threading.Event(), MIN_WRITE_GAP_S - gap)
+        changes: dict[str, object] = {"state": state}
+        if counters:
+            changes["counters"] = counters
         try:
-            self.store.delete(layout.lease_object(self.task_id), if_generation=self.generation)
-        except (PreconditionFailed, NotFound) as exc:
-            self.lost = True
-            log.warning("event=lease_delete_refused task=%s generation=%d error=%s", self.task_id, self.generation, exc)
+            self._write(self._updated(records, **changes))
+        except LeaseLost as exc:
+            log.warning("event=tombstone_refused task=%s state=%s error=%s", self.task_id, state, exc)

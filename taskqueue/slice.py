@@ -5,9 +5,9 @@ The contract (docs/PROTOCOL.md, "Slices"):
 - **Who writes the assignment.** Only the slice's leader (host 0) writes `slices/<slice-id>/assignment.json`,
   each write conditional on the generation of its own previous write (create-if-absent the first time),
   so a second process that believes it leads the same slice gets a 412 instead of silently taking turns.
-- **When.** `assigned` only after the leader holds the task's lease and found no done marker (the
-  claim's done check), before its own consumer starts; `idle` as soon as its consumer has exited,
-  whatever the outcome; `closed` when the leader's worker exits.
+- **When.** `assigned` only after the leader holds the task's lease (created from nothing, or taken
+  over after the takeover's done check), before its own consumer starts; `idle` as soon as its
+  consumer has exited, whatever the outcome; `closed` when the leader's worker exits.
 - **When a follower may start.** A follower runs a consumer only for an `assigned` assignment that it
   has not run before (task and fencing token) and whose lease the leader still holds: the lease object
   is `held`, by the worker named in the assignment, with the claim's nonce. A lease carries its nonce

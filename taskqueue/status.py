@@ -17,7 +17,7 @@ import random
 from objectstore import ObjectStore, StoreError
 from objectstore.counting import CountingStore
 from taskqueue import layout
-from taskqueue.lease import DEAD, HELD, RELEASED, sum_metadata_counters
+from taskqueue.lease import FINISHED, HELD, RELEASED, sum_metadata_counters
 from taskqueue.slice import SLICES
 
 RATE_WINDOW_S = 600.0  # throughput is measured over the last ten minutes of done markers
@@ -70,11 +70,11 @@ def snapshot(
 ) -> dict:
     """A JSON-ready summary, and what it cost (`requests`). Staleness uses the store's update times.
 
-    Swept regions count from their markers alone. Open regions are listed (tasks and done markers:
-    two requests each), dead letters once for the whole queue; with `sample`, only that many open regions, chosen at random, and the
-    counts of the others are extrapolated from them: the result then says `"estimate": true`.
-    Leases are always listed in full (about one request per thousand workers), so holders and
-    stale leases are exact.
+    Swept regions count from their markers alone. Open regions are listed (tasks, done markers and
+    leases: three requests each), dead letters once for the whole queue; with `sample`, only that
+    many open regions, chosen at random, and the counts of the others are extrapolated from them:
+    the result then says `"estimate": true`, and holders and stale leases are those of the listed
+    regions. (A finished task's lease stays as its tombstone, so leases are listed by region too.)
     """
     now = now or dt.datetime.now(dt.timezone.utc)
     counted = CountingStore(store)
@@ -96,6 +96,8 @@ def snapshot(
     done_times: dict[str, dt.datetime] = {}
     failed: set[str] = set()
     counter_texts: list[str] = []
+    leased, stale, released = [], [], []
+    holders: collections.Counter[str] = collections.Counter()
     if cache is not None:
         cache.ticks += 1
         for region in list(cache.tasks):
@@ -116,6 +118,22 @@ def snapshot(
                 done_times[task_id] = entry.updated
                 if "counters" in entry.metadata:  # the task's progress-record counters, summed by lease.complete
                     counter_texts.append(entry.metadata["counters"])
+        for entry in counted.list(layout.LEASES, **_range(layout.LEASES, **where)):
+            task_id = layout.id_from_object(entry.name, layout.LEASES)
+            state = entry.metadata.get("state", HELD)
+            if not task_id or task_id in done_times or state in FINISHED:
+                continue
+            if state == RELEASED:
+                released.append(task_id)
+                continue
+            worker = entry.metadata.get("worker", "?")
+            silent = (now - entry.updated).total_seconds()
+            ttl = float(entry.metadata.get("ttl_s", "inf"))
+            if silent > ttl:
+                stale.append({"task": task_id, "worker": worker, "silent_s": round(silent, 1)})
+            else:
+                leased.append(task_id)
+                holders[worker] += 1
     # Dead letters are few: one listing of failed/ for the whole queue, kept to the listed regions.
     listed_set = set(listed)
     split_keys = [layout.key(r) if r else "" for r in splits]
@@ -126,24 +144,6 @@ def snapshot(
             every_failed.add(task_id)
             if _region_of(splits, split_keys, task_id) in listed_set:
                 failed.add(task_id)
-    leased, stale, released = [], [], []
-    holders: collections.Counter[str] = collections.Counter()
-    for entry in counted.list(layout.LEASES):
-        task_id = layout.id_from_object(entry.name, layout.LEASES)
-        state = entry.metadata.get("state", HELD)
-        if not task_id or task_id in done_times or state == DEAD:
-            continue
-        if state == RELEASED:
-            released.append(task_id)
-            continue
-        worker = entry.metadata.get("worker", "?")
-        silent = (now - entry.updated).total_seconds()
-        ttl = float(entry.metadata.get("ttl_s", "inf"))
-        if silent > ttl:
-            stale.append({"task": task_id, "worker": worker, "silent_s": round(silent, 1)})
-        else:
-            leased.append(task_id)
-            holders[worker] += 1
     # Counts of the listed open regions, scaled up to every open region when only a sample was listed.
     scale = len(open_regions) / len(listed) if listed else 0.0
     open_total = len(tasks | set(done_times) | failed) * scale
@@ -154,7 +154,8 @@ def snapshot(
     done = round(swept_tasks - swept_failed + open_done)
     failed_count = round(swept_failed + open_failed)
     remaining = total - done - failed_count
-    pending = max(0, remaining - len(leased) - len(stale))
+    n_leased, n_stale, n_released = (round(len(x) * scale) for x in (leased, stale, released))
+    pending = max(0, remaining - n_leased - n_stale)
     # A slice is one claimant: its leader holds the leases; its assignment says how many hosts it has.
     slice_hosts = {e.metadata["leader"]: int(e.metadata["hosts"]) for e in counted.list(SLICES)
                    if e.metadata.get("leader") in holders and e.metadata.get("hosts", "").isdigit()}  # fmt: skip
@@ -169,9 +170,9 @@ def snapshot(
         "estimate": len(listed) < len(open_regions),
         "total": total,
         "pending": pending,
-        "leased": len(leased),
-        "stale": len(stale),
-        "released": len(released),
+        "leased": n_leased,
+        "stale": n_stale,
+        "released": n_released,
         "done": done,
         "failed": failed_count,
         "holders": dict(sorted(holders.items())),

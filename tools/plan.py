@@ -42,9 +42,9 @@ GIB = 2**30
 #: upload: one request to start it and one per 100 MiB chunk (the client library's defaults).
 ONE_REQUEST_UPLOAD = 8 * 2**20
 RESUMABLE_CHUNK = 100 * 2**20
-#: Start-up listings per worker in docs/PROTOCOL.md: tasks/, done/, failed/ and leases/, 1000 names per page.
-STARTUP_PREFIXES = 4
-LIST_PAGE = 1000
+#: Listings before a worker's first claim (docs/PROTOCOL.md, "Claim"): splits/ and swept/, then one region's
+#: tasks/ and leases/, whatever the queue's size.
+STARTUP_LISTINGS = 4
 #: Above this a shard is worth a warning: the writer holds a whole shard in host memory while it uploads it.
 SHARD_WARN_BYTES = 4 * 2**30
 
@@ -221,19 +221,19 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     shard_bytes = shard_rows * (tokens.tokens_per_row * out.bytes_per_token + 16) + header
     storage_month = out.total / GIB * storage.standard_per_gib_month
 
-    # Storage operations (docs/PROTOCOL.md, "Cost of a task"). Class A: object writes and listings; deletes are
-    # free (https://cloud.google.com/storage/pricing#operations-by-class).
+    # Storage operations (docs/PROTOCOL.md, "Cost"). Class A: object writes and listings
+    # (https://cloud.google.com/storage/pricing#operations-by-class).
     n_tasks = len(task_rows)
     task_seconds = [rows * seconds_per_row for rows in task_rows]
     heartbeats = sum(int(s // args.heartbeat) for s in task_seconds)
     shard_writes = sum(
         costmodel.shards_in_task(rows, job.shard_size) * _upload_requests(shard_bytes) for rows in task_rows
     )
-    startup_lists = args.machines * STARTUP_PREFIXES * max(1, math.ceil(n_tasks / LIST_PAGE))
+    startup_lists = args.machines * STARTUP_LISTINGS
     class_a = {
         "lease_creates": n_tasks,
-        "done_checks": n_tasks,
         "done_markers": n_tasks,
+        "tombstones": n_tasks,
         "heartbeats": heartbeats,
         "shard_uploads": shard_writes,
         "startup_listings": startup_lists,

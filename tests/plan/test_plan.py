@@ -256,10 +256,10 @@ def test_plan_for_a_make_run_job_matches_figures_computed_by_hand(make_run_job, 
     assert plan["output"]["activation_bytes"] + plan["output"]["sample_bytes"] == pytest.approx(tensor_bytes)
     assert plan["storage"]["dollars_per_month"] == pytest.approx(plan["output"]["bytes"] / 2**30 * 0.1)
 
-    # Class A: per task a lease, a done check and a done marker, 2 one-request shard uploads, no heartbeat (the
-    # tasks take microseconds); 32 workers list 4 prefixes of one page each at start.
+    # Class A: per task a lease, a done marker and the lease's tombstone, 2 one-request shard uploads, no
+    # heartbeat (the tasks take microseconds); 32 workers make 4 listings each before their first claim.
     ops = plan["operations"]
-    assert ops["class_a"] == {"lease_creates": 8, "done_checks": 8, "done_markers": 8, "heartbeats": 0,
+    assert ops["class_a"] == {"lease_creates": 8, "done_markers": 8, "tombstones": 8, "heartbeats": 0,
                               "shard_uploads": 16, "startup_listings": 32 * 4}  # fmt: skip
     assert ops["dollars"] == pytest.approx((3 * 8 + 16 + 128) / 1000 * 0.01)
     assert plan["warnings"] == []

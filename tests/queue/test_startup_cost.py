@@ -23,7 +23,8 @@ PREFIX = "q"
 
 
 def seed(gcs, bucket: str, n: int, done: range = range(0)) -> list[str]:
-    """n tasks as `submit` lays them out, and done markers for the ids at positions `done`."""
+    """n tasks as `submit` lays them out; the ids at positions `done` finished as a worker leaves
+    them: a done marker, and the lease as its `done` tombstone."""
     ids = [f"t{k:07d}" for k in range(n)]
     for task_id in ids:
         manifest = json.dumps({"id": task_id})
@@ -33,6 +34,8 @@ def seed(gcs, bucket: str, n: int, done: range = range(0)) -> list[str]:
         gcs.storage.commit(bucket, f"{PREFIX}/{layout.split_object(task_id)}", b"{}", {}, Preconditions(), None)
     for k in done:
         gcs.storage.commit(bucket, f"{PREFIX}/{layout.done_object(ids[k])}", b"{}", {}, Preconditions(), None)
+        gcs.storage.commit(bucket, f"{PREFIX}/{layout.lease_object(ids[k])}", b"{}", {"metadata": {"state": "done"}},
+                           Preconditions(), None)
     return ids
 
 
@@ -40,8 +43,8 @@ def first_claim_cost(store: GCSStore, worker: str, seed: int = 7) -> tuple[int, 
     counted = CountingStore(store)
     claimer = Claimer(counted, ClaimOptions(worker=worker, idle_timeout_s=5, poll_min_s=0.01, poll_max_s=0.05, seed=seed))
     claim = next(iter(claimer))
-    # The claim's own create and its done check come after the start; everything before them is start-up.
-    requests = counted.requests - 2
+    # The claim's own lease create comes after the start; everything before it is start-up.
+    requests = counted.requests - 1
     claim.lease.complete([], time.monotonic())
     return requests, claim.task_id
 
@@ -51,8 +54,8 @@ def test_first_claim_takes_the_same_few_requests_at_any_queue_size(gcs, gcs_clie
     seed(gcs, gcs_bucket, size)
     store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
     requests, task_id = first_claim_cost(store, "w0")
-    # splits/ and swept/ (one page each up to a million tasks), then one region: tasks, done, failed, leases.
-    assert requests == 6
+    # splits/ and swept/ (one page each up to a million tasks), then one region: tasks and leases.
+    assert requests == 4
     assert store.read(layout.done_object(task_id)).generation > 0
 
 
@@ -100,7 +103,7 @@ def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(g
     store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
     exact = snapshot(store)
     assert (exact["total"], exact["done"], exact["pending"], exact["estimate"]) == (5000, 3000, 2000, False)
-    assert exact["requests"] == 2 + 2 * 5 + 3  # map, two listings per open region, failed/, leases/, slices/ once
+    assert exact["requests"] == 2 + 3 * 5 + 2  # map, three listings per open region, failed/ and slices/ once
     # A worker sweeps the finished regions it visits; status then counts them from their markers.
     for region in (layout.HEAD, ids[1000], ids[2000]):
         claimer = Claimer(store, ClaimOptions(worker="w"))
@@ -108,14 +111,14 @@ def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(g
         claimer._load(region)
     swept = snapshot(store)
     assert (swept["total"], swept["done"], swept["regions"]["swept"]) == (5000, 3000, 3)
-    assert swept["requests"] == 2 + 2 * 2 + 3
+    assert swept["requests"] == 2 + 3 * 2 + 2
     estimate = snapshot(store, sample=1, seed=3)
-    assert estimate["estimate"] is True and estimate["requests"] == 2 + 2 + 3
+    assert estimate["estimate"] is True and estimate["requests"] == 2 + 3 + 2
     assert estimate["total"] == 5000 and estimate["done"] == 3000  # both open regions are alike here
     cache = RegionCache()
     snapshot(store, cache=cache)
     watched = snapshot(store, cache=cache)
-    assert watched["requests"] == 2 + 2 + 3 and watched["total"] == 5000  # task lists kept between ticks
+    assert watched["requests"] == 2 + 2 * 2 + 2 and watched["total"] == 5000  # task lists kept between ticks
 
 
 def test_status_names_dead_letters_of_swept_regions(tmp_path):
@@ -123,8 +126,11 @@ def test_status_names_dead_letters_of_swept_regions(tmp_path):
 
     store = LocalStore(tmp_path / "q")
     submit(store, b"{}", [("bad", b'{"id": "bad"}'), ("good", b'{"id": "good"}')])
+    # As workers leave them: the marker, then the lease as its tombstone.
     store.create(layout.done_object("good"), b"{}")
+    store.create(layout.lease_object("good"), b"{}", metadata={"state": "done"})
     store.create(layout.failed_object("bad"), json.dumps({"reason": "bad input: field 'text'"}).encode())
+    store.create(layout.lease_object("bad"), b"{}", metadata={"state": "dead"})
     claimer = Claimer(store, ClaimOptions(worker="w", idle_timeout_s=1, poll_min_s=0.01, poll_max_s=0.05))
     assert list(claimer) == [] and claimer.exit_reason == "drained"  # it swept the only region
     view = snapshot(store)

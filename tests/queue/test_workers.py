@@ -27,7 +27,9 @@ def test_eight_workers_finish_300_tasks_exactly_once(queue_url, workers):
     logs = workers.all_logs()
     assert len(re.findall(r"event=done task=", logs)) == 300
     assert "duplicate_completion" not in logs
-    assert list(open_store(queue_url).list(layout.LEASES)) == []
+    # Every lease stays as its task's `done` tombstone, so no later claim can create it again.
+    leases = list(open_store(queue_url).list(layout.LEASES))
+    assert len(leases) == 300 and {e.metadata["state"] for e in leases} == {"done"}
 
 
 def test_sigkilled_workers_tasks_are_retaken_and_keep_exactly_committed_outputs(queue_url, workers):
@@ -196,8 +198,10 @@ def test_bad_manifests_and_exit_65_are_dead_lettered_while_the_worker_goes_on(qu
     assert "'other'" in failed["misnamed"]["reason"]
     assert "over the 65536-byte limit" in failed["huge"]["reason"]
     assert workers.log("w").count("consumer_start task=bad65") == 1  # dead-lettered at once, never retried
-    # Dead letters leave a tombstone lease so that no stale view runs them again.
-    assert {json.loads(store.read(e.name).data)["state"] for e in store.list(layout.LEASES)} == {"dead"}
+    # Every finished task leaves a tombstone lease, so that no stale view runs it again.
+    states = {layout.id_from_object(e.name, layout.LEASES): json.loads(store.read(e.name).data)["state"]
+              for e in store.list(layout.LEASES)}  # fmt: skip
+    assert states == {**{t: "dead" for t in failed}, **{f"good{k}": "done" for k in range(3)}}
 
 
 def test_failed_attempts_are_retried_then_dead_lettered_with_every_error(local_queue_url, local_workers):
