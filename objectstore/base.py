@@ -86,6 +86,9 @@ class ObjectStore(abc.ABC):
 
     #: e.g. "gs://bucket/prefix" or "/abs/path"; `url(name)` joins onto it.
     root_url: str
+    #: Seconds a writer should leave between two writes of one object: the store answers faster
+    #: ones with 429 (retried, but a request and a backoff lost). 0 where there is no such limit.
+    same_object_write_gap_s: float = 0.0
 
     @abc.abstractmethod
     def read(self, name: str) -> Blob:

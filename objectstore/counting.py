@@ -21,6 +21,7 @@ class CountingStore(ObjectStore):
     ):
         self.inner = inner
         self.root_url = inner.root_url
+        self.same_object_write_gap_s = inner.same_object_write_gap_s
         self.counts: collections.Counter[str] = counts if counts is not None else collections.Counter()
         self._lock = lock or threading.Lock()
 

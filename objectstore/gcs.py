@@ -135,6 +135,9 @@ class _BufferReader(io.RawIOBase):
 
 
 class GCSStore(ObjectStore):
+    # "a limit of one write per second to the same object name" (https://cloud.google.com/storage/quotas#objects)
+    same_object_write_gap_s = 1.0
+
     def __init__(self, bucket: str, prefix: str = "", client: storage.Client | None = None, policy: RetryPolicy | None = None):
         self._client = client if client is not None else make_client()
         self._bucket = self._client.bucket(bucket)

@@ -23,7 +23,6 @@ HELD, RELEASED, DEAD, DONE = "held", "released", "dead", "done"
 #: A lease in one of these states is a tombstone: its task is finished for good, nobody writes it again,
 #: and its existence alone makes every later claim (create-if-absent) fail (docs/PROTOCOL.md, "Completion").
 FINISHED = (DONE, DEAD)
-MIN_WRITE_GAP_S = 1.0
 
 
 class LeaseLost(Exception):
@@ -235,11 +234,10 @@ class HeldLease:
         the marker (the takeover's check) and writes the tombstone then.
         """
         # GCS allows about one write per second to one object name, and a task often ends right after
-        # a heartbeat: waiting out the rest of that second is cheaper than a 429 and its retry
-        # (https://cloud.google.com/storage/quotas#objects).
-        gap = self.clock.monotonic() - self.last_write
-        if gap < MIN_WRITE_GAP_S:
-            self.clock.wait(threading.Event(), MIN_WRITE_GAP_S - gap)
+        # a heartbeat: waiting out the rest of that second is cheaper than a 429 and its retry.
+        wait = self.store.same_object_write_gap_s - (self.clock.monotonic() - self.last_write)
+        if wait > 0:
+            self.clock.wait(threading.Event(), wait)
         changes: dict[str, object] = {"state": state}
         if counters:
             changes["counters"] = counters
