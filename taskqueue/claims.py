@@ -141,9 +141,6 @@ class QueueView:
         self.scan_map()
         return True
 
-    def region_of(self, task_id: str) -> str:
-        return self.splits[bisect.bisect_right(self._split_keys, layout.key(task_id)) - 1]
-
     def region_end(self, region: str) -> str | None:
         """The next region's start; None at the end of the keyspace."""
         i = bisect.bisect_left(self._split_keys, layout.key(region) if region else "")
@@ -260,14 +257,6 @@ def _release_quietly(lease: HeldLease) -> None:
         lease.release()
     except Exception:  # noqa: BLE001 - best effort: otherwise the lease expires after its TTL
         log.warning("event=release_failed task=%s", lease.task_id)
-
-
-def _counters(text: str | None) -> dict | None:
-    try:
-        value = json.loads(text) if text else None
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _float(text: str | None) -> float:
@@ -567,7 +556,8 @@ class Claimer:
             if done_id is not None:
                 self.view.finished.add(done_id)
                 if done_id == task_id:
-                    return DONE, _counters(entry.metadata.get("counters"))
+                    text = entry.metadata.get("counters")
+                    return DONE, sum_metadata_counters([text]) if text else None
         page = self.store.list_page(layout.FAILED, start_offset=layout.failed_object(task_id), page_size=1)
         if any(entry.name == layout.failed_object(task_id) for entry in page.entries):
             return DEAD, None
@@ -637,10 +627,7 @@ class Claimer:
         if finished is not None:
             state, counters = finished
             log.info("event=tombstone task=%s state=%s previous_worker=%s", task_id, state, previous.get("worker"))
-            if state == DONE:
-                lease.settle_done(counters)
-            else:
-                lease.settle_dead()
+            lease.settle(state, counters)
             self.view.finished.add(task_id)
             if state == DEAD:
                 self.view.failed.add(task_id)

@@ -216,16 +216,11 @@ class HeldLease:
                 log.warning("event=duplicate_dead_letter task=%s", self.task_id)
             self._write(self._updated(records, state=DEAD, errors=errors))
 
-    def settle_done(self, counters: dict | None = None) -> None:
-        """Make our lease the `done` tombstone of a task someone else finished (its holder died before
-        writing the tombstone); `counters` are its done marker's."""
+    def settle(self, state: str, counters: dict | None = None) -> None:
+        """Make our lease the tombstone (`done` or `dead`) of a task whose marker exists already (its
+        holder died before writing the tombstone); `counters` are its done marker's."""
         with self._lock:
-            self._settle(DONE, (), counters=counters)
-
-    def settle_dead(self) -> None:
-        """Make our lease the `dead` tombstone of a task whose dead letter exists already."""
-        with self._lock:
-            self._settle(DEAD, ())
+            self._settle(state, (), counters=counters)
 
     def _settle(self, state: str, records: Sequence[dict], counters: dict | None = None) -> None:
         """The final write: conditional like every other, so only the holder can make the tombstone.

@@ -351,7 +351,7 @@ def warnings(plan, args, job, config, tokens, layers, prices) -> list[str]:
         if job.dtype == "fp32":
             lines.append("  - dtype bf16 or fp16 halves it (fp32 stores 4 bytes per value)")
         else:
-            lines.append(f"  - dtype: fp16 is the same size as bf16 (2 bytes per value); only fp32 changes it (doubles)")
+            lines.append("  - dtype: fp16 is the same size as bf16 (2 bytes per value); only fp32 changes it (doubles)")
         out.append("\n".join(lines))
     shard = plan["output"]["shard_bytes"]
     if shard > SHARD_WARN_BYTES:
