@@ -27,14 +27,19 @@ from taskqueue.lease import DEAD, DONE, FINISHED, HELD, RELEASED, HeldLease, enc
 log = logging.getLogger(__name__)
 
 LOOKAHEAD = 64  # done markers read ahead by a takeover's done check
-JUMP_TRIES = 4  # regions a move loads before giving up and waiting
-MAP_REFRESH_S = 30.0  # a move re-lists the region map when it is older than this
+JUMP_TRIES = 2  # regions a move loads before giving up and waiting: at the end of a queue every load finds nothing
+MAP_REFRESH_S = 300.0  # the region map (splits/) is re-listed when older than this: splits change only on submit
+SWEPT_REFRESH_S = 30.0  # swept/ is re-listed when older than this, so moves and polls skip finished regions
 MAX_LOADED_REGIONS = 8  # the view is a cache: the least recently loaded region is forgotten first
 EXPLORE = 0.25  # a waiting worker's polls that look at a region it is not watching (two requests, not one)
 MIN_RUN = 16  # after a collision, a run of work shorter than this in the same region is not worth staying for
 
 
 POLL_CAP_S = 60.0
+# A worker that found nothing to claim waits at least this share of its longest wait before its
+# first poll: the work left is held by others, and freeing it takes a heartbeat's time or a task's,
+# not a second; polling sooner mostly re-reads the same leases (docs/PROTOCOL.md, "Claim", step 8).
+FIRST_WAIT = 0.125
 
 
 def default_poll_max(poll_min_s: float, lease_ttl_s: float) -> float:
@@ -121,6 +126,16 @@ class QueueView:
         self._split_keys = [""] + [layout.key(t) for t in splits]
         self.scan_swept()
         self.map_at = self.clock.monotonic()
+
+    def freshen_map(self) -> None:
+        """Re-list what is old: the splits every MAP_REFRESH_S (they change only when tasks are
+        submitted), the swept markers every SWEPT_REFRESH_S. A region swept since is still found
+        finished where the worker looks, and swept by it (or learnt from the marker's 412)."""
+        now = self.clock.monotonic()
+        if self.map_at is None or now - self.map_at > MAP_REFRESH_S:
+            self.scan_map()
+        elif self.swept_at is None or now - self.swept_at > SWEPT_REFRESH_S:
+            self.scan_swept()
 
     def scan_swept(self) -> None:
         """The swept markers of the regions in the map: one request per thousand regions."""
@@ -286,6 +301,9 @@ class Claimer:
         self._region: str | None = None  # where the walk is: a loaded region and a position in it
         self._index = 0
         self._mine: set[str] = set()  # tasks this worker finished or dead-lettered itself
+        # A move found nothing: until the next claim only polls (one region each) look further, and a
+        # failed claim does not set off another move (at the end of a queue that is most requests).
+        self._waiting = False
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -295,21 +313,19 @@ class Claimer:
     def __iter__(self) -> Iterator[Claim]:
         self._retrying(self._start)
         idle_since: float | None = None
-        backoff = self.options.poll_min_s
-        waiting = False  # a move found nothing: only polls (one region each) look further
+        first_wait = max(self.options.poll_min_s, self.options.poll_max_s * FIRST_WAIT)
+        backoff = first_wait
         while not self.stop_event.is_set():
             claim = self._retrying(self._try_claim)
             if isinstance(claim, Claim):
-                idle_since, backoff, waiting = None, self.options.poll_min_s, False
+                idle_since, backoff, self._waiting = None, first_wait, False
                 yield claim
                 self._learn_outcome(claim.lease)
                 continue
             if claim is False:  # the view changed (a collision, finished work ahead): go round again at once
                 continue
-            if not waiting:
-                if self._retrying(self._move):
-                    continue
-                waiting = True
+            if not self._waiting and self._retrying(self._move):
+                continue
             if self._retrying(self._drained):
                 self.exit_reason = "drained"
                 log.info("event=queue_drained regions=%d", len(self.view.splits))
@@ -321,10 +337,10 @@ class Claimer:
                 log.info("event=idle_timeout waited_s=%.1f open_regions=%d", now - idle_since, len(self.view.open_regions()))
                 return
             # Everything left within reach is leased by someone else: wait for it to finish or expire.
-            self.clock.wait(self.stop_event, self.rng.uniform(0, backoff))
+            # Jitter over the upper half only: waiting workers spread out without polling twice as often.
+            self.clock.wait(self.stop_event, self.rng.uniform(backoff / 2, backoff))
             backoff = min(backoff * 2, self.options.poll_max_s)
-            if self._retrying(self._poll):
-                waiting = False
+            self._retrying(self._poll)  # where it lands, the next turn of the loop claims
         self.exit_reason = "stopped"
 
     def _retrying(self, step):
@@ -368,10 +384,7 @@ class Claimer:
         from a live one; one poll in four loads a region it does not watch, so that between them
         the waiting workers watch every open region, however few they are.
         """
-        if self.view.swept_at is None or self.clock.monotonic() - self.view.swept_at > MAP_REFRESH_S:
-            # Regions swept by others; one this worker finds finished itself it sweeps (or learns
-            # from the marker's 412), so in between its view of them stays right where it looks.
-            self.view.scan_swept()
+        self.view.freshen_map()
         regions = self.view.open_regions()
         if not regions:
             return False
@@ -382,13 +395,16 @@ class Claimer:
             self._load(region)
         else:
             region = min(watched, key=lambda r: self.view.loaded[r])
-            self.view.refresh(region)
-            if self.view.region_finished(region):
-                self._sweep(region)
+            self._refresh(region)
         return self._land(region, first=False)
 
     def _load(self, region: str) -> None:
         self.view.load(region)
+        if self.view.region_finished(region):
+            self._sweep(region)
+
+    def _refresh(self, region: str) -> None:
+        self.view.refresh(region)
         if self.view.region_finished(region):
             self._sweep(region)
 
@@ -440,12 +456,15 @@ class Claimer:
         """Go to a region with claimable tasks: True when the walk has a new place to start.
 
         Regions this worker has not loaded come first, in random order: nobody's trail is known
-        there, and workers that start together spread out over the map. A region found finished
-        is swept on the way.
+        there, and workers that start together spread out over the map; a region loaded before
+        needs only its leases re-listed. A region found finished is swept on the way. When
+        JUMP_TRIES regions have nothing claimable the worker is waiting: until its next claim,
+        polls look further, one region each, and collisions and trails do not start moves.
         """
         view = self.view
-        if view.map_at is None or self.clock.monotonic() - view.map_at > MAP_REFRESH_S:
-            view.scan_map()
+        if self._waiting:
+            return False  # polls look further, one region at a time
+        view.freshen_map()
         tries = 0
         while True:
             fresh = [r for r in view.open_regions() if r not in view.tasks]
@@ -455,12 +474,16 @@ class Claimer:
             here = [self._region] if self._region is not None and self._region in view.tasks else []
             for region in fresh + known + here:
                 if tries >= JUMP_TRIES:
-                    return False
+                    break
                 tries += 1
-                self._load(region)
+                if region in view.tasks:
+                    self._refresh(region)  # its task list is known: only the leases change
+                else:
+                    self._load(region)
                 if self._land(region, first):
                     return True
             if tries >= JUMP_TRIES or not view.extend_map():
+                self._waiting = True
                 return False
 
     def _has_claimable(self, region: str) -> bool:

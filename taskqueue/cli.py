@@ -46,7 +46,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=3, help="failed attempts before a task is dead-lettered")
     p.add_argument("--max-tasks", type=int, default=None, help="exit after this many tasks")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for leased work before exiting")
-    p.add_argument("--poll", type=float, default=1.0, help="shortest wait between polls of a busy queue (seconds)")
+    p.add_argument(
+        "--poll", type=float, default=1.0,
+        help="shortest wait between polls of a busy queue (seconds; the first is at least an eighth of the longest)",
+    )
     p.add_argument(
         "--on-empty", choices=("exit", "delete", "delete-when-drained"), default="exit",
         help="delete this machine when the queue is drained or idle (delete), or only once it is drained "

@@ -14,7 +14,9 @@ import pytest
 from objectstore.counting import CountingStore
 from objectstore.gcs import GCSStore
 from taskqueue import layout
-from taskqueue.claims import Claimer, ClaimOptions
+from taskqueue.claims import JUMP_TRIES, Claimer, ClaimOptions
+from taskqueue.clock import Clock
+from taskqueue.lease import RELEASED, encode, new_lease_body
 from taskqueue.status import RegionCache, snapshot
 from taskqueue.submit import submit
 from tests.fakegcs.server import Preconditions
@@ -136,3 +138,65 @@ def test_status_names_dead_letters_of_swept_regions(tmp_path):
     view = snapshot(store)
     assert (view["total"], view["done"], view["failed"], view["complete"]) == (2, 1, 1, True)
     assert view["failed_reasons"] == {"bad": "bad input: field 'text'"}
+
+
+class ReleasedThenTakenOver(CountingStore):
+    """After the waiting worker's start, the first region it lists again has one lease released just
+    before the listing and taken over by a rival just after it: the worker sees a task free that
+    is not free any more by the time it claims it."""
+
+    def __init__(self, inner: GCSStore, start_listings: int):
+        super().__init__(inner)
+        self.start_listings = start_listings
+        self.raced: str | None = None
+
+    def list_page(self, prefix, page_token=None, start_offset=None, page_size=1000, end_offset=None):
+        race = prefix == layout.LEASES and self.raced is None and self.counts[f"list {layout.LEASES}"] == self.start_listings
+        if race:
+            entry = next(iter(self.inner.list(layout.LEASES, start_offset=start_offset, end_offset=end_offset)))
+            self.raced = layout.id_from_object(entry.name, layout.LEASES)
+            released = dict(json.loads(self.inner.read(entry.name).data), state=RELEASED)
+            data, metadata = encode(released)
+            generation = self.inner.write(entry.name, data, if_generation=entry.generation, metadata=metadata)
+        page = super().list_page(prefix, page_token, start_offset, page_size, end_offset)
+        if race:
+            rival = new_lease_body(self.raced, "rival", 600, Clock(), released)
+            data, metadata = encode(rival)
+            self.inner.write(entry.name, data, if_generation=generation, metadata=metadata)
+        return page
+
+
+def test_a_waiting_worker_that_loses_a_claim_waits_on_instead_of_moving(gcs, gcs_client, gcs_bucket):
+    """At the end of a queue most workers wait, and every request they make is overhead: a claim a
+    waiting worker loses (the task was taken in between) costs the claim and one re-list of that
+    region, not a move through other regions (docs/PROTOCOL.md, "Claim", step 8)."""
+    ids = seed(gcs, gcs_bucket, 3 * layout.REGION_TASKS)
+    for task_id in ids:  # every task held by a live worker
+        data, metadata = encode(new_lease_body(task_id, "other", 600, Clock()))
+        gcs.storage.commit(gcs_bucket, f"{PREFIX}/{layout.lease_object(task_id)}", data, {"metadata": metadata},
+                           Preconditions(), "application/json")
+    store = ReleasedThenTakenOver(GCSStore(gcs_bucket, PREFIX, client=gcs_client), start_listings=JUMP_TRIES)
+    at_poll: list[int] = []
+    race_poll: list[int] = []
+
+    class Counted(Claimer):
+        def _poll(self):
+            at_poll.append(store.requests)
+            try:
+                return super()._poll()
+            finally:
+                if store.raced is not None and not race_poll:
+                    race_poll.append(len(at_poll) - 1)
+
+    claimer = Counted(store, ClaimOptions(worker="w", idle_timeout_s=2, poll_min_s=0.01, poll_max_s=0.2, seed=3))
+    assert list(claimer) == [] and claimer.exit_reason == "idle"
+    assert store.raced is not None and store.counts["read leases/"] == 1  # it saw the release and lost the takeover
+    assert at_poll[0] == 2 + 2 * JUMP_TRIES  # start: map, then the regions one move tries, all held
+    # From the poll that saw the release to the next poll (or the exit): that poll's one or two
+    # listings, the lost takeover's read, one re-list of the region. Moving on would load regions
+    # too, two listings each (7 requests here before waiting stuck).
+    at_poll.append(store.requests)
+    assert at_poll[race_poll[0] + 1] - at_poll[race_poll[0]] <= 4
+    # Every other poll is one listing, or two when it looks at a region it does not watch.
+    assert max(b - a for a, b in zip(at_poll, at_poll[1:])) <= 3
+    assert store.counts["list splits/"] == 1
