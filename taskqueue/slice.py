@@ -39,7 +39,7 @@ from objectstore import NotFound, ObjectStore, PreconditionFailed, StoreError
 from taskqueue import layout
 from taskqueue.clock import Clock
 from taskqueue.lease import HELD, HeldLease
-from taskqueue.process import STOP_GRACE_S, pump_output, signal_group
+from taskqueue.process import STOP_GRACE_S, ConsumerSlot, pump_output
 
 log = logging.getLogger(__name__)
 
@@ -177,20 +177,14 @@ class Follower:
         self.name = assignment_object(options.slice_id)
         self.runs = 0
         self._stop = threading.Event()
-        self._proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()
+        self._consumer = ConsumerSlot()
         self._job: bytes | None = None
 
     def request_stop(self, reason: str) -> None:
         """Signal-safe: stop the consumer and leave the loop."""
         log.info("event=follower_stop_requested reason=%s", reason)
         self._stop.set()
-        self._signal(signal.SIGTERM)
-
-    def _signal(self, signum: int) -> None:
-        with self._lock:
-            proc = self._proc
-        signal_group(proc, signum)
+        self._consumer.signal(signal.SIGTERM)
 
     # -- reading the leader's state --------------------------------------------------------------
 
@@ -278,11 +272,9 @@ class Follower:
             env.update(self.options.consumer_env())
             env.update(SPAWN_TASK_ID=task_id, SPAWN_ATTEMPT=str(assignment["attempt"]), SPAWN_OUTPUT=assignment["output"])
             tail: collections.deque[str] = collections.deque(maxlen=40)
-            with self._lock:
-                proc = self._proc = subprocess.Popen(
-                    self.consumer, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
+            proc = self._consumer.start(self.consumer, env)
+            if self._stop.is_set():  # a stop that arrived while we were starting it
+                self._consumer.signal(signal.SIGTERM)
             self.runs += 1
             log.info("event=follower_consumer_start task=%s token=%s pid=%d", task_id, assignment["fencing_token"], proc.pid)
             pump = threading.Thread(target=pump_output, args=(proc, task_id, tail), daemon=True)
@@ -291,8 +283,7 @@ class Follower:
             pump.join(timeout=5)
             log.info("event=follower_consumer_exit task=%s exit_code=%d", task_id, code)
         finally:
-            with self._lock:
-                self._proc = None
+            self._consumer.clear()
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _watch(self, proc: subprocess.Popen, assignment: dict) -> int:
@@ -308,7 +299,7 @@ class Follower:
             if kill_at is not None:
                 if now >= kill_at:
                     log.warning("event=follower_consumer_kill pid=%d reason=stop_grace_exceeded", proc.pid)
-                    self._signal(signal.SIGKILL)
+                    self._consumer.signal(signal.SIGKILL)
                 continue
             if self._stop.is_set():
                 kill_at = now + STOP_GRACE_S
@@ -332,5 +323,5 @@ class Follower:
                     "event=follower_stop task=%s token=%s reason=assignment_or_lease_gone",
                     assignment["task"], assignment["fencing_token"],
                 )  # fmt: skip
-                self._signal(signal.SIGTERM)
+                self._consumer.signal(signal.SIGTERM)
                 kill_at = now + STOP_GRACE_S

@@ -25,7 +25,7 @@ from taskqueue import layout
 from taskqueue.claims import Claim, Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, LeaseLost
-from taskqueue.process import STOP_GRACE_S, pump_output, signal_group
+from taskqueue.process import STOP_GRACE_S, ConsumerSlot, pump_output
 from taskqueue.slice import AssignmentBoard, SliceOptions
 
 log = logging.getLogger(__name__)
@@ -139,8 +139,7 @@ class Spawner:
         self.tally = Tally()
         self.stop_reason: str | None = None
         self._stop = threading.Event()
-        self._consumer: subprocess.Popen | None = None
-        self._consumer_lock = threading.Lock()
+        self._consumer = ConsumerSlot()
         self._job: bytes | None = None
         self.board = (
             AssignmentBoard(store, options.slice, options.worker, self.clock)
@@ -157,12 +156,7 @@ class Spawner:
         self.stop_reason = reason
         self._stop.set()
         self.claimer.stop()
-        self._signal_consumer(signal.SIGTERM)
-
-    def _signal_consumer(self, signum: int) -> None:
-        with self._consumer_lock:
-            proc = self._consumer
-        signal_group(proc, signum)
+        self._consumer.signal(signal.SIGTERM)
 
     def tell_state(self, state: str, **fields: object) -> None:
         if self.on_state is None:
@@ -262,18 +256,9 @@ class Spawner:
         progress = ProgressFile(files["SPAWN_PROGRESS_FILE"])
         started = self.clock.monotonic()
         tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
-        with self._consumer_lock:
-            self._consumer = subprocess.Popen(
-                self.options.consumer,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            proc = self._consumer
+        proc = self._consumer.start(self.options.consumer, env)
         if self._stop.is_set():  # a stop that arrived while we were starting it
-            self._signal_consumer(signal.SIGTERM)
+            self._consumer.signal(signal.SIGTERM)
         log.info("event=consumer_start task=%s pid=%d attempt=%d", claim.task_id, proc.pid, lease.attempt)
         pump = threading.Thread(target=pump_output, args=(proc, claim.task_id, tail), daemon=True)
         pump.start()
@@ -289,8 +274,7 @@ class Spawner:
             beat_stop.set()
             beat.join()
             pump.join(timeout=5)
-            with self._consumer_lock:
-                self._consumer = None
+            self._consumer.clear()
             self._withdraw(claim.task_id, proc.returncode)
         error = {
             "attempt": lease.attempt,
@@ -360,7 +344,7 @@ class Spawner:
                 deadline = deadline if deadline is not None else now + STOP_GRACE_S
                 if now >= deadline:
                     log.warning("event=consumer_kill pid=%d reason=stop_grace_exceeded", proc.pid)
-                    self._signal_consumer(signal.SIGKILL)
+                    self._consumer.signal(signal.SIGKILL)
 
     def _heartbeat_loop(
         self, lease: HeldLease, progress: ProgressFile, stop: threading.Event, trouble: list[BaseException]
@@ -372,7 +356,7 @@ class Spawner:
             except (LeaseLost, ProgressError) as exc:
                 trouble.append(exc)
                 log.error("event=heartbeat_stop task=%s error=%s", lease.task_id, exc)
-                self._signal_consumer(signal.SIGKILL)  # commit nothing more, at once
+                self._consumer.signal(signal.SIGKILL)  # commit nothing more, at once
                 return
             except StoreError as exc:
                 silent = self.clock.monotonic() - lease.last_write
@@ -380,7 +364,7 @@ class Spawner:
                 if silent >= ttl:
                     lease.lost = True
                     trouble.append(LeaseLost(f"no heartbeat for {silent:.0f}s, a whole TTL: the lease may be stolen"))
-                    self._signal_consumer(signal.SIGKILL)
+                    self._consumer.signal(signal.SIGKILL)
                     return
 
 
