@@ -384,7 +384,10 @@ class Claimer:
         from a live one; one poll in four loads a region it does not watch, so that between them
         the waiting workers watch every open region, however few they are.
         """
-        self.view.freshen_map()
+        if self.view.swept_at is None or self.clock.monotonic() - self.view.swept_at > SWEPT_REFRESH_S:
+            # Only swept/: splits/ changes only when tasks are submitted, and a waiting worker lists it
+            # afresh once every region it knows is swept (`_drained`), so new regions wait for the old.
+            self.view.scan_swept()
         regions = self.view.open_regions()
         if not regions:
             return False
