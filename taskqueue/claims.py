@@ -131,10 +131,14 @@ class QueueView:
         """Re-list what is old: the splits every MAP_REFRESH_S (they change only when tasks are
         submitted), the swept markers every SWEPT_REFRESH_S. A region swept since is still found
         finished where the worker looks, and swept by it (or learnt from the marker's 412)."""
-        now = self.clock.monotonic()
-        if self.map_at is None or now - self.map_at > MAP_REFRESH_S:
+        if self.map_at is None or self.clock.monotonic() - self.map_at > MAP_REFRESH_S:
             self.scan_map()
-        elif self.swept_at is None or now - self.swept_at > SWEPT_REFRESH_S:
+        else:
+            self.freshen_swept()
+
+    def freshen_swept(self) -> None:
+        """Re-list the swept markers when they are older than SWEPT_REFRESH_S."""
+        if self.swept_at is None or self.clock.monotonic() - self.swept_at > SWEPT_REFRESH_S:
             self.scan_swept()
 
     def scan_swept(self) -> None:
@@ -375,8 +379,8 @@ class Claimer:
             self.view.extend_map()
         return self.view.all_swept()
 
-    def _poll(self) -> bool:
-        """While waiting: the swept markers, and one open region afresh. True when the walk can go on there.
+    def _poll(self) -> None:
+        """While waiting: the swept markers, and one open region afresh; the walk goes on there if it has work.
 
         One region per poll keeps a thousand waiting workers cheap. Mostly it is one the worker
         watches (loaded already: one listing of its leases), the one it looked at longest ago, so it
@@ -384,30 +388,28 @@ class Claimer:
         from a live one; one poll in four loads a region it does not watch, so that between them
         the waiting workers watch every open region, however few they are.
         """
-        if self.view.swept_at is None or self.clock.monotonic() - self.view.swept_at > SWEPT_REFRESH_S:
-            # Only swept/: splits/ changes only when tasks are submitted, and a waiting worker lists it
-            # afresh once every region it knows is swept (`_drained`), so new regions wait for the old.
-            self.view.scan_swept()
+        # Only swept/: splits/ changes only when tasks are submitted, and a waiting worker lists it
+        # afresh once every region it knows is swept (`_drained`), so new regions wait for the old.
+        self.view.freshen_swept()
         regions = self.view.open_regions()
         if not regions:
-            return False
+            return
         unseen = [r for r in regions if r not in self.view.loaded]
         watched = [r for r in regions if r in self.view.loaded]
         if unseen and (not watched or self.rng.random() < EXPLORE):
             region = self.rng.choice(unseen)
-            self._load(region)
         else:
             region = min(watched, key=lambda r: self.view.loaded[r])
-            self._refresh(region)
-        return self._land(region, first=False)
+        self._visit(region)
+        self._land(region, first=False)
 
-    def _load(self, region: str) -> None:
-        self.view.load(region)
-        if self.view.region_finished(region):
-            self._sweep(region)
-
-    def _refresh(self, region: str) -> None:
-        self.view.refresh(region)
+    def _visit(self, region: str) -> None:
+        """Read a region afresh, and sweep it if every task in it is finished: its leases when its task
+        list is known already (one request), else its tasks and leases (two)."""
+        if region in self.view.tasks:
+            self.view.refresh(region)
+        else:
+            self.view.load(region)
         if self.view.region_finished(region):
             self._sweep(region)
 
@@ -479,10 +481,7 @@ class Claimer:
                 if tries >= JUMP_TRIES:
                     break
                 tries += 1
-                if region in view.tasks:
-                    self._refresh(region)  # its task list is known: only the leases change
-                else:
-                    self._load(region)
+                self._visit(region)
                 if self._land(region, first):
                     return True
             if tries >= JUMP_TRIES or not view.extend_map():

@@ -110,7 +110,7 @@ def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(g
     for region in (layout.HEAD, ids[1000], ids[2000]):
         claimer = Claimer(store, ClaimOptions(worker="w"))
         claimer.view.scan_map()
-        claimer._load(region)
+        claimer._visit(region)
     swept = snapshot(store)
     assert (swept["total"], swept["done"], swept["regions"]["swept"]) == (5000, 3000, 3)
     assert swept["requests"] == 2 + 3 * 2 + 2
