@@ -243,7 +243,8 @@ rest_delete() {
   zone="$(metadata instance/zone)" || return 1
   name="$(resource_id instance "$(metadata instance/name)")" || return 1
   node="$(tpu_env_value NODE_ID)"
-  if [[ -n "$node" ]]; then
+  # A TPU VM's zone is the node's (tpu-env), as fleet/selfdelete.py reads it.
+  if [[ -n "$node" && -n "$(tpu_env_value ZONE)" ]]; then
     zone="$(tpu_env_value ZONE)"
   fi
   zone="$(resource_id zone "${zone##*/}")" || return 1
