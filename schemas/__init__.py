@@ -139,7 +139,8 @@ def problems(error: ValidationError, model: type[BaseModel]) -> list[Problem]:
         else:  # a check declared without rule(): pydantic's words, still under the field's path
             text = detail["msg"][:1].lower() + detail["msg"][1:]
             found.append(Problem(INVALID, _path(loc), f"{text}, got {value!r}", value))
-    return sorted(found, key=lambda problem: problem.kind != UNKNOWN)
+    # Unknown fields first and in name order, as the first of them is most likely the typo behind the rest.
+    return sorted(found, key=lambda problem: (problem.kind != UNKNOWN, problem.path if problem.kind == UNKNOWN else ""))
 
 
 def summary(found: list[Problem], phrase: Callable[[Problem, str], str], prefix: str = "", root: str = "") -> str:
@@ -152,8 +153,11 @@ def summary(found: list[Problem], phrase: Callable[[Problem, str], str], prefix:
     return phrase(found[0], where(found[0])) + (f" (also wrong: {', '.join(others)})" if others else "")
 
 
-def json_schema(model: type[BaseModel], schema_id: str) -> str:
-    """The JSON Schema of `model` as written to docs/schema/: what an editor validates and completes against."""
-    document = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": schema_id}
-    document |= model.model_json_schema(mode="validation")
-    return json.dumps(document, indent=2, sort_keys=False) + "\n"
+def json_schema(model: type[BaseModel]) -> str:
+    """The JSON Schema of `model` as written to docs/schema/: what an editor validates and completes against.
+
+    Declared as draft-07, the newest draft yaml-language-server supports: the keywords pydantic emits for these
+    models all exist there, and `#/$defs/...` references are plain JSON pointers (tests validate with draft-07).
+    """
+    document = {"$schema": "http://json-schema.org/draft-07/schema#"} | model.model_json_schema(mode="validation")
+    return json.dumps(document, indent=2) + "\n"

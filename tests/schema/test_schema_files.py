@@ -29,9 +29,10 @@ def export_tool():
 
 
 def editor_check(name: str, document: object) -> list[str]:
-    """What a JSON Schema validator (as in an editor) says about `document`, one path per error."""
+    """What a draft-07 JSON Schema validator (as in yaml-language-server) says about `document`, one path per error."""
     schema = json.loads((REPO / "docs" / "schema" / name).read_text())
-    validator = jsonschema.Draft202012Validator(schema)
+    jsonschema.Draft7Validator.check_schema(schema)
+    validator = jsonschema.Draft7Validator(schema)
     return sorted(".".join(map(str, error.absolute_path)) for error in validator.iter_errors(document))
 
 
