@@ -13,9 +13,7 @@ rule is written once and every violation reads the same way. This package sits o
   cause of the rest); each caller phrases them in its own error type (`BadInput`, `SpecError`).
 - `json_schema(model)` is the document written to `docs/schema/` (tools/export_schema.py).
 
-Pydantic rather than msgspec: msgspec's errors carry the path but its constraints cannot carry a message of our
-own, and it has no per-field validators for rules such as "a CPython version of at least 3.11"; pydantic is
-already installed beside google-cloud's clients, and its JSON Schema output carries the descriptions editors show.
+Why pydantic rather than msgspec: docs/schema/README.md.
 """
 
 from __future__ import annotations
@@ -156,7 +154,7 @@ def summary(found: list[Problem], phrase: Callable[[Problem, str], str], prefix:
 def json_schema(model: type[BaseModel]) -> str:
     """The JSON Schema of `model` as written to docs/schema/: what an editor validates and completes against.
 
-    Declared as draft-07, the newest draft yaml-language-server supports: the keywords pydantic emits for these
+    Declared as draft-07, which yaml-language-server supports (docs/schema/README.md): the keywords pydantic emits for these
     models all exist there, and `#/$defs/...` references are plain JSON pointers (tests validate with draft-07).
     """
     document = {"$schema": "http://json-schema.org/draft-07/schema#"} | model.model_json_schema(mode="validation")
