@@ -146,7 +146,9 @@ class Job(Model):
     compute_dtype: choice(*COMPUTE_DTYPES) = Field("bf16", description="the dtype the forward pass runs in")
     mesh: (
         Annotated[
-            StrictStr, AfterValidator(_mesh), rule(f"must be axis=size pairs over {'/'.join(MESH_AXES)}, e.g. 'data=2,model=2'")
+            StrictStr,
+            AfterValidator(_mesh),
+            rule(f"must be axis=size pairs over {'/'.join(MESH_AXES)}, e.g. 'data=2,model=2'"),
         ]
         | None
     ) = Field(None, description="'data=D,model=M'; default: chosen from the model size and the devices")
@@ -167,7 +169,8 @@ class Job(Model):
             return default_buckets(max_seq_len)
         if buckets[-1] != max_seq_len:
             raise cross_field(
-                "buckets", f"the last bucket is {buckets[-1]}, not max_seq_len={max_seq_len}; end the list at max_seq_len"
+                "buckets",
+                f"the last bucket is {buckets[-1]}, not max_seq_len={max_seq_len}; end the list at max_seq_len",
             )
         return buckets
 
@@ -231,7 +234,8 @@ class Task(Model):
     @classmethod
     def _not_empty(cls, files: tuple[FileSlice, ...], info: ValidationInfo) -> tuple[FileSlice, ...]:
         if sum(f.rows for f in files) == 0:
-            raise cross_field("files", f"task {info.data.get('id')} is an empty slice (0 rows); give a file end > start")
+            task = info.data.get("id")
+            raise cross_field("files", f"task {task} is an empty slice (0 rows); give a file end > start")
         return files
 
     @property

@@ -58,7 +58,8 @@ def _labels(labels: dict[Any, Any]) -> dict[str, str]:
     for key, value in labels.items():
         if not (isinstance(key, str) and _LABEL.match(key) and isinstance(value, str) and _LABEL_VALUE.match(value)):
             raise invalid(
-                f"has label {key!r}: {value!r}; keys and values must be lowercase letters, digits, '-' or '_' (values quoted)"
+                f"has label {key!r}: {value!r}; keys and values must be lowercase letters, digits, '-' or '_' "
+                "(values quoted)"
             )
     return labels
 
@@ -116,7 +117,10 @@ class _Common(Model):
         rule("must list at least one OAuth scope, e.g. cloud-platform"),
     ] = Field(["cloud-platform"], validate_default=True, description="OAuth scopes, short (cloud-platform) or URLs")
     labels: Annotated[
-        dict[Any, Any], rule("must be a mapping of label keys to values"), AfterValidator(_labels), WithJsonSchema(_LABELS_SCHEMA)
+        dict[Any, Any],
+        rule("must be a mapping of label keys to values"),
+        AfterValidator(_labels),
+        WithJsonSchema(_LABELS_SCHEMA),
     ] = Field({}, description="resource labels: lowercase letters, digits, '-' or '_'")
     network: Text = Field("default", description="the VPC network")
     subnetwork: Text | None = Field(None, description="the subnetwork (needed on custom-mode networks)")

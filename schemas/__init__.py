@@ -6,11 +6,12 @@ rule is written once and every violation reads the same way. This package sits o
 
 - `Model` is the base of every declared file: unknown fields are errors and a validated value is frozen.
 - `rule(hint)` goes last in a field's `Annotated[...]`: whatever the field's own checks reject (type, range,
-  pattern, a custom `AfterValidator`) is reported as `hint` ("must be a positive integer"), never as pydantic's
-  wording; errors inside its elements keep their own path. The field keeps its JSON Schema (type, bounds, enum), which the wrapper does not hide.
-- `cross_field(path, text)` is the error of a rule that spans fields; `path` names where to look.
-- `problems(error)` turns a `ValidationError` into `Problem`s, unknown fields first (a typo is the likeliest
-  cause of the rest); each caller phrases them in its own error type (`BadInput`, `SpecError`).
+  pattern, a custom `AfterValidator`) is reported as `hint` ("must be a positive integer"), never in pydantic's
+  words; errors inside its elements keep their own path. The field keeps its JSON Schema (type, bounds, enum).
+- `PositiveInt`, `NonNegativeInt`, `Text`, `Flag` and `choice(...)` are the rules both files share.
+- `invalid(hint)` is a custom check's error; `cross_field(path, text)` the error of a rule over several fields.
+- `problems(error, model)` turns a `ValidationError` into `Problem`s with paths, unknown fields first;
+  `summary` puts them in one line, which each caller raises as its own error type (`BadInput`, `SpecError`).
 - `json_schema(model)` is the document written to `docs/schema/` (tools/export_schema.py).
 
 Why pydantic rather than msgspec: docs/schema/README.md.
@@ -89,7 +90,6 @@ class Problem:
     kind: str
     path: str
     text: str
-    value: Any = None
 
 
 def _path(loc: Iterable[str | int]) -> str:
@@ -129,14 +129,14 @@ def problems(error: ValidationError, model: type[BaseModel]) -> list[Problem]:
         elif kind == "missing":
             found.append(Problem(MISSING, _path(loc), _model_at(model, loc).model_fields[loc[-1]].description or ""))
         elif kind == CROSS:
-            found.append(Problem(CROSS, ctx["path"], ctx["text"], value))
+            found.append(Problem(CROSS, ctx["path"], ctx["text"]))
         elif kind == INVALID:
-            found.append(Problem(INVALID, _path(loc), f"{ctx['hint']}, got {value!r}", value))
+            found.append(Problem(INVALID, _path(loc), f"{ctx['hint']}, got {value!r}"))
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
-            found.append(Problem(INVALID, _path(loc), f"must be a mapping of field names to values, got {value!r}", value))
+            found.append(Problem(INVALID, _path(loc), f"must be a mapping of field names to values, got {value!r}"))
         else:  # a check declared without rule(): pydantic's words, still under the field's path
             text = detail["msg"][:1].lower() + detail["msg"][1:]
-            found.append(Problem(INVALID, _path(loc), f"{text}, got {value!r}", value))
+            found.append(Problem(INVALID, _path(loc), f"{text}, got {value!r}"))
     # Unknown fields first and in name order, as the first of them is most likely the typo behind the rest.
     return sorted(found, key=lambda problem: (problem.kind != UNKNOWN, problem.path if problem.kind == UNKNOWN else ""))
 
@@ -154,8 +154,8 @@ def summary(found: list[Problem], phrase: Callable[[Problem, str], str], prefix:
 def json_schema(model: type[BaseModel]) -> str:
     """The JSON Schema of `model` as written to docs/schema/: what an editor validates and completes against.
 
-    Declared as draft-07, which yaml-language-server supports (docs/schema/README.md): the keywords pydantic emits for these
-    models all exist there, and `#/$defs/...` references are plain JSON pointers (tests validate with draft-07).
+    Declared as draft-07, which yaml-language-server supports (docs/schema/README.md): the keywords pydantic
+    emits for these models all exist there, and `#/$defs/...` references are plain JSON pointers.
     """
     document = {"$schema": "http://json-schema.org/draft-07/schema#"} | model.model_json_schema(mode="validation")
     return json.dumps(document, indent=2) + "\n"

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"event=schema_written file={path}")
     if args.check and stale:
-        print(f"export_schema.py: {', '.join(stale)} differ from the models; run tools/export_schema.py", file=sys.stderr)
+        stale_list = ", ".join(stale)
+        print(f"export_schema.py: {stale_list} differ from the models; run tools/export_schema.py", file=sys.stderr)
         return 1
     return 0
 

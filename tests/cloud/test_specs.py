@@ -188,7 +188,8 @@ def test_minimal_spec_gets_the_documented_defaults(tmp_path: Path):
     # The default scope is expanded like a written one: the API wants the full URL.
     assert spec.scopes == ["https://www.googleapis.com/auth/cloud-platform"]
     assert (spec.labels, spec.network, spec.subnetwork, spec.external_ip) == ({}, "default", None, True)
-    assert (spec.disk_gb, spec.disk_type, spec.gpu_type, spec.gpu_count, spec.jax_flavour) == (100, "pd-balanced", None, 0, "cpu")
+    vm_fields = (spec.disk_gb, spec.disk_type, spec.gpu_type, spec.gpu_count, spec.jax_flavour)
+    assert vm_fields == (100, "pd-balanced", None, 0, "cpu")
     assert (spec.max_idle_s, spec.max_run_duration_s, spec.spawn_flags) == (None, None, [])
     other = specs.load_spec(path)
     assert other.labels is not spec.labels and other.spawn_flags is not spec.spawn_flags  # no shared mutable default
