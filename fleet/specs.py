@@ -173,30 +173,14 @@ class TpuSpec(_Common):
     ] = Field(description="the TPU type; more than 8 chips is a multi-host slice")
     runtime_version: Text = Field(description="the TPU software version, e.g. v2-alpha-tpuv5-lite")
     queued: Flag | None = Field(None, description="make queued resources; default: when spot")
-    slices: PositiveInt = Field(1, description="slices per queued resource (multislice), each its own worker")
-
-    @model_validator(mode="after")
-    def _multislice(self) -> TpuSpec:
-        if self.slices > 1 and self.queued is False:
-            raise cross_field(
-                "slices", f"field 'slices' is {self.slices}, which needs queued resources; drop 'queued: false'"
-            )
-        flags = self.spawn_flags
-        if self.slices > 1 and any(a == "--on-empty" and b == "delete" for a, b in zip(flags, flags[1:])):
-            # Deleting a multislice queued resource deletes every slice: a slice that is merely idle
-            # (others still run the last tasks) must not do it.
-            raise cross_field(
-                "spawn_flags",
-                f"field 'spawn_flags' has '--on-empty delete', but with slices: {self.slices} one idle "
-                "slice would delete the others mid-task; use '--on-empty delete-when-drained'",
-            )
-        return self
+    #: Slices per unit of --count: K independent single-slice queued resources (or nodes), each its
+    #: own claimant, never one multislice queued resource (docs/CLOUD.md, "Slices").
+    slices: PositiveInt = Field(1, description="slices per unit of --count: independent queued resources or nodes")
 
     @property
     def use_queued_resources(self) -> bool:
         # Spot TPU capacity comes and goes; a queued resource waits for it instead of failing.
-        # Multislice exists only as a queued resource (multisliceParams).
-        return self.slices > 1 or (self.spot if self.queued is None else self.queued)
+        return self.spot if self.queued is None else self.queued
 
 
 _KINDS: dict[str, type[VmSpec | TpuSpec]] = {"vm": VmSpec, "tpu": TpuSpec}
