@@ -76,7 +76,6 @@ def is_multi_host(accelerator_type: str) -> bool:
     return int(accelerator_type.rsplit("-", 1)[1]) > MAX_SINGLE_HOST_TPU
 
 
-_Strings = Annotated[list[Text], rule("must be a list of non-empty strings")]
 # Labels are validated by _labels (its message names the label at fault); the schema shows editors the same rule.
 _LABELS_SCHEMA = {
     "type": "object",
@@ -86,14 +85,18 @@ _LABELS_SCHEMA = {
 
 
 class _Common(Model):
+    """The fields both kinds share."""
+
     kind: str
     name: Annotated[
         StrictStr,
         Field(pattern=_GCE_NAME),
         rule("must be lowercase letters, digits and hyphens, start with a letter, at most 50 characters"),
-    ]
+    ] = Field(description="the instance template's name (vm), or the prefix of node ids (tpu)")
     consumer: Text = Field(description="the command spawn.py runs per task, e.g. 'python consume.py'")
-    spawn_flags: _Strings = Field([], description="extra spawn.py flags, one list item per word")
+    spawn_flags: Annotated[list[Text], rule("must be a list of non-empty strings")] = Field(
+        [], description="extra spawn.py flags, one list item per word"
+    )
     extras: Annotated[
         list[Annotated[StrictStr, Field(pattern=r"^[a-z0-9][-_a-z0-9]*$"), rule("must be a package extra")]],
         rule("must be a list of package extras such as [extract]"),
@@ -102,7 +105,7 @@ class _Common(Model):
         StrictStr,
         Field(pattern=r"^(python)?3\.[0-9]+$"),
         AfterValidator(_python),
-        rule(f"must be a CPython version of at least 3.{MIN_PYTHON_MINOR}, such as 3.11 or 3.12"),
+        rule(f'must be a CPython version of at least 3.{MIN_PYTHON_MINOR}, quoted, such as "3.11" or "3.12"'),
     ] = Field("3.11", description="the CPython version uv provisions (quote it: \"3.11\")")
     # The idle cap that matters most on TPU VMs, which have no max_run_duration.
     max_idle_s: PositiveInt | None = Field(
