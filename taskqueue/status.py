@@ -41,6 +41,8 @@ class RegionCache:
 
     tasks: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     ticks: int = 0
+    #: With `history`: the (completed_at, seconds) of each swept region's done markers, listed once.
+    swept_done: dict[str, list[tuple[dt.datetime, float | None]]] = dataclasses.field(default_factory=dict)
 
 
 TASKS_EVERY = 10
@@ -73,6 +75,7 @@ def snapshot(
     sample: int | None = None,
     seed: int | None = None,
     cache: RegionCache | None = None,
+    history: bool = False,
 ) -> dict:
     """A JSON-ready summary, and what it cost (`requests`). Staleness uses the store's update times.
 
@@ -81,6 +84,10 @@ def snapshot(
     many open regions, chosen at random, and the counts of the others are extrapolated from them:
     the result then says `"estimate": true`, and holders and stale leases are those of the listed
     regions. (A finished task's lease stays as its tombstone, so leases are listed by region too.)
+
+    With `history` (the status page's completion curve), the done markers of swept regions are
+    listed too, once per region for a `cache` (they never change): one request per region, about
+    one per 1000 finished tasks. Without it the curve starts at the swept regions' count.
     """
     now = now or dt.datetime.now(dt.timezone.utc)
     counted = CountingStore(store)
@@ -123,8 +130,8 @@ def snapshot(
             task_id = layout.id_from_object(entry.name, layout.DONE)
             if task_id:
                 done_times[task_id] = _completed_at(entry)
-                if _is_number(entry.metadata.get("seconds", "")):
-                    task_seconds.append(float(entry.metadata["seconds"]))
+                if _seconds(entry) is not None:
+                    task_seconds.append(_seconds(entry))
                 if "counters" in entry.metadata:  # the task's progress-record counters, summed by lease.complete
                     counter_texts.append(entry.metadata["counters"])
         for entry in counted.list(layout.LEASES, **_range(layout.LEASES, **where)):
@@ -143,6 +150,15 @@ def snapshot(
             else:
                 leased.append(task_id)
                 holders[worker] += 1
+    swept_done: list[tuple[dt.datetime, float | None]] = []
+    if history:
+        known = cache.swept_done if cache is not None else {}
+        for region in swept:
+            if region not in known:
+                where = dict(zip(("start", "end"), (region, ends[region])))
+                known[region] = [(_completed_at(e), _seconds(e)) for e in counted.list(layout.DONE, **_range(layout.DONE, **where))]
+            swept_done.extend(known[region])
+        task_seconds.extend(s for _, s in swept_done if s is not None)
     # Dead letters are few: one listing of failed/ for the whole queue, kept to the listed regions.
     listed_set = set(listed)
     split_keys = [layout.key(r) if r else "" for r in splits]
@@ -168,15 +184,21 @@ def snapshot(
     # A slice is one claimant: its leader holds the leases; its assignment says how many hosts it has.
     slice_hosts = {e.metadata["leader"]: int(e.metadata["hosts"]) for e in counted.list(SLICES)
                    if e.metadata.get("leader") in holders and e.metadata.get("hosts", "").isdigit()}  # fmt: skip
-    recent = [t for t in done_times.values() if 0 <= (now - t).total_seconds() <= RATE_WINDOW_S]
+    def in_window(t: dt.datetime) -> bool:
+        return 0 <= (now - t).total_seconds() <= RATE_WINDOW_S
+
+    recent = [t for t in done_times.values() if in_window(t)]
+    recent_swept = [t for t, _ in swept_done if in_window(t)]  # listed in full, so not scaled
+    n_recent = len(recent) + len(recent_swept)
     rate = rate_low = rate_high = None
-    if len(recent) >= 2:
-        span = max((now - min(recent)).total_seconds(), 1.0)
-        rate = len(recent) * scale / span
+    if n_recent >= 2:
+        span = max((now - min(recent + recent_swept)).total_seconds(), 1.0)
+        counted_recent = len(recent) * scale + len(recent_swept)
+        rate = counted_recent / span
         # A count of n completions is known to about +-2 sqrt(n) (Poisson, ~95%): the ETA's range.
-        margin = 2 * math.sqrt(len(recent))
-        rate_low = max(0.0, len(recent) - margin) * scale / span
-        rate_high = (len(recent) + margin) * scale / span
+        margin = 2 * math.sqrt(n_recent) * counted_recent / n_recent
+        rate_low = max(0.0, counted_recent - margin) / span
+        rate_high = (counted_recent + margin) / span
     reasons_for = sorted(every_failed)[:MAX_REASONS]
     view = {
         "queue": store.root_url,
@@ -194,10 +216,11 @@ def snapshot(
         "tasks_per_s": round(rate, 4) if rate else None,
         "eta_s": round(remaining / rate, 1) if rate and remaining else (0.0 if not remaining else None),
         "eta_range_s": _eta_range(remaining, rate_low, rate_high),
-        "recent_done": len(recent),
+        "recent_done": n_recent,
         "rate_window_s": RATE_WINDOW_S,
         "median_task_s": round(statistics.median(task_seconds), 3) if task_seconds else None,
-        "curve": _curve(sorted(done_times.values()), now, scale, round(swept_tasks - swept_failed)),
+        "curve": _curve(sorted(done_times.values()), sorted(t for t, _ in swept_done), now, scale,
+                        0 if history else round(swept_tasks - swept_failed)),
         **_reasons(counted, reasons_for),
         # Exact for swept and listed regions; an estimate counts only what it listed.
         "counters": dict(sorted(sum_metadata_counters(
@@ -211,11 +234,13 @@ def snapshot(
     return view
 
 
-def _is_number(text: str) -> bool:
+def _seconds(entry) -> float | None:
+    """The task's duration from its done marker's `seconds` metadata, if it has one."""
     try:
-        return math.isfinite(float(text))
+        seconds = float(entry.metadata.get("seconds", ""))
     except ValueError:
-        return False
+        return None
+    return seconds if math.isfinite(seconds) else None
 
 
 def _completed_at(entry) -> dt.datetime:
@@ -241,18 +266,21 @@ def _eta_range(remaining: int, rate_low: float | None, rate_high: float | None) 
     return [round(remaining / rate_high, 1), round(remaining / rate_low, 1) if rate_low else None]
 
 
-def _curve(times: list[dt.datetime], now: dt.datetime, scale: float, before: int) -> dict | None:
+def _curve(
+    times: list[dt.datetime], swept_times: list[dt.datetime], now: dt.datetime, scale: float, before: int
+) -> dict | None:
     """Done tasks over time, at CURVE_POINTS evenly spaced times from the first listed completion to
-    now. Swept regions' markers are not listed (their marker has counts, not times): they are
-    `before`, the curve's floor."""
-    if not times:
+    now; open regions' counts are scaled like the totals. Swept regions' markers not listed count
+    from the start: `before`, the curve's floor."""
+    if not times and not swept_times:
         return None
-    start = times[0]
+    start = min(times[:1] + swept_times[:1])
     step = max((now - start).total_seconds(), 1.0) / (CURVE_POINTS - 1)
     points = []
     for k in range(CURVE_POINTS):
         at = start + dt.timedelta(seconds=k * step)
-        points.append([round(k * step, 1), round(before + bisect.bisect_right(times, at) * scale)])
+        count = bisect.bisect_right(times, at) * scale + bisect.bisect_right(swept_times, at)
+        points.append([round(k * step, 1), round(before + count)])
     return {"start": start.isoformat(timespec="seconds"), "floor": before, "points": points}
 
 

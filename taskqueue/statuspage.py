@@ -47,6 +47,8 @@ def _num(value, digits: int = 0) -> str:
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "unbounded"
+    if seconds < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
     seconds = int(seconds)
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
@@ -81,7 +83,10 @@ def _svg(fig) -> str:
 
 
 def _figure():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the status page draws its charts with matplotlib: pip install '.[status]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -117,6 +122,7 @@ def machines_chart(fleet: Mapping) -> str | None:
     ax.barh(states, counts, color=[STATE_COLOURS.get(s, "#999") for s in states])
     for y, n in enumerate(counts):
         ax.text(n, y, f" {n}", va="center")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("machines")
     ax.set_title("Machines by state")
     ax.invert_yaxis()
@@ -157,8 +163,10 @@ def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
     eta = view.get("eta_s")
     span = view.get("eta_range_s")
     rate = view.get("tasks_per_s")
-    eta_html = page.value("eta_s", _duration(eta) if eta is not None else "?") if "eta_s" in view else "?"
-    if span:
+    eta_html = page.value("eta_s", _duration(eta) if eta is not None else "?")
+    if view["complete"]:
+        eta_html = "complete"
+    elif span:
         eta_html += (f" (range {page.value('eta_range_s.0', _duration(span[0]))} to "
                      f"{page.value('eta_range_s.1', _duration(span[1]))})")  # fmt: skip
     rate_html = page.value("tasks_per_s", f"{rate * 60:,.1f} tasks/min") if rate else "no recent completions"

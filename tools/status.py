@@ -29,9 +29,10 @@ from taskqueue.status import RegionCache, render, snapshot
 PAGE_OBJECT = "status.html"
 
 
-def job_view(store, prices, now: dt.datetime, sample: int | None, cache: RegionCache | None) -> dict:
-    """The queue's snapshot with the fleet (and its cost) and the projected cost to finish."""
-    view = snapshot(store, now=now, sample=sample, cache=cache)
+def job_view(store, prices, now: dt.datetime, sample: int | None, cache: RegionCache | None, history: bool = False) -> dict:
+    """The queue's snapshot with the fleet (and its cost) and the projected cost to finish; with
+    `history`, the completion curve covers swept regions too (the page draws it)."""
+    view = snapshot(store, now=now, sample=sample, cache=cache, history=history)
     counted = CountingStore(store)  # the machines/ listing: one request per 1000 records
     fleet = fleet_snapshot(counted, now=now, prices=prices, median_task_s=view["median_task_s"])
     view["fleet"] = fleet
@@ -56,6 +57,8 @@ def main() -> int:
     p.add_argument("--html", metavar="FILE", help="also write the status page to FILE")
     p.add_argument("--publish", action="store_true", help="also write the status page to the queue as status.html")
     p.add_argument("--prices", metavar="FILE", help="price table (default: fleet/prices.json)")
+    p.add_argument("--history", action="store_true",
+                   help="list swept regions' done markers too, for the completion curve (as --html does)")
     p.add_argument("--now", metavar="TIME", help="compute the view as of this UTC time (ISO 8601), e.g. for a report")
     args = p.parse_args()
     if args.estimate is not None and args.estimate < 1:
@@ -75,7 +78,7 @@ def main() -> int:
     cache = RegionCache() if args.watch else None
     while True:
         at = now or dt.datetime.now(dt.timezone.utc)
-        view = job_view(store, prices, at, args.estimate, cache)
+        view = job_view(store, prices, at, args.estimate, cache, history=bool(args.html or args.publish or args.history))
         if args.html or args.publish:
             from taskqueue.statuspage import render_html
 
