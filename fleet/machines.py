@@ -284,9 +284,13 @@ def fleet_snapshot(
     silent_after = SILENT_BEATS * beat_s
     silent = sorted(m["machine"] for m in rows if m["state"] not in FINAL_STATES and m["age_s"] > silent_after)
     stragglers, no_progress = [], []
+    workers_up = 0  # machines up that work or will (a slice counts once, by its worker 0)
     for m in sorted(rows, key=lambda m: m["machine"]):
         end = spell_end(m, now, silent_after)
         spell_s = (end - m["since"]).total_seconds() if end is not None else None
+        up = end == now if end is not None else m["machine"] not in silent
+        if up and m["state"] in ("booting", "installing", "working", "idle") and m["host"] in (None, "0"):
+            workers_up += 1
         if m["machine"] in silent or spell_s is None:
             continue
         if m["state"] == "working" and median_task_s and spell_s > STRAGGLER_FACTOR * median_task_s:
@@ -303,6 +307,7 @@ def fleet_snapshot(
         "working": {m["machine"]: m["task"] for m in sorted(rows, key=lambda m: m["machine"]) if m["state"] == "working"},
         "stragglers": stragglers,
         "no_progress": no_progress,
+        "workers_up": workers_up,
     }
     if prices is not None:
         view["cost"] = cost.fleet_cost(rows, prices, now, silent_after)

@@ -256,6 +256,30 @@ def _completed_at(entry) -> dt.datetime:
     return entry.updated
 
 
+def with_fleet_size(view: dict, workers_up: int | None) -> dict:
+    """Add the fleet's side of the ETA to `view`: with W machines up and R tasks remaining, the
+    remaining work takes about ceil(R / W) waves of the median task (`eta_fleet_s`), and the ETA's
+    range is widened to hold that too. With no machine up and tasks remaining nothing will finish:
+    the ETA is then unknown (None). `workers_up` None (no machine records, e.g. local workers)
+    leaves the view as it is."""
+    remaining = view["total"] - view["done"] - view["failed"]
+    view["workers_up"] = workers_up
+    view["eta_fleet_s"] = None
+    if workers_up is None or remaining <= 0:
+        return view
+    if workers_up == 0:
+        view["eta_s"] = view["eta_range_s"] = None
+        return view
+    if view["median_task_s"] is not None:
+        fleet_eta = round(math.ceil(remaining / workers_up) * view["median_task_s"], 1)
+        view["eta_fleet_s"] = fleet_eta
+        span = view["eta_range_s"]
+        if span is not None:
+            high = None if span[1] is None else max(span[1], fleet_eta)
+            view["eta_range_s"] = [min(span[0], fleet_eta), high]
+    return view
+
+
 def _eta_range(remaining: int, rate_low: float | None, rate_high: float | None) -> list[float | None] | None:
     """[soonest, latest] seconds to finish at the recent rate's bounds; latest is None (unbounded)
     when so few tasks finished that the rate may be zero."""
@@ -324,7 +348,10 @@ def render(view: dict) -> str:
         eta, span = view["eta_s"], view.get("eta_range_s")
         between = ""
         if span:
-            between = f" ({_duration(span[0])} to {_duration(span[1]) if span[1] is not None else 'unbounded'})"
+            between = f" ({_duration(span[0])} to {_duration(span[1]) if span[1] is not None else 'unbounded'}"
+            if view.get("eta_fleet_s") is not None:
+                between += f"; {view['workers_up']} machines up: {_duration(view['eta_fleet_s'])}"
+            between += ")"
         lines.append(
             f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min over the last {view['recent_done']} done, "
             f"eta {_duration(eta) if eta is not None else '?'}{between}"

@@ -169,6 +169,11 @@ def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
     elif span:
         eta_html += (f" (range {page.value('eta_range_s.0', _duration(span[0]))} to "
                      f"{page.value('eta_range_s.1', _duration(span[1]))})")  # fmt: skip
+    if view.get("eta_fleet_s") is not None and not view["complete"]:
+        eta_html += (f"; {page.value('workers_up')} machines up need about "
+                     f"{page.value('eta_fleet_s', _duration(view['eta_fleet_s']))}")  # fmt: skip
+    elif view.get("workers_up") == 0 and not view["complete"]:
+        eta_html = "<span class='warn'>never: no machine is up</span>"
     rate_html = page.value("tasks_per_s", f"{rate * 60:,.1f} tasks/min") if rate else "no recent completions"
     median = view.get("median_task_s")
     page.add(f"<p>ETA <b>{eta_html}</b> &middot; rate {rate_html} over the last "

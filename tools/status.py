@@ -24,7 +24,7 @@ from fleet.machines import fleet_snapshot, render_fleet
 from fleet.pricing import PriceError, load_prices
 from objectstore import StoreError, open_store
 from objectstore.counting import CountingStore
-from taskqueue.status import RegionCache, render, snapshot
+from taskqueue.status import RegionCache, render, snapshot, with_fleet_size
 
 PAGE_OBJECT = "status.html"
 
@@ -36,6 +36,7 @@ def job_view(store, prices, now: dt.datetime, sample: int | None, cache: RegionC
     counted = CountingStore(store)  # the machines/ listing: one request per 1000 records
     fleet = fleet_snapshot(counted, now=now, prices=prices, median_task_s=view["median_task_s"])
     view["fleet"] = fleet
+    with_fleet_size(view, fleet["workers_up"] if fleet["machines"] else None)
     view["finish"] = to_finish(fleet["cost"], view["eta_s"], view["eta_range_s"], view["done"])
     view["requests"] += counted.requests
     for kind, n in counted.counts.items():

@@ -73,6 +73,8 @@ BURN = 2 * V5E_SPOT + A2_ON_DEMAND  # m1, m2, m4 are up; m5 is unpriced, m6 sile
 # Nine completions in the 540 s since the first of the window: 1/60 per s; 10 tasks remain (20 - 9 - 1).
 ETA = 10 / (9 / 540)  # 600 s
 ETA_RANGE = [10 / ((9 + 6) / 540), 10 / ((9 - 6) / 540)]  # +-2 sqrt(9): 360 s and 1800 s
+# The fleet's side: m1, m2, m4, m5 are up, so 10 tasks take ceil(10 / 4) = 3 waves of the 140 s median.
+ETA_FLEET = 3 * 140.0  # 420 s, inside the range
 
 
 def status(url: str, *args: str) -> subprocess.CompletedProcess:
@@ -112,6 +114,7 @@ def test_cost_waste_and_eta_equal_the_hand_figures_in_json_text_and_html(tmp_pat
     assert view["eta_s"] == round(ETA, 1) == 600.0
     assert view["eta_range_s"] == [round(x, 1) for x in ETA_RANGE] == [360.0, 1800.0]
     assert view["median_task_s"] == 140.0
+    assert (view["workers_up"], view["eta_fleet_s"]) == (4, ETA_FLEET)
     finish = view["finish"]
     assert finish["dollars"] == round(BURN * ETA / 3600, 4) == 1.8917
     assert finish["dollars_range"] == [round(BURN * e / 3600, 4) for e in ETA_RANGE] == [1.135, 5.675]
@@ -124,7 +127,7 @@ def test_cost_waste_and_eta_equal_the_hand_figures_in_json_text_and_html(tmp_pat
     assert "spent   $10.25 over 2.69 machine-hours" in text
     assert "waste   $1.56, 0.41 machine-hours (1480s" in text
     assert "finish  $1.89 more ($1.14 to $5.67) at $11.35/h" in text
-    assert "eta 10m00s (6m00s to 30m00s)" in text
+    assert "eta 10m00s (6m00s to 30m00s; 4 machines up: 7m00s)" in text
     assert f"failed  t10: consumer exit 65: bad input | {BAD_ROW}" in text
     assert "straggler m1: t11 for 500s (median task 140s)" in text
 
@@ -153,3 +156,15 @@ def test_publish_writes_the_page_to_the_queue_as_html(tmp_path: Path):
     [entry] = [e for e in open_store(url).list("status.html")]
     assert entry.content_type == "text/html; charset=utf-8"
     assert open_store(url).read("status.html").data.startswith(b"<!DOCTYPE html>")
+
+
+def test_fleet_size_widens_the_eta_range_and_no_machine_up_means_no_eta():
+    from taskqueue.status import with_fleet_size
+
+    view = {"total": 100, "done": 40, "failed": 0, "median_task_s": 60.0, "eta_s": 600.0, "eta_range_s": [500.0, 700.0]}
+    # 60 tasks on 2 machines: 30 waves of a minute, slower than the recent rate says.
+    assert with_fleet_size(dict(view), 2)["eta_range_s"] == [500.0, 1800.0]
+    assert with_fleet_size(dict(view), 60)["eta_range_s"] == [60.0, 700.0]
+    gone = with_fleet_size(dict(view), 0)
+    assert (gone["eta_s"], gone["eta_range_s"]) == (None, None)
+    assert with_fleet_size(dict(view), None)["eta_range_s"] == [500.0, 700.0]  # no records: rate only
