@@ -348,13 +348,13 @@ def render(view: dict) -> str:
         eta, span = view["eta_s"], view.get("eta_range_s")
         between = ""
         if span:
-            between = f" ({_duration(span[0])} to {_duration(span[1]) if span[1] is not None else 'unbounded'}"
+            between = f" ({duration_text(span[0])} to {duration_text(span[1])}"
             if view.get("eta_fleet_s") is not None:
-                between += f"; {view['workers_up']} machines up: {_duration(view['eta_fleet_s'])}"
+                between += f"; {view['workers_up']} machines up: {duration_text(view['eta_fleet_s'])}"
             between += ")"
         lines.append(
             f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min over the last {view['recent_done']} done, "
-            f"eta {_duration(eta) if eta is not None else '?'}{between}"
+            f"eta {duration_text(eta) if eta is not None else '?'}{between}"
         )
     if view["counters"]:
         lines.append("counted " + ", ".join(f"{name}={n}" for name, n in view["counters"].items()))
@@ -380,6 +380,11 @@ def render(view: dict) -> str:
     return "\n".join(lines)
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float | None) -> str:
+    """`1h05m`, `4m10s`, `45s`, `0.4s`; None is an unbounded span."""
+    if seconds is None:
+        return "unbounded"
+    if seconds < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"

@@ -14,6 +14,8 @@ import html
 import io
 from collections.abc import Mapping
 
+from taskqueue.status import duration_text
+
 STATE_COLOURS = {"booting": "#9ecae1", "installing": "#4292c6", "working": "#31a354", "idle": "#fdae6b",
                  "failed": "#de2d26", "deleting": "#969696", "exited": "#636363"}  # fmt: skip
 COST_STATES = ("booting", "installing", "working", "idle", "failed")
@@ -42,17 +44,6 @@ def _num(value, digits: int = 0) -> str:
     if value is None:
         return "?"
     return f"{value:,.{digits}f}" if isinstance(value, float) or digits else f"{value:,}"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "unbounded"
-    if seconds < 60:
-        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 class _Page:
@@ -163,22 +154,22 @@ def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
     eta = view.get("eta_s")
     span = view.get("eta_range_s")
     rate = view.get("tasks_per_s")
-    eta_html = page.value("eta_s", _duration(eta) if eta is not None else "?")
+    eta_html = page.value("eta_s", duration_text(eta) if eta is not None else "?")
     if view["complete"]:
         eta_html = "complete"
     elif span:
-        eta_html += (f" (range {page.value('eta_range_s.0', _duration(span[0]))} to "
-                     f"{page.value('eta_range_s.1', _duration(span[1]))})")  # fmt: skip
+        eta_html += (f" (range {page.value('eta_range_s.0', duration_text(span[0]))} to "
+                     f"{page.value('eta_range_s.1', duration_text(span[1]))})")  # fmt: skip
     if view.get("eta_fleet_s") is not None and not view["complete"]:
         eta_html += (f"; {page.value('workers_up')} machines up need about "
-                     f"{page.value('eta_fleet_s', _duration(view['eta_fleet_s']))}")  # fmt: skip
+                     f"{page.value('eta_fleet_s', duration_text(view['eta_fleet_s']))}")  # fmt: skip
     elif view.get("workers_up") == 0 and not view["complete"]:
         eta_html = "<span class='warn'>never: no machine is up</span>"
     rate_html = page.value("tasks_per_s", f"{rate * 60:,.1f} tasks/min") if rate else "no recent completions"
     median = view.get("median_task_s")
     page.add(f"<p>ETA <b>{eta_html}</b> &middot; rate {rate_html} over the last "
              f"{page.value('recent_done')} completions ({view['rate_window_s'] / 60:.0f} min window)"
-             + (f" &middot; median task {page.value('median_task_s', _duration(median))}" if median is not None else "")
+             + (f" &middot; median task {page.value('median_task_s', duration_text(median))}" if median is not None else "")
              + f" &middot; {pct:.1f}% done</p>")  # fmt: skip
 
     fleet = view.get("fleet") or {}
@@ -233,10 +224,10 @@ def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
         page.add("<p class='muted'>None.</p>")
     if stragglers:
         rows = "".join(f"<tr><td>{html.escape(s['machine'])}</td><td>{html.escape(str(s['task']))}</td>"
-                       f"<td class='n'>{_duration(s['held_s'])}</td></tr>" for s in stragglers)  # fmt: skip
+                       f"<td class='n'>{duration_text(s['held_s'])}</td></tr>" for s in stragglers)  # fmt: skip
         page.add(f"<table id='stragglers'><tr><th>machine</th><th>task</th><th class='n'>held</th></tr>{rows}</table>")
     for s in stuck:
-        page.add(f"<p>No progress: <code>{html.escape(s['machine'])}</code> {s['state']} for {_duration(s['for_s'])}</p>")
+        page.add(f"<p>No progress: <code>{html.escape(s['machine'])}</code> {s['state']} for {duration_text(s['for_s'])}</p>")
     if silent:
         page.add(f"<p>Silent for more than {fleet['silent_after_s']:.0f} s: {html.escape(', '.join(silent))}</p>")
     for s in view.get("stale_leases") or []:
