@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,13 +150,21 @@ def test_cost_waste_and_eta_equal_the_hand_figures_in_json_text_and_html(tmp_pat
     assert page.count("<svg") == 3
 
 
-def test_publish_writes_the_page_to_the_queue_as_html(tmp_path: Path):
-    url = str(tmp_path / "queue")
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_publish_writes_the_page_to_the_queue_as_html(where: str, tmp_path: Path, request):
+    if where == "gcs":
+        client = request.getfixturevalue("gcs_client")  # exports STORAGE_EMULATOR_HOST to the tool
+        bucket = request.getfixturevalue("gcs_bucket")
+        url = f"gs://{bucket}/jobs/cost"
+    else:
+        url = str(tmp_path / "queue")
     build_queue(url)
     status(url, "--publish")
-    [entry] = [e for e in open_store(url).list("status.html")]
+    [entry] = list(open_store(url).list("status.html"))
     assert entry.content_type == "text/html; charset=utf-8"
     assert open_store(url).read("status.html").data.startswith(b"<!DOCTYPE html>")
+    if where == "gcs":  # what a browser is told, as the Google client reads it from the server
+        assert client.bucket(bucket).get_blob("jobs/cost/status.html").content_type == "text/html; charset=utf-8"
 
 
 def test_fleet_size_widens_the_eta_range_and_no_machine_up_means_no_eta():
@@ -168,3 +177,22 @@ def test_fleet_size_widens_the_eta_range_and_no_machine_up_means_no_eta():
     gone = with_fleet_size(dict(view), 0)
     assert (gone["eta_s"], gone["eta_range_s"]) == (None, None)
     assert with_fleet_size(dict(view), None)["eta_range_s"] == [500.0, 700.0]  # no records: rate only
+
+
+def test_watch_with_publish_refreshes_the_page(tmp_path: Path):
+    url = str(tmp_path / "queue")
+    build_queue(url)  # 10 tasks remain: the watch goes on until stopped
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "tools/status.py", url, "--publish", "--watch", "0.2"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    store = open_store(url)
+    generations: set[int] = set()
+    try:
+        deadline = dt.datetime.now() + dt.timedelta(seconds=60)
+        while len(generations) < 3 and dt.datetime.now() < deadline and proc.poll() is None:
+            generations |= {e.generation for e in store.list("status.html")}
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert len(generations) >= 3, err
