@@ -377,17 +377,23 @@ def machine_identity(metadata) -> dict[str, str | None]:
     and what its price depends on: the priced type (a TPU VM's `accelerator-type` attribute, which
     the TPU API sets, else the basename of `instance/machine-type`), the provisioning model, and a
     TPU VM's worker number (`host`: worker 0's record speaks for the slice's bill)."""
+    from fleet.metadata import MetadataNotFound
     from fleet.selfdelete import parse_tpu_env
 
     tpu_env = metadata.attribute("tpu-env")
     host = (parse_tpu_env(tpu_env).get("WORKER_ID") or "0") if tpu_env else None
-    machine_type = metadata.attribute("accelerator-type") or metadata.text("instance/machine-type").strip()
+    machine_type = metadata.attribute("accelerator-type")
+    if not machine_type:
+        try:
+            machine_type = metadata.text("instance/machine-type").strip()
+        except MetadataNotFound:
+            machine_type = None  # its time is then counted as unpriced
     return {
         "name": machine_name(metadata),
         "zone": metadata.text("instance/zone").strip().rsplit("/", 1)[-1],
         "accelerator": metadata.attribute(ATTR_ACCELERATOR),
         "code": metadata.attribute(ATTR_CODE),
-        "machine_type": machine_type.rsplit("/", 1)[-1],
+        "machine_type": machine_type.rsplit("/", 1)[-1] if machine_type else None,
         "provisioning": provisioning_model(metadata),
         "host": host,
     }

@@ -7,6 +7,8 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pytest
+
 from fleet import machines
 from fleet.cost import machine_seconds
 from objectstore import open_store
@@ -48,3 +50,30 @@ def test_failed_boot_counts_as_failed_and_a_silent_machine_stops_at_its_last_rec
     rows = {e.name: machines._row(e, now) for e in store.list("machines/")}
     assert machine_seconds(rows["machines/f.json"], now, 180) == {"booting": 0, "installing": 0, "working": 0, "idle": 0, "failed": 120}
     assert machine_seconds(rows["machines/s.json"], now, 180) == {"booting": 0, "installing": 0, "working": 50, "idle": 5, "failed": 0}
+
+
+@pytest.mark.parametrize(
+    "scheduling, expected",
+    [({"instance/scheduling/provisioning-model": "SPOT"}, "spot"),
+     ({"instance/scheduling/provisioning-model": "STANDARD", "instance/scheduling/preemptible": "FALSE"}, "standard"),
+     ({"instance/scheduling/preemptible": "TRUE"}, "spot"),  # an older preemptible VM, no provisioning-model key
+     ({}, "standard")],
+)  # fmt: skip
+def test_identity_reads_the_priced_type_and_provisioning_model_from_the_metadata_server(scheduling, expected):
+    from fleet.metadata import MetadataClient
+    from tests.cloud.fakemetadata import FakeMetadata, gce_vm, tpu_vm
+
+    server = FakeMetadata().start()
+    try:
+        server.values.update(gce_vm("p", "us-central1-a", "w-1"))
+        server.values.update({"instance/machine-type": "projects/123/machineTypes/g2-standard-8", **scheduling})
+        identity = machines.machine_identity(MetadataClient(server.host))
+        assert (identity["machine_type"], identity["provisioning"], identity["host"]) == ("g2-standard-8", expected, None)
+        server.values.clear()
+        server.values.update(tpu_vm("p", "us-west4-a", "node-1", {"accelerator-type": "v5litepod-8"}))
+        server.values.update(scheduling)
+        identity = machines.machine_identity(MetadataClient(server.host))
+        assert (identity["name"], identity["machine_type"], identity["provisioning"], identity["host"]) == (
+            "node-1", "v5litepod-8", expected, "0")  # fmt: skip
+    finally:
+        server.stop()
