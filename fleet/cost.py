@@ -25,6 +25,7 @@ import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Mapping
 
+from fleet.machines import FINAL_STATES, spell_end
 from fleet.pricing import PriceError, PriceTable
 
 STATES = ("booting", "installing", "working", "idle", "failed")
@@ -42,8 +43,6 @@ class _Group:
 
 def machine_seconds(row: Mapping, now: dt.datetime, silent_after_s: float) -> dict[str, float]:
     """One machine's seconds per cost state (STATES), from its listed record `row`."""
-    from fleet.machines import spell_end
-
     seconds = dict.fromkeys(STATES, 0.0)
     spent = dict(row["spent"])
     end = spell_end(row, now, silent_after_s)
@@ -84,8 +83,8 @@ def fleet_cost(rows: Iterable[Mapping], prices: PriceTable, now: dt.datetime, si
         for state, s in seconds.items():
             group.seconds[state] += s
         per_hour = accelerator.spot_per_hour if provisioning == SPOT else accelerator.on_demand_per_hour
-        if row["state"] not in ("failed", "deleting", "exited") and spell_alive(row, now, silent_after_s):
-            burn_per_hour += per_hour
+        if row["state"] not in FINAL_STATES and spell_end(row, now, silent_after_s) == now:
+            burn_per_hour += per_hour  # up now: it goes on costing this much per hour
     by_type = []
     totals_s = dict.fromkeys(STATES, 0.0)
     totals_d = dict.fromkeys(STATES, 0.0)
@@ -118,13 +117,6 @@ def fleet_cost(rows: Iterable[Mapping], prices: PriceTable, now: dt.datetime, si
         "not_included": "sustained-use discounts, committed-use contracts, negotiated prices, network egress, "
         "disks, storage; spot prices vary daily",
     }
-
-
-def spell_alive(row: Mapping, now: dt.datetime, silent_after_s: float) -> bool:
-    """Whether the machine is still up as far as its record says (its spell runs to now)."""
-    from fleet.machines import spell_end
-
-    return spell_end(row, now, silent_after_s) == now
 
 
 def to_finish(cost: Mapping, eta_s: float | None, eta_range_s: tuple[float | None, float | None] | None, done: int) -> dict:

@@ -272,7 +272,7 @@ def fleet_snapshot(
     machines silent for more than SILENT_BEATS beats, the task each working machine is on,
     stragglers (on one task more than STRAGGLER_FACTOR x `median_task_s`), machines making no
     progress, and with `prices` (a fleet.pricing.PriceTable) the cost so far (fleet/cost.py)."""
-    from fleet import cost
+    from fleet import cost  # (fleet.cost imports this module)
 
     now = now or _now()
     rows = [_row(entry, now) for entry in store.list(PREFIX) if entry.name.endswith(".json")]

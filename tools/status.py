@@ -48,7 +48,7 @@ def render_text(view: dict) -> str:
     return "\n".join([render(view), *render_cost(view["fleet"]["cost"], view["finish"]), render_fleet(view["fleet"])])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("queue", help="gs://bucket/prefix or a local directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,7 +61,7 @@ def main() -> int:
     p.add_argument("--history", action="store_true",
                    help="list swept regions' done markers too, for the completion curve (as --html does)")
     p.add_argument("--now", metavar="TIME", help="compute the view as of this UTC time (ISO 8601), e.g. for a report")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.estimate is not None and args.estimate < 1:
         p.error(f"--estimate must list at least 1 region, got {args.estimate}")
     now = None
