@@ -128,6 +128,7 @@ def cost_chart(cost: Mapping) -> str | None:
     ax.bar(COST_STATES, dollars, color=[STATE_COLOURS[s] for s in COST_STATES])
     for x, d in enumerate(dollars):
         ax.text(x, d, f"${d:,.2f}", ha="center", va="bottom")
+    ax.margins(y=0.15)  # room for the labels above the bars
     ax.set_ylabel("US dollars")
     ax.set_title("Cost so far by machine state")
     return _svg(fig)
