@@ -199,3 +199,14 @@ def test_watch_with_publish_refreshes_the_page(tmp_path: Path):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert len(generations) >= 2, err  # written, then rewritten
+
+
+def test_dead_letter_first_line_prefers_the_message_then_the_bad_input_line_then_the_last_line():
+    from taskqueue.status import first_line
+
+    tail = "Traceback (most recent call last):\n  File x\nValueError: shard 3 is short\n"
+    assert first_line({"message": "file a.jsonl row 4 (sample id 9): missing_field 'text'\nmore"}) == (
+        "file a.jsonl row 4 (sample id 9): missing_field 'text'")  # fmt: skip
+    assert first_line({"errors": [{"error": "x"}, {"error": f"log\nevent=bad_input exit=65 error={BAD_ROW}\n"}]}) == BAD_ROW
+    assert first_line({"errors": [{"error": tail}]}) == "ValueError: shard 3 is short"
+    assert first_line({"reason": "its lease expired 3 times", "errors": []}) is None
