@@ -83,7 +83,7 @@ def main() -> None:
     for history in (False, True):
         view, seconds = measure(store, history, now)
         label = "status --json --history (the page's view)" if history else "status --json"
-        print(f"{label}: {view['requests']} requests, {seconds:.2f}s of CPU here "
+        print(f"{label}: {view['requests']} requests, {seconds:.2f}s in this process "
               f"(+ ~{view['requests'] * latency_ms / 1000:.1f}s of {latency_ms:.0f} ms round trips, one at a time)")
         print("  by kind: " + ", ".join(f"{k}={n}" for k, n in sorted(view["requests_by_kind"].items())))
         print(f"  done {view['done']:,}/{view['total']:,}, eta {view['eta_s']}s {view['eta_range_s']}, "
