@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: run test clean
+.PHONY: run test clean browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,15 @@ $(VENV)/.test-installed: setup.cfg pyproject.toml | $(PY)
 run: $(VENV)/.run-installed
 	$(PY) tools/local_run.py
 
-test: $(VENV)/.test-installed
+# The status page's browser test drives the distribution's Chromium (selenium never downloads one).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		echo "installing chromium and chromium-driver from the distribution's packages"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	fi
+
+test: $(VENV)/.test-installed browser
 	$(PY) -m pytest -n 2
 
 clean:

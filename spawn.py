@@ -49,7 +49,7 @@ def machine_state(store, required: bool):
     else:
         return None
     name = identity.pop("name")
-    _recorder = MachineRecorder(store, name, **identity).start()
+    _recorder = MachineRecorder(store, name, **identity).start(carry_on=True)
     return _recorder.set
 
 

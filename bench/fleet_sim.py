@@ -297,8 +297,8 @@ class SimStore(ObjectStore):
 
         return self._retrying("delete", name, apply)
 
-    def put(self, name: str, data: bytes, metadata=None) -> int:
-        return self._retrying("put", name, lambda: self._store(name, data, metadata))
+    def put(self, name: str, data: bytes, metadata=None, content_type=None) -> int:
+        return self._retrying("put", name, lambda: self._store(name, data, metadata))  # content type: not simulated
 
     def put_file(self, name, path):
         return self.put(name, pathlib.Path(path).read_bytes())

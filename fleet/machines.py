@@ -9,12 +9,20 @@ Contract (docs/PROTOCOL.md, "Machine records"):
 - It is rewritten on every change of state and, while the worker runs, every `beat_s` seconds
   even without one, so a record older than a few beats belongs to a machine that went silent.
 - The body is JSON (the schema below, with the log tail of a failure). The fields that `status`
-  needs (state, task, reason, accelerator, code) are repeated as custom metadata, so one listing
-  of `machines/` (one request per 1000 machines) is the whole cost of the fleet section.
+  needs (state, task, reason, accelerator, code, and what the cost needs) are repeated as custom
+  metadata, so one listing of `machines/` (one request per 1000 machines) is the whole cost of
+  the fleet section, its cost so far included.
+- Time is kept so that a listing alone gives machine-seconds by state: `since` is when the
+  current spell began (a state, or a task while working), and `spent` the seconds of every
+  earlier spell, summed per state. The worker carries on the spells startup.sh began, reading the
+  record once when it starts, if that record is from the same boot (`boot_at`).
 
 Body fields: `machine` (name), `state` (one of STATES), `at` (UTC, ISO 8601), `code` (the code URL
-it runs), `accelerator` (cpu | gpu | tpu), `zone`, and as the state needs: `task`, `reason`,
-`log_tail`, `worker`. `role` and `hosts` are reserved for TPU slices (leader/follower, host count).
+it runs), `accelerator` (cpu | gpu | tpu), `zone`, `machine_type` (the priced type: a TPU
+accelerator type such as v5litepod-8, else the GCE machine type), `provisioning` (spot |
+standard), `host` (a TPU VM's worker number; 0 speaks for the slice), `boot_at` (kernel boot,
+UTC), `since`, `spent` ({state: seconds}), and as the state needs: `task`, `reason`, `log_tail`,
+`worker`. `role` and `hosts` are reserved for TPU slices (leader/follower, host count).
 """
 
 from __future__ import annotations
@@ -38,8 +46,11 @@ ATTR_CODE = "spawn-code"
 STATES = ("booting", "installing", "working", "idle", "failed", "deleting", "exited")
 #: States after which a machine is expected to stay silent.
 FINAL_STATES = ("failed", "deleting", "exited")
-#: Fields repeated as custom metadata so that a listing alone serves `status`.
-LISTED_FIELDS = ("state", "task", "reason", "accelerator", "code", "role")
+#: Fields repeated as custom metadata so that a listing alone serves `status`; `spent` is listed
+#: as one `spent_<state>` key per state (gcloud's --custom-metadata cannot carry commas).
+LISTED_FIELDS = ("state", "task", "reason", "accelerator", "code", "role", "at", "since", "boot_at", "machine_type",
+                 "provisioning", "host")  # fmt: skip
+SPENT_PREFIX = "spent_"
 METADATA_VALUE_MAX = 512
 DEFAULT_BEAT_S = 60.0
 #: A record not refreshed for this many beats is reported as silent.
@@ -70,7 +81,11 @@ def make_record(name: str, state: str, at: dt.datetime | None = None, **fields: 
 
 
 def listed_metadata(body: Mapping[str, object]) -> dict[str, str]:
-    return {k: str(body[k])[:METADATA_VALUE_MAX] for k in LISTED_FIELDS if body.get(k) is not None}
+    listed = {k: str(body[k])[:METADATA_VALUE_MAX] for k in LISTED_FIELDS if body.get(k) is not None}
+    spent = body.get("spent") or {}
+    if isinstance(spent, Mapping):
+        listed.update({SPENT_PREFIX + state: str(int(seconds)) for state, seconds in sorted(spent.items())})
+    return listed
 
 
 def write_record(store: ObjectStore, body: Mapping[str, object]) -> None:
@@ -78,11 +93,39 @@ def write_record(store: ObjectStore, body: Mapping[str, object]) -> None:
     store.put(record_object(name), (json.dumps(body, sort_keys=True) + "\n").encode(), metadata=listed_metadata(body))
 
 
+def _iso(at: dt.datetime) -> str:
+    return at.isoformat(timespec="seconds")
+
+
+def _parse_time(text: object) -> dt.datetime | None:
+    try:
+        at = dt.datetime.fromisoformat(str(text))
+    except ValueError:
+        return None
+    return at if at.tzinfo else at.replace(tzinfo=dt.timezone.utc)
+
+
+def boot_time() -> dt.datetime | None:
+    """When this machine's kernel booted (`btime` in /proc/stat): where its bill starts, give or
+    take the firmware's seconds. startup.sh reads the same line."""
+    try:
+        with open("/proc/stat") as handle:
+            for line in handle:
+                if line.startswith("btime "):
+                    return dt.datetime.fromtimestamp(int(line.split()[1]), dt.timezone.utc)
+    except (OSError, ValueError) as exc:
+        log.warning("event=boot_time_unknown error=%s", exc)
+    return None
+
+
 class MachineRecorder:
     """Writes this machine's record on every state change and refreshes it every `beat_s`.
 
     `set(state, **fields)` is the `on_state` hook the worker calls. Storage errors are logged and
-    never raised: a record is for people watching the fleet, and must not stop the work."""
+    never raised: a record is for people watching the fleet, and must not stop the work.
+
+    Every `set` ends the current spell (its seconds go to `spent[state]`) and starts a new one at
+    `since`; `start()` first reads the record startup.sh wrote in this boot, to carry its spells on."""
 
     def __init__(self, store: ObjectStore, name: str, beat_s: float = DEFAULT_BEAT_S, **base_fields: object):
         record_object(name)
@@ -94,11 +137,46 @@ class MachineRecorder:
         self._body: dict | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._spent: dict[str, float] = {}
+        self._spell: tuple[str, dt.datetime] | None = None  # (state, since) of the current spell
+
+    def carry_on(self, boot_at: dt.datetime | None) -> None:
+        """Take over the spells of this boot's record (startup.sh's booting and installing), one read.
+
+        A record from another boot (or none, or an unreadable one) starts the count afresh."""
+        if boot_at is None:
+            return
+        self.base_fields.setdefault("boot_at", _iso(boot_at))
+        try:
+            previous = json.loads(self.store.read(record_object(self.name)).data)
+        except StoreError as err:
+            log.info("event=machine_record_fresh machine=%s reason=%s", self.name, type(err).__name__)
+            return
+        except ValueError as err:
+            log.warning("event=machine_record_unreadable machine=%s error=%s", self.name, err)
+            return
+        if not isinstance(previous, dict) or previous.get("boot_at") != _iso(boot_at):
+            return
+        spent = previous.get("spent") if isinstance(previous.get("spent"), dict) else {}
+        self._spent = {k: float(v) for k, v in spent.items() if isinstance(v, (int, float)) and k in STATES}
+        since = _parse_time(previous.get("since"))
+        if previous.get("state") in STATES and since is not None:
+            # A worker restarted after a final state finds the machine still up: that gap was idle.
+            state = previous["state"] if previous["state"] not in FINAL_STATES else "idle"
+            self._spell = (state, since)
 
     def set(self, state: str, **fields: object) -> None:
-        body = make_record(self.name, state, **{**self.base_fields, **fields})
+        now = _now()
         # One writer at a time: a beat must never overwrite a newer state with an older one.
         with self._lock:
+            if self._spell is not None:
+                previous, since = self._spell
+                self._spent[previous] = self._spent.get(previous, 0.0) + max(0.0, (now - since).total_seconds())
+            self._spell = (state, now)
+            body = make_record(
+                self.name, state, at=now, since=_iso(now), spent={k: round(v) for k, v in sorted(self._spent.items())},
+                **{**self.base_fields, **fields},
+            )  # fmt: skip
             self._body = body
             if state in FINAL_STATES:
                 self._stop.set()
@@ -111,7 +189,9 @@ class MachineRecorder:
         except StoreError as err:
             log.warning("event=machine_record_failed machine=%s state=%s error=%s", self.name, body["state"], err)
 
-    def start(self) -> "MachineRecorder":
+    def start(self, carry_on: bool = False) -> "MachineRecorder":
+        if carry_on:
+            self.carry_on(boot_time())
         self._thread = threading.Thread(target=self._beat, name="machine-record", daemon=True)
         self._thread.start()
         return self
@@ -130,51 +210,108 @@ class MachineRecorder:
 
 # ---- the fleet section of status -------------------------------------------------------------
 
+#: A working machine whose task has run this many times the median task's seconds is a straggler.
+STRAGGLER_FACTOR = 3.0
+#: A machine booting or installing for longer than this is making no progress. Boot records are not
+#: refreshed (startup.sh writes on changes only), so after this long without a word the machine's
+#: time is also counted only up to its last record: it is presumed gone.
+BOOT_STUCK_S = 1800.0
+
 
 def _age_s(entry_updated: dt.datetime, now: dt.datetime) -> float:
     updated = entry_updated if entry_updated.tzinfo else entry_updated.replace(tzinfo=dt.timezone.utc)
     return max(0.0, (now - updated).total_seconds())
 
 
+def _row(entry, now: dt.datetime) -> dict:
+    meta = dict(entry.metadata)
+    spent = {}
+    for key, value in meta.items():
+        if key.startswith(SPENT_PREFIX) and value.isdigit():
+            spent[key[len(SPENT_PREFIX) :]] = int(value)
+    at = _parse_time(meta["at"]) if "at" in meta else None
+    return {
+        "machine": entry.name[len(PREFIX) : -len(".json")],
+        "state": meta.get("state", "unknown"),
+        "task": meta.get("task"),
+        "reason": meta.get("reason"),
+        "accelerator": meta.get("accelerator"),
+        "code": meta.get("code"),
+        "machine_type": meta.get("machine_type"),
+        "provisioning": meta.get("provisioning"),
+        "host": meta.get("host"),
+        "at": at,
+        "since": _parse_time(meta["since"]) if "since" in meta else None,
+        "spent": spent,
+        # The machine's own last write when it says (a report `--now` some other time reads right), else the store's.
+        "age_s": round(_age_s(at or entry.updated, now), 1),
+    }
+
+
+def spell_end(row: Mapping, now: dt.datetime, silent_after_s: float) -> dt.datetime | None:
+    """Until when the current spell of a machine counts: now while it is alive; its last record when
+    it went silent (preempted, deleted under it) or reached a final state (the final write is its
+    last sign of life). None when the record carries no times (written before they existed)."""
+    if row["since"] is None:
+        return None
+    last = row["at"] or row["since"]
+    if row["state"] in FINAL_STATES:
+        return last
+    quiet_limit = BOOT_STUCK_S if row["state"] in ("booting", "installing") else silent_after_s
+    return now if (now - last).total_seconds() <= quiet_limit else last
+
+
 def fleet_snapshot(
-    store: ObjectStore, now: dt.datetime | None = None, beat_s: float = DEFAULT_BEAT_S
+    store: ObjectStore,
+    now: dt.datetime | None = None,
+    beat_s: float = DEFAULT_BEAT_S,
+    prices=None,
+    median_task_s: float | None = None,
 ) -> dict:
     """The fleet from one listing of `machines/`: counts by state, failures grouped by reason,
-    machines silent for more than SILENT_BEATS beats, and the task each working machine is on."""
+    machines silent for more than SILENT_BEATS beats, the task each working machine is on,
+    stragglers (on one task more than STRAGGLER_FACTOR x `median_task_s`), machines making no
+    progress, and with `prices` (a fleet.pricing.PriceTable) the cost so far (fleet/cost.py)."""
+    from fleet import cost  # (fleet.cost imports this module)
+
     now = now or _now()
-    machines = []
-    for entry in store.list(PREFIX):
-        if not entry.name.endswith(".json"):
-            continue
-        meta = dict(entry.metadata)
-        machines.append(
-            {
-                "machine": entry.name[len(PREFIX) : -len(".json")],
-                "state": meta.get("state", "unknown"),
-                "task": meta.get("task"),
-                "reason": meta.get("reason"),
-                "accelerator": meta.get("accelerator"),
-                "code": meta.get("code"),
-                "age_s": round(_age_s(entry.updated, now), 1),
-            }
-        )
-    by_state = collections.Counter(m["state"] for m in machines)
+    rows = [_row(entry, now) for entry in store.list(PREFIX) if entry.name.endswith(".json")]
+    by_state = collections.Counter(m["state"] for m in rows)
     failures: dict[str, list[str]] = collections.defaultdict(list)
-    for m in machines:
+    for m in rows:
         if m["state"] == "failed":
             failures[m["reason"] or "unknown"].append(m["machine"])
     silent_after = SILENT_BEATS * beat_s
-    silent = sorted(
-        m["machine"] for m in machines if m["state"] not in FINAL_STATES and m["age_s"] > silent_after
-    )
-    return {
-        "machines": len(machines),
+    silent = sorted(m["machine"] for m in rows if m["state"] not in FINAL_STATES and m["age_s"] > silent_after)
+    stragglers, no_progress = [], []
+    workers_up = 0  # machines up that work or will (a slice counts once, by its worker 0)
+    for m in sorted(rows, key=lambda m: m["machine"]):
+        end = spell_end(m, now, silent_after)
+        spell_s = (end - m["since"]).total_seconds() if end is not None else None
+        up = end == now if end is not None else m["machine"] not in silent
+        if up and m["state"] in ("booting", "installing", "working", "idle") and m["host"] in (None, "0"):
+            workers_up += 1
+        if m["machine"] in silent or spell_s is None:
+            continue
+        if m["state"] == "working" and median_task_s and spell_s > STRAGGLER_FACTOR * median_task_s:
+            stragglers.append({"machine": m["machine"], "task": m["task"], "held_s": round(spell_s, 1),
+                               "median_task_s": round(median_task_s, 1)})  # fmt: skip
+        elif m["state"] in ("booting", "installing") and spell_s > BOOT_STUCK_S:
+            no_progress.append({"machine": m["machine"], "state": m["state"], "for_s": round(spell_s, 1)})
+    view = {
+        "machines": len(rows),
         "by_state": dict(sorted(by_state.items())),
         "failures": {reason: sorted(names) for reason, names in sorted(failures.items())},
         "silent": silent,
         "silent_after_s": silent_after,
-        "working": {m["machine"]: m["task"] for m in sorted(machines, key=lambda m: m["machine"]) if m["state"] == "working"},
+        "working": {m["machine"]: m["task"] for m in sorted(rows, key=lambda m: m["machine"]) if m["state"] == "working"},
+        "stragglers": stragglers,
+        "no_progress": no_progress,
+        "workers_up": workers_up,
     }
+    if prices is not None:
+        view["cost"] = cost.fleet_cost(rows, prices, now, silent_after)
+    return view
 
 
 def render_fleet(view: Mapping) -> str:
@@ -189,6 +326,10 @@ def render_fleet(view: Mapping) -> str:
         lines.append(f"  silent > {view['silent_after_s']:.0f}s: {', '.join(view['silent'])}")
     for machine, task in view["working"].items():
         lines.append(f"  {machine}: working on {task}")
+    for s in view.get("stragglers", []):
+        lines.append(f"  straggler {s['machine']}: {s['task']} for {s['held_s']:.0f}s (median task {s['median_task_s']:.0f}s)")
+    for s in view.get("no_progress", []):
+        lines.append(f"  no progress {s['machine']}: {s['state']} for {s['for_s']:.0f}s")
     return "\n".join(lines)
 
 
@@ -207,16 +348,55 @@ def machine_name(metadata) -> str:
     return metadata.text("instance/name").strip()
 
 
-def machine_identity(metadata) -> dict[str, str | None]:
-    """`name` plus the fields every record of this machine carries: zone, accelerator, code URL, and
-    the boot's permission verdict (`permissions`: granted or unverified, fleet.selfdelete)."""
-    from fleet.selfdelete import saved_verdict
+def provisioning_model(metadata) -> str:
+    """`spot` or `standard`, from `instance/scheduling/provisioning-model` (SPOT, STANDARD), else
+    `instance/scheduling/preemptible` (TRUE for the older preemptible VMs, priced like spot VMs:
+    https://cloud.google.com/compute/docs/instances/create-use-preemptible). Both are keys of the
+    metadata server's `scheduling/` directory
+    (https://cloud.google.com/compute/docs/metadata/predefined-metadata-keys,
+    https://cloud.google.com/compute/docs/metadata/getting-live-migration-notice)."""
+    from fleet.metadata import MetadataNotFound
 
+    try:
+        model = metadata.text("instance/scheduling/provisioning-model").strip().upper()
+    except MetadataNotFound:
+        model = ""
+    if model in ("SPOT", "PREEMPTIBLE"):
+        return "spot"
+    if not model:
+        try:
+            if metadata.text("instance/scheduling/preemptible").strip().upper() == "TRUE":
+                return "spot"
+        except MetadataNotFound:
+            pass  # neither key: an older server; the default model is standard
+    return "standard"
+
+
+def machine_identity(metadata) -> dict[str, str | None]:
+    """`name` plus the fields every record of this machine carries: zone, accelerator, code URL,
+    the boot's permission verdict (`permissions`: granted or unverified, fleet.selfdelete), and
+    what its price depends on: the priced type (a TPU VM's `accelerator-type` attribute, which
+    the TPU API sets, else the basename of `instance/machine-type`), the provisioning model, and a
+    TPU VM's worker number (`host`: worker 0's record speaks for the slice's bill)."""
+    from fleet.metadata import MetadataNotFound
+    from fleet.selfdelete import parse_tpu_env, saved_verdict
+
+    tpu_env = metadata.attribute("tpu-env")
+    host = (parse_tpu_env(tpu_env).get("WORKER_ID") or "0") if tpu_env else None
+    machine_type = metadata.attribute("accelerator-type")
+    if not machine_type:
+        try:
+            machine_type = metadata.text("instance/machine-type").strip()
+        except MetadataNotFound:
+            machine_type = None  # its time is then counted as unpriced
     return {
         "name": machine_name(metadata),
         "zone": metadata.text("instance/zone").strip().rsplit("/", 1)[-1],
         "accelerator": metadata.attribute(ATTR_ACCELERATOR),
         "code": metadata.attribute(ATTR_CODE),
+        "machine_type": machine_type.rsplit("/", 1)[-1] if machine_type else None,
+        "provisioning": provisioning_model(metadata),
+        "host": host,
         **saved_verdict(),
     }
 

@@ -44,6 +44,9 @@ class BadObjectName(StoreError, ValueError):
     """An object name the store cannot hold (empty, absolute, `..`, control characters)."""
 
 
+DEFAULT_CONTENT_TYPE = "application/octet-stream"
+
+
 @dataclasses.dataclass(frozen=True)
 class Blob:
     """An object's bytes together with the generation they were read at."""
@@ -62,6 +65,7 @@ class Entry:
     size: int
     updated: dt.datetime
     metadata: Mapping[str, str]
+    content_type: str = DEFAULT_CONTENT_TYPE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +119,14 @@ class ObjectStore(abc.ABC):
         """Delete, optionally only at `if_generation`. Raises NotFound or PreconditionFailed."""
 
     @abc.abstractmethod
-    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
+    def put(
+        self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> int:
         """Unconditional write (for outputs, whose path already carries the fencing token).
 
-        `data` may be any contiguous buffer (a memoryview of an output shard): it is written from where it lies."""
+        `data` may be any contiguous buffer (a memoryview of an output shard): it is written from where it lies.
+        `content_type` (default application/octet-stream) is what a browser is told it gets: a status page
+        published as text/html opens as a page (listings return it as `Entry.content_type`)."""
 
     @abc.abstractmethod
     def put_file(self, name: str, path: str | os.PathLike[str]) -> int:

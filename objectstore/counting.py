@@ -49,9 +49,9 @@ class CountingStore(ObjectStore):
         self._count("delete", name)
         return self.inner.delete(name, if_generation)
 
-    def put(self, name, data, metadata=None):
+    def put(self, name, data, metadata=None, content_type=None):
         self._count("put", name)
-        return self.inner.put(name, data, metadata)
+        return self.inner.put(name, data, metadata, content_type=content_type)
 
     def put_file(self, name, path):
         self._count("put", name)

@@ -27,6 +27,7 @@ from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
 
 from objectstore.base import (
+    DEFAULT_CONTENT_TYPE,
     MAX_LIST_PAGE,
     Blob,
     Entry,
@@ -260,7 +261,10 @@ class GCSStore(ObjectStore):
                 return
             raise
 
-    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
+    def put(
+        self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> int:
+        content_type = content_type or DEFAULT_CONTENT_TYPE
         blob = self._blob(name)
         if metadata:
             # Without metadata the resource must not carry the key at all: `blob.metadata = None` would
@@ -268,14 +272,14 @@ class GCSStore(ObjectStore):
             blob.metadata = dict(metadata)
         if isinstance(data, bytes):
             upload = lambda: blob.upload_from_string(  # noqa: E731
-                data, content_type="application/octet-stream", retry=None, timeout=self._policy.timeout_s
+                data, content_type=content_type, retry=None, timeout=self._policy.timeout_s
             )
         else:
             # Any other buffer (an output shard's memoryview) is streamed from where it lies instead of being
             # copied into one bytes object first; each attempt reads it from the start.
             view = memoryview(data).cast("B")
             upload = lambda: blob.upload_from_file(  # noqa: E731
-                _BufferReader(view), size=view.nbytes, content_type="application/octet-stream", retry=None,
+                _BufferReader(view), size=view.nbytes, content_type=content_type, retry=None,
                 timeout=self._policy.timeout_s,
             )  # fmt: skip
         self._call(f"put {self.url(name)}", upload)
@@ -344,6 +348,7 @@ class GCSStore(ObjectStore):
                 size=int(blob.size or 0),
                 updated=blob.updated,
                 metadata={k: v for k, v in (blob.metadata or {}).items() if k != NONCE_KEY},
+                content_type=blob.content_type or DEFAULT_CONTENT_TYPE,
             )
             for blob in blobs
         ]

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from typing import BinaryIO
 
 from objectstore.base import (
+    DEFAULT_CONTENT_TYPE,
     MAX_LIST_PAGE,
     BadObjectName,
     Blob,
@@ -114,23 +115,29 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             return None
 
-    def _store(self, key: str, data: bytes | memoryview, metadata: Mapping[str, str] | None) -> int:
+    def _store(
+        self, key: str, data: bytes | memoryview, metadata: Mapping[str, str] | None, content_type: str | None = None
+    ) -> int:
         """Caller holds the exclusive lock."""
         generation = self._next_generation()
         data_path = self._data_path(key)
         if data_path.is_dir():
             raise BadObjectName(f"object name {key!r} is a directory of other objects in {self._root}")
         self._atomic_write(data_path, data)
-        self._write_meta(key, generation, metadata)
+        self._write_meta(key, generation, metadata, content_type)
         return generation
 
-    def _write_meta(self, key: str, generation: int, metadata: Mapping[str, str] | None) -> None:
+    def _write_meta(
+        self, key: str, generation: int, metadata: Mapping[str, str] | None, content_type: str | None = None
+    ) -> None:
         meta = {
             "generation": generation,
             "metageneration": 1,
             "metadata": dict(metadata or {}),
             "updated": dt.datetime.now(dt.timezone.utc).isoformat(),
         }
+        if content_type:
+            meta["content_type"] = content_type
         self._atomic_write(self._meta_path(key), json.dumps(meta).encode())
 
     def _remove(self, key: str) -> None:
@@ -176,10 +183,12 @@ class LocalStore(ObjectStore):
                 )
             self._remove(key)
 
-    def put(self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None) -> int:
+    def put(
+        self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> int:
         key = self._key(name)
         with self._locked(exclusive=True):
-            return self._store(key, data, metadata)
+            return self._store(key, data, metadata, content_type)
 
     def put_file(self, name: str, path: str | os.PathLike[str]) -> int:
         key = self._key(name)
@@ -242,6 +251,7 @@ class LocalStore(ObjectStore):
                         size=self._data_path(key).stat().st_size,
                         updated=dt.datetime.fromisoformat(meta["updated"]),
                         metadata=meta["metadata"],
+                        content_type=meta.get("content_type", DEFAULT_CONTENT_TYPE),
                     )
                 )
         return Page(entries, entries[-1].name if more else None)

@@ -57,8 +57,21 @@ CODE_URL=""
 ACCELERATOR=""
 PERMISSIONS=""   # the permission check's verdict once it is unverified (fleet/selfdelete.py)
 LAST_STATE=""
-TEE_PID=""
 UV=""
+MACHINE_TYPE=""
+PROVISIONING=""
+TPU_NODE=""
+TPU_WORKER=""
+TEE_PID=""
+# The record's time accounting (fleet/machines.py): the current spell (state and start, epoch
+# seconds) and the seconds of the finished ones per state. Booting starts at the kernel's boot.
+BOOT_EPOCH=""
+while read -r stat_key stat_value _; do
+  if [[ "$stat_key" == btime ]]; then BOOT_EPOCH="$stat_value"; fi
+done </proc/stat
+SPELL_STATE=""
+SPELL_SINCE=""
+declare -A SPENT=()
 
 # One line per event; at= (seconds since the epoch, no fork) lets bench/boot_bench.py time the phases.
 log() {
@@ -135,17 +148,44 @@ tpu_env_value() {
   done <<<"$tpu_env"
 }
 
+# read_tpu_env: TPU_NODE and TPU_WORKER from a TPU VM's tpu-env attribute (both empty on a VM).
+read_tpu_env() {
+  TPU_NODE="$(tpu_env_value NODE_ID)"
+  TPU_WORKER="$(tpu_env_value WORKER_ID)"
+  if [[ -n "$TPU_NODE" ]]; then TPU_WORKER="${TPU_WORKER:-0}"; fi
+}
+
 # machine_name: the record name fleet.machines.machine_name computes too: a VM's instance name,
-# a TPU VM's node id (with -w<N> for hosts other than worker 0).
+# a TPU VM's node id (with -w<N> for hosts other than worker 0). Needs read_tpu_env first.
 machine_name() {
-  local node worker
-  node="$(tpu_env_value NODE_ID)"
-  worker="$(tpu_env_value WORKER_ID)"
-  if [[ -n "$node" ]]; then
-    if [[ "${worker:-0}" == 0 ]]; then printf '%s' "$node"; else printf '%s-w%s' "$node" "$worker"; fi
+  if [[ -n "$TPU_NODE" ]]; then
+    if [[ "$TPU_WORKER" == 0 ]]; then printf '%s' "$TPU_NODE"; else printf '%s-w%s' "$TPU_NODE" "$TPU_WORKER"; fi
   else
     metadata instance/name
   fi
+}
+
+# read_pricing: what the machine's bill depends on, as fleet.machines.machine_identity reads it:
+# MACHINE_TYPE (a TPU VM's accelerator-type attribute, else the basename of instance/machine-type)
+# and PROVISIONING (spot when instance/scheduling/provisioning-model is SPOT, or the older
+# instance/scheduling/preemptible is TRUE; https://cloud.google.com/compute/docs/metadata/predefined-metadata-keys).
+read_pricing() {
+  local model
+  MACHINE_TYPE="$(attribute accelerator-type "")"
+  if [[ -z "$MACHINE_TYPE" ]]; then MACHINE_TYPE="$(metadata instance/machine-type "")"; fi
+  MACHINE_TYPE="${MACHINE_TYPE##*/}"
+  model="$(metadata instance/scheduling/provisioning-model "")"
+  if [[ "${model^^}" == SPOT || "${model^^}" == PREEMPTIBLE ]]; then
+    PROVISIONING=spot
+  elif [[ -z "$model" && "$(metadata instance/scheduling/preemptible "")" == TRUE ]]; then
+    PROVISIONING=spot
+  else
+    PROVISIONING=standard
+  fi
+}
+
+iso_time() {
+  date -u -d "@$1" +%Y-%m-%dT%H:%M:%S+00:00
 }
 
 meta_value() {
@@ -156,16 +196,32 @@ meta_value() {
 # record STATE [REASON [LOG_TAIL]]: overwrite QUEUE/machines/NAME.json (docs/PROTOCOL.md, "Machine
 # records"). The fields status reads ride along as custom metadata. Never fatal: a record is for people.
 record() {
-  local state="$1" reason="${2:-}" tail="${3:-}" body at
+  local state="$1" reason="${2:-}" tail="${3:-}" body at now_s spent="" spent_listed="" key
   LAST_STATE="$state"
   if [[ -z "$MACHINE" || "$QUEUE_URL" != gs://?* ]]; then
     log "event=record_skipped state=${state} reason=no_queue_or_name"
     return 0
   fi
-  at="$(date -u +%Y-%m-%dT%H:%M:%S+00:00)"
+  now_s="$(date +%s)"
+  if [[ -z "$SPELL_STATE" ]]; then
+    SPELL_SINCE="${BOOT_EPOCH:-$now_s}"
+  elif [[ "$SPELL_STATE" != "$state" ]]; then
+    SPENT["$SPELL_STATE"]=$((${SPENT["$SPELL_STATE"]:-0} + now_s - SPELL_SINCE))
+    SPELL_SINCE="$now_s"
+  fi
+  SPELL_STATE="$state"
+  for key in "${!SPENT[@]}"; do
+    spent+="${spent:+, }$(json_string "$key"): ${SPENT[$key]}"
+    spent_listed+=",spent_${key}=${SPENT[$key]}"
+  done
+  at="$(iso_time "$now_s")"
   body="{\"machine\": $(json_string "$MACHINE"), \"state\": $(json_string "$state"), \"at\": $(json_string "$at")"
   body+=", \"code\": $(json_string "$CODE_URL"), \"accelerator\": $(json_string "$ACCELERATOR")"
   body+=", \"phase\": $(json_string "$PHASE")"
+  body+=", \"machine_type\": $(json_string "$MACHINE_TYPE"), \"provisioning\": $(json_string "$PROVISIONING")"
+  body+=", \"since\": $(json_string "$(iso_time "$SPELL_SINCE")"), \"spent\": {${spent}}"
+  if [[ -n "$BOOT_EPOCH" ]]; then body+=", \"boot_at\": $(json_string "$(iso_time "$BOOT_EPOCH")")"; fi
+  if [[ -n "$TPU_WORKER" ]]; then body+=", \"host\": $(json_string "$TPU_WORKER")"; fi
   if [[ -n "$reason" ]]; then body+=", \"reason\": $(json_string "$reason")"; fi
   if [[ -n "$PERMISSIONS" ]]; then body+=", \"permissions\": $(json_string "$PERMISSIONS")"; fi
   if [[ -n "$tail" ]]; then body+=", \"log_tail\": $(json_string "$tail")"; fi
@@ -173,6 +229,10 @@ record() {
   # gcloud splits --custom-metadata at commas and '=': values lose them (the body keeps them).
   local listed
   listed="state=${state},accelerator=$(meta_value "$ACCELERATOR"),code=$(meta_value "$CODE_URL")"
+  listed+=",at=${at},since=$(iso_time "$SPELL_SINCE"),machine_type=$(meta_value "$MACHINE_TYPE"),provisioning=${PROVISIONING}"
+  listed+="${spent_listed}"
+  if [[ -n "$BOOT_EPOCH" ]]; then listed+=",boot_at=$(iso_time "$BOOT_EPOCH")"; fi
+  if [[ -n "$TPU_WORKER" ]]; then listed+=",host=$(meta_value "$TPU_WORKER")"; fi
   if [[ -n "$reason" ]]; then listed+=",reason=$(meta_value "$reason")"; fi
   if [[ -n "$PERMISSIONS" ]]; then listed+=",permissions=$(meta_value "$PERMISSIONS")"; fi
   if printf '%s\n' "$body" | gcloud storage cp --content-type=application/json \
@@ -326,6 +386,8 @@ read_common() {
   CODE_URL="$(attribute spawn-code "")"
   QUEUE_URL="$(attribute spawn-queue "")"
   ACCELERATOR="$(attribute spawn-accelerator cpu)"
+  read_tpu_env
+  read_pricing
   MACHINE="$(machine_name)"
 }
 

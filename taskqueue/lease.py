@@ -189,8 +189,8 @@ class HeldLease:
                 self.store.create(
                     layout.done_object(self.task_id),
                     json.dumps(marker, indent=1).encode(),
-                    # In the metadata, listings return the counters with the marker: status reads no body.
-                    metadata={"counters": compact(counters)} if counters else None,
+                    # In the metadata, listings return the counters and times with the marker: status reads no body.
+                    metadata={"completed_at": marker["completed_at"], "seconds": str(marker["seconds"]), **({"counters": compact(counters)} if counters else {})},
                 )
             except PreconditionFailed:
                 duplicate = True

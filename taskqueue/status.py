@@ -1,5 +1,8 @@
 """Progress of a queue from its listings: counts, holders, stale leases, throughput, ETA, dead letters.
 
+Completion times and task durations come from the done markers' listing (`completed_at` and
+`seconds` metadata, docs/PROTOCOL.md); the ETA is a range, from the recent completion count.
+
 The region map (docs/PROTOCOL.md, "Regions") keeps this cheap: a swept region is counted from its
 marker, so only open regions are listed, and an estimate lists only a sample of them. Every
 snapshot states its own cost in requests.
@@ -12,7 +15,9 @@ import collections
 import dataclasses
 import datetime as dt
 import json
+import math
 import random
+import statistics
 
 from objectstore import ObjectStore, StoreError
 from objectstore.counting import CountingStore
@@ -21,7 +26,8 @@ from taskqueue.lease import FINISHED, HELD, RELEASED, sum_metadata_counters
 from taskqueue.slice import SLICES
 
 RATE_WINDOW_S = 600.0  # throughput is measured over the last ten minutes of done markers
-MAX_REASONS = 20
+MAX_REASONS = 20  # dead letters read (one GET each) for their reason and first line
+CURVE_POINTS = 60  # points of the completion curve
 
 
 @dataclasses.dataclass
@@ -35,6 +41,8 @@ class RegionCache:
 
     tasks: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     ticks: int = 0
+    #: With `history`: the (completed_at, seconds) of each swept region's done markers, listed once.
+    swept_done: dict[str, list[tuple[dt.datetime, float | None]]] = dataclasses.field(default_factory=dict)
 
 
 TASKS_EVERY = 10
@@ -67,6 +75,7 @@ def snapshot(
     sample: int | None = None,
     seed: int | None = None,
     cache: RegionCache | None = None,
+    history: bool = False,
 ) -> dict:
     """A JSON-ready summary, and what it cost (`requests`). Staleness uses the store's update times.
 
@@ -75,6 +84,10 @@ def snapshot(
     many open regions, chosen at random, and the counts of the others are extrapolated from them:
     the result then says `"estimate": true`, and holders and stale leases are those of the listed
     regions. (A finished task's lease stays as its tombstone, so leases are listed by region too.)
+
+    With `history` (the status page's completion curve), the done markers of swept regions are
+    listed too, once per region for a `cache` (they never change): one request per region, about
+    one per 1000 finished tasks. Without it the curve starts at the swept regions' count.
     """
     now = now or dt.datetime.now(dt.timezone.utc)
     counted = CountingStore(store)
@@ -94,6 +107,7 @@ def snapshot(
         listed = sorted(random.Random(seed).sample(open_regions, sample), key=splits.index)
     tasks: set[str] = set()
     done_times: dict[str, dt.datetime] = {}
+    task_seconds: list[float] = []
     failed: set[str] = set()
     counter_texts: list[str] = []
     leased, stale, released = [], [], []
@@ -115,7 +129,9 @@ def snapshot(
         for entry in counted.list(layout.DONE, **_range(layout.DONE, **where)):
             task_id = layout.id_from_object(entry.name, layout.DONE)
             if task_id:
-                done_times[task_id] = entry.updated
+                done_times[task_id] = _completed_at(entry)
+                if _seconds(entry) is not None:
+                    task_seconds.append(_seconds(entry))
                 if "counters" in entry.metadata:  # the task's progress-record counters, summed by lease.complete
                     counter_texts.append(entry.metadata["counters"])
         for entry in counted.list(layout.LEASES, **_range(layout.LEASES, **where)):
@@ -134,6 +150,15 @@ def snapshot(
             else:
                 leased.append(task_id)
                 holders[worker] += 1
+    swept_done: list[tuple[dt.datetime, float | None]] = []
+    if history:
+        known = cache.swept_done if cache is not None else {}
+        for region in swept:
+            if region not in known:
+                where = dict(zip(("start", "end"), (region, ends[region])))
+                known[region] = [(_completed_at(e), _seconds(e)) for e in counted.list(layout.DONE, **_range(layout.DONE, **where))]
+            swept_done.extend(known[region])
+        task_seconds.extend(s for _, s in swept_done if s is not None)
     # Dead letters are few: one listing of failed/ for the whole queue, kept to the listed regions.
     listed_set = set(listed)
     split_keys = [layout.key(r) if r else "" for r in splits]
@@ -159,11 +184,21 @@ def snapshot(
     # A slice is one claimant: its leader holds the leases; its assignment says how many hosts it has.
     slice_hosts = {e.metadata["leader"]: int(e.metadata["hosts"]) for e in counted.list(SLICES)
                    if e.metadata.get("leader") in holders and e.metadata.get("hosts", "").isdigit()}  # fmt: skip
-    recent = [t for t in done_times.values() if (now - t).total_seconds() <= RATE_WINDOW_S]
-    rate = None
-    if len(recent) >= 2:
-        span = max((now - min(recent)).total_seconds(), 1.0)
-        rate = len(recent) * scale / span
+    def in_window(t: dt.datetime) -> bool:
+        return 0 <= (now - t).total_seconds() <= RATE_WINDOW_S
+
+    recent = [t for t in done_times.values() if in_window(t)]
+    recent_swept = [t for t, _ in swept_done if in_window(t)]  # listed in full, so not scaled
+    n_recent = len(recent) + len(recent_swept)
+    rate = rate_low = rate_high = None
+    if n_recent >= 2:
+        span = max((now - min(recent + recent_swept)).total_seconds(), 1.0)
+        counted_recent = len(recent) * scale + len(recent_swept)
+        rate = counted_recent / span
+        # A count of n completions is known to about +-2 sqrt(n) (Poisson, ~95%): the ETA's range.
+        margin = 2 * math.sqrt(n_recent) * counted_recent / n_recent
+        rate_low = max(0.0, counted_recent - margin) / span
+        rate_high = (counted_recent + margin) / span
     reasons_for = sorted(every_failed)[:MAX_REASONS]
     view = {
         "queue": store.root_url,
@@ -180,7 +215,13 @@ def snapshot(
         "stale_leases": sorted(stale, key=lambda s: s["task"]),
         "tasks_per_s": round(rate, 4) if rate else None,
         "eta_s": round(remaining / rate, 1) if rate and remaining else (0.0 if not remaining else None),
-        "failed_reasons": _reasons(counted, reasons_for),
+        "eta_range_s": _eta_range(remaining, rate_low, rate_high),
+        "recent_done": n_recent,
+        "rate_window_s": RATE_WINDOW_S,
+        "median_task_s": round(statistics.median(task_seconds), 3) if task_seconds else None,
+        "curve": _curve(sorted(done_times.values()), sorted(t for t, _ in swept_done), now, scale,
+                        0 if history else round(swept_tasks - swept_failed)),
+        **_reasons(counted, reasons_for),
         # Exact for swept and listed regions; an estimate counts only what it listed.
         "counters": dict(sorted(sum_metadata_counters(
             [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
@@ -193,15 +234,106 @@ def snapshot(
     return view
 
 
-def _reasons(store: ObjectStore, failed: list[str]) -> dict[str, str]:
-    reasons = {}
+def _seconds(entry) -> float | None:
+    """The task's duration from its done marker's `seconds` metadata, if it has one."""
+    try:
+        seconds = float(entry.metadata.get("seconds", ""))
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) else None
+
+
+def _completed_at(entry) -> dt.datetime:
+    """The worker's `completed_at` from the marker's metadata; the store's update time for markers
+    written before it was there."""
+    text = entry.metadata.get("completed_at")
+    if text:
+        try:
+            at = dt.datetime.fromisoformat(text)
+            return at if at.tzinfo else at.replace(tzinfo=dt.timezone.utc)
+        except ValueError:
+            pass  # a hand-made marker: its update time is as good
+    return entry.updated
+
+
+def with_fleet_size(view: dict, workers_up: int | None) -> dict:
+    """Add the fleet's side of the ETA to `view`: with W machines up and R tasks remaining, the
+    remaining work takes about ceil(R / W) waves of the median task (`eta_fleet_s`), and the ETA's
+    range is widened to hold that too. With no machine up and tasks remaining nothing will finish:
+    the ETA is then unknown (None). `workers_up` None (no machine records, e.g. local workers)
+    leaves the view as it is."""
+    remaining = view["total"] - view["done"] - view["failed"]
+    view["workers_up"] = workers_up
+    view["eta_fleet_s"] = None
+    if workers_up is None or remaining <= 0:
+        return view
+    if workers_up == 0:
+        view["eta_s"] = view["eta_range_s"] = None
+        return view
+    if view["median_task_s"] is not None:
+        fleet_eta = round(math.ceil(remaining / workers_up) * view["median_task_s"], 1)
+        view["eta_fleet_s"] = fleet_eta
+        span = view["eta_range_s"]
+        if span is not None:
+            high = None if span[1] is None else max(span[1], fleet_eta)
+            view["eta_range_s"] = [min(span[0], fleet_eta), high]
+    return view
+
+
+def _eta_range(remaining: int, rate_low: float | None, rate_high: float | None) -> list[float | None] | None:
+    """[soonest, latest] seconds to finish at the recent rate's bounds; latest is None (unbounded)
+    when so few tasks finished that the rate may be zero."""
+    if not remaining:
+        return [0.0, 0.0]
+    if not rate_high:
+        return None
+    return [round(remaining / rate_high, 1), round(remaining / rate_low, 1) if rate_low else None]
+
+
+def _curve(
+    times: list[dt.datetime], swept_times: list[dt.datetime], now: dt.datetime, scale: float, before: int
+) -> dict | None:
+    """Done tasks over time, at CURVE_POINTS evenly spaced times from the first listed completion to
+    now; open regions' counts are scaled like the totals. Swept regions' markers not listed count
+    from the start: `before`, the curve's floor."""
+    if not times and not swept_times:
+        return None
+    start = min(times[:1] + swept_times[:1])
+    step = max((now - start).total_seconds(), 1.0) / (CURVE_POINTS - 1)
+    points = []
+    for k in range(CURVE_POINTS):
+        at = start + dt.timedelta(seconds=k * step)
+        count = bisect.bisect_right(times, at) * scale + bisect.bisect_right(swept_times, at)
+        points.append([round(k * step, 1), round(before + count)])
+    return {"start": start.isoformat(timespec="seconds"), "floor": before, "points": points}
+
+
+def _reasons(store: ObjectStore, failed: list[str]) -> dict[str, dict[str, str | None]]:
+    """`failed_reasons` and `failed_details` (the first line of the precise message) of up to
+    MAX_REASONS dead letters, one read each."""
+    reasons, details = {}, {}
     for task_id in failed:
         try:
             letter = json.loads(store.read(layout.failed_object(task_id)).data)
-            reasons[task_id] = str(letter.get("reason", "?"))
+            reasons[task_id], details[task_id] = str(letter.get("reason", "?")), first_line(letter)
         except (StoreError, ValueError) as exc:
-            reasons[task_id] = f"(unreadable dead letter: {exc})"
-    return reasons
+            reasons[task_id], details[task_id] = f"(unreadable dead letter: {exc})", None
+    return {"failed_reasons": reasons, "failed_details": details}
+
+
+def first_line(letter: dict) -> str | None:
+    """The first line of a dead letter's precise message: its `message` when it has one; else, from
+    the last attempt's output tail, the consumer's `event=bad_input` log line (its `error=` part:
+    file, row, sample id, reason) or else the tail's last line (a traceback ends with the error)."""
+    if letter.get("message"):
+        return str(letter["message"]).strip().splitlines()[0][:500]
+    errors = letter.get("errors") or []
+    tail = str(errors[-1].get("error", "")) if errors and isinstance(errors[-1], dict) else ""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "event=bad_input" in line and "error=" in line:
+            return line.split("error=", 1)[1][:500]
+    return lines[-1][:500] if lines else None
 
 
 def render(view: dict) -> str:
@@ -213,9 +345,16 @@ def render(view: dict) -> str:
         f"{view['pending']} pending, {view['leased']} leased, {view['stale']} stale, {view['failed']} failed",
     ]
     if view["tasks_per_s"]:
-        eta = view["eta_s"]
+        eta, span = view["eta_s"], view.get("eta_range_s")
+        between = ""
+        if span:
+            between = f" ({duration_text(span[0])} to {duration_text(span[1])}"
+            if view.get("eta_fleet_s") is not None:
+                between += f"; {view['workers_up']} machines up: {duration_text(view['eta_fleet_s'])}"
+            between += ")"
         lines.append(
-            f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min, eta {_duration(eta) if eta is not None else '?'}"
+            f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min over the last {view['recent_done']} done, "
+            f"eta {duration_text(eta) if eta is not None else '?'}{between}"
         )
     if view["counters"]:
         lines.append("counted " + ", ".join(f"{name}={n}" for name, n in view["counters"].items()))
@@ -227,7 +366,8 @@ def render(view: dict) -> str:
     for stale in view["stale_leases"]:
         lines.append(f"stale   {stale['task']} held by {stale['worker']}, silent {stale['silent_s']:.0f}s")
     for task_id, reason in view["failed_reasons"].items():
-        lines.append(f"failed  {task_id}: {reason}")
+        detail = view["failed_details"].get(task_id)
+        lines.append(f"failed  {task_id}: {reason}" + (f" | {detail}" if detail else ""))
     if view["complete"]:
         lines.append("complete: every task has a done or failed marker")
     regions = view["regions"]
@@ -240,6 +380,11 @@ def render(view: dict) -> str:
     return "\n".join(lines)
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float | None) -> str:
+    """`1h05m`, `4m10s`, `45s`, `0.4s`; None is an unbounded span."""
+    if seconds is None:
+        return "unbounded"
+    if seconds < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"

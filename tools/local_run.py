@@ -5,7 +5,7 @@
 2. a dataset: local parquet files with FineWeb-Edu's columns (or $DATASET / $DATA_FILES);
 3. tasks planned by tools/make_tasks.py and submitted by tools/submit.py to a local queue;
 4. $WORKERS spawn.py workers (default 3) in parallel, each running consume.py per task;
-5. tools/status.py, then tools/merge.py;
+5. tools/status.py (and its page, local-run/status.html), then tools/merge.py;
 6. the activations read back through the reader API, with their shapes and counts.
 
 Every step is the same command a user runs by hand; they are printed as they run. Point it at a
@@ -129,7 +129,8 @@ def main() -> int:
         return 1
 
     step("5. status and merge")
-    sh(sys.executable, "tools/status.py", queue)
+    sh(sys.executable, "tools/status.py", queue, "--html", str(WORK / "status.html"))
+    print(f"status page: {WORK / 'status.html'}")
     sh(sys.executable, "tools/merge.py", queue)
 
     step("6. read the activations back")

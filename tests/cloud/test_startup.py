@@ -307,6 +307,26 @@ def test_install_failure_records_reason_and_log_tail_then_the_machine_deletes_it
     assert not boot.unit.exists()
 
 
+def test_boot_records_carry_what_the_cost_needs_and_a_failed_boot_keeps_its_spells(boot: Boot):
+    """Machine type and provisioning model from the metadata server, the kernel's boot time, and the
+    spells per state, in the body and in the listed metadata (fleet/cost.py prices them)."""
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-9", ATTRS))
+    boot.metadata.values.update({"instance/machine-type": "projects/1/machineTypes/g2-standard-8",
+                                 "instance/scheduling/provisioning-model": "SPOT"})  # fmt: skip
+    result = boot.run(UV_PIP_FAILS="1")
+    assert result.returncode == 1
+    record = boot.record("w-9")
+    assert (record["machine_type"], record["provisioning"]) == ("g2-standard-8", "spot")
+    assert set(record["spent"]) == {"booting", "installing"} and record["spent"]["booting"] >= 0
+    assert record["boot_at"] <= record["since"] <= record["at"]
+    listed = [line for line in (boot.records / ".history").read_text().splitlines() if line.startswith("state=")]
+    assert listed[0].startswith("state=booting,") and "spent_" not in listed[0]
+    assert f"since={record['boot_at']}," in listed[0]  # booting counts from the kernel's boot
+    last = dict(item.split("=", 1) for item in listed[-1].split(","))
+    assert (last["state"], last["machine_type"], last["provisioning"]) == ("failed", "g2-standard-8", "spot")
+    assert last["spent_booting"] == str(record["spent"]["booting"]) and "spent_installing" in last
+
+
 def test_broken_virtualenv_falls_back_to_rest_to_leave_the_group(boot: Boot):
     boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-5", {**ATTRS, "created-by": "projects/1/regions/us-central1/instanceGroupManagers/grp"}))
     boot.cloud.add("projects/p/regions/us-central1/instanceGroupManagers/grp", {"name": "grp", "targetSize": 3})

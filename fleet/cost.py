@@ -1,0 +1,170 @@
+"""What a fleet has cost so far, and will cost to finish: machine records priced from fleet/prices.json.
+
+Machine-seconds come from the machine records' listing alone (fleet/machines.py: `spent` per
+state, plus the current spell from `since` to now, or to the last record of a machine that went
+silent or ended). They are split by priced type (`machine_type`), provisioning model (spot,
+standard) and state:
+
+- `booting`, `installing`, `working`, `idle`: the machine's own spells; `deleting` and `exited`
+  spells count as idle (the machine is up, doing nothing);
+- `failed`: the booting and installing seconds of a machine whose record ends `failed`: a boot
+  that never became a worker is all loss.
+
+Waste is booting + installing + idle + failed. Only worker 0 of a TPU slice is priced (`host`
+absent or 0), at the slice's price: the other hosts' records are the same bill. A type that the
+price table does not hold is counted in seconds under `unpriced`, never guessed.
+
+What these figures cannot know, and so leave out: sustained-use discounts, committed-use
+contracts, negotiated prices, network egress, disks and IP addresses, storage and operations,
+the seconds before the kernel booted and after the last record (a deletion takes a minute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Iterable, Mapping
+
+from fleet.machines import FINAL_STATES, spell_end
+from fleet.pricing import PriceError, PriceTable
+
+STATES = ("booting", "installing", "working", "idle", "failed")
+WASTE = ("booting", "installing", "idle", "failed")
+#: Machine states whose spells are priced as idle: the machine is up and does no work.
+AS_IDLE = ("deleting", "exited")
+SPOT = "spot"
+
+
+@dataclasses.dataclass
+class _Group:
+    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(STATES, 0.0))
+    machines: int = 0
+
+
+def machine_seconds(row: Mapping, now: dt.datetime, silent_after_s: float) -> dict[str, float]:
+    """One machine's seconds per cost state (STATES), from its listed record `row`."""
+    seconds = dict.fromkeys(STATES, 0.0)
+    spent = dict(row["spent"])
+    end = spell_end(row, now, silent_after_s)
+    if end is not None:
+        spent[row["state"]] = spent.get(row["state"], 0) + max(0.0, (end - row["since"]).total_seconds())
+    for state, s in spent.items():
+        key = "idle" if state in AS_IDLE else state
+        if key in seconds:
+            seconds[key] += s
+    if row["state"] == "failed":
+        seconds["failed"] += seconds["booting"] + seconds["installing"]
+        seconds["booting"] = seconds["installing"] = 0.0
+    return seconds
+
+
+def _money(value: float) -> float:
+    return round(value, 4)
+
+
+def fleet_cost(rows: Iterable[Mapping], prices: PriceTable, now: dt.datetime, silent_after_s: float) -> dict:
+    """Cost so far, by (machine type, provisioning model) and state, in seconds and dollars."""
+    groups: dict[tuple[str, str], _Group] = {}
+    unpriced: dict[str, float] = {}
+    burn_per_hour = 0.0
+    for row in rows:
+        if row.get("host") not in (None, "0") or row["since"] is None:
+            continue
+        machine_type = row["machine_type"] or "unknown"
+        provisioning = row["provisioning"] or "standard"
+        seconds = machine_seconds(row, now, silent_after_s)
+        try:
+            accelerator = prices.accelerator(machine_type)
+        except PriceError:
+            unpriced[machine_type] = unpriced.get(machine_type, 0.0) + sum(seconds.values())
+            continue
+        group = groups.setdefault((machine_type, provisioning), _Group())
+        group.machines += 1
+        for state, s in seconds.items():
+            group.seconds[state] += s
+        per_hour = accelerator.spot_per_hour if provisioning == SPOT else accelerator.on_demand_per_hour
+        if row["state"] not in FINAL_STATES and spell_end(row, now, silent_after_s) == now:
+            burn_per_hour += per_hour  # up now: it goes on costing this much per hour
+    by_type = []
+    totals_s = dict.fromkeys(STATES, 0.0)
+    totals_d = dict.fromkeys(STATES, 0.0)
+    for (machine_type, provisioning), group in sorted(groups.items()):
+        accelerator = prices.accelerator(machine_type)
+        per_hour = accelerator.spot_per_hour if provisioning == SPOT else accelerator.on_demand_per_hour
+        dollars = {state: s * per_hour / 3600 for state, s in group.seconds.items()}
+        for state in STATES:
+            totals_s[state] += group.seconds[state]
+            totals_d[state] += dollars[state]
+        by_type.append({
+            "machine_type": machine_type,
+            "provisioning": provisioning,
+            "machines": group.machines,
+            "per_hour": per_hour,
+            "seconds": {state: round(s, 1) for state, s in group.seconds.items()},
+            "dollars": {state: _money(d) for state, d in dollars.items()},
+        })  # fmt: skip
+    return {
+        "prices": {"file": prices.source, "as_of": prices.as_of},
+        "seconds": {state: round(s, 1) for state, s in totals_s.items()},
+        "dollars": {state: _money(d) for state, d in totals_d.items()},
+        "total_seconds": round(sum(totals_s.values()), 1),
+        "total_dollars": _money(sum(totals_d.values())),
+        "waste_seconds": round(sum(totals_s[s] for s in WASTE), 1),
+        "waste_dollars": _money(sum(totals_d[s] for s in WASTE)),
+        "burn_per_hour": _money(burn_per_hour),
+        "by_type": by_type,
+        "unpriced_seconds": {t: round(s, 1) for t, s in sorted(unpriced.items())},
+        "not_included": "sustained-use discounts, committed-use contracts, negotiated prices, network egress, "
+        "disks, storage; spot prices vary daily",
+    }
+
+
+def to_finish(cost: Mapping, eta_s: float | None, eta_range_s: tuple[float | None, float | None] | None, done: int) -> dict:
+    """The projected cost to finish: the live fleet's burn rate (dollars per hour of the machines up
+    now) over the ETA and its range; and the measured dollars per finished task."""
+    burn = cost["burn_per_hour"] / 3600
+
+    def over(seconds: float | None) -> float | None:
+        return None if seconds is None else _money(burn * seconds)
+
+    low, high = eta_range_s if eta_range_s else (None, None)
+    return {
+        "dollars": over(eta_s),
+        "dollars_range": [over(low), over(high)],
+        "dollars_per_task": _money(cost["total_dollars"] / done) if done else None,
+        "projected_total_dollars": None if eta_s is None else _money(cost["total_dollars"] + burn * eta_s),
+    }
+
+
+def render_cost(cost: Mapping, finish: Mapping | None) -> list[str]:
+    """The text status's cost and waste lines."""
+    s, d = cost["seconds"], cost["dollars"]
+    lines = [
+        f"spent   ${cost['total_dollars']:,.2f} over {_hours(cost['total_seconds'])} machine-hours: "
+        + ", ".join(f"{state} {_hours(s[state])}h ${d[state]:,.2f}" for state in STATES)
+        + f"  (prices {cost['prices']['as_of']})",
+        f"waste   ${cost['waste_dollars']:,.2f}, {_hours(cost['waste_seconds'])} machine-hours "
+        f"({cost['waste_seconds']:.0f}s: boot, install, idle, failed boots)",
+    ]
+    for group in cost["by_type"]:
+        lines.append(
+            f"  {group['machine_type']} {group['provisioning']} x{group['machines']} at ${group['per_hour']:,.2f}/h: "
+            f"${sum(group['dollars'].values()):,.2f}"
+        )
+    for machine_type, seconds in cost["unpriced_seconds"].items():
+        lines.append(f"  {machine_type}: {_hours(seconds)} machine-hours, not in the price table")
+    if finish is not None:
+        low, high = finish["dollars_range"]
+        if finish["dollars"] is None:
+            lines.append(f"finish  ? (no completion rate yet); burning ${cost['burn_per_hour']:,.2f}/h")
+        else:
+            span = f"${low:,.2f} to " + (f"${high:,.2f}" if high is not None else "unbounded")
+            lines.append(
+                f"finish  ${finish['dollars']:,.2f} more ({span}) at ${cost['burn_per_hour']:,.2f}/h; "
+                f"${finish['dollars_per_task'] or 0:,.4f} per task so far"
+            )
+    return lines
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:,.2f}"
