@@ -29,8 +29,7 @@ import sys
 import tempfile
 
 from extract import costmodel
-from extract.cli import EX_DATAERR, EX_SOFTWARE, exit_code_for
-from extract.errors import BadInput
+from extract.errors import EX_DATAERR, BadInput, exit_for_failure
 from extract.job import Job, Task, load_job
 from fleet import pricing
 
@@ -442,11 +441,7 @@ def main(argv=None) -> int:
         log.error("event=plan_failed exit=%d error=%s", EX_DATAERR, exc)
         return EX_DATAERR
     except Exception as exc:
-        code = exit_code_for(exc)  # 65 bad input, 75 transient, as for make_tasks.py
-        if code == EX_SOFTWARE:
-            raise
-        log.error("event=plan_failed exit=%d error=%s", code, exc)
-        return code
+        return exit_for_failure(exc, log, "plan_failed")  # 65 bad input, 75 transient, as for consume.py
     print(json.dumps(plan, indent=1) if args.json else render(plan))
     return 0
 

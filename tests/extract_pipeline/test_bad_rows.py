@@ -127,7 +127,7 @@ def test_a_corrupt_parquet_data_page_is_bad_input_not_a_retry(tmp_path, mixed_fi
 def test_a_connection_error_while_reading_a_parquet_footer_stays_transient(mixed_files):
     """The other side of the previous test: a network failure (raised by the gs:// reader, a Python file
     object) must stay retryable (exit 75), never become a dead-lettering BadInput."""
-    from extract.cli import EX_TEMPFAIL, exit_code_for
+    from extract.errors import EX_TEMPFAIL, exit_code_for
 
     class DroppedConnection(io.BytesIO):
         def read(self, *args):
