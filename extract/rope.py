@@ -144,7 +144,8 @@ def read_rope(raw: Mapping[str, Any], head_dim: int, source: str = "config.json"
     return Rope(
         rope_type=rope_type,
         theta=theta,
-        parameters=tuple(sorted(block.items())),
+        # Hashable, as a static part of the Flax model: JSON lists become tuples.
+        parameters=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in block.items())),
         inverse_frequencies=tuple(float(x) for x in inverse),
         attention_scaling=float(scaling),
     )
