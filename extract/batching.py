@@ -166,6 +166,14 @@ class Tokenizer:
         self.pad_id = int(pad) if pad is not None else 0
         self.name = getattr(self.hf, "name_or_path", str(model_dir))
 
+    @property
+    def single_id_strings(self) -> tuple[str, ...]:
+        """The strings that become one id wherever a document holds them, in id order: the tokenizer's added tokens
+        that are not marked special (`split_special_tokens` splits only special ones into plain text). For Qwen2.5:
+        `<tool_call>`, `</tool_call>`, the `<|fim_…|>` tokens, `<|repo_name|>`, `<|file_sep|>` (docs/EXTRACTION.md)."""
+        added = self.hf.added_tokens_decoder
+        return tuple(added[i].content for i in sorted(added) if not added[i].special)
+
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
         if not texts:
             return []

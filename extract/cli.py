@@ -4,8 +4,8 @@ Under spawn.py every input arrives as an environment variable; by hand the same 
 flags, and a flag wins over its variable. Without a progress file the run still writes shards
 and logs each one.
 
-Exit codes (the consumer contract): 0 done; 65 bad input (dead-lettered, never retried);
-75 transient I/O (retried); 70 any other failure (retried); 128+signal when stopped by
+Exit codes (the consumer contract, extract/errors.py): 0 done; 65 bad input (dead-lettered, never
+retried); 75 transient I/O (retried); 70 any other failure (retried); 128+signal when stopped by
 SIGTERM/SIGINT, after storing only complete shards. A run that has not exited STOP_GRACE_S
 seconds after the signal (e.g. stuck in a compile) exits hard with the same code.
 """
@@ -22,14 +22,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from extract.errors import BadInput, TransientIOError
+from extract.errors import EX_DATAERR, EX_OK, EX_TEMPFAIL, BadInput, exit_code_for
 
 log = logging.getLogger("extract.consume")
 
-EX_OK = 0
-EX_DATAERR = 65
-EX_SOFTWARE = 70
-EX_TEMPFAIL = 75
 STOP_GRACE_S = 10.0
 
 _FLAGS = (
@@ -56,27 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _setting(args: argparse.Namespace, flag: str, env: str) -> str | None:
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     return value if value else (os.environ.get(env) or None)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Failures a later attempt may not meet: our own transient type, the store's, and network errors."""
-    from objectstore import StoreUnavailable
-
-    if isinstance(exc, (TransientIOError, StoreUnavailable, ConnectionError, TimeoutError)):
-        return True
-    try:
-        from objectstore.gcs import is_transient as gcs_transient
-    except ImportError:  # google-cloud-storage absent: only local stores are in use
-        return False
-    return gcs_transient(exc)
-
-
-def exit_code_for(exc: BaseException) -> int:
-    if isinstance(exc, BadInput):
-        return EX_DATAERR
-    if is_transient(exc):
-        return EX_TEMPFAIL
-    return EX_SOFTWARE
 
 
 def _install_signal_handlers(stop) -> None:

@@ -2,7 +2,9 @@
 
 Both the transformers v4 spelling (`rope_theta`, `rope_scaling`, `use_sliding_window` + `max_window_layers`) and the
 v5 spelling (`rope_parameters`, `layer_types`) are understood, because hub checkpoints carry the former and
-checkpoints saved by a current transformers carry the latter.
+checkpoints saved by a current transformers carry the latter. Every field is read as transformers 5.23 reads it,
+defaults included (RoPE: `extract/rope.py`); what transformers would read differently from us, or fail on, is a
+`BadInput` naming the field.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from extract.errors import BadInput
+from extract.rope import Rope, read_rope
 
 #: model_type -> architecture family. Qwen2.5 checkpoints say "qwen2".
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+#: transformers' Qwen2Config/Qwen3Config defaults, which apply when config.json leaves the field out.
+DEFAULT_SLIDING_WINDOW = 4096
+DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +37,7 @@ class QwenConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rope_theta: float
+    rope: Rope
     rms_norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2: always; Qwen3: `attention_bias`
@@ -89,7 +95,7 @@ class QwenConfig:
         if act != "silu":
             raise BadInput(f"{source}: hidden_act={act!r} is not supported; Qwen models use 'silu'")
 
-        rope_theta = _rope_theta(raw, source)
+        rope = read_rope(raw, head_dim, source)
         attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             model_type=model_type,
@@ -100,7 +106,7 @@ class QwenConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
-            rope_theta=rope_theta,
+            rope=rope,
             rms_norm_eps=field("rms_norm_eps", float, 1e-6),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else attention_bias,
@@ -133,7 +139,7 @@ class QwenConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta,
+            "rope_parameters": dict(self.rope.parameters),
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.qkv_bias if self.model_type == "qwen3" else False,
@@ -144,37 +150,48 @@ class QwenConfig:
         }
 
 
-def _rope_theta(raw: Mapping[str, Any], source: str) -> float:
-    # v5 folds theta and the scaling type into rope_parameters; v4 has rope_theta plus an optional rope_scaling.
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    if not isinstance(params, Mapping) or not isinstance(scaling, Mapping):
-        raise BadInput(f"{source}: rope_parameters / rope_scaling must be JSON objects or null")
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise BadInput(
-            f"{source}: rope_type={rope_type!r} (rope_scaling / rope_parameters) is not supported; only the default "
-            "RoPE is implemented. Use the checkpoint without long-context rope scaling."
-        )
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise BadInput(f"{source}: rope_theta={theta!r} must be a positive number")
-    return float(theta)
-
-
 def _sliding_windows(raw: Mapping[str, Any], num_layers: int, source: str) -> tuple[int | None, ...]:
-    if not raw.get("use_sliding_window", False):
-        return (None,) * num_layers
-    window = raw.get("sliding_window")
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise BadInput(f"{source}: use_sliding_window is true but sliding_window={window!r} is not a positive integer")
+    # transformers' Qwen2Config/Qwen3Config.__post_init__ (5.23): the window exists only under use_sliding_window;
+    # there an absent sliding_window is 4096 and an explicit null means no window. Without layer_types, layers from
+    # max_window_layers on slide (28 when absent), and only when there is a window.
+    window = raw.get("sliding_window", DEFAULT_SLIDING_WINDOW) if raw.get("use_sliding_window", False) else None
     layer_types = raw.get("layer_types")
     if layer_types is None:
-        # transformers' rule before layer_types existed: layers from max_window_layers on slide.
-        first_sliding = raw.get("max_window_layers", num_layers)
-        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
-    if len(layer_types) != num_layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        first_sliding = raw.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
+        if isinstance(first_sliding, bool) or not isinstance(first_sliding, int) or first_sliding < 0:
+            raise BadInput(f"{source}: max_window_layers={first_sliding!r} must be a non-negative integer")
+        sliding = [window is not None and i >= first_sliding for i in range(num_layers)]
+    else:
+        sliding = _sliding_layer_types(raw, layer_types, window, num_layers, source)
+    if any(sliding) and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise BadInput(
+            f"{source}: use_sliding_window is true but sliding_window={window!r} is not a positive integer "
+            "(null means no window)"
+        )
+    return tuple(window if slides else None for slides in sliding)
+
+
+def _sliding_layer_types(
+    raw: Mapping[str, Any], layer_types: Any, window: Any, num_layers: int, source: str
+) -> list[bool]:
+    """v5 `layer_types`: which layers slide."""
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
         raise BadInput(
             f"{source}: layer_types must list 'full_attention' or 'sliding_attention' once per layer ({num_layers})"
         )
-    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    # "attention" is transformers' legacy name for a full-attention layer (remap_legacy_layer_types).
+    layer_types = ["full_attention" if t == "attention" else t for t in layer_types]
+    unknown = sorted({str(t) for t in layer_types} - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise BadInput(
+            f"{source}: layer_types holds {', '.join(unknown)}; Qwen2/Qwen3 layers are 'full_attention' or "
+            "'sliding_attention'"
+        )
+    if window is None and "sliding_attention" in layer_types:
+        off = "sliding_window is null" if raw.get("use_sliding_window") else "use_sliding_window is not true"
+        raise BadInput(
+            f"{source}: layer_types marks layer {layer_types.index('sliding_attention')} 'sliding_attention' but "
+            f"{off}, so it has no window (transformers fails on this config too); set use_sliding_window and "
+            "sliding_window, or mark the layer 'full_attention'"
+        )
+    return [t == "sliding_attention" for t in layer_types]

@@ -169,6 +169,7 @@ def load_tokenizer(engine: Any, job: Job) -> Tokenizer:
             f"model: the tokenizer has {vocab} tokens but config.json says vocab_size={engine.config.vocab_size}; "
             "the tokenizer does not belong to this checkpoint"
         )
+    log.info("event=tokenizer single_id_strings=%s", ",".join(tokenizer.single_id_strings) or "none")
     return tokenizer
 
 

@@ -14,6 +14,8 @@ Every figure follows from the job file, the model's `config.json` and the data, 
   4-byte token id; per sample an 8-byte sample id and an 8-byte offset; per shard one more offset and the
   safetensors header (JSON metadata that repeats the job and the task manifest: estimated, see
   `shard_header_bytes`).
+- **Shards**: cut at every `shard_size` rows of a task, and before a row whose tokens would take the shard's
+  tensors past `shard_bytes` (at the mean tokens per row, `rows_per_shard`), as the writer cuts them.
 
 Nothing here imports JAX or the cloud glue; `tools/plan.py` joins these figures to prices (fleet/pricing.py).
 """
@@ -27,6 +29,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from extract.batching import shard_token_limit
 from extract.config import QwenConfig
 from extract.errors import BadInput
 from extract.job import Job, Task
@@ -196,17 +199,31 @@ class OutputEstimate:
         return self.token_bytes + self.sample_bytes + self.header_bytes
 
 
-def shards_in_task(rows: int, shard_size: int) -> int:
-    """Shards start at multiples of shard_size within a task, so a task of `rows` rows writes ceil(rows / size)."""
-    return -(-rows // shard_size)
+def rows_per_shard(job: Job, tokens_per_row: float, per_token: int) -> int:
+    """Rows a full shard holds: `shard_size`, or fewer where their tokens would take its tensors past `shard_bytes`
+    (the writer's byte cut, `extract.batching.ShardBounds`), at the mean tokens per row. `per_token` is
+    `bytes_per_token`, the figure the consumer turns `shard_bytes` into a token limit with."""
+    token_limit = shard_token_limit(job.shard_bytes, per_token)
+    if token_limit is None or tokens_per_row <= 0:
+        return job.shard_size
+    return max(1, min(job.shard_size, int(token_limit // tokens_per_row)))
+
+
+def shards_in_task(rows: int, shard_size: int, shard_rows: int | None = None) -> int:
+    """Shards a task of `rows` rows writes. They are cut at every multiple of shard_size within the task, and each
+    such block is cut again every `shard_rows` rows (the byte cut, see `rows_per_shard`; default: no byte cut)."""
+    shard_rows = min(shard_rows or shard_size, shard_size)
+    full, rest = divmod(rows, shard_size)
+    return full * -(-shard_size // shard_rows) + -(-rest // shard_rows)
 
 
 def output_bytes(
     job: Job, hidden_size: int, n_layers: int, tokens: TokenEstimate, task_rows: Sequence[int], header_bytes: int
 ) -> OutputEstimate:
     """Bytes the job writes, given the rows of each of its tasks (their sum is `tokens.rows`)."""
-    shards = sum(shards_in_task(rows, job.shard_size) for rows in task_rows)
     per_token = bytes_per_token(job, hidden_size, n_layers)
+    shard_rows = rows_per_shard(job, tokens.tokens_per_row, per_token)
+    shards = sum(shards_in_task(rows, job.shard_size, shard_rows) for rows in task_rows)
     return OutputEstimate(
         bytes_per_token=per_token,
         token_bytes=tokens.tokens * per_token,

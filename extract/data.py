@@ -8,10 +8,10 @@ an array is parsed whole, so prefer parquet or `.jsonl` for large data.
 Row numbering: the rows of a parquet file are its records in order; the rows of a JSON Lines file
 are its non-blank lines in order; the rows of a JSON array file are its elements.
 
-Errors: a file that is missing, unreadable or malformed, a text column that is missing or not a
-string column, and a JSON row without the text field are `BadInput` (exit 65): they are mistakes
-in the job or the file, not in one row. A *bad row* (null or non-string text, bytes that are not
-UTF-8, a JSON line that does not parse) is not an error here: its `Document` carries a `BadRow`
+Errors: a file that is missing, unreadable or malformed, a parquet text column that is missing or
+not a string column, and a JSON slice in which no row has the text field are `BadInput` (exit 65):
+they are mistakes in the job or the file, not in one row. A *bad row* (null, missing or non-string
+text, bytes that are not UTF-8, a JSON line that does not parse) is not an error here: its `Document` carries a `BadRow`
 and the caller applies the job's `on_bad_row`. Transient store or network failures stay
 `StoreUnavailable` or become `TransientIOError` (exit 75), so the task is retried.
 """
@@ -287,7 +287,8 @@ def count_rows(url: str) -> int:
 
 #: Why a row is bad; the `reason` of a skipped-row entry (docs/EXTRACTION.md, "Bad rows").
 BAD_ROW_REASONS = (
-    "null", "not_a_string", "invalid_utf8", "invalid_json", "not_an_object", "lone_surrogate", "untokenizable",
+    "null", "missing_field", "not_a_string", "invalid_utf8", "invalid_json", "not_an_object", "lone_surrogate",
+    "untokenizable",
 )  # fmt: skip
 #: A bad row's detail is cut to this many characters, so that records of skipped rows stay small.
 MAX_DETAIL_CHARS = 160
@@ -449,30 +450,33 @@ def _parquet_rows(url: str, source: Any, text_field: str, start: int, end: int) 
             return
 
 
-def _json_text(url: str, row: int, record: Any, text_field: str) -> str | BadRow:
+def _json_text(record: Any, text_field: str) -> str | BadRow:
     if not isinstance(record, dict):
         return BadRow("not_an_object", f"the row is a JSON {type(record).__name__}, not an object")
     if text_field not in record:
-        # A missing key is what a wrong `text_field` looks like, so it stays a job error (as a
-        # missing parquet column is); a row that has the key with a null value is a bad row.
-        raise BadInput(
-            f"text_field: {text_field!r} is missing from row {row} of {url} (keys: {', '.join(record)}); "
-            "set text_field in the job"
-        )
+        # JSON rows need not share keys, so one row without the field is that row's problem (like a null); a
+        # parquet file without the column is a job error (`_parquet_text_column`), and so is a JSON slice in
+        # which no row has the field (`_json_rows`): both are what a wrong `text_field` looks like.
+        return BadRow("missing_field", f"text_field {text_field!r} is missing (keys: {', '.join(record)[:100]})")
     return _check_text(record[text_field], text_field)
 
 
-def _json_rows(url: str, handle: BinaryIO, text_field: str, start: int, end: int) -> Iterator[tuple[int, str | BadRow]]:
+def _json_rows(
+    url: str, handle: BinaryIO, text_field: str, start: int, end: int, whole_slice: bool
+) -> Iterator[tuple[int, str | BadRow]]:
     if _is_json_array(handle):
         records: Iterable[tuple[int, Any]] = enumerate(_json_array(url, handle))
     else:
         records = ((row, line) for row, line in enumerate(_nonblank_lines(handle)))
     row = -1
+    # Object rows with and without the text field: a slice read from its first row in which rows lack it and none
+    # has it is a wrong text_field. (A resumed attempt reads part of the slice and does not judge.)
+    found = missing = 0
     for row, record in records:
         if row < start:
             continue
         if row >= end:
-            return
+            break
         if isinstance(record, bytes):
             try:
                 record = json.loads(record)
@@ -485,9 +489,22 @@ def _json_rows(url: str, handle: BinaryIO, text_field: str, start: int, end: int
             except RecursionError:
                 yield row, BadRow("invalid_json", "the line nests JSON deeper than Python's recursion limit")
                 continue
-        yield row, _json_text(url, row, record, text_field)
-    if row + 1 < end:
-        raise BadInput(f"task.files: {url} has {row + 1} rows, the task asks for rows up to {end}; re-plan the tasks")
+        text = _json_text(record, text_field)
+        if isinstance(text, BadRow) and text.reason == "missing_field":
+            missing += 1
+        elif isinstance(record, dict):
+            found += 1
+        yield row, text
+    else:
+        if row + 1 < end:
+            raise BadInput(
+                f"task.files: {url} has {row + 1} rows, the task asks for rows up to {end}; re-plan the tasks"
+            )
+    if missing and not found and whole_slice:
+        raise BadInput(
+            f"text_field: {text_field!r} is in no row ({start}..{end - 1}) of {url}; "
+            "set text_field in the job"
+        )
 
 
 def check_task_files(task: Task, text_field: str) -> None:
@@ -522,7 +539,7 @@ def read_slice(task: Task, text_field: str, skip: int = 0) -> Iterator[Document]
             if file_format(entry.path) == "parquet":
                 rows = _parquet_rows(entry.path, source, text_field, start, entry.end)
             else:
-                rows = _json_rows(entry.path, source, text_field, start, entry.end)
+                rows = _json_rows(entry.path, source, text_field, start, entry.end, start == entry.start)
             for row, text in rows:
                 if isinstance(text, BadRow):
                     yield Document(position, entry.base + row, "", url=entry.path, row=row, bad=text)

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from extract.config import QwenConfig
+from extract.rope import Rope
 from extract.sharding import ShardingRules
 
 # Stands in for -inf in masked attention logits: exp() underflows to exactly 0 and no row is ever all-masked
@@ -54,18 +55,19 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * normed.astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_tables(seq_len: int, rope: Rope) -> tuple[jax.Array, jax.Array]:
     """sin, cos of shape [T, H/2] in float32 for positions 0..T-1 (right padding keeps positions from 0)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-    return jnp.sin(angles), jnp.cos(angles)
+    return packed_rope_tables(jnp.arange(seq_len), rope)
 
 
-def packed_rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """sin, cos of shape [B, T, H/2] in float32 for per-token positions (packed rows restart at 0 per document)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.sin(angles), jnp.cos(angles)
+def packed_rope_tables(positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
+    """sin, cos of shape [..., H/2] in float32 for the positions' shape ([T], or [B, T] for packed rows, whose
+    positions restart at 0 per document). Both carry the RoPE's attention scaling (YaRN's), as transformers' do."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inverse_frequency_array())
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    if rope.attention_scaling != 1.0:
+        sin, cos = sin * rope.attention_scaling, cos * rope.attention_scaling
+    return sin, cos
 
 
 def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -224,9 +226,9 @@ class QwenModel(nnx.Module):
             x = self._pin(jnp.take(self.embedding[...], token_ids, axis=0))
         hidden = {0: x} if 0 in keep else {}
         if segment_ids is None:
-            sin, cos = rope_tables(token_ids.shape[1], self.config.head_dim, self.config.rope_theta)
+            sin, cos = rope_tables(token_ids.shape[1], self.config.rope)
         else:
-            sin, cos = packed_rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+            sin, cos = packed_rope_tables(positions, self.config.rope)
         for index, layer in enumerate(self.layers, start=1):
             with jax.named_scope(f"layer_{index}"):
                 x = self._pin(layer(x, sin, cos, segment_ids))

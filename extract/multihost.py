@@ -42,7 +42,7 @@ import numpy as np
 
 from extract import data
 from extract.batching import Batch, Prefetcher, batches_for_slice
-from extract.errors import BadInput
+from extract.errors import BadInput, exit_code_for
 from extract.job import ResumeState, Task, _read_json
 from extract.writer import ProgressLog, ShardWriter, numpy_dtype
 
@@ -383,7 +383,7 @@ def run_share(inputs: SliceInputs, role: SliceRole, stop: Any, engine: Any | Non
                         if item is None:
                             records += writers.finish_through(len(share))
                 except Exception as exc:  # told to every host below, then re-raised here
-                    failure, status = exc, -_exit_code(exc)
+                    failure, status = exc, -exit_code_for(exc)
                 payload = json.dumps(outbox.take()).encode() if not is_writer else b"[]"
                 seq_len = item[1].bucket if item is not None else 0
                 header = _exchange(np.array([status, seq_len, len(payload)], dtype=np.int64))
@@ -465,9 +465,3 @@ def _final_exchange(outbox: _Outbox, is_writer: bool) -> None:
     payload = json.dumps(outbox.take()).encode() if not is_writer else b"[]"
     lengths = _exchange(np.array([len(payload)], dtype=np.int64))[:, 0]
     _exchange_records(outbox, is_writer, lengths, payload)
-
-
-def _exit_code(exc: BaseException) -> int:
-    from extract.cli import exit_code_for
-
-    return exit_code_for(exc)

@@ -19,8 +19,7 @@ import sys
 import tempfile
 
 from extract import data
-from extract.cli import EX_SOFTWARE, exit_code_for
-from extract.errors import BadInput
+from extract.errors import BadInput, exit_for_failure
 from extract.job import Job, load_job, plan_tasks
 
 log = logging.getLogger("make_tasks")
@@ -86,11 +85,7 @@ def main(argv=None) -> int:
         rows_per_task = _rows_per_task(args, job, list(zip(files, counts)))
         tasks = plan_tasks(list(zip(files, counts)), rows_per_task, args.id_prefix)
     except Exception as exc:
-        code = exit_code_for(exc)  # 65 bad input, 75 transient, as for consume.py
-        if code == EX_SOFTWARE:
-            raise
-        log.error("event=plan_failed exit=%d error=%s", code, exc)
-        return code
+        return exit_for_failure(exc, log, "plan_failed")  # 65 bad input, 75 transient, as for consume.py
     lines = "".join(json.dumps(task.to_dict()) + "\n" for task in tasks)
     if args.output == "-":
         sys.stdout.write(lines)

@@ -29,8 +29,7 @@ import sys
 import tempfile
 
 from extract import costmodel
-from extract.cli import EX_DATAERR, EX_SOFTWARE, exit_code_for
-from extract.errors import BadInput
+from extract.errors import EX_DATAERR, BadInput, exit_for_failure
 from extract.job import Job, Task, load_job
 from fleet import pricing
 
@@ -217,7 +216,9 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     # Output.
     header = costmodel.shard_header_bytes(job, tasks[0] if tasks else None)
     out = costmodel.output_bytes(job, config.hidden_size, len(layers), tokens, task_rows, header)
-    shard_rows = min(job.shard_size, rows_per_task) if rows_per_task else 0
+    # A typical full shard: shard_size rows, or fewer where shard_bytes cuts it first (extract.batching.ShardBounds).
+    full_shard_rows = costmodel.rows_per_shard(job, tokens.tokens_per_row, out.bytes_per_token)
+    shard_rows = min(full_shard_rows, rows_per_task)
     shard_bytes = shard_rows * (tokens.tokens_per_row * out.bytes_per_token + 16) + header
     storage_month = out.total / GIB * storage.standard_per_gib_month
 
@@ -226,9 +227,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     n_tasks = len(task_rows)
     task_seconds = [rows * seconds_per_row for rows in task_rows]
     heartbeats = sum(int(s // args.heartbeat) for s in task_seconds)
-    shard_writes = sum(
-        costmodel.shards_in_task(rows, job.shard_size) * _upload_requests(shard_bytes) for rows in task_rows
-    )
+    shard_writes = out.shards * _upload_requests(shard_bytes)
     startup_lists = args.machines * STARTUP_LISTINGS
     class_a = {
         "lease_creates": n_tasks,
@@ -299,6 +298,8 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
             "header_bytes": out.header_bytes,
             "shards": out.shards,
             "shard_bytes": shard_bytes,
+            "shard_rows": shard_rows,
+            "shard_cut_by": "shard_bytes" if full_shard_rows < job.shard_size else "shard_size",
             "dtype": job.dtype,
         },
         "storage": {
@@ -355,11 +356,14 @@ def warnings(plan, args, job, config, tokens, layers, prices) -> list[str]:
         out.append("\n".join(lines))
     shard = plan["output"]["shard_bytes"]
     if shard > SHARD_WARN_BYTES:
-        per_row = shard / max(1, min(job.shard_size, plan["tasks"]["max_rows"]))
-        suggest = max(1, int(2**30 // per_row))
+        if plan["output"]["shard_cut_by"] == "shard_bytes":
+            remedy = f"shard_bytes is {job.shard_bytes:,}; shard_bytes {2**30} gives about 1 GiB"
+        else:
+            per_row = shard / max(1, plan["output"]["shard_rows"])
+            remedy = f"shard_size {max(1, int(2**30 // per_row))} gives about 1 GiB"
         out.append(
             f"shards of ~{_si(shard, 'B')}: each is encoded and uploaded from host memory whole (extract/writer.py); "
-            f"shard_size {suggest} gives about 1 GiB"
+            + remedy
         )
     if not tokens.sampled_rows:
         out.append(
@@ -414,7 +418,7 @@ def render(plan: dict) -> str:
         f"  compute $   on-demand {_n(d['on_demand'])}   spot {_n(d['spot'])}   "
         f"({_n(a['on_demand_per_hour'])} / {_n(a['spot_per_hour'])} $/machine-hour)",
         f"  output      {_si(o['bytes'], 'B')} ({o['bytes_per_token']:,} B/token in {o['dtype']}, {o['shards']:,} shards "
-        f"of ~{_si(o['shard_bytes'], 'B')})",
+        f"of ~{_si(o['shard_bytes'], 'B')}, {o['shard_rows']:,} rows each: cut by {o['shard_cut_by']})",
         f"  storage $   {_n(s['dollars_per_month'])} per month ({s['location']} Standard, "
         f"{s['per_gib_month']} $/GiB-month); {_n(s['dollars'])} for {s['months']:g} month(s)",
         f"  operations  {ops['class_a_total']:,} Class A ({_n(ops['per_task'])}/task: "
@@ -442,11 +446,7 @@ def main(argv=None) -> int:
         log.error("event=plan_failed exit=%d error=%s", EX_DATAERR, exc)
         return EX_DATAERR
     except Exception as exc:
-        code = exit_code_for(exc)  # 65 bad input, 75 transient, as for make_tasks.py
-        if code == EX_SOFTWARE:
-            raise
-        log.error("event=plan_failed exit=%d error=%s", code, exc)
-        return code
+        return exit_for_failure(exc, log, "plan_failed")  # 65 bad input, 75 transient, as for consume.py
     print(json.dumps(plan, indent=1) if args.json else render(plan))
     return 0
 

@@ -37,6 +37,16 @@ class TinyModel:
             out = self.torch_model(torch.tensor([token_ids], dtype=torch.long), output_hidden_states=True)
         return [h[0].numpy() for h in out.hidden_states]
 
+    def reference64(self, token_ids: list[int]) -> list[np.ndarray]:
+        """The same forward in float64 (a copy of the model, its float32 weights widened): the values float32
+        rounding is measured against."""
+        import copy
+
+        wide = copy.deepcopy(self.torch_model).double()
+        with torch.inference_mode():
+            out = wide(torch.tensor([token_ids], dtype=torch.long), output_hidden_states=True)
+        return [h[0].numpy() for h in out.hidden_states]
+
 
 def write_tiny_model(
     directory: pathlib.Path,
@@ -63,8 +73,8 @@ def write_tiny_model(
         rope_theta=10000.0,
         tie_word_embeddings=tie,
         attn_implementation="eager",
-        **extra,
     )
+    common.update(extra)  # extra may also override a size
     if model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:

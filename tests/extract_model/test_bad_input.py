@@ -45,13 +45,13 @@ def test_unknown_model_type_names_the_field_and_the_supported_ones(qwen2_untied,
         engine(path)
 
 
-def test_rope_scaling_is_refused_rather_than_silently_ignored(qwen2_untied, tmp_path):
+def test_rope_scaling_not_implemented_is_refused_rather_than_silently_ignored(qwen2_untied, tmp_path):
     path = copy_model(qwen2_untied, tmp_path)
     config = json.loads((path / "config.json").read_text())
     config.pop("rope_parameters", None)
-    config["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    config["rope_scaling"] = {"type": "dynamic", "factor": 4.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BadInput, match=r"rope_type='yarn'"):
+    with pytest.raises(BadInput, match=r"rope_scaling\.rope_type='dynamic'"):
         engine(path)
 
 

@@ -9,7 +9,14 @@ import pytest
 from extract.engine import Engine
 from tests.extract_model.conftest import ragged_batch, write_tiny_model
 
+#: Absolute difference from transformers' float32 forward, for the small shapes of these tests only: rounding grows
+#: with the hidden size and the values (at the 7B shape the two float32 forwards are further apart than this).
 FLOAT32_ATOL = 1e-4
+#: The float32 bound that holds at every shape (docs/MODEL.md): against transformers' float64 forward, per hidden
+#: state, the largest error relative to the largest value, and at most this many times transformers' own float32
+#: error against the same float64 forward.
+FLOAT32_REL_TO_FLOAT64 = 1e-5
+FLOAT32_VS_TRANSFORMERS_ROUNDING = 4.0
 BF16_MIN_COSINE = 0.999
 
 
@@ -101,3 +108,31 @@ def test_sliding_window_layers_match_transformers(tmp_path):
     assert engine.config.sliding_windows == (None, 4, 4)
     worst = compare_float32(engine, model, lengths=[15, 7], seed=5)
     assert max(worst.values()) <= FLOAT32_ATOL, worst
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(model_type="qwen2", layers=3, seed=21),
+        dict(model_type="qwen3", layers=3, head_dim=32, seed=22),
+        # Wider and deeper, with larger values: the absolute error grows, the relative one does not.
+        dict(model_type="qwen2", layers=4, seed=23, hidden_size=256, num_attention_heads=8, intermediate_size=704),
+    ],
+    ids=["qwen2", "qwen3", "qwen2-wide"],
+)
+def test_float32_error_against_float64_is_within_the_relative_bound(shape, tmp_path):
+    shape = dict(shape)
+    model = write_tiny_model(tmp_path, shape.pop("model_type"), **shape)
+    engine = one_device_engine(model, list(range(model.num_hidden_layers + 1)), batch_size=2, max_seq_len=64)
+    batch, samples = ragged_batch(np.random.default_rng(shape["seed"]), [64, 23])
+    ours = {layer: np.asarray(h, dtype=np.float64) for layer, h in engine.forward(batch).items()}
+    relative, ours_worst, theirs_worst = 0.0, 0.0, 0.0
+    for row, sample in enumerate(samples):
+        wide, theirs = model.reference64(sample), model.reference(sample)
+        for layer in engine.layers:
+            error = np.abs(ours[layer][row, : len(sample)] - wide[layer]).max()
+            relative = max(relative, error / np.abs(wide[layer]).max())
+            ours_worst = max(ours_worst, error)
+            theirs_worst = max(theirs_worst, np.abs(theirs[layer].astype(np.float64) - wide[layer]).max())
+    assert 0 < relative <= FLOAT32_REL_TO_FLOAT64, relative
+    assert ours_worst <= FLOAT32_VS_TRANSFORMERS_ROUNDING * theirs_worst, (ours_worst, theirs_worst)

@@ -127,7 +127,7 @@ def test_a_corrupt_parquet_data_page_is_bad_input_not_a_retry(tmp_path, mixed_fi
 def test_a_connection_error_while_reading_a_parquet_footer_stays_transient(mixed_files):
     """The other side of the previous test: a network failure (raised by the gs:// reader, a Python file
     object) must stay retryable (exit 75), never become a dead-lettering BadInput."""
-    from extract.cli import EX_TEMPFAIL, exit_code_for
+    from extract.errors import EX_TEMPFAIL, exit_code_for
 
     class DroppedConnection(io.BytesIO):
         def read(self, *args):
@@ -158,6 +158,42 @@ def test_a_malformed_tokenizer_file_is_bad_input(tmp_path, tiny_models, corpus):
     engine = types.SimpleNamespace(model_dir=model, config=types.SimpleNamespace(vocab_size=1000))
     with pytest.raises(BadInput, match="^model: cannot load a tokenizer"):
         load_tokenizer(engine, Job.from_dict(base_job(model, corpus)))
+
+
+def write_rows(path: pathlib.Path, records: list) -> Task:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return Task.from_dict({"id": "t", "files": [{"path": str(path), "base": 0, "start": 0, "end": len(records)}]})
+
+
+#: One JSON row lacks the text key: a bad row of its own, not a wrong text_field.
+ROWS_ONE_WITHOUT_TEXT = [{"text": "zero"}, {"id": "doc1", "body": "one"}, {"text": "two"}, {"text": None}]
+
+
+def test_a_json_row_without_the_text_field_is_a_missing_field_bad_row(tmp_path):
+    task = write_rows(tmp_path / "rows.jsonl", ROWS_ONE_WITHOUT_TEXT)
+    docs = list(data.read_slice(task, "text"))
+    assert [(d.sample_id, d.bad.reason if d.bad else d.text) for d in docs] == [
+        (0, "zero"), (1, "missing_field"), (2, "two"), (3, "null")
+    ]  # fmt: skip
+    assert docs[1].bad.detail == "text_field 'text' is missing (keys: id, body)"
+
+
+def test_a_json_slice_in_which_no_row_has_the_text_field_is_bad_input(tmp_path):
+    task = write_rows(tmp_path / "rows.jsonl", [{"body": "zero"}, {"body": "one"}, [1, 2]])
+    with pytest.raises(BadInput, match=r"^text_field: 'text' is in no row \(0\.\.2\) of .*rows\.jsonl"):
+        list(data.read_slice(task, "text"))
+    # A resumed attempt starts inside the slice and has not seen its first rows: it does not judge.
+    assert [d.bad.reason for d in data.read_slice(task, "text", skip=1)] == ["missing_field", "not_an_object"]
+
+
+def test_a_parquet_file_without_the_text_column_stays_bad_input(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"body": ["zero", "one"]}), path)
+    task = Task.from_dict({"id": "t", "files": [{"path": str(path), "base": 0, "start": 0, "end": 2}]})
+    with pytest.raises(BadInput, match=r"^text_field: 'text' is not a column of .*rows\.parquet \(columns: body\)"):
+        list(data.read_slice(task, "text"))
+    with pytest.raises(BadInput, match=r"^text_field: 'text' is not a column"):
+        data.check_task_files(task, "text")
 
 
 # -- tokenising: refused text is a bad row; fail mode names file, row and reason ------------------------------
@@ -294,6 +330,22 @@ def test_skip_mode_extracts_the_good_rows_and_records_each_bad_row_with_its_reas
     acts = open_activations(skip_run.output)
     samples = {s.sample_id: s for s in acts.samples()}
     assert sorted(samples) == sorted(good_texts())
+
+
+def test_a_json_row_without_the_text_field_is_skipped_not_a_dead_letter(tmp_path, tiny_models, corpus, run_consume):
+    rows = tmp_path / "rows.jsonl"
+    write_rows(rows, ROWS_ONE_WITHOUT_TEXT)
+    spec = ConsumeRun(
+        workdir=tmp_path,
+        job=base_job(tiny_models["qwen2"], corpus, data_files=[str(rows)], shard_size=4),
+        task={"id": "t-missing", "files": [{"path": str(rows), "base": 0, "start": 0, "end": 4}]},
+        output=str(tmp_path / "out"),
+    )
+    proc = run_consume(spec)
+    assert proc.returncode == 0, proc.stderr
+    [record] = spec.records()
+    assert [(e["sample_id"], e["reason"]) for e in record["skipped"]] == [(1, "missing_field"), (3, "null")]
+    assert sorted(s.sample_id for s in open_activations(spec.output).samples()) == [0, 2]
 
 
 def test_good_rows_next_to_bad_ones_get_the_activations_of_a_clean_run(

@@ -260,9 +260,13 @@ def test_gs_data_and_gs_output_through_spawn_environment(
 def _broken_model(tiny_models, tmp_path, how: str) -> pathlib.Path:
     model = tmp_path / "model"
     shutil.copytree(tiny_models["qwen2"], model)
-    if how == "model_type":
+    if how in ("model_type", "rope_conflict"):
         config = json.loads((model / "config.json").read_text())
-        config["model_type"] = "llama"
+        if how == "model_type":
+            config["model_type"] = "llama"
+        else:  # transformers would run YaRN at theta 10000 here (tests/extract_model/test_rope_and_windows.py)
+            config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+            config["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
         (model / "config.json").write_text(json.dumps(config))
     elif how == "weights":
         (model / "model.safetensors").unlink()
@@ -272,6 +276,7 @@ def _broken_model(tiny_models, tmp_path, how: str) -> pathlib.Path:
 BAD_INPUTS = {
     # case: (what to break, text that must appear in the error line)
     "unknown-model-type": ("model_type", "model_type"),
+    "rope-scaling-beside-rope-parameters": ("rope_conflict", "rope_scaling"),
     "missing-weights": ("weights", "safetensors"),
     "layer-out-of-range": ("layers", "layers"),
     "missing-text-field": ("text_field", "text_field"),
@@ -290,7 +295,7 @@ def test_bad_input_exits_65_naming_the_field(case, tmp_path, tiny_models, corpus
     how, needle = BAD_INPUTS[case]
     job = base_job(tiny_models["qwen2"], corpus)
     task = {"id": "t000009", "files": corpus.slice_files([(1, 0, 8)])}
-    if how in ("model_type", "weights"):
+    if how in ("model_type", "rope_conflict", "weights"):
         job["model"] = str(_broken_model(tiny_models, tmp_path, how))
     elif how == "layers":
         job["layers"] = [1, 7]

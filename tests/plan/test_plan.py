@@ -322,6 +322,53 @@ def test_plan_for_a_fineweb_edu_sized_job_from_row_counts(tmp_path):
     assert plan["operations"]["class_a"]["heartbeats"] == pytest.approx(plan["tasks"]["count"] * minutes * 2, rel=0.1)
 
 
+def test_shard_bytes_cuts_shards_as_the_writer_does():
+    # 2 layers x 64 x 2 bytes + 4 = 260 bytes a token; shard_bytes 2600 is 10 tokens, so at 3 tokens a row a shard
+    # holds 3 rows. Blocks of shard_size 8 rows are cut into 3 + 3 + 2: a task of 20 rows is 8 + 8 + 4 rows,
+    # 3 + 3 + 2 shards.
+    job = tiny_job(shard_size=8, shard_bytes=2600)
+    tokens = costmodel.TokenEstimate.from_mean(rows=20, tokens_per_row=3, max_seq_len=32, source="test")
+    assert costmodel.rows_per_shard(job, 3, 260) == 3
+    assert costmodel.output_bytes(job, 64, 2, tokens, [20], 0).shards == 8
+    # What the writer's own cut does with the same figures: ShardBounds over 20 rows of 3 tokens.
+    from extract.batching import ShardBounds, shard_token_limit
+
+    bounds = ShardBounds(0, 8, shard_token_limit(2600, 260))
+    assert sum(bounds.starts_shard(position, 3) for position in range(20)) == 8
+
+
+def test_fineweb_edu_sized_job_with_large_shard_size_is_cut_by_shard_bytes(tmp_path):
+    """shard_size 4096 rows of 1040 tokens would be ~122 GB; the writer cuts at shard_bytes (256 MiB) first."""
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({**QWEN25_7B_JOB, "shard_size": 4096}))
+    result = run_tool("tools/plan.py", str(job_file), "--accelerator", "v6e-8", "--rows", "9672101",
+                      "--tokens-per-row", "1040", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    out, tasks = plan["output"], plan["tasks"]
+    # 256 MiB // 28676 bytes a token = 9360 tokens: 9 rows of 1040 tokens a shard.
+    assert 2**28 // 28676 == 9360 and out["shard_rows"] == 9 and out["shard_cut_by"] == "shard_bytes"
+    assert out["shard_bytes"] == pytest.approx(9 * (1040 * 28676 + 16), rel=1e-3)
+    # Tasks of R rows are blocks of 4096 rows (455 shards of 9 and one of 1 each), then a shorter block.
+    rows_per_task = tasks["recommended_rows_per_task"]
+    task_rows = [rows_per_task] * (9672101 // rows_per_task) + [9672101 % rows_per_task]
+    by_hand = sum(r // 4096 * 456 + math.ceil(r % 4096 / 9) for r in task_rows)
+    assert out["shards"] == by_hand
+    # A 268 MB shard is a resumable upload: one request to start it and three of 100 MiB.
+    assert plan["operations"]["class_a"]["shard_uploads"] == by_hand * 4
+    assert not any(w.startswith("shards of") for w in plan["warnings"])
+
+
+def test_shards_above_a_large_shard_bytes_warn_and_name_shard_bytes(tmp_path):
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({**QWEN25_7B_JOB, "shard_size": 4096, "shard_bytes": 8 * 2**30}))
+    result = run_tool("tools/plan.py", str(job_file), "--accelerator", "v6e-8", "--rows", "9672101",
+                      "--tokens-per-row", "1040", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [warning] = [w for w in json.loads(result.stdout)["warnings"] if w.startswith("shards of")]
+    assert "shards of ~8.59 GB" in warning and "shard_bytes 1073741824 gives about 1 GiB" in warning
+
+
 def test_large_output_warns_loudly_with_what_would_shrink_it(tmp_path):
     result = plan_fineweb(tmp_path)
     assert result.returncode == 0, result.stderr

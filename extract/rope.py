@@ -1,0 +1,205 @@
+"""Rotary position embeddings as transformers 5 reads them from a Qwen `config.json`: which fields win, and the
+inverse frequencies and attention scaling of each supported `rope_type`.
+
+The rules are transformers' own (`RotaryEmbeddingConfigMixin.convert_rope_params_to_dict` and
+`standardize_rope_params`, and the `_compute_*_parameters` functions of `modeling_rope_utils.py`, 5.23):
+
+- A non-empty `rope_scaling` (v4 spelling) replaces `rope_parameters` (v5 spelling) whole.
+- `rope_theta` inside the chosen block wins; else the top-level `rope_theta`; else 10000.
+- `rope_type` wins over the legacy `type`; neither means `default`.
+- For `yarn` and `llama3`, a top-level `original_max_position_embeddings` wins over the block's, which defaults to
+  `max_position_embeddings` (32768 when absent, the Qwen2/Qwen3 config default).
+
+Honoured exactly: `default`, `linear`, `yarn`, `llama3` (their frequencies do not depend on the input). Refused with
+a `BadInput` naming the field: `dynamic` and `longrope` (transformers recomputes their frequencies from each call's
+longest position, so a sample's values would depend on its batch), any other type, a `partial_rotary_factor` other
+than 1, per-layer-type RoPE blocks, and a config that carries both `rope_scaling` and a different `rope_parameters`
+(transformers silently drops the latter, its `rope_theta` included: a Qwen2.5 config saved by transformers 5 with a
+YaRN `rope_scaling` pasted in from a model card would run at theta 10000; say which one is meant instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from extract.errors import BadInput
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+#: transformers' defaults: `RotaryEmbeddingConfigMixin.default_theta`, Qwen2Config/Qwen3Config.max_position_embeddings.
+DEFAULT_THETA = 10000.0
+DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
+#: Keys each type needs (transformers raises KeyError without them; theta and the original length always get a
+#: default first).
+_REQUIRED = {"linear": ("factor",), "yarn": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_WHY_REFUSED = {
+    "dynamic": "transformers recomputes its frequencies from the longest position of each call, so a sample's "
+    "hidden states would depend on the batch it lands in",
+    "longrope": "transformers switches between its short and long factors by the longest position of each call, "
+    "so a sample's hidden states would depend on the batch it lands in",
+    "proportional": "it is not a Qwen2/Qwen3 RoPE and is not implemented here",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """The resolved RoPE: `parameters` as transformers holds them after standardisation (sorted items, for the
+    checkpoint mirror), and what the forward pass needs: float32 inverse frequencies [head_dim / 2] and the factor
+    that multiplies sin and cos (YaRN's attention factor; 1 otherwise)."""
+
+    rope_type: str
+    theta: float
+    parameters: tuple[tuple[str, Any], ...]
+    inverse_frequencies: tuple[float, ...]
+    attention_scaling: float
+
+    def inverse_frequency_array(self) -> np.ndarray:
+        return np.asarray(self.inverse_frequencies, dtype=np.float32)
+
+
+def _number(value: Any, field: str, source: str, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+        raise BadInput(f"{source}: {field}={value!r} must be a {'positive ' if positive else ''}number")
+    return float(value)
+
+
+def _block(raw: Mapping[str, Any], source: str) -> tuple[str, dict[str, Any]]:
+    """The RoPE block transformers uses, and the name of the field it came from."""
+    blocks = {}
+    for name in ("rope_scaling", "rope_parameters"):
+        value = raw.get(name)
+        if value is not None and not isinstance(value, Mapping):
+            raise BadInput(f"{source}: {name} must be a JSON object or null, got {type(value).__name__}")
+        blocks[name] = dict(value or {})
+    scaling, parameters = blocks["rope_scaling"], blocks["rope_parameters"]
+    if scaling and parameters and scaling != parameters:
+        raise BadInput(
+            f"{source}: rope_scaling={scaling} and rope_parameters={parameters} disagree. transformers uses "
+            "rope_scaling alone and drops rope_parameters, its rope_theta included (theta falls back to the "
+            "top-level rope_theta, else 10000). Keep the RoPE you mean in one of them (e.g. add its rope_type, "
+            "factor and rope_theta to rope_parameters and delete rope_scaling)"
+        )
+    return ("rope_scaling", scaling) if scaling else ("rope_parameters", parameters)
+
+
+def read_rope(raw: Mapping[str, Any], head_dim: int, source: str = "config.json") -> Rope:
+    """Resolve a config dict's RoPE fields as transformers does; `BadInput` for whatever is not honoured exactly."""
+    field, block = _block(raw, source)
+    if any(isinstance(value, Mapping) for value in block.values()):
+        nested = [key for key, value in block.items() if isinstance(value, Mapping)]
+        raise BadInput(
+            f"{source}: {field} holds per-layer-type blocks ({', '.join(nested)}); Qwen2/Qwen3 read one RoPE for "
+            "every layer (transformers fails on this config too)"
+        )
+    block.setdefault("rope_theta", raw["rope_theta"] if "rope_theta" in raw else DEFAULT_THETA)
+    if "partial_rotary_factor" in raw:
+        block.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    block.setdefault("rope_type", block.get("type", "default"))
+    rope_type = block["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        known = isinstance(rope_type, str) and rope_type in _WHY_REFUSED
+        why = _WHY_REFUSED[rope_type] if known else "transformers does not know it either"
+        raise BadInput(
+            f"{source}: {field}.rope_type={rope_type!r} is not supported ({why}); supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = block.get("partial_rotary_factor", 1.0)
+    if partial != 1:
+        raise BadInput(
+            f"{source}: partial_rotary_factor={partial!r} is not supported; Qwen2/Qwen3 rotate the whole head "
+            "(transformers ignores it for the default RoPE and fails with it for the scaled ones)"
+        )
+    theta = _number(block["rope_theta"], "rope_theta", source)
+    for key in _REQUIRED.get(rope_type, ()):
+        if key not in block:
+            raise BadInput(f"{source}: {field}.{key} is missing; rope_type {rope_type!r} needs it")
+    if rope_type in ("yarn", "llama3"):
+        max_positions = raw.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS)
+        if "original_max_position_embeddings" in raw:
+            block["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        else:
+            block.setdefault("original_max_position_embeddings", max_positions)
+
+    def number(key: str, *, positive: bool = True) -> float:
+        return _number(block[key], f"{field}.{key}", source, positive=positive)
+
+    # The angles' exponents, in float32 as transformers computes them: arange(0, dim, 2).float() / dim.
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    scaling = 1.0
+    if rope_type == "default":
+        inverse = 1.0 / (theta**exponents)
+    elif rope_type == "linear":
+        inverse = (1.0 / (theta**exponents)) / number("factor")
+    elif rope_type == "yarn":
+        inverse, scaling = _yarn(block, theta, exponents, head_dim, raw, number)
+    else:
+        if block["high_freq_factor"] == block["low_freq_factor"]:
+            raise BadInput(f"{source}: {field}.high_freq_factor must differ from low_freq_factor")
+        inverse = _llama3(theta, exponents, number)
+    inverse = np.asarray(inverse, dtype=np.float32)
+    return Rope(
+        rope_type=rope_type,
+        theta=theta,
+        # Hashable, as a static part of the Flax model: JSON lists become tuples.
+        parameters=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in block.items())),
+        inverse_frequencies=tuple(float(x) for x in inverse),
+        attention_scaling=float(scaling),
+    )
+
+
+def _yarn(block, theta, exponents, head_dim, raw, number) -> tuple[np.ndarray, float]:
+    """transformers' `_compute_yarn_parameters`, step by step in the same precision."""
+    original = number("original_max_position_embeddings")
+    if block["factor"] is None:  # as DeepSeek-V3 configs: the ratio of the two context lengths
+        factor = raw.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS) / original
+    else:
+        factor = number("factor")
+
+    def mscale_of(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = block.get("attention_factor")
+    mscale, mscale_all_dim = block.get("mscale"), block.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim)
+        else:
+            attention_factor = mscale_of(factor)
+    else:
+        attention_factor = number("attention_factor", positive=False)
+    beta_fast = block.get("beta_fast") or 32
+    beta_slow = block.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if block.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation_weight = 1 - ramp
+    position_frequencies = theta**exponents
+    interpolated = 1.0 / (factor * position_frequencies)
+    extrapolated = 1.0 / position_frequencies
+    return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight, float(attention_factor)
+
+
+def _llama3(theta, exponents, number) -> np.ndarray:
+    """transformers' `_compute_llama3_parameters`: long wavelengths divided by `factor`, a smooth blend between."""
+    inverse = 1.0 / (theta**exponents)
+    factor, low_factor, high_factor = number("factor"), number("low_freq_factor"), number("high_freq_factor")
+    old_context = number("original_max_position_embeddings")
+    low_wavelength, high_wavelength = old_context / low_factor, old_context / high_factor
+    wavelength = 2 * math.pi / inverse
+    scaled = np.where(wavelength > low_wavelength, inverse / factor, inverse)
+    smooth = (old_context / wavelength - low_factor) / (high_factor - low_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < high_wavelength) & ~(wavelength > low_wavelength)
+    return np.where(medium, smoothed, scaled)
