@@ -19,12 +19,15 @@ from __future__ import annotations
 import itertools
 import re
 
+from tests.cloud import apischema
 from tests.cloud.fakehttp import FakeHTTPServer, Request, Response
 
 COMPUTE = "/compute/v1/"
 TPU = "/v2/"
 CRM = "/v1/projects/"  # Cloud Resource Manager: testIamPermissions, getIamPolicy
 STORAGE = "/storage/v1/b/"  # bucket metadata and bucket IAM policy (objects are tests/fakegcs's)
+# Which of Google's discovery documents (tests/cloud/apischema.py) each path prefix is checked against.
+_APIS = ((COMPUTE, "compute.v1"), (TPU, "tpu.v2"), (CRM, "cloudresourcemanager.v1"), (STORAGE, "storage.v1"))
 _STATUS_NAMES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
                  412: "FAILED_PRECONDITION", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 
@@ -70,6 +73,10 @@ class FakeCloud(FakeHTTPServer):
 
     def handle(self, request: Request) -> Response:
         try:
+            self._check_schema(request)
+        except apischema.SchemaViolation as violation:
+            return self._schema_error(request, violation)
+        try:
             if request.path.startswith(COMPUTE):
                 return self._compute(request, request.path[len(COMPUTE) :])
             if request.path.startswith(TPU):
@@ -81,6 +88,24 @@ class FakeCloud(FakeHTTPServer):
             raise _ApiError(404, f"no such API on the fake: {request.method} {request.path}")
         except _ApiError as err:
             return self._error(err, tpu=request.path.startswith(TPU))
+
+    @staticmethod
+    def _check_schema(request: Request) -> None:
+        """Refuse, as Google would, any request its published discovery document refuses (tests/cloud/apischema.py)."""
+        for prefix, name in _APIS:
+            if request.path.startswith(prefix):
+                apischema.api(name).check(request.method, request.path, request.query, request.body)
+                return
+
+    @staticmethod
+    def _schema_error(request: Request, violation: apischema.SchemaViolation) -> Response:
+        payload = apischema.bad_request(violation)
+        if request.path.startswith(COMPUTE) or request.path.startswith(STORAGE):
+            # Compute Engine and Cloud Storage also answer the older `errors` list
+            # (https://cloud.google.com/compute/docs/api/how-tos/api-requests-responses#handling_api_errors).
+            payload["error"]["errors"] = [{"domain": "global", "reason": "invalid" if violation.status == 400 else "notFound",
+                                           "message": str(violation)}]
+        return Response.json(violation.status, payload)
 
     @staticmethod
     def _error(err: _ApiError, tpu: bool) -> Response:
