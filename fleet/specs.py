@@ -207,14 +207,14 @@ class TpuSpec(_Common):
     accelerator_type: str = _field(_tpu_type)
     runtime_version: str = _field(_text)
     queued: bool | None = _field(_boolean, None)
-    #: Slices per queued resource (multislice): each slice is its own node and its own claimant.
+    #: Slices per unit of --count: K independent single-slice queued resources (or nodes), each its
+    #: own claimant, never one multislice queued resource (docs/CLOUD.md, "Slices").
     slices: int = _field(_positive_int, 1)
 
     @property
     def use_queued_resources(self) -> bool:
         # Spot TPU capacity comes and goes; a queued resource waits for it instead of failing.
-        # Multislice exists only as a queued resource (multisliceParams).
-        return self.slices > 1 or (self.spot if self.queued is None else self.queued)
+        return self.spot if self.queued is None else self.queued
 
 
 _KINDS: dict[str, type[_Common]] = {"vm": VmSpec, "tpu": TpuSpec}
@@ -252,17 +252,6 @@ def parse_spec(raw: object, source: str) -> VmSpec | TpuSpec:
             raise SpecError(f"{source}: fields 'gpu_type' and 'gpu_count' go together; set both or neither")
         if spec.gpu_count and spec.accelerator == "cpu":
             raise SpecError(f"{source}: field 'accelerator' is 'cpu' but the spec attaches GPUs; use 'gpu'")
-    if isinstance(spec, TpuSpec) and spec.slices > 1:
-        if spec.queued is False:
-            raise SpecError(f"{source}: field 'slices' is {spec.slices}, which needs queued resources; drop 'queued: false'")
-        flags = spec.spawn_flags
-        if any(a == "--on-empty" and b == "delete" for a, b in zip(flags, flags[1:])):
-            # Deleting a multislice queued resource deletes every slice: a slice that is merely idle
-            # (others still run the last tasks) must not do it.
-            raise SpecError(
-                f"{source}: field 'spawn_flags' has '--on-empty delete', but with slices: {spec.slices} one idle "
-                "slice would delete the others mid-task; use '--on-empty delete-when-drained'"
-            )
     return spec
 
 
@@ -409,20 +398,18 @@ def tpu_node(spec: TpuSpec, launch: Launch, queued_resource_id: str | None = Non
 
 
 def queued_resource(spec: TpuSpec, launch: Launch, project: str, zone: str, resource_id: str) -> tpu_v2.QueuedResource:
-    """One queued resource holding one node named like the queued resource, or with `spec.slices` > 1 a
-    multislice of nodes `<resource_id>-0`, `-1`, ... (multisliceParams instead of nodeId:
-    https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.queuedResources,
-    https://cloud.google.com/tpu/docs/multislice-introduction)."""
+    """One queued resource holding one slice: a node named like the queued resource
+    (https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.queuedResources).
+
+    Never `multisliceParams`, even for `slices: K`: a multislice queued resource puts MEGASCALE_*
+    variables in every node's `tpu-env`, from which JAX and libtpu join the K slices into one
+    program, while this project runs one independent program per slice (docs/CLOUD.md, "Slices").
+    K single-slice queued resources give the same capacity, and a preemption costs one slice."""
     node_spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
         parent=f"projects/{project}/locations/{zone}",
+        node_id=resource_id,
         node=tpu_node(spec, launch, queued_resource_id=resource_id),
     )
-    if spec.slices > 1:
-        node_spec.multislice_params = tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
-            node_count=spec.slices, node_id_prefix=resource_id
-        )
-    else:
-        node_spec.node_id = resource_id
     qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[node_spec]))
     if spec.spot:
         qr.spot = tpu_v2.QueuedResource.Spot()

@@ -50,7 +50,6 @@ def test_shipped_templates_are_valid():
         ("vm.yaml", {"gpu_type": "nvidia-tesla-t4"}, "fields 'gpu_type' and 'gpu_count' go together"),
         ("vm.yaml", {"kind": "gke"}, "field 'kind' must be one of vm, tpu, got 'gke'"),
         ("tpu.yaml", {"machine_type": "n2"}, "unknown field 'machine_type' for kind 'tpu'"),
-        ("tpu.yaml", {"slices": 2, "queued": False}, "field 'slices' is 2, which needs queued resources"),
         ("tpu.yaml", {"accelerator_type": "v5e"}, "field 'accelerator_type' must be a TPU accelerator type"),
     ],
 )
