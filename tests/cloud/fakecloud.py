@@ -24,10 +24,12 @@ from tests.cloud.fakehttp import FakeHTTPServer, Request, Response
 
 COMPUTE = "/compute/v1/"
 TPU = "/v2/"
-CRM = "/v1/projects/"  # Cloud Resource Manager: testIamPermissions, getIamPolicy
+CRM = "/v1/projects/"  # Cloud Resource Manager: testIamPermissions, getIamPolicy, getAncestry
+CRM_V3 = "/v3/"  # Cloud Resource Manager v3: folders and organizations getIamPolicy
 STORAGE = "/storage/v1/b/"  # bucket metadata and bucket IAM policy (objects are tests/fakegcs's)
 # Which of Google's discovery documents (tests/cloud/apischema.py) each path prefix is checked against.
-_APIS = ((COMPUTE, "compute.v1"), (TPU, "tpu.v2"), (CRM, "cloudresourcemanager.v1"), (STORAGE, "storage.v1"))
+_APIS = ((COMPUTE, "compute.v1"), (TPU, "tpu.v2"), (CRM, "cloudresourcemanager.v1"), (CRM_V3, "cloudresourcemanager.v3"),
+         (STORAGE, "storage.v1"))
 _STATUS_NAMES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
                  412: "FAILED_PRECONDITION", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 
@@ -46,7 +48,12 @@ class FakeCloud(FakeHTTPServer):
         #: Permissions the caller holds on every project (testIamPermissions); None: all it asks for.
         self.held_permissions: set[str] | None = None
         self.project_policies: dict[str, dict] = {}  # project -> IAM policy (getIamPolicy)
-        self.buckets: dict[str, dict] = {}  # bucket -> {"location": ..., "policy": {...}}
+        #: bucket -> {"location", "bindings", and optionally "locationType", "dataLocations"}
+        self.buckets: dict[str, dict] = {}
+        #: project -> its ancestors, nearest first, e.g. ["folders/12", "organizations/34"] (getAncestry)
+        self.ancestry: dict[str, list[str]] = {}
+        #: "folders/12" or "organizations/34" -> IAM policy; absent: 403, as for a caller without the permission
+        self.resource_policies: dict[str, dict] = {}
 
     # -- helpers for tests
 
@@ -83,6 +90,8 @@ class FakeCloud(FakeHTTPServer):
                 return self._tpu(request, request.path[len(TPU) :])
             if request.path.startswith(CRM):
                 return self._resource_manager(request, request.path[len(CRM) :])
+            if request.path.startswith(CRM_V3):
+                return self._resource_policy(request, request.path[len(CRM_V3) :])
             if request.path.startswith(STORAGE):
                 return self._bucket(request, request.path[len(STORAGE) :])
             raise _ApiError(404, f"no such API on the fake: {request.method} {request.path}")
@@ -251,10 +260,14 @@ class FakeCloud(FakeHTTPServer):
 
     def _compute_reads(self, method: str, scope: str, rest: str) -> Response | None:
         """regions.get (`projects/P/regions/R` with an empty rest is matched by the caller's regex
-        as scope + rest) and machineTypes.get, served from `resources` like everything else."""
+        as scope + rest), machineTypes.get, subnetworks.get and .list, served from `resources`."""
         if method != "GET":
             return None
-        if re.fullmatch(r"machineTypes/[^/]+", rest):
+        if rest == "subnetworks":
+            key = f"{scope}/subnetworks/"
+            items = [v for k, v in sorted(self.resources.items()) if k.startswith(key)]
+            return Response.json(200, {"kind": "compute#subnetworkList", "items": items})
+        if re.fullmatch(r"(machineTypes|subnetworks)/[^/]+", rest):
             target = f"{scope}/{rest}"
             if target not in self.resources:
                 raise _ApiError(404, f"The resource '{target}' was not found")
@@ -271,7 +284,7 @@ class FakeCloud(FakeHTTPServer):
     # -- Cloud Resource Manager
 
     def _resource_manager(self, request: Request, path: str) -> Response:
-        match = re.fullmatch(r"([^/:]+):(testIamPermissions|getIamPolicy)", path)
+        match = re.fullmatch(r"([^/:]+):(testIamPermissions|getIamPolicy|getAncestry)", path)
         if not match or request.method != "POST":
             raise self._unsupported(request)
         project, verb = match.groups()
@@ -280,9 +293,21 @@ class FakeCloud(FakeHTTPServer):
                 asked = request.body.get("permissions", [])
                 held = [p for p in asked if self.held_permissions is None or p in self.held_permissions]
                 return Response.json(200, {"permissions": held} if held else {})
+            if verb == "getAncestry":
+                ancestors = [("project", project)] + [tuple(a.split("s/", 1)) for a in self.ancestry.get(project, [])]
+                return Response.json(200, {"ancestor": [{"resourceId": {"type": t, "id": i}} for t, i in ancestors]})
             if project not in self.project_policies:
                 raise _ApiError(403, f"The caller does not have permission resourcemanager.projects.getIamPolicy on {project}")
             return Response.json(200, self.project_policies[project])
+
+    def _resource_policy(self, request: Request, path: str) -> Response:
+        match = re.fullmatch(r"((?:folders|organizations)/[^/:]+):getIamPolicy", path)
+        if not match or request.method != "POST":
+            raise self._unsupported(request)
+        with self.lock:
+            if match.group(1) not in self.resource_policies:
+                raise _ApiError(403, f"The caller does not have permission getIamPolicy on {match.group(1)}")
+            return Response.json(200, self.resource_policies[match.group(1)])
 
     # -- Cloud Storage buckets (metadata and IAM only)
 
@@ -298,8 +323,11 @@ class FakeCloud(FakeHTTPServer):
             if iam:
                 return Response.json(200, {"kind": "storage#policy", "resourceId": f"projects/_/buckets/{name}",
                                            "version": 1, "bindings": bucket.get("bindings", []), "etag": "CAE="})
-            return Response.json(200, {"kind": "storage#bucket", "name": name, "id": name,
-                                       "location": bucket["location"], "locationType": bucket.get("locationType", "region")})
+            body = {"kind": "storage#bucket", "name": name, "id": name, "location": bucket["location"],
+                    "locationType": bucket.get("locationType", "region")}
+            if "dataLocations" in bucket:  # a configurable dual-region
+                body["customPlacementConfig"] = {"dataLocations": bucket["dataLocations"]}
+            return Response.json(200, body)
 
     # -- queued-resource state transitions
 
