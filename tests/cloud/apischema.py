@@ -101,6 +101,17 @@ class Api:
             self._value(request, {} if body is None else body, "")
         return method
 
+    def check_response(self, method: Method, body: Any) -> None:
+        """The fakes' own answers must be what Google's schema allows, or a client would see fields
+        (or miss values) that the real API never sends; raises AssertionError naming the field."""
+        response = method.spec.get("response")
+        if response is None:
+            return
+        try:
+            self._value(response, body, "")
+        except SchemaViolation as violation:
+            raise AssertionError(f"the fake's answer to {method.id} breaks Google's schema: {violation}") from None
+
     # -- the proto3 JSON mapping, checked against a discovery schema
 
     def _value(self, schema: dict, value: Any, field: str) -> None:

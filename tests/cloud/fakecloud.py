@@ -17,6 +17,7 @@ call, never a silent success.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 
 from tests.cloud import apischema
@@ -54,6 +55,8 @@ class FakeCloud(FakeHTTPServer):
         self.ancestry: dict[str, list[str]] = {}
         #: "folders/12" or "organizations/34" -> IAM policy; absent: 403, as for a caller without the permission
         self.resource_policies: dict[str, dict] = {}
+        #: Answers of this fake that Google's schema refuses (tests/cloud/apischema.py); must stay empty.
+        self.schema_breaks: list[str] = []
 
     # -- helpers for tests
 
@@ -80,9 +83,22 @@ class FakeCloud(FakeHTTPServer):
 
     def handle(self, request: Request) -> Response:
         try:
-            self._check_schema(request)
+            checked = self._check_schema(request)
         except apischema.SchemaViolation as violation:
             return self._schema_error(request, violation)
+        response = self._answer(request)
+        if checked is not None and response.status == 200:
+            api, method = checked
+            try:
+                api.check_response(method, json.loads(response.body))
+            except AssertionError as broken:
+                # A fault of the fake, not of the code under test: the `cloud` fixture fails the test.
+                with self.lock:
+                    self.schema_breaks.append(str(broken))
+                return Response.json(500, {"error": {"code": 500, "message": str(broken), "status": "INTERNAL"}})
+        return response
+
+    def _answer(self, request: Request) -> Response:
         try:
             if request.path.startswith(COMPUTE):
                 return self._compute(request, request.path[len(COMPUTE) :])
@@ -99,12 +115,13 @@ class FakeCloud(FakeHTTPServer):
             return self._error(err, tpu=request.path.startswith(TPU))
 
     @staticmethod
-    def _check_schema(request: Request) -> None:
+    def _check_schema(request: Request) -> tuple[apischema.Api, apischema.Method] | None:
         """Refuse, as Google would, any request its published discovery document refuses (tests/cloud/apischema.py)."""
         for prefix, name in _APIS:
             if request.path.startswith(prefix):
-                apischema.api(name).check(request.method, request.path, request.query, request.body)
-                return
+                api = apischema.api(name)
+                return api, api.check(request.method, request.path, request.query, request.body)
+        return None
 
     @staticmethod
     def _schema_error(request: Request, violation: apischema.SchemaViolation) -> Response:

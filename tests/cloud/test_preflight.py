@@ -28,8 +28,9 @@ def _world(cloud: FakeCloud, *, project_roles=("roles/compute.instanceAdmin.v1",
     cloud.add(f"projects/{PROJECT}", {"name": PROJECT, "defaultServiceAccount": SA})
     cloud.project_policies[PROJECT] = {"version": 1, "bindings": [{"role": r, "members": [MEMBER]} for r in project_roles]}
     cloud.buckets["bkt"] = {"location": location, "bindings": [{"role": r, "members": [MEMBER]} for r in bucket_roles]}
-    cloud.set_region(PROJECT, "us-central1", {"G2_CPUS": cpus, "PREEMPTIBLE_NVIDIA_L4_GPUS": l4, "IN_USE_ADDRESSES": addresses,
-                                              "CPUS": (24, 0)})
+    # Metrics from Google's Quota.metric enum (compute.v1): G2 has no family CPU quota, so G2 VMs count as CPUS.
+    cloud.set_region(PROJECT, "us-central1", {"CPUS": cpus, "N2_CPUS": (24, 0), "PREEMPTIBLE_NVIDIA_L4_GPUS": l4,
+                                              "IN_USE_ADDRESSES": addresses})
     cloud.resources[f"projects/{PROJECT}/regions/us-central1"]["zones"] = [f"projects/{PROJECT}/zones/us-central1-a"]
     cloud.add(f"projects/{PROJECT}/zones/us-central1-a/machineTypes/g2-standard-8", {
         "name": "g2-standard-8", "guestCpus": 8, "accelerators": [{"guestAcceleratorType": "nvidia-l4", "guestAcceleratorCount": 1}]})
@@ -50,7 +51,7 @@ def test_everything_in_place_passes(cloud: FakeCloud):
     checks = _checks(cloud, 8)
     assert {k: f.status for k, f in checks.items()} == {
         "role:self-delete": "ok", "role:bucket": "ok", "bucket:location": "ok",
-        "quota:G2_CPUS": "ok", "quota:PREEMPTIBLE_NVIDIA_L4_GPUS": "ok", "quota:IN_USE_ADDRESSES": "ok",
+        "quota:CPUS": "ok", "quota:PREEMPTIBLE_NVIDIA_L4_GPUS": "ok", "quota:IN_USE_ADDRESSES": "ok",
     }
     preflight.enforce(list(checks.values()))
 
@@ -103,7 +104,7 @@ def test_create_group_reads_the_template_back_for_its_preflight(cloud: FakeCloud
         "serviceAccounts": [{"email": SA}], "metadata": {"items": [{"key": "spawn-queue", "value": "gs://bkt/jobs/j"}]}}})
     result = _tool("tools/create_group.py", "--template", "tmpl", "--size", "3", "--zone", "us-central1-a", "--project", PROJECT)
     assert result.returncode == 1
-    assert "quota:G2_CPUS: need 24, only 8 free in us-central1" in result.stderr
+    assert "quota:CPUS: need 24, only 8 free in us-central1" in result.stderr
     assert not [m for m in cloud.mutations() if "instanceGroupManagers" in m[1]]
 
 
