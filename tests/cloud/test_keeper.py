@@ -39,6 +39,16 @@ def _free(claimable: int) -> list[keeper.Work]:
     return [keeper.Work(claimable=claimable, held=0)]
 
 
+def _running_fleet(cloud: FakeCloud, tpu_clients, count: int, *preempted: str) -> tuple[keeper.Keeper, list[keeper.Work], keeper.StepReport]:
+    """A keeper that has launched `count` machines for plenty of work, then seen `preempted` ones SUSPENDED."""
+    work = _free(10)
+    fleet_keeper = _keeper(tpu_clients, count, work)
+    first = fleet_keeper.step()
+    for rid in preempted:
+        cloud.set_queued_resource_state(_qr(ZONE_A, rid), "SUSPENDED")
+    return fleet_keeper, work, first
+
+
 def test_keeper_replaces_a_suspended_tpu_while_work_is_pending(cloud: FakeCloud, tpu_clients):
     fleet_keeper = _keeper(tpu_clients, 2, _free(10))
     first = fleet_keeper.step()
@@ -75,10 +85,7 @@ def test_keeper_moves_away_from_a_zone_whose_resource_failed(cloud: FakeCloud, t
 
 
 def test_keeper_stops_when_the_queue_is_drained_and_creates_nothing(cloud: FakeCloud, tpu_clients):
-    work = _free(5)
-    fleet_keeper = _keeper(tpu_clients, 2, work)
-    fleet_keeper.step()
-    cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0001"), "SUSPENDED")
+    fleet_keeper, work, _ = _running_fleet(cloud, tpu_clients, 2, "spawn-tpu-0001")
     work[0] = keeper.Work(claimable=0, held=0)
     before = len(cloud.calls())
     report = fleet_keeper.run(interval_s=0, max_steps=5)
@@ -114,11 +121,8 @@ def test_keeper_refuses_plain_node_specs(tmp_path: Path):
 def test_keeper_creates_nothing_in_a_tail_held_by_others(cloud: FakeCloud, tpu_clients):
     """The last tasks are held by live machines and nothing is claimable: a preempted machine is
     cleaned up but not replaced, since its replacement could only boot, idle out and delete itself."""
-    work = _free(10)
-    fleet_keeper = _keeper(tpu_clients, 4, work)
-    assert len(fleet_keeper.step().created) == 4
-    for rid in ("spawn-tpu-0000", "spawn-tpu-0001"):
-        cloud.set_queued_resource_state(_qr(ZONE_A, rid), "SUSPENDED")
+    fleet_keeper, work, first = _running_fleet(cloud, tpu_clients, 4, "spawn-tpu-0000", "spawn-tpu-0001")
+    assert len(first.created) == 4
     work[0] = keeper.Work(claimable=0, held=2)  # the two survivors hold the last two tasks
     report = fleet_keeper.step()
     assert report.deleted == ["spawn-tpu-0000", "spawn-tpu-0001"] and report.created == []
@@ -127,10 +131,7 @@ def test_keeper_creates_nothing_in_a_tail_held_by_others(cloud: FakeCloud, tpu_c
 
 
 def test_keeper_replaces_only_for_work_the_idle_machines_cannot_take(cloud: FakeCloud, tpu_clients):
-    work = _free(10)
-    fleet_keeper = _keeper(tpu_clients, 4, work)
-    fleet_keeper.step()
-    cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0000"), "SUSPENDED")
+    fleet_keeper, work, _ = _running_fleet(cloud, tpu_clients, 4, "spawn-tpu-0000")
     # 3 alive, 2 of them holding a task (1 idle); 3 claimable: the idle one takes 1, 2 more are needed,
     # but only 1 fits under --count.
     work[0] = keeper.Work(claimable=3, held=2)
