@@ -1,8 +1,10 @@
 """The inputs of one extraction task, validated here and nowhere else: the job, the task manifest, the resume state.
 
-Every rule a field must follow lives in this module, and every violation is a `BadInput` whose
-message names the field and says what to write instead. Unknown fields are errors too, so that a
-typo (`"layer": [3]`) fails the task at once instead of silently running with a default.
+The job and the task manifest are declared here as pydantic models (`schemas.Model`): every rule a
+field must follow is in its declaration, and every violation is a `BadInput` whose message names
+the field with its path (`dataset.config`, `task.files[0].end`) and says what to write instead.
+Unknown fields are errors too, so that a typo (`"layer": [3]`) fails the task at once instead of
+silently running with a default. `docs/schema/job.json` is the job's JSON Schema, for editors.
 
 Sample identity is defined here as well: a task lists file slices in order; position `p` within
 the task's slice counts rows across those slices; the global sample id of row `r` of a file is
@@ -17,10 +19,15 @@ import json
 import os
 import pathlib
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, StrictStr, ValidationError, ValidationInfo
+from pydantic import WithJsonSchema, field_validator, model_validator
 
 from extract.errors import BadInput
+from schemas import MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
+from schemas import choice, cross_field, invalid, problems, rule, summary
 
 #: Output dtypes: job spelling -> numpy/JAX dtype name.
 OUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -31,61 +38,24 @@ MIN_DEFAULT_BUCKET = 64
 MESH_AXES = ("data", "model")
 #: What a bad row (null, not UTF-8, lone surrogate, untokenisable) does: skipped and recorded, or fails the task.
 ON_BAD_ROW = ("skip", "fail")
-
-_JOB_FIELDS = {
-    "dataset", "data_files", "text_field", "model", "layers", "max_seq_len", "batch_size",
-    "dtype", "compute_dtype", "shard_size", "mesh", "buckets", "on_bad_row",
-}  # fmt: skip
-# Shard sizing by bytes (writer throughput, issue 10 section 2).
-_JOB_FIELDS |= {"shard_bytes", "packing"}
 #: Default cap of a shard's tensor bytes: large enough that per-object overheads vanish, small enough that a few
 #: shards in flight fit any host's memory (about 100-500 MB is a sensible object).
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
-_DATASET_FIELDS = {"name", "config", "split", "revision"}
-_TASK_FIELDS = {"id", "files"}
-_FILE_FIELDS = {"path", "base", "start", "end"}
 
 
-def _fail(where: str, problem: str, fix: str) -> BadInput:
-    return BadInput(f"{where}: {problem}; {fix}")
+def _phrase(problem: Problem, where: str) -> str:
+    if problem.kind == UNKNOWN:
+        return f"{where}: unknown field; remove it or use one of: {problem.text}"
+    if problem.kind == MISSING:
+        return f"{where}: missing; a required field" + (f": {problem.text}" if problem.text else "")
+    return f"{where}: {problem.text}"
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(where: str, value: Any) -> int:
-    if not _is_int(value) or value <= 0:
-        raise _fail(where, f"got {value!r}", "use a positive integer")
-    return value
-
-
-def _non_negative_int(where: str, value: Any) -> int:
-    if not _is_int(value) or value < 0:
-        raise _fail(where, f"got {value!r}", "use an integer >= 0")
-    return value
-
-
-def _non_empty_str(where: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _fail(where, f"got {value!r}", "use a non-empty string")
-    return value
-
-
-def _bool(where: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(where, f"got {value!r}", "use true or false")
-    return value
-
-
-def _reject_unknown(where: str, raw: Mapping[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise _fail(
-            f"{where}.{unknown[0]}" if where else unknown[0],
-            "unknown field" + (f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""),
-            f"remove it or use one of: {', '.join(sorted(allowed))}",
-        )
+def _validate(model: type[Model], raw: Any, root: str, prefix: str = "") -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as error:
+        raise BadInput(summary(problems(error, model), _phrase, prefix, root)) from None
 
 
 def default_buckets(max_seq_len: int) -> tuple[int, ...]:
@@ -99,50 +69,120 @@ def default_buckets(max_seq_len: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-    """`"data=2,model=2"` -> {"data": 2, "model": 2}; raises BadInput naming `mesh`."""
-    axes: dict[str, int] = {}
+def _mesh(spec: str) -> str:
+    """`"data=2,model=2"`: axis=size pairs over MESH_AXES, each axis once, sizes positive."""
+    axes = set()
     for part in spec.split(","):
         match = re.fullmatch(r"\s*([a-z]+)\s*=\s*(\d+)\s*", part)
         if not match or match.group(1) not in MESH_AXES or int(match.group(2)) <= 0 or match.group(1) in axes:
-            raise _fail(
-                "mesh",
-                f"{spec!r} is not a mesh",
-                f"write axis=size pairs over {'/'.join(MESH_AXES)}, e.g. 'data=2,model=2'",
-            )
-        axes[match.group(1)] = int(match.group(2))
-    return axes
+            raise ValueError(spec)
+        axes.add(match.group(1))
+    return spec
 
 
-@dataclasses.dataclass(frozen=True)
-class HubDataset:
+def _distinct(values: tuple[int, ...]) -> tuple[int, ...]:
+    if len(set(values)) != len(values):
+        raise ValueError(values)
+    return values
+
+
+def _increasing(values: tuple[int, ...]) -> tuple[int, ...]:
+    if any(a >= b for a, b in zip(values, values[1:])):
+        raise ValueError(values)
+    return values
+
+
+_DATA_FILES_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "pattern": r"\S"},
+        {"type": "array", "items": {"type": "string", "pattern": r"\S"}, "minItems": 1},
+    ]
+}
+
+
+class HubDataset(Model):
     """A Hugging Face Hub dataset; resolved to its data files by tools/make_tasks.py."""
 
-    name: str
-    config: str | None = None
-    split: str = "train"
-    revision: str | None = None
+    name: Text = Field(description="the Hub dataset id, e.g. 'HuggingFaceFW/fineweb-edu'")
+    config: Text | None = Field(None, description="the dataset's config, e.g. 'sample-10BT'")
+    split: Text = Field("train", description="the split to read")
+    revision: Text | None = Field(None, description="a branch, tag or commit of the dataset repository")
 
 
-@dataclasses.dataclass(frozen=True)
-class Job:
+class Job(Model):
     """job.json. A shard ends after `shard_size` samples (documents) or before its tensors pass `shard_bytes`."""
 
-    model: str
-    layers: tuple[int, ...]
-    max_seq_len: int
-    batch_size: int
-    shard_size: int
-    buckets: tuple[int, ...]
-    dataset: HubDataset | None = None
-    data_files: tuple[str, ...] = ()
-    text_field: str = "text"
-    dtype: str = "bf16"
-    compute_dtype: str = "bf16"
-    mesh: str | None = None
-    on_bad_row: str = "skip"
-    shard_bytes: int = DEFAULT_SHARD_BYTES
-    packing: bool = False  # several documents per row (extract.batching.pack_window)
+    model_config = {"json_schema_extra": {"oneOf": [{"required": ["dataset"]}, {"required": ["data_files"]}]}}
+
+    dataset: HubDataset | None = Field(None, description="a Hub dataset (give this or data_files)")
+    data_files: Annotated[
+        tuple[Text, ...],
+        BeforeValidator(lambda value: [value] if isinstance(value, str) else value),
+        Field(min_length=1),
+        rule("must be a path, glob or URL, or a non-empty list of them"),
+        WithJsonSchema(_DATA_FILES_SCHEMA),
+    ] = Field((), description="local, gs:// or hf:// paths, globs or directories (give this or dataset)")
+    model: Text = Field(description="a local checkpoint directory, Hub id, or gs:// directory")
+    layers: Annotated[
+        tuple[Annotated[StrictInt, rule("must be a layer index (an integer)")], ...],
+        Field(min_length=1, json_schema_extra={"uniqueItems": True}),
+        AfterValidator(_distinct),
+        rule("must be a non-empty list of distinct layer indices, e.g. [12, 24]"),
+    ] = Field(description="hidden-state indices: 0 = embeddings, i = output of block i, -1 = final norm")
+    max_seq_len: PositiveInt = Field(description="tokens kept per document (longer documents are truncated)")
+    batch_size: PositiveInt = Field(description="rows per device batch; a multiple of the mesh's data axis")
+    shard_size: PositiveInt = Field(description="at most this many samples (documents) per output shard")
+    buckets: (
+        Annotated[
+            tuple[PositiveInt, ...],
+            Field(min_length=1),
+            AfterValidator(_increasing),
+            rule("must be a strictly increasing list of positive lengths"),
+        ]
+        | None
+    ) = Field(None, validate_default=True, description="padded lengths, ending at max_seq_len; default: 64, 128, ...")
+    text_field: Text = Field("text", description="the column or key holding the text")
+    dtype: choice(*OUT_DTYPES) = Field("bf16", description="the dtype of the stored activations")
+    compute_dtype: choice(*COMPUTE_DTYPES) = Field("bf16", description="the dtype the forward pass runs in")
+    mesh: (
+        Annotated[
+            StrictStr,
+            AfterValidator(_mesh),
+            rule(f"must be axis=size pairs over {'/'.join(MESH_AXES)}, e.g. 'data=2,model=2'"),
+        ]
+        | None
+    ) = Field(None, description="'data=D,model=M'; default: chosen from the model size and the devices")
+    on_bad_row: choice(
+        *ON_BAD_ROW,
+        hint='must be "skip" (record the row in the done marker, extract the rest) or "fail" (dead-letter the task)',
+    ) = Field("skip", description="skip: record a bad row and extract the rest; fail: dead-letter the task")
+    shard_bytes: PositiveInt = Field(DEFAULT_SHARD_BYTES, description="a shard ends before its tensors pass this")
+    packing: Flag = Field(False, description="several documents per device row (sequence packing)")
+
+    @field_validator("buckets")
+    @classmethod
+    def _buckets_end_at_max_seq_len(cls, buckets: tuple[int, ...] | None, info: ValidationInfo) -> Any:
+        max_seq_len = info.data.get("max_seq_len")
+        if max_seq_len is None:  # itself invalid, and reported
+            return buckets
+        if buckets is None:
+            return default_buckets(max_seq_len)
+        if buckets[-1] != max_seq_len:
+            raise cross_field(
+                "buckets",
+                f"the last bucket is {buckets[-1]}, not max_seq_len={max_seq_len}; end the list at max_seq_len",
+            )
+        return buckets
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Job:
+        if (self.dataset is None) == (not self.data_files):
+            raise cross_field(
+                "dataset/data_files",
+                ("both given" if self.dataset is not None else "neither given")
+                + '; give exactly one: "dataset": {"name": ..., "config": ..., "split": ...} or "data_files": [paths]',
+            )
+        return self
 
     @property
     def out_dtype_name(self) -> str:
@@ -154,199 +194,75 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         """The job as it would be written in job.json (buckets resolved), for shard metadata."""
-        out: dict[str, Any] = {
-            "model": self.model,
-            "layers": list(self.layers),
-            "max_seq_len": self.max_seq_len,
-            "batch_size": self.batch_size,
-            "shard_size": self.shard_size,
-            "buckets": list(self.buckets),
-            "text_field": self.text_field,
-            "dtype": self.dtype,
-            "compute_dtype": self.compute_dtype,
-            "on_bad_row": self.on_bad_row,
-        }
-        if self.dataset is not None:
-            out["dataset"] = {k: v for k, v in dataclasses.asdict(self.dataset).items() if v is not None}
-        else:
-            out["data_files"] = list(self.data_files)
-        if self.mesh is not None:
-            out["mesh"] = self.mesh
-        out["shard_bytes"] = self.shard_bytes
-        out["packing"] = self.packing
-        return out
+        return self.model_dump(mode="json", exclude_none=True, exclude={"data_files"} if self.dataset else None)
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "Job":
-        if not isinstance(raw, Mapping):
-            raise _fail("job", f"is a {type(raw).__name__}", "write a JSON object as in docs/EXTRACTION.md")
-        _reject_unknown("", raw, _JOB_FIELDS)
-
-        for required in ("model", "layers", "max_seq_len", "batch_size", "shard_size"):
-            if required not in raw:
-                raise _fail(required, "missing", "a job needs model, layers, max_seq_len, batch_size, shard_size")
-
-        dataset = None
-        data_files: tuple[str, ...] = ()
-        if ("dataset" in raw) == ("data_files" in raw):
-            raise _fail(
-                "dataset/data_files",
-                "both given" if "dataset" in raw else "neither given",
-                'give exactly one: "dataset": {"name": ..., "config": ..., "split": ...} or "data_files": [paths]',
-            )
-        if "dataset" in raw:
-            spec = raw["dataset"]
-            if not isinstance(spec, Mapping):
-                raise _fail("dataset", f"got {spec!r}", 'use an object such as {"name": "HuggingFaceFW/fineweb-edu"}')
-            _reject_unknown("dataset", spec, _DATASET_FIELDS)
-            if "name" not in spec:
-                raise _fail("dataset.name", "missing", "name the Hub dataset, e.g. 'HuggingFaceFW/fineweb-edu'")
-            dataset = HubDataset(
-                name=_non_empty_str("dataset.name", spec["name"]),
-                config=None if spec.get("config") is None else _non_empty_str("dataset.config", spec["config"]),
-                split=_non_empty_str("dataset.split", spec.get("split", "train")),
-                revision=None if spec.get("revision") is None else _non_empty_str("dataset.revision", spec["revision"]),
-            )
-        else:
-            files = raw["data_files"]
-            files = [files] if isinstance(files, str) else files
-            if not isinstance(files, list) or not files:
-                raise _fail("data_files", f"got {raw['data_files']!r}", "use a path, glob or URL, or a list of them")
-            data_files = tuple(_non_empty_str(f"data_files[{i}]", f) for i, f in enumerate(files))
-
-        layers = raw["layers"]
-        if not isinstance(layers, list) or not layers or not all(_is_int(x) for x in layers):
-            raise _fail("layers", f"got {raw['layers']!r}", "use a non-empty list of layer indices, e.g. [12, 24]")
-        if len(set(layers)) != len(layers):
-            raise _fail("layers", f"{layers} repeats an index", "list each layer once")
-
-        max_seq_len = _positive_int("max_seq_len", raw["max_seq_len"])
-        batch_size = _positive_int("batch_size", raw["batch_size"])
-        shard_size = _positive_int("shard_size", raw["shard_size"])
-
-        dtype = raw.get("dtype", "bf16")
-        if dtype not in OUT_DTYPES:
-            raise _fail("dtype", f"got {dtype!r}", f"use one of {', '.join(OUT_DTYPES)}")
-        compute_dtype = raw.get("compute_dtype", "bf16")
-        if compute_dtype not in COMPUTE_DTYPES:
-            raise _fail("compute_dtype", f"got {compute_dtype!r}", f"use one of {', '.join(COMPUTE_DTYPES)}")
-
-        on_bad_row = raw.get("on_bad_row", "skip")
-        if on_bad_row not in ON_BAD_ROW:
-            raise _fail(
-                "on_bad_row",
-                f"got {on_bad_row!r}",
-                'use "skip" (record the row in the done marker, extract the rest) or "fail" (dead-letter the task)',
-            )
-
-        mesh = raw.get("mesh")
-        if mesh is not None:
-            if not isinstance(mesh, str):
-                raise _fail("mesh", f"got {mesh!r}", "use a string such as 'data=2,model=2'")
-            parse_mesh(mesh)
-
-        if raw.get("buckets") is None:
-            buckets = default_buckets(max_seq_len)
-        else:
-            given = raw["buckets"]
-            if (
-                not isinstance(given, list)
-                or not given
-                or not all(_is_int(b) and b > 0 for b in given)
-                or any(a >= b for a, b in zip(given, given[1:]))
-            ):
-                raise _fail("buckets", f"got {given!r}", "use a strictly increasing list of positive lengths")
-            if given[-1] != max_seq_len:
-                raise _fail(
-                    "buckets",
-                    f"the last bucket is {given[-1]}, not max_seq_len={max_seq_len}",
-                    "end the list at max_seq_len",
-                )
-            buckets = tuple(given)
-
-        return cls(
-            model=_non_empty_str("model", raw["model"]),
-            layers=tuple(layers),
-            max_seq_len=max_seq_len,
-            batch_size=batch_size,
-            shard_size=shard_size,
-            buckets=buckets,
-            dataset=dataset,
-            data_files=data_files,
-            text_field=_non_empty_str("text_field", raw.get("text_field", "text")),
-            dtype=dtype,
-            compute_dtype=compute_dtype,
-            mesh=mesh,
-            on_bad_row=on_bad_row,
-            shard_bytes=_positive_int("shard_bytes", raw.get("shard_bytes", DEFAULT_SHARD_BYTES)),
-            packing=_bool("packing", raw.get("packing", False)),
-        )
+    def from_dict(cls, raw: Any) -> Job:
+        return _validate(cls, raw, root="job")
 
 
-@dataclasses.dataclass(frozen=True)
-class FileSlice:
+class FileSlice(Model):
     """Rows [start, end) of one data file; row r has global sample id base + r."""
 
-    path: str
-    base: int
-    start: int
-    end: int
+    path: Text = Field(description="the data file")
+    base: NonNegativeInt = Field(0, description="the global sample id of the file's row 0")
+    start: NonNegativeInt = Field(description="the first row")
+    end: NonNegativeInt = Field(description="the row after the last (exclusive)")
+
+    @field_validator("end")
+    @classmethod
+    def _end_not_before_start(cls, end: int, info: ValidationInfo) -> int:
+        start = info.data.get("start")
+        if start is not None and end < start:
+            raise invalid(f"must be >= start={start} (end is exclusive)")
+        return end
 
     @property
     def rows(self) -> int:
         return self.end - self.start
 
 
-@dataclasses.dataclass(frozen=True)
-class Task:
+class Task(Model):
     """A task manifest: file slices read in order; their rows are the task's positions 0..num_samples-1."""
 
-    id: str
-    files: tuple[FileSlice, ...]
+    id: Text = Field(description="the task's id")
+    files: Annotated[
+        tuple[FileSlice, ...], Field(min_length=1), rule('must list slices: [{"path", "base", "start", "end"}, ...]')
+    ] = Field(description="file slices, read in order (tools/make_tasks.py)")
+
+    @field_validator("files")
+    @classmethod
+    def _not_empty(cls, files: tuple[FileSlice, ...], info: ValidationInfo) -> tuple[FileSlice, ...]:
+        if sum(f.rows for f in files) == 0:
+            task = info.data.get("id")
+            raise cross_field("files", f"task {task} is an empty slice (0 rows); give a file end > start")
+        return files
 
     @property
     def num_samples(self) -> int:
         return sum(f.rows for f in self.files)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "files": [dataclasses.asdict(f) for f in self.files]}
+        return self.model_dump(mode="json")
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "Task":
-        if not isinstance(raw, Mapping):
-            raise _fail("task", f"is a {type(raw).__name__}", 'write {"id": ..., "files": [...]} (tools/make_tasks.py)')
-        _reject_unknown("task", raw, _TASK_FIELDS)
-        if "id" not in raw:
-            raise _fail("task.id", "missing", "give the task an id")
-        task_id = _non_empty_str("task.id", raw["id"])
-        files = raw.get("files")
-        if not isinstance(files, list) or not files:
-            raise _fail("task.files", f"got {files!r}", 'list slices: [{"path", "base", "start", "end"}, ...]')
-        slices = []
-        for i, entry in enumerate(files):
-            where = f"task.files[{i}]"
-            if not isinstance(entry, Mapping):
-                raise _fail(where, f"got {entry!r}", "use an object with path, base, start and end")
-            _reject_unknown(where, entry, _FILE_FIELDS)
-            for name in ("path", "start", "end"):
-                if name not in entry:
-                    raise _fail(f"{where}.{name}", "missing", "give path, start and end (base defaults to 0)")
-            start = _non_negative_int(f"{where}.start", entry["start"])
-            end = _non_negative_int(f"{where}.end", entry["end"])
-            if end < start:
-                raise _fail(f"{where}.end", f"{end} is before start={start}", "use end >= start (end is exclusive)")
-            slices.append(
-                FileSlice(
-                    path=_non_empty_str(f"{where}.path", entry["path"]),
-                    base=_non_negative_int(f"{where}.base", entry.get("base", 0)),
-                    start=start,
-                    end=end,
-                )
-            )
-        task = cls(id=task_id, files=tuple(slices))
-        if task.num_samples == 0:
-            raise _fail("task.files", f"task {task_id} is an empty slice (0 rows)", "give a file end > start")
-        return task
+    def from_dict(cls, raw: Any) -> Task:
+        return _validate(cls, raw, root="task", prefix="task.")
+
+
+class _ProgressRecord(Model, extra="allow"):
+    """A record consume.py wrote for a stored shard; fields other than the span travel along unread."""
+
+    sample_start: NonNegativeInt = Field(description="the first task position the shard holds")
+    sample_end: NonNegativeInt = Field(description="the position after the shard's last")
+
+
+class _ResumeFile(Model, extra="ignore"):
+    """SPAWN_RESUME_FILE as the worker writes it (taskqueue): not user-written, so extra fields are ignored."""
+
+    task: StrictStr | None = None
+    attempt: Annotated[StrictInt, Field(ge=1), rule("must be a 1-based attempt number")] = 1
+    progress: Annotated[tuple[_ProgressRecord, ...], rule("must be a list of progress records")] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,58 +279,45 @@ class ResumeState:
         return sum(len(r["skipped"]) for r in self.records if isinstance(r.get("skipped"), list))
 
     @classmethod
-    def fresh(cls) -> "ResumeState":
+    def fresh(cls) -> ResumeState:
         return cls(attempt=1, records=(), committed=0)
 
     @classmethod
-    def from_dict(cls, raw: Any, task: Task) -> "ResumeState":
-        if not isinstance(raw, Mapping):
-            raise _fail("resume", f"is a {type(raw).__name__}", 'expected {"task": id, "attempt": n, "progress": []}')
-        if raw.get("task") not in (None, task.id):
-            raise _fail("resume.task", f"{raw['task']!r} is not this task ({task.id!r})", "pass this task's file")
-        progress = raw.get("progress", [])
-        if not isinstance(progress, list):
-            raise _fail("resume.progress", f"got {progress!r}", "use a list of progress records")
-        attempt = raw.get("attempt", 1)
-        if not _is_int(attempt) or attempt < 1:
-            raise _fail("resume.attempt", f"got {attempt!r}", "use a 1-based attempt number")
+    def from_dict(cls, raw: Any, task: Task) -> ResumeState:
+        resume = _validate(_ResumeFile, raw, root="resume", prefix="resume.")
+        if resume.task not in (None, task.id):
+            raise BadInput(f"resume.task: {resume.task!r} is not this task ({task.id!r}); pass this task's file")
         spans = []
-        for i, record in enumerate(progress):
-            where = f"resume.progress[{i}]"
-            if not isinstance(record, Mapping):
-                raise _fail(where, f"got {record!r}", "each record is a JSON object written by consume.py")
-            start = _non_negative_int(f"{where}.sample_start", record.get("sample_start"))
-            end = _non_negative_int(f"{where}.sample_end", record.get("sample_end"))
+        for i, record in enumerate(resume.progress):
+            start, end = record.sample_start, record.sample_end
             if not start < end <= task.num_samples:
-                raise _fail(
-                    where,
-                    f"covers [{start}, {end}), outside the task's {task.num_samples} samples",
-                    "pass this task's records",
+                raise BadInput(
+                    f"resume.progress[{i}]: covers [{start}, {end}), outside the task's {task.num_samples} samples; "
+                    "pass this task's records"
                 )
-            spans.append((start, end, dict(record)))
+            spans.append((start, end, record.model_dump()))
         spans.sort(key=lambda span: span[0])
         committed = 0
         for start, end, _ in spans:
             # Each attempt starts right after the last committed sample, so the records tile a prefix.
             if start != committed:
-                raise _fail(
-                    "resume.progress",
-                    f"records do not tile the slice: one starts at {start}, expected {committed}",
-                    "pass the records exactly as committed for this task",
+                raise BadInput(
+                    f"resume.progress: records do not tile the slice: one starts at {start}, expected {committed}; "
+                    "pass the records exactly as committed for this task"
                 )
             committed = end
-        return cls(attempt=attempt, records=tuple(span[2] for span in spans), committed=committed)
+        return cls(attempt=resume.attempt, records=tuple(span[2] for span in spans), committed=committed)
 
 
 def _read_json(path: str | os.PathLike[str], what: str) -> Any:
     try:
         text = pathlib.Path(path).read_text()
     except OSError as exc:
-        raise _fail(what, f"cannot read {path}: {exc.strerror or exc}", "check the path") from exc
+        raise BadInput(f"{what}: cannot read {path}: {exc.strerror or exc}; check the path") from exc
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise _fail(what, f"{path} is not JSON ({exc})", "fix the file") from exc
+        raise BadInput(f"{what}: {path} is not JSON ({exc}); fix the file") from exc
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:
@@ -431,7 +334,6 @@ def load_resume(path: str | os.PathLike[str] | None, task: Task) -> ResumeState:
     return ResumeState.from_dict(_read_json(path, "resume file"), task)
 
 
-
 def plan_tasks(files: Sequence[tuple[str, int]], rows_per_task: int, id_prefix: str = "t") -> list[Task]:
     """Cut the job's files, given as (path, row count) in job order, into tasks of `rows_per_task` rows.
 
@@ -440,7 +342,7 @@ def plan_tasks(files: Sequence[tuple[str, int]], rows_per_task: int, id_prefix: 
     the last task may be shorter. Files without rows are skipped.
     """
     if rows_per_task <= 0:
-        raise _fail("rows_per_task", f"got {rows_per_task}", "use a positive number of rows")
+        raise BadInput(f"rows_per_task: got {rows_per_task}; use a positive number of rows")
     total = sum(count for _, count in files)
     n_tasks = -(-total // rows_per_task)
     width = max(6, len(str(max(n_tasks - 1, 0))))

@@ -49,17 +49,44 @@ DEFAULT_EXCLUDES = (
 )
 
 
-#: Written by upload_code next to the code, never part of the mirrored checkout (and never deleted by it).
-GENERATED = ("locks", "wheelhouse", "python-mirror")
-#: What each lock installs beside the package and its extras (startup.sh maps spawn-accelerator to it).
-LOCKS = {"cpu": "jax", "cuda12": "jax[cuda12]", "tpu": "jax[tpu]"}
-#: The machines: manylinux x86_64 (the templates' images and TPU VMs), glibc 2.28 or newer.
-UV_PLATFORM = "x86_64-manylinux_2_28"
-PIP_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "linux_x86_64")
-
-
 class CodeSyncError(Exception):
     """The sync could not run or did not finish; the message names the command or object."""
+
+
+#: Written by upload_code next to the code, never part of the mirrored checkout (and never deleted by it).
+GENERATED = ("locks", "wheelhouse", "python-mirror", "uv")
+#: What each lock installs beside the package and its extras (startup.sh maps spawn-accelerator to it).
+LOCKS = {"cpu": "jax", "cuda12": "jax[cuda12]", "tpu": "jax[tpu]"}
+#: The machines' glibc. Every image the templates name is Ubuntu 22.04, whose libc6 is glibc 2.35
+#: (https://packages.ubuntu.com/jammy/libc6): the TPU VM runtimes (`v2-alpha-tpuv5-lite`,
+#: `v2-alpha-tpuv6e`, `tpu-ubuntu2204-base`; https://cloud.google.com/tpu/docs/runtimes) and
+#: templates/vm.yaml's `ubuntu-accelerator-2204-amd64-with-nvidia-550` family. An image with an older
+#: glibc (a Debian 11 Deep Learning VM has 2.31) needs `tools/upload_code.py --glibc 2.31`.
+MACHINE_GLIBC = (2, 35)
+#: Python 3.11's `packaging.tags` / PEP 600: a glibc 2.N machine accepts manylinux_2_5 .. manylinux_2_N,
+#: and the legacy aliases manylinux1 (2.5), manylinux2010 (2.12) and manylinux2014 (2.17).
+LEGACY_MANYLINUX = {"manylinux1": 5, "manylinux2010": 12, "manylinux2014": 17}
+
+
+def uv_platform(glibc: tuple[int, int] = MACHINE_GLIBC) -> str:
+    """uv's `--python-platform` for the machines: uv takes the newest glibc and accepts every older tag."""
+    return f"x86_64-manylinux_{glibc[0]}_{glibc[1]}"
+
+
+def pip_platforms(glibc: tuple[int, int] = MACHINE_GLIBC) -> tuple[str, ...]:
+    """Every platform tag a glibc `glibc` x86_64 machine accepts, newest first. pip matches
+    `--platform` tags exactly (https://pip.pypa.io/en/stable/cli/pip_download/#cmdoption-platform),
+    so all of them are passed: a wheel tagged manylinux_2_31 only is found only if that tag is named."""
+    major, minor = glibc
+    if major != 2 or minor < 17:
+        raise CodeSyncError(f"glibc {major}.{minor}: the machines must have glibc 2.17 or newer")
+    tags = [f"manylinux_2_{n}_x86_64" for n in range(minor, 4, -1)]
+    tags += [f"{alias}_x86_64" for alias in LEGACY_MANYLINUX]  # all at or below 2.17
+    return tuple(tags)
+
+
+UV_PLATFORM = uv_platform()
+PIP_PLATFORMS = pip_platforms()
 
 
 def _glob_regex(glob: str) -> str:
@@ -281,11 +308,21 @@ def uv_command() -> list[str]:
     return [sys.executable, "-m", "uv"]
 
 
-def _run(argv: Sequence[str], what: str) -> None:
+def uv_version() -> str:
+    """The version of the uv that compiles the locks here: the one the machines get, by default."""
+    out = subprocess.run([*uv_command(), "--version"], capture_output=True, text=True, check=False)
+    match = re.match(r"uv (\d+\.\d+\.\d+)", out.stdout)
+    if out.returncode != 0 or not match:
+        raise CodeSyncError(f"`uv --version` answered {out.returncode}: {(out.stdout + out.stderr).strip()[:200]}")
+    return match.group(1)
+
+
+def _run(argv: Sequence[str], what: str) -> str:
     log.info("event=%s argv=%s", what, " ".join(argv))
     result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise CodeSyncError(f"{what}: {' '.join(argv[:4])} ... exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
+    return result.stdout
 
 
 def compile_lock(
@@ -295,7 +332,8 @@ def compile_lock(
     platform: str | None = UV_PLATFORM,
     index_args: Sequence[str] = (),
 ) -> Path:
-    """`uv pip compile` the requirements into a complete, pinned lock for the machines' Python and platform."""
+    """`uv pip compile` the requirements into a complete, pinned lock for the machines' Python and
+    platform (https://docs.astral.sh/uv/reference/cli/#uv-pip-compile--python-platform)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     source = out.with_suffix(".in")
     source.write_text("\n".join(requirements) + "\n")
@@ -308,28 +346,88 @@ def compile_lock(
     return out
 
 
+def pins(lock: Path) -> dict[str, str]:
+    """Normalised project name -> pinned version, from a lock's `name==version` lines."""
+    found = {}
+    for line in lock.read_text().splitlines():
+        requirement = line.split("#", 1)[0].split(";", 1)[0].strip()
+        name, sep, version = requirement.partition("==")
+        if sep:
+            found[re.sub(r"[-_.]+", "-", name.split("[", 1)[0]).lower()] = version.strip()
+    return found
+
+
+def _pip_for_machines(subcommand: str, python_version: str, platforms: Sequence[str], index_args: Sequence[str]) -> list[str]:
+    """`pip SUBCOMMAND` with the options that pick wheels for the machines rather than for this one."""
+    import sys
+
+    argv = [sys.executable, "-m", "pip", subcommand, "--quiet", "--only-binary=:all:", "--python-version", python_version,
+            *index_args]
+    for platform in platforms:
+        argv += ["--platform", platform]
+    return argv
+
+
+def check_wheels(
+    lock: Path, python_version: str, glibc: tuple[int, int] = MACHINE_GLIBC, index_args: Sequence[str] = ()
+) -> None:
+    """Raise CodeSyncError unless every pin of `lock` has a wheel that a glibc `glibc` x86_64 machine
+    accepts: `uv pip install --dry-run --only-binary :all:` for that platform, which downloads no
+    wheel (https://docs.astral.sh/uv/reference/cli/#uv-pip-install--dry-run). Seconds, for any lock."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="check-wheels-") as scratch:
+        # --target: an install into no environment at all, for another platform.
+        _run([*uv_command(), "pip", "install", "--quiet", "--dry-run", "--no-deps", "--only-binary", ":all:",
+              "--python-version", python_version, "--python-platform", uv_platform(glibc), *index_args,
+              "--target", scratch, "--requirement", str(lock)], "wheel_check")
+
+
 def download_wheelhouse(
     lock: Path,
     dest: Path,
     python_version: str,
-    also: Sequence[str] = ("uv", "setuptools>=68", "wheel"),
+    also: Sequence[str] = ("setuptools>=68", "wheel"),
     platforms: Sequence[str] = PIP_PLATFORMS,
     index_args: Sequence[str] = (),
 ) -> Path:
-    """Every wheel of `lock` (and `also`: uv for the bootstrap, the build backend for the editable
-    install) for the machines' platform and Python, with `pip download --only-binary=:all:`."""
-    import sys
-
+    """Every wheel of `lock` (and `also`: the build backend for the editable install) for the
+    machines' platform and Python, with `pip download --only-binary=:all:`."""
     dest.mkdir(parents=True, exist_ok=True)
-    common = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-              "--python-version", python_version, "--dest", str(dest), *index_args]
-    for platform in platforms:
-        common += ["--platform", platform]
+    download = [*_pip_for_machines("download", python_version, platforms, index_args), "--dest", str(dest)]
     # The lock is complete: its pins alone. `also` is not locked: its dependencies come along
     # (wheel needs packaging, for one).
-    _run([*common, "--no-deps", "--requirement", str(lock)], "wheelhouse_download")
+    _run([*download, "--no-deps", "--requirement", str(lock)], "wheelhouse_download")
     if also:
-        _run([*common, *also], "wheelhouse_download")
+        _run([*download, *also], "wheelhouse_download")
+    return dest
+
+
+#: uv's statically linked build (musl, `static-pie`): it runs on any x86_64 Linux, whatever its glibc,
+#: and is published on the package index as uv's musllinux wheel (https://docs.astral.sh/uv/getting-started/installation/).
+UV_WHEEL_PLATFORM = "musllinux_1_1_x86_64"
+
+
+def stage_uv(staging: Path, version: str, python_version: str = "3.11", index_args: Sequence[str] = ()) -> Path:
+    """`uv/uv` (the static binary of uv `version`) and `uv/VERSION` under `staging`: what startup.sh
+    runs instead of bootstrapping uv with the image's python3 -m venv (which needs python3-venv)."""
+    import tempfile
+    import zipfile
+
+    dest = staging / "uv"
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="uv-wheel-") as scratch:
+        _run([*_pip_for_machines("download", python_version, (UV_WHEEL_PLATFORM,), index_args), "--dest", scratch,
+              "--no-deps", f"uv=={version}"], "uv_download")
+        [wheel] = Path(scratch).glob("uv-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            member = f"uv-{version}.data/scripts/uv"
+            if member not in archive.namelist():
+                raise CodeSyncError(f"{wheel.name} has no {member}; cannot stage the uv binary")
+            (dest / "uv").write_bytes(archive.read(member))
+    (dest / "uv").chmod(0o755)
+    (dest / "VERSION").write_text(version + "\n")
+    log.info("event=uv_staged version=%s path=%s", version, dest / "uv")
     return dest
 
 
@@ -341,26 +439,32 @@ def build_environment(
     locks: Sequence[str] = tuple(LOCKS),
     wheelhouse: bool = False,
     index_args: Sequence[str] = (),
-    uv_platform: str | None = UV_PLATFORM,
-    pip_platforms: Sequence[str] = PIP_PLATFORMS,
+    glibc: tuple[int, int] = MACHINE_GLIBC,
+    uv: str | None = None,
 ) -> list[Path]:
-    """locks/<lock>.txt (and wheelhouse/<lock>/) under `staging`, to upload next to the code."""
+    """locks/<lock>.txt (and wheelhouse/<lock>/) under `staging`, to upload next to the code, plus
+    uv/ (the static uv binary, version `uv`) when `uv` is given. Each lock is resolved for the
+    machines' glibc and checked to have a wheel they accept for every pin, so that a fleet never
+    finds out at boot."""
     made = []
     for name in locks:
         if name not in LOCKS:
             raise CodeSyncError(f"unknown lock {name!r}; choose from {', '.join(LOCKS)}")
         lock = compile_lock(requirements_of(source, extras, LOCKS[name]), staging / "locks" / f"{name}.txt",
-                            python_version, uv_platform, index_args)
+                            python_version, uv_platform(glibc), index_args)
         made.append(lock)
-        log.info("event=lock_compiled lock=%s pins=%d", name, sum(1 for line in lock.read_text().splitlines() if "==" in line))
+        check_wheels(lock, python_version, glibc, index_args)
+        log.info("event=lock_compiled lock=%s pins=%d", name, len(pins(lock)))
         if wheelhouse:
             made.append(download_wheelhouse(lock, staging / "wheelhouse" / name, python_version,
-                                            platforms=pip_platforms, index_args=index_args))
+                                            platforms=pip_platforms(glibc), index_args=index_args))
+    if uv:
+        made.append(stage_uv(staging, uv, python_version, index_args))
     return made
 
 
 def upload_generated(staging: Path, dest_url: str, client=None, use_gcloud: bool | None = None) -> None:
-    """Mirror each generated directory (locks/, wheelhouse/) to dest_url/<dir>, deleting stale objects."""
+    """Mirror each generated directory (locks/, wheelhouse/, uv/) to dest_url/<dir>, deleting stale objects."""
     for name in GENERATED:
         directory = staging / name
         if directory.is_dir():

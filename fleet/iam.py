@@ -26,7 +26,12 @@ SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 
 
 class IamError(Exception):
-    """An IAM call failed; the message names the call, the project and the answer."""
+    """An IAM call failed or answered something it cannot have meant; the message names the call,
+    the project and the answer. `status` is the HTTP status, None when no answer came."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ResourceManager:
@@ -53,13 +58,28 @@ class ResourceManager:
         except requests.RequestException as err:
             raise IamError(f"projects.{verb} on project {project!r} could not be sent: {err}") from None
         if resp.status_code != 200:
-            raise IamError(f"projects.{verb} on project {project!r} answered {resp.status_code}: {resp.text[:300]}")
-        return resp.json()
+            raise IamError(f"projects.{verb} on project {project!r} answered {resp.status_code}: {resp.text[:300]}",
+                           resp.status_code)
+        try:
+            answer = resp.json()
+        except ValueError:
+            raise IamError(f"projects.{verb} on project {project!r} answered 200 with no JSON: {resp.text[:300]}", 200) from None
+        if not isinstance(answer, dict):
+            raise IamError(f"projects.{verb} on project {project!r} answered 200 with {resp.text[:300]}", 200)
+        return answer
 
     def held(self, project: str, permissions: Sequence[str]) -> set[str]:
-        """The permissions in `permissions` that the caller holds on `project`."""
+        """The permissions in `permissions` that the caller holds on `project`.
+
+        The answer is the subset of the asked permissions that the caller holds, the field left out
+        when it holds none (testIamPermissions, above). An answer outside that shape (a permission not
+        asked, a value not a list of strings) raises IamError: it does not say what is held."""
         answer = self._post(project, "testIamPermissions", {"permissions": list(permissions)})
-        return set(answer.get("permissions", []))
+        granted = answer.get("permissions", [])
+        if not isinstance(granted, list) or not all(isinstance(p, str) and p in permissions for p in granted):
+            raise IamError(f"projects.testIamPermissions on project {project!r} asked for {', '.join(permissions)} "
+                           f"and answered {str(answer)[:300]}", 200)
+        return set(granted)
 
     def policy(self, project: str) -> dict:
         return self._post(project, "getIamPolicy", {"options": {"requestedPolicyVersion": 3}})

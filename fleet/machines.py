@@ -208,12 +208,16 @@ def machine_name(metadata) -> str:
 
 
 def machine_identity(metadata) -> dict[str, str | None]:
-    """`name` plus the fields every record of this machine carries: zone, accelerator, code URL."""
+    """`name` plus the fields every record of this machine carries: zone, accelerator, code URL, and
+    the boot's permission verdict (`permissions`: granted or unverified, fleet.selfdelete)."""
+    from fleet.selfdelete import saved_verdict
+
     return {
         "name": machine_name(metadata),
         "zone": metadata.text("instance/zone").strip().rsplit("/", 1)[-1],
         "accelerator": metadata.attribute(ATTR_ACCELERATOR),
         "code": metadata.attribute(ATTR_CODE),
+        **saved_verdict(),
     }
 
 

@@ -21,17 +21,22 @@ Before any of that can happen, `check_permissions()` runs at boot, before the wo
 anything (startup.sh: `python -m fleet.selfdelete check`): it asks Cloud Resource Manager
 (projects.testIamPermissions) whether this machine's credentials hold the permissions its delete
 call needs, so a machine that could never delete itself says so in the bucket and does no work.
+Only a definite "not granted" stops the boot; an answer it cannot read lets the worker go on, with
+`permissions: unverified` in its machine record (check_permissions).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import proto
 import requests
@@ -192,12 +197,20 @@ class SelfDeleter:
         log.info("event=self_delete_accepted kind=%s target=%s", what, target_of(request))
 
 
-#: The permissions each kind of self-deletion needs, on the project
-#: (https://cloud.google.com/compute/docs/access/iam-permissions, https://cloud.google.com/tpu/docs/tpu-iam-permissions).
+#: What each kind of self-deletion is checked for at boot, on the project. Only permissions that
+#: Google documents are asked (an unknown one is answered 400 or left out, which says nothing): the
+#: Compute ones are on each method's reference page (instanceGroupManagers.deleteInstances needs
+#: compute.instanceGroupManagers.update, https://cloud.google.com/compute/docs/reference/rest/v1/instanceGroupManagers/deleteInstances;
+#: instances.delete needs compute.instances.delete), the TPU ones in roles/tpu.admin
+#: (https://cloud.google.com/iam/docs/roles-permissions/tpu), which lists tpu.nodes.* and no
+#: queued-resource permission. So a queued resource is checked for tpu.nodes.delete: deleting it with
+#: force deletes its node first (queuedResources.delete, `force`), and whatever permission the queued
+#: resource itself needs is not published, so it cannot be asked. A plain node also needs
+#: tpu.nodes.get: the delete first reads the node to find a queued resource (queued_resource_of).
 PERMISSIONS = {
-    "group_member": ("compute.instanceGroupManagers.update",),  # instanceGroupManagers.deleteInstances
+    "group_member": ("compute.instanceGroupManagers.update",),
     "instance": ("compute.instances.delete",),
-    "tpu_queued_resource": ("tpu.queuedResources.delete", "tpu.nodes.delete"),
+    "tpu_queued_resource": ("tpu.nodes.delete",),
     "tpu_node": ("tpu.nodes.get", "tpu.nodes.delete"),
 }
 ROLE_HINT = {
@@ -206,6 +219,9 @@ ROLE_HINT = {
     "tpu_queued_resource": "roles/tpu.admin",
     "tpu_node": "roles/tpu.admin",
 }
+#: Where `check` leaves its verdict for the worker's machine records (fleet.machines.machine_identity).
+STATE_DIR_ENV = "FLEET_STATE_DIR"
+VERDICT_FILE = "permission-check.json"
 
 
 def deletion_kind(identity: Identity) -> str:
@@ -216,29 +232,80 @@ def deletion_kind(identity: Identity) -> str:
 
 
 class PermissionMissing(Exception):
-    """This machine's credentials lack a permission its self-deletion needs; the message names it."""
+    """This machine's credentials definitely lack a permission its self-deletion needs; the message names it."""
 
 
-def check_permissions(metadata: MetadataClient, resource_manager: iam.ResourceManager | None = None) -> str:
-    """Return the deletion kind if this machine may delete itself; raise PermissionMissing naming
-    what is missing (or why it could not be checked: a machine that cannot tell must not claim)."""
+@dataclasses.dataclass(frozen=True)
+class PermissionVerdict:
+    """The boot's answer when nothing is definitely missing: `granted` (testIamPermissions answered
+    that every permission asked is held) or `unverified` (no answer it could read: `detail` says why)."""
+
+    kind: str
+    outcome: str
+    detail: str = ""
+
+    def line(self) -> str:
+        return f"{self.outcome}: {self.kind}" + (f" ({self.detail})" if self.detail else "")
+
+
+def _iam_transient(err: BaseException) -> bool:
+    return isinstance(err, iam.IamError) and (err.status is None or err.status == 429 or err.status >= 500)
+
+
+def check_permissions(
+    metadata: MetadataClient, resource_manager: iam.ResourceManager | None = None, attempts: int = 3, max_wait_s: float = 4.0
+) -> PermissionVerdict:
+    """Whether this machine may delete itself. Raises PermissionMissing only on a definite "not
+    granted": testIamPermissions answered, in the shape it documents, without a permission the delete
+    needs. Anything it cannot read (an error status, a connection that fails `attempts` times, an
+    answer naming permissions it was not asked about) is `unverified`: a healthy machine is never
+    stopped by a check that could not run, and the machine record says so."""
     identity = read_identity(metadata)
     kind = deletion_kind(identity)
     wanted = PERMISSIONS[kind]
     try:
-        held = (resource_manager or iam.ResourceManager()).held(identity.project, wanted)
+        manager = resource_manager or iam.ResourceManager()
+        held = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_iam_transient),
+            stop=tenacity.stop_after_attempt(attempts),
+            wait=tenacity.wait_random_exponential(multiplier=0.5, max=max_wait_s),
+            reraise=True,
+        )(manager.held, identity.project, wanted)
     except (iam.IamError, *API_ERRORS) as err:
-        raise PermissionMissing(
-            f"permission_check_failed: cannot check {','.join(wanted)} on project {identity.project}: {err}; "
-            "enable cloudresourcemanager.googleapis.com in the project and give the machines the cloud-platform scope"
-        ) from None
+        detail = str(err).replace("\n", " ")[:300]
+        log.warning("event=permission_check outcome=unverified kind=%s permissions=%s error=%s", kind, ",".join(wanted), detail)
+        return PermissionVerdict(kind, "unverified", f"cannot check {','.join(wanted)} on project {identity.project}: {detail}")
     missing = [p for p in wanted if p not in held]
     if missing:
         raise PermissionMissing(
             f"missing_permission: {','.join(missing)} on project {identity.project} (needed for self-deletion as "
             f"{kind}); grant the machines' service account {ROLE_HINT[kind]}"
         )
-    return kind
+    return PermissionVerdict(kind, "granted")
+
+
+def verdict_path() -> Path:
+    return Path(os.environ.get(STATE_DIR_ENV) or "/var/lib/fleet") / VERDICT_FILE
+
+
+def save_verdict(verdict: PermissionVerdict) -> None:
+    """Leave the verdict where the worker's records pick it up; a record is for people, so a failed
+    write is logged, never fatal."""
+    path = verdict_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"permissions": verdict.outcome, "permissions_detail": verdict.detail or None}) + "\n")
+    except OSError as err:
+        log.warning("event=permission_verdict_unsaved path=%s error=%s", path, err)
+
+
+def saved_verdict() -> dict[str, str]:
+    """The fields the boot's permission check adds to every machine record ({} when there is none)."""
+    try:
+        fields = json.loads(verdict_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: str(v) for k, v in fields.items() if k in ("permissions", "permissions_detail") and v}
 
 
 def power_off() -> None:
@@ -293,7 +360,8 @@ def _in_group(metadata: MetadataClient) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """`python -m fleet.selfdelete check|delete`, for startup/startup.sh.
 
-    check: exit 0 when this machine may delete itself, 3 (with the reason on stdout) when not.
+    check: exit 3 (the reason on stdout) when a permission the delete needs is definitely not granted;
+    else exit 0, printing `granted: KIND` or `unverified: KIND (why)` and saving it for the records.
     delete: exit 0 when the delete was accepted, 1 when it failed (after powering off, unless in a group)."""
     parser = argparse.ArgumentParser(prog="python -m fleet.selfdelete", description=main.__doc__)
     parser.add_argument("action", choices=("check", "delete"))
@@ -302,16 +370,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "delete":
         return 0 if delete_self() else 1
     try:
-        kind = check_permissions(MetadataClient())
+        verdict = check_permissions(MetadataClient())
     except PermissionMissing as err:
-        log.error("event=permission_check ok=false reason=%s", err)
+        log.error("event=permission_check outcome=missing reason=%s", err)
         print(err)
         return 3
     except (MetadataError, SelfDeleteError, requests.RequestException) as err:
-        log.error("event=permission_check ok=false reason=%s", err)
-        print(f"permission_check_failed: {err}")
-        return 3
-    log.info("event=permission_check ok=true kind=%s", kind)
+        # This machine cannot tell what it is; that says nothing about what it may do.
+        verdict = PermissionVerdict("unknown", "unverified", f"cannot read this machine's identity: {err}")
+    save_verdict(verdict)
+    log.info("event=permission_check outcome=%s kind=%s detail=%s", verdict.outcome, verdict.kind, verdict.detail or "-")
+    print(verdict.line())
     return 0
 
 

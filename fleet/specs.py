@@ -1,5 +1,6 @@
-"""The machine spec schema (`templates/*.yaml`), validated in one place, and its translation into
-the API objects the launch tools send.
+"""The machine spec schema (`templates/*.yaml`), declared as pydantic models (`schemas.Model`), and its
+translation into the API objects the launch tools send. `docs/schema/{vm,tpu}-spec.json` are the specs'
+JSON Schemas, for editors.
 
 A spec describes a machine: `kind: vm` (a Compute Engine instance template) or `kind: tpu` (TPU VMs).
 The tools add where the work is (queue and code URLs) at launch time; all of it reaches the
@@ -12,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
-from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import yaml
 from google.cloud import compute_v1, tpu_v2
+from pydantic import AfterValidator, Field, StrictInt, StrictStr, ValidationError, WithJsonSchema, model_validator
+
+from schemas import CROSS, MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
+from schemas import choice, cross_field, invalid, problems, rule, summary
 
 # Metadata attributes the tools set and the machine reads.
 ATTR_STARTUP_SCRIPT = "startup-script"
@@ -42,174 +47,138 @@ class SpecError(ValueError):
     """A spec file or launch setting is invalid; the message names the file and the field."""
 
 
-# ---- field checks: each returns the normalised value or raises ValueError("must be ...") ----
-
-
-def _positive_int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError("must be a positive integer")
-    return value
-
-
-def _non_negative_int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError("must be a non-negative integer")
-    return value
-
-
-def _boolean(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError("must be true or false")
-    return value
-
-
-def _text(value: object) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError("must be a non-empty string")
-    return value
-
-
-_GCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,48}[a-z0-9])?$")
-
-
-def _resource_name(value: object) -> str:
-    # 50 rather than GCE's 63 characters leaves room for the suffixes the tools append.
-    if not isinstance(value, str) or not _GCE_NAME.match(value):
-        raise ValueError("must be lowercase letters, digits and hyphens, start with a letter, at most 50 characters")
-    return value
-
-
-def _text_list(value: object) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError("must be a list of non-empty strings")
-    return list(value)
-
-
-def _scopes(value: object) -> list[str]:
-    scopes = _text_list(value)
-    if not scopes:
-        raise ValueError("must list at least one OAuth scope, e.g. cloud-platform")
-    return [s if s.startswith("https://") else SCOPE_PREFIX + s for s in scopes]
-
-
+# 50 rather than GCE's 63 characters leaves room for the suffixes the tools append.
+_GCE_NAME = r"^[a-z]([-a-z0-9]{0,48}[a-z0-9])?$"
 _LABEL = re.compile(r"^[a-z][-_a-z0-9]{0,62}$")
 _LABEL_VALUE = re.compile(r"^[-_a-z0-9]{0,63}$")
-
-
-def _labels(value: object) -> dict[str, str]:
-    if not isinstance(value, dict):
-        raise ValueError("must be a mapping of label keys to values")
-    for key, val in value.items():
-        if not isinstance(key, str) or not _LABEL.match(key) or not isinstance(val, str) or not _LABEL_VALUE.match(val):
-            raise ValueError(
-                f"has label {key!r}: {val!r}; keys and values must be lowercase letters, digits, '-' or '_' (values quoted)"
-            )
-    return dict(value)
-
-
-def _extras(value: object) -> list[str]:
-    extras = _text_list(value)
-    if not all(re.match(r"^[a-z0-9][-_a-z0-9]*$", e) for e in extras):
-        raise ValueError("must be a list of package extras such as [extract]")
-    return extras
-
-
 MIN_PYTHON_MINOR = 11  # JAX 0.10 needs CPython 3.11
 
 
-def _python(value: object) -> str:
+def _labels(labels: dict[Any, Any]) -> dict[str, str]:
+    for key, value in labels.items():
+        if not (isinstance(key, str) and _LABEL.match(key) and isinstance(value, str) and _LABEL_VALUE.match(value)):
+            raise invalid(
+                f"has label {key!r}: {value!r}; keys and values must be lowercase letters, digits, '-' or '_' "
+                "(values quoted)"
+            )
+    return labels
+
+
+def _python(version: str) -> str:
     # startup.sh hands it to `uv python install`; `python3.11` is accepted for older specs.
-    match = re.match(r"^(?:python)?3\.([0-9]+)$", value) if isinstance(value, str) else None
-    if not match or int(match.group(1)) < MIN_PYTHON_MINOR:
-        raise ValueError(f"must be a CPython version of at least 3.{MIN_PYTHON_MINOR}, such as 3.11 or 3.12")
-    return f"3.{match.group(1)}"
-
-
-# Compute Engine accepts 30 s to 120 days (https://cloud.google.com/compute/docs/instances/limit-vm-runtime).
-def _run_duration(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 30 <= value <= 120 * 86400:
-        raise ValueError("must be a number of seconds between 30 and 10368000 (120 days)")
-    return value
-
-
-def _choice(*options: str) -> Callable[[object], str]:
-    def check(value: object) -> str:
-        if value not in options:
-            raise ValueError(f"must be one of {', '.join(options)}")
-        return value  # type: ignore[return-value]
-
-    return check
-
-
-def _tpu_type(value: object) -> str:
-    """Single-host (v5litepod-8) and multi-host (v4-16, v5litepod-64) types alike: a slice is one worker."""
-    match = re.match(r"^[a-z0-9]+-([0-9]+)$", value) if isinstance(value, str) else None
-    if not match or int(match.group(1)) < 1:
-        raise ValueError("must be a TPU accelerator type such as v5litepod-8, v5litepod-16 or v4-32")
-    return value
+    minor = int(version.removeprefix("python").split(".")[1])
+    if minor < MIN_PYTHON_MINOR:
+        raise ValueError(version)
+    return f"3.{minor}"
 
 
 def is_multi_host(accelerator_type: str) -> bool:
     return int(accelerator_type.rsplit("-", 1)[1]) > MAX_SINGLE_HOST_TPU
 
 
-def _field(check: Callable[[object], object], default: object = dataclasses.MISSING) -> dataclasses.Field:
-    """A spec field: `check` validates a value from the file; no default means required."""
-    if isinstance(default, (list, dict)):
-        # A fresh copy per spec, as dataclasses require for mutable defaults.
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"check": check})
-    return dataclasses.field(default=default, metadata={"check": check})
+# Labels are validated by _labels (its message names the label at fault); the schema shows editors the same rule.
+_LABELS_SCHEMA = {
+    "type": "object",
+    "propertyNames": {"pattern": _LABEL.pattern},
+    "additionalProperties": {"type": "string", "pattern": _LABEL_VALUE.pattern},
+}
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _Common:
-    kind: str = _field(_choice("vm", "tpu"))
-    name: str = _field(_resource_name)
-    consumer: str = _field(_text)
-    spawn_flags: list[str] = _field(_text_list, [])
-    extras: list[str] = _field(_extras, ["extract"])
-    python: str = _field(_python, "3.11")
-    # Seconds the worker waits for work held by others before it leaves (spawn.py --idle-timeout):
-    # the idle cap that matters most on TPU VMs, which have no max_run_duration.
-    max_idle_s: int | None = _field(_positive_int, None)
-    spot: bool = _field(_boolean, True)
-    service_account: str = _field(_text, "default")
-    scopes: list[str] = _field(_scopes, ["cloud-platform"])
-    labels: dict[str, str] = _field(_labels, {})
-    network: str = _field(_text, "default")
-    subnetwork: str | None = _field(_text, None)
-    external_ip: bool = _field(_boolean, True)
+class _Common(Model):
+    """The fields both kinds share."""
+
+    kind: str
+    name: Annotated[
+        StrictStr,
+        Field(pattern=_GCE_NAME),
+        rule("must be lowercase letters, digits and hyphens, start with a letter, at most 50 characters"),
+    ] = Field(description="the instance template's name (vm), or the prefix of node ids (tpu)")
+    consumer: Text = Field(description="the command spawn.py runs per task, e.g. 'python consume.py'")
+    spawn_flags: Annotated[list[Text], rule("must be a list of non-empty strings")] = Field(
+        [], description="extra spawn.py flags, one list item per word"
+    )
+    extras: Annotated[
+        list[Annotated[StrictStr, Field(pattern=r"^[a-z0-9][-_a-z0-9]*$"), rule("must be a package extra")]],
+        rule("must be a list of package extras such as [extract]"),
+    ] = Field(["extract"], description="package extras installed on the machine")
+    python: Annotated[
+        StrictStr,
+        Field(pattern=r"^(python)?3\.[0-9]+$"),
+        AfterValidator(_python),
+        rule(f'must be a CPython version of at least 3.{MIN_PYTHON_MINOR}, quoted, such as "3.11" or "3.12"'),
+    ] = Field("3.11", description="the CPython version uv provisions (quote it: \"3.11\")")
+    # The idle cap that matters most on TPU VMs, which have no max_run_duration.
+    max_idle_s: PositiveInt | None = Field(
+        None, description="seconds the worker waits for work held by others before it leaves (spawn.py --idle-timeout)"
+    )
+    spot: Flag = Field(True, description="spot capacity (preemptible, cheaper)")
+    service_account: Text = Field("default", description="the machines' service account email, or 'default'")
+    scopes: Annotated[
+        list[Text],
+        Field(min_length=1),
+        AfterValidator(lambda scopes: [s if s.startswith("https://") else SCOPE_PREFIX + s for s in scopes]),
+        rule("must list at least one OAuth scope, e.g. cloud-platform"),
+    ] = Field(["cloud-platform"], validate_default=True, description="OAuth scopes, short (cloud-platform) or URLs")
+    labels: Annotated[
+        dict[Any, Any],
+        rule("must be a mapping of label keys to values"),
+        AfterValidator(_labels),
+        WithJsonSchema(_LABELS_SCHEMA),
+    ] = Field({}, description="resource labels: lowercase letters, digits, '-' or '_'")
+    network: Text = Field("default", description="the VPC network")
+    subnetwork: Text | None = Field(None, description="the subnetwork (needed on custom-mode networks)")
+    external_ip: Flag = Field(True, description="false: no external IP (Cloud NAT or Private Google Access)")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class VmSpec(_Common):
     """An instance template: `name` is the template's name."""
 
-    machine_type: str = _field(_text)
-    image: str = _field(_text)
-    disk_gb: int = _field(_positive_int, 100)
-    disk_type: str = _field(_text, "pd-balanced")
-    gpu_type: str | None = _field(_text, None)
-    gpu_count: int = _field(_non_negative_int, 0)
-    accelerator: str | None = _field(_choice("cpu", "gpu"), None)
-    # Hard cap: Compute Engine deletes the VM this many seconds after it starts, whatever it is doing.
-    max_run_duration_s: int | None = _field(_run_duration, None)
+    kind: Literal["vm"] = Field(description="vm: a Compute Engine instance template")
+    machine_type: Text = Field(description="the machine type, e.g. g2-standard-8")
+    image: Text = Field(description="the boot image, e.g. projects/PROJECT/global/images/family/FAMILY")
+    disk_gb: PositiveInt = Field(100, description="boot disk size in GB")
+    disk_type: Text = Field("pd-balanced", description="boot disk type")
+    gpu_type: Text | None = Field(None, description="GPUs to attach to N1 machine types, e.g. nvidia-tesla-t4")
+    gpu_count: NonNegativeInt = Field(0, description="how many gpu_type GPUs to attach")
+    accelerator: choice("cpu", "gpu") | None = Field(None, description="which JAX to install; default: from the GPUs")
+    # Compute Engine accepts 30 s to 120 days (https://cloud.google.com/compute/docs/instances/limit-vm-runtime).
+    max_run_duration_s: (
+        Annotated[
+            StrictInt,
+            Field(ge=30, le=120 * 86400),
+            rule("must be a number of seconds between 30 and 10368000 (120 days)"),
+        ]
+        | None
+    ) = Field(None, description="hard cap: Compute Engine deletes the VM this many seconds after it starts")
+
+    @model_validator(mode="after")
+    def _gpus(self) -> VmSpec:
+        if bool(self.gpu_type) != bool(self.gpu_count):
+            raise cross_field("gpu_type", "fields 'gpu_type' and 'gpu_count' go together; set both or neither")
+        if self.gpu_count and self.accelerator == "cpu":
+            raise cross_field("accelerator", "field 'accelerator' is 'cpu' but the spec attaches GPUs; use 'gpu'")
+        return self
 
     @property
     def jax_flavour(self) -> str:
         return self.accelerator or ("gpu" if self.gpu_count else "cpu")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class TpuSpec(_Common):
     """TPU VMs: `name` is the prefix of node (and queued resource) ids."""
 
-    accelerator_type: str = _field(_tpu_type)
-    runtime_version: str = _field(_text)
-    queued: bool | None = _field(_boolean, None)
+    kind: Literal["tpu"] = Field(description="tpu: TPU VMs (queued resources or plain nodes)")
+    # Single-host (v5litepod-8) and multi-host (v4-16, v5litepod-64) types alike: a slice is one worker.
+    accelerator_type: Annotated[
+        StrictStr,
+        Field(pattern=r"^[a-z0-9]+-0*[1-9][0-9]*$"),
+        rule("must be a TPU accelerator type such as v5litepod-8, v5litepod-16 or v4-32"),
+    ] = Field(description="the TPU type; more than 8 chips is a multi-host slice")
+    runtime_version: Text = Field(description="the TPU software version, e.g. v2-alpha-tpuv5-lite")
+    queued: Flag | None = Field(None, description="make queued resources; default: when spot")
     #: Slices per unit of --count: K independent single-slice queued resources (or nodes), each its
     #: own claimant, never one multislice queued resource (docs/CLOUD.md, "Slices").
-    slices: int = _field(_positive_int, 1)
+    slices: PositiveInt = Field(1, description="slices per unit of --count: independent queued resources or nodes")
 
     @property
     def use_queued_resources(self) -> bool:
@@ -217,7 +186,7 @@ class TpuSpec(_Common):
         return self.spot if self.queued is None else self.queued
 
 
-_KINDS: dict[str, type[_Common]] = {"vm": VmSpec, "tpu": TpuSpec}
+_KINDS: dict[str, type[VmSpec | TpuSpec]] = {"vm": VmSpec, "tpu": TpuSpec}
 
 
 def parse_spec(raw: object, source: str) -> VmSpec | TpuSpec:
@@ -227,32 +196,18 @@ def parse_spec(raw: object, source: str) -> VmSpec | TpuSpec:
     kind = raw.get("kind")
     if kind not in _KINDS:
         raise SpecError(f"{source}: field 'kind' must be one of {', '.join(_KINDS)}, got {kind!r}")
-    cls = _KINDS[kind]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise SpecError(
-            f"{source}: unknown field {unknown[0]!r} for kind {kind!r}; known fields: {', '.join(sorted(fields))}"
-        )
-    values = {}
-    for name, field in fields.items():
-        if name not in raw:
-            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-                raise SpecError(f"{source}: field {name!r} is required for kind {kind!r}")
-            continue
-        if raw[name] is None and field.default is None:
-            continue
-        try:
-            values[name] = field.metadata["check"](raw[name])
-        except ValueError as err:
-            raise SpecError(f"{source}: field {name!r} {err}, got {raw[name]!r}") from None
-    spec = cls(**values)
-    if isinstance(spec, VmSpec):
-        if bool(spec.gpu_type) != bool(spec.gpu_count):
-            raise SpecError(f"{source}: fields 'gpu_type' and 'gpu_count' go together; set both or neither")
-        if spec.gpu_count and spec.accelerator == "cpu":
-            raise SpecError(f"{source}: field 'accelerator' is 'cpu' but the spec attaches GPUs; use 'gpu'")
-    return spec
+
+    def phrase(problem: Problem, where: str) -> str:
+        if problem.kind == UNKNOWN:
+            return f"unknown field {where!r} for kind {kind!r}; known fields: {problem.text}"
+        if problem.kind == MISSING:
+            return f"field {where!r} is required for kind {kind!r}: {problem.text}"
+        return problem.text if problem.kind == CROSS else f"field {where!r} {problem.text}"
+
+    try:
+        return _KINDS[kind].model_validate(raw)
+    except ValidationError as error:
+        raise SpecError(f"{source}: {summary(problems(error, _KINDS[kind]), phrase)}") from None
 
 
 def load_spec(path: str | Path) -> VmSpec | TpuSpec:

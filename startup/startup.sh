@@ -5,15 +5,17 @@
 #   startup.sh worker-stopped   the unit's ExecStopPost: counts worker failures; a crash loop ends
 #                               the machine the way a failed boot does
 #
-# The boot: write the machine record `booting`; sync the code from the bucket; provision a real
+# The boot: write the machine record `booting`; sync the code from the bucket (with this machine's
+# own wheelhouse only, and uv/uv, the static uv binary tools/upload_code.py pinned); provision a real
 # CPython (uv, never the images' release-candidate python3.11 packages); make the virtualenv and
-# install exactly the pins of locks/<lock>.txt (from tools/upload_code.py), from the bucket's
-# wheelhouse when there is one (firewalled fleets: no index at all); check that this machine may
-# delete itself before it claims anything; start the worker as the systemd unit spawn-worker.
+# install exactly the pins of locks/<lock>.txt, from the bucket's wheelhouse when there is one
+# (firewalled fleets: no index at all); check that this machine may delete itself before it claims
+# anything; start the worker as the systemd unit spawn-worker.
 # Network steps are retried with backoff, and apt waits for the dpkg lock that first-boot updaters hold.
 #
 # Any failure writes the record `failed` (reason and log tail) to QUEUE/machines/NAME.json and
-# deletes the machine (python -m fleet.selfdelete, else gcloud), so a broken boot never idles on the bill.
+# deletes the machine (python -m fleet.selfdelete, else one REST call with curl and the metadata
+# server's token: no virtualenv, no gcloud needed), so a broken boot never idles on the bill.
 #
 # Everything job-specific comes from instance attributes that tools/create_*.py set:
 #   spawn-code         gs:// URL of the code (tools/upload_code.py)          required
@@ -24,16 +26,19 @@
 # No attribute value is ever evaluated as shell code.
 #
 # STARTUP_ROOT (tests only) prefixes every path this script writes; GCE_METADATA_HOST
-# (host[:port]) points it at another metadata server; STARTUP_RETRY_DELAY_S shortens backoffs.
+# (host[:port]) points it at another metadata server; FLEET_COMPUTE_ENDPOINT and FLEET_TPU_ENDPOINT
+# at other Compute and TPU APIs (as for fleet/); STARTUP_RETRY_DELAY_S shortens backoffs.
 set -Eeuo pipefail
 
 ROOT="${STARTUP_ROOT:-}"
 # Ubuntu images ship gcloud as a snap, whose directory a startup script's PATH may lack.
 PATH="${PATH}:/snap/bin"
 METADATA_HOST="${GCE_METADATA_HOST:-metadata.google.internal}"
+COMPUTE_API="${FLEET_COMPUTE_ENDPOINT:-https://compute.googleapis.com}"
+TPU_API="${FLEET_TPU_ENDPOINT:-https://tpu.googleapis.com}"
 CODE_DIR="/opt/fleet/code"
 VENV_DIR="/opt/fleet/venv"
-UV_VENV="/opt/fleet/uv"          # holds uv when the image has none
+UV_VENV="/opt/fleet/uv"          # holds a pip-installed uv when neither the bucket nor the image has one
 PYTHON_DIR="/opt/fleet/python"   # uv-managed interpreters
 STATE_DIR="/var/lib/fleet"
 UNIT="spawn-worker.service"
@@ -50,7 +55,10 @@ MACHINE=""
 QUEUE_URL=""
 CODE_URL=""
 ACCELERATOR=""
+PERMISSIONS=""   # the permission check's verdict once it is unverified (fleet/selfdelete.py)
+LAST_STATE=""
 TEE_PID=""
+UV=""
 
 # One line per event; at= (seconds since the epoch, no fork) lets bench/boot_bench.py time the phases.
 log() {
@@ -112,23 +120,29 @@ json_string() {
   printf '"%s"' "$(printf '%s' "$text" | tr -d '\000-\010\013\014\016-\037')"
 }
 
-# machine_name: the record name fleet.machines.machine_name computes too: a VM's instance name,
-# a TPU VM's node id (with -w<N> for hosts other than worker 0).
-machine_name() {
-  local tpu_env line key value node="" worker="0"
+# tpu_env_value KEY: KEY's value in the `tpu-env` attribute (one `KEY: 'value'` per line), or nothing.
+tpu_env_value() {
+  local wanted="$1" tpu_env line key value
   tpu_env="$(attribute tpu-env "")"
   while IFS= read -r line; do
     key="${line%%:*}"
     value="${line#*:}"
     value="${value#"${value%%[![:space:]]*}"}"
-    value="${value//\'/}"
-    case "$key" in
-      NODE_ID) node="$value" ;;
-      WORKER_ID) worker="$value" ;;
-    esac
+    if [[ "$key" == "$wanted" ]]; then
+      printf '%s' "${value//\'/}"
+      return 0
+    fi
   done <<<"$tpu_env"
+}
+
+# machine_name: the record name fleet.machines.machine_name computes too: a VM's instance name,
+# a TPU VM's node id (with -w<N> for hosts other than worker 0).
+machine_name() {
+  local node worker
+  node="$(tpu_env_value NODE_ID)"
+  worker="$(tpu_env_value WORKER_ID)"
   if [[ -n "$node" ]]; then
-    if [[ "$worker" == 0 ]]; then printf '%s' "$node"; else printf '%s-w%s' "$node" "$worker"; fi
+    if [[ "${worker:-0}" == 0 ]]; then printf '%s' "$node"; else printf '%s-w%s' "$node" "$worker"; fi
   else
     metadata instance/name
   fi
@@ -143,6 +157,7 @@ meta_value() {
 # records"). The fields status reads ride along as custom metadata. Never fatal: a record is for people.
 record() {
   local state="$1" reason="${2:-}" tail="${3:-}" body at
+  LAST_STATE="$state"
   if [[ -z "$MACHINE" || "$QUEUE_URL" != gs://?* ]]; then
     log "event=record_skipped state=${state} reason=no_queue_or_name"
     return 0
@@ -152,12 +167,14 @@ record() {
   body+=", \"code\": $(json_string "$CODE_URL"), \"accelerator\": $(json_string "$ACCELERATOR")"
   body+=", \"phase\": $(json_string "$PHASE")"
   if [[ -n "$reason" ]]; then body+=", \"reason\": $(json_string "$reason")"; fi
+  if [[ -n "$PERMISSIONS" ]]; then body+=", \"permissions\": $(json_string "$PERMISSIONS")"; fi
   if [[ -n "$tail" ]]; then body+=", \"log_tail\": $(json_string "$tail")"; fi
   body+="}"
   # gcloud splits --custom-metadata at commas and '=': values lose them (the body keeps them).
   local listed
   listed="state=${state},accelerator=$(meta_value "$ACCELERATOR"),code=$(meta_value "$CODE_URL")"
   if [[ -n "$reason" ]]; then listed+=",reason=$(meta_value "$reason")"; fi
+  if [[ -n "$PERMISSIONS" ]]; then listed+=",permissions=$(meta_value "$PERMISSIONS")"; fi
   if printf '%s\n' "$body" | gcloud storage cp --content-type=application/json \
     "--custom-metadata=${listed:0:1000}" - "${QUEUE_URL%/}/machines/${MACHINE}.json"; then
     log "event=machine_record machine=${MACHINE} state=${state}"
@@ -166,42 +183,107 @@ record() {
   fi
 }
 
-# self_delete: python -m fleet.selfdelete when the virtualenv works, else gcloud, from metadata:
-# - group member: gcloud compute instance-groups managed delete-instances
-#   (https://cloud.google.com/sdk/gcloud/reference/compute/instance-groups/managed/delete-instances),
-# - TPU VM: gcloud compute tpus queued-resources delete --force, else tpus tpu-vm delete
-#   (https://cloud.google.com/sdk/gcloud/reference/compute/tpus/queued-resources/delete),
-# - otherwise gcloud compute instances delete.
+# access_token: the machine's service-account token from the metadata server
+# (https://cloud.google.com/compute/docs/access/authenticate-workloads#applications). Never logged.
+access_token() {
+  local answer
+  answer="$(metadata instance/service-accounts/default/token)" || return 1
+  if [[ "$answer" =~ \"access_token\"[[:space:]]*:[[:space:]]*\"([^\"]+)\" ]]; then
+    printf '%s' "${BASH_REMATCH[1]}"
+  else
+    log "event=token_unreadable path=instance/service-accounts/default/token"
+    return 1
+  fi
+}
+
+# api_call METHOD URL [JSON]: one Google API request with the machine's token, retried by curl on
+# 408, 429, 5xx and timeouts (curl --retry); the answer's body on stdout when the status is 2xx.
+api_call() {
+  local method="$1" url="$2" body="${3:-}" token response status
+  token="$(access_token)" || return 1
+  local args=(--silent --show-error --retry 4 --retry-connrefused --max-time 60 --request "$method"
+    --header "Authorization: Bearer ${token}" --write-out '\n%{http_code}')
+  if [[ -n "$body" ]]; then args+=(--header 'Content-Type: application/json' --data "$body"); fi
+  response="$(curl "${args[@]}" "$url")" || {
+    log "event=api_call_failed method=${method} url=${url} error=curl_exit_$?"
+    return 1
+  }
+  status="${response##*$'\n'}"
+  response="${response%$'\n'*}"
+  if [[ "$status" != 2?? ]]; then
+    log "event=api_call_failed method=${method} url=${url} status=${status} answer=${response:0:300}"
+    return 1
+  fi
+  log "event=api_call method=${method} url=${url} status=${status}"
+  printf '%s' "$response"
+}
+
+# resource_id NAME VALUE: VALUE if it has the shape of a resource id (what goes into a URL), else fail.
+resource_id() {
+  if [[ "$2" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]]; then
+    printf '%s' "$2"
+  else
+    log "event=bad_identity field=$1 value=$2"
+    return 1
+  fi
+}
+
+# rest_delete: the delete fleet/selfdelete.py would make, as one REST call (docs/CLOUD.md, "Self-deletion"):
+# - TPU VM: projects.locations.queuedResources.delete with force=true for its queued resource
+#   (spawn-queued-resource, else the node's queuedResource field), else projects.locations.nodes.delete
+#   (https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.queuedResources/delete,
+#   https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.nodes/delete);
+# - group member: instanceGroupManagers.deleteInstances, zonal or regional, which lowers the target size
+#   (https://cloud.google.com/compute/docs/reference/rest/v1/instanceGroupManagers/deleteInstances,
+#   https://cloud.google.com/compute/docs/reference/rest/v1/regionInstanceGroupManagers/deleteInstances);
+# - otherwise instances.delete (https://cloud.google.com/compute/docs/reference/rest/v1/instances/delete).
+rest_delete() {
+  local project zone name created_by queued node location node_json
+  project="$(resource_id project "$(metadata project/project-id)")" || return 1
+  zone="$(metadata instance/zone)" || return 1
+  name="$(resource_id instance "$(metadata instance/name)")" || return 1
+  node="$(tpu_env_value NODE_ID)"
+  # A TPU VM's zone is the node's (tpu-env), as fleet/selfdelete.py reads it.
+  if [[ -n "$node" && -n "$(tpu_env_value ZONE)" ]]; then
+    zone="$(tpu_env_value ZONE)"
+  fi
+  zone="$(resource_id zone "${zone##*/}")" || return 1
+  created_by="$(attribute created-by "")"
+  queued="$(attribute spawn-queued-resource "")"
+  if [[ -n "$node" ]]; then
+    node="$(resource_id node "$node")" || return 1
+    location="projects/${project}/locations/${zone}"
+    if [[ -z "$queued" ]] && node_json="$(api_call GET "${TPU_API}/v2/${location}/nodes/${node}")" &&
+      [[ "$node_json" =~ \"queuedResource\"[[:space:]]*:[[:space:]]*\"projects/[^/\"]+/locations/[^/\"]+/queuedResources/([^/\"]+)\" ]]; then
+      queued="${BASH_REMATCH[1]}"
+    fi
+    if [[ -n "$queued" ]]; then
+      queued="$(resource_id queued-resource "$queued")" || return 1
+      api_call DELETE "${TPU_API}/v2/${location}/queuedResources/${queued}?force=true" >/dev/null
+    else
+      api_call DELETE "${TPU_API}/v2/${location}/nodes/${node}" >/dev/null
+    fi
+  elif [[ "$created_by" =~ ^projects/[^/]+/(zones|regions)/([^/]+)/instanceGroupManagers/([^/]+)$ ]]; then
+    local scope="${BASH_REMATCH[1]}" where group
+    where="$(resource_id group-location "${BASH_REMATCH[2]}")" || return 1
+    group="$(resource_id group "${BASH_REMATCH[3]}")" || return 1
+    api_call POST "${COMPUTE_API}/compute/v1/projects/${project}/${scope}/${where}/instanceGroupManagers/${group}/deleteInstances" \
+      "{\"instances\": [\"zones/${zone}/instances/${name}\"]}" >/dev/null
+  else
+    api_call DELETE "${COMPUTE_API}/compute/v1/projects/${project}/zones/${zone}/instances/${name}" >/dev/null
+  fi
+}
+
+# self_delete: python -m fleet.selfdelete when the virtualenv works, else rest_delete: curl and the
+# metadata server are all it needs (no virtualenv, no gcloud, whose queued-resources command and API
+# reach nothing here checks).
 self_delete() {
   if [[ -x "${ROOT}${VENV_DIR}/bin/python" ]] &&
     (cd "${ROOT}${CODE_DIR}" && "${ROOT}${VENV_DIR}/bin/python" -m fleet.selfdelete delete); then
     return 0
   fi
-  log "event=self_delete_fallback method=gcloud"
-  local zone name created_by queued group_path
-  zone="$(metadata instance/zone)"
-  zone="${zone##*/}"
-  name="$(metadata instance/name)"
-  created_by="$(attribute created-by "")"
-  queued="$(attribute spawn-queued-resource "")"
-  if [[ -n "$(attribute tpu-env "")" ]]; then
-    if [[ -n "$queued" ]]; then
-      gcloud compute tpus queued-resources delete "$queued" "--zone=${zone}" --force --quiet --async
-    else
-      gcloud compute tpus tpu-vm delete "$MACHINE" "--zone=${zone}" --quiet --async
-    fi
-  elif [[ "$created_by" == */instanceGroupManagers/* ]]; then
-    group_path="${created_by#projects/*/}"  # zones/Z/instanceGroupManagers/G or regions/R/...
-    local scope="${group_path%%/*}" where="${group_path#*/}"
-    where="${where%%/*}"
-    if [[ "$scope" == regions ]]; then
-      gcloud compute instance-groups managed delete-instances "${created_by##*/}" "--region=${where}" "--instances=${name}"
-    else
-      gcloud compute instance-groups managed delete-instances "${created_by##*/}" "--zone=${where}" "--instances=${name}"
-    fi
-  else
-    gcloud compute instances delete "$name" "--zone=${zone}" --quiet
-  fi
+  log "event=self_delete_fallback method=rest"
+  rest_delete
 }
 
 # fail REASON: record the failure with the log tail, delete this machine, and exit.
@@ -247,21 +329,29 @@ read_common() {
   MACHINE="$(machine_name)"
 }
 
-uv_bin() {
-  if command -v uv >/dev/null; then
-    command -v uv
-  else
-    printf '%s' "${ROOT}${UV_VENV}/bin/uv"
-  fi
-}
-
-# ensure_uv WHEELHOUSE: uv from the image, else into a small virtualenv of the image's python3
-# (its own interpreter is fine for that), from the wheelhouse when there is one.
+# ensure_uv CODE WHEELHOUSE: sets UV. The static uv binary that tools/upload_code.py put next to the
+# code (uv/uv, arrived with the code sync: gcloud storage, the image's own tool), which is the uv the
+# locks and the interpreter mirror were made for; else the image's uv; else (a code upload without
+# uv/) pip-installed into a small virtualenv of the image's python3, which needs python3-venv (apt).
 ensure_uv() {
-  local wheelhouse="$1"
-  if command -v uv >/dev/null || [[ -x "${ROOT}${UV_VENV}/bin/uv" ]]; then
+  local code="$1" wheelhouse="$2"
+  if [[ -f "${code}/uv/uv" ]]; then
+    # Cloud Storage keeps no file modes.
+    chmod 0755 "${code}/uv/uv"
+    UV="${code}/uv/uv"
+    log "event=uv source=bucket version=$(cat "${code}/uv/VERSION" 2>/dev/null || printf unknown)"
     return 0
   fi
+  if command -v uv >/dev/null; then
+    UV="$(command -v uv)"
+    log "event=uv source=image path=${UV}"
+    return 0
+  fi
+  UV="${ROOT}${UV_VENV}/bin/uv"
+  if [[ -x "$UV" ]]; then
+    return 0
+  fi
+  log "event=uv source=pip hint=run tools/upload_code.py, which puts a static uv next to the code"
   if ! python3 -m venv "${ROOT}${UV_VENV}"; then
     # Debian and Ubuntu ship venv (ensurepip) as a separate package.
     rm -rf "${ROOT}${UV_VENV}"
@@ -310,15 +400,18 @@ boot() {
   record booting
 
   PHASE="code_sync"
-  log "event=code_sync source=${CODE_URL} dest=${CODE_DIR}"
-  retry 4 gcloud storage rsync --recursive --delete-unmatched-destination-objects "$CODE_URL" "${ROOT}${CODE_DIR}"
+  # Only this machine's wheelhouse: --exclude is a Python regular expression on the relative path
+  # (https://cloud.google.com/sdk/gcloud/reference/storage/rsync); cuda12's alone is gigabytes.
+  log "event=code_sync source=${CODE_URL} dest=${CODE_DIR} wheelhouse=${lock}"
+  retry 4 gcloud storage rsync --recursive --delete-unmatched-destination-objects "--exclude=wheelhouse/(?!${lock}/)" \
+    "$CODE_URL" "${ROOT}${CODE_DIR}"
 
   PHASE="interpreter"
   local code="${ROOT}${CODE_DIR}" wheelhouse="${ROOT}${CODE_DIR}/wheelhouse/${lock}" uv
   local lockfile="${code}/locks/${lock}.txt" from=()
   if [[ -d "$wheelhouse" ]]; then from=(--no-index --find-links "$wheelhouse"); fi
-  ensure_uv "$wheelhouse"
-  uv="$(uv_bin)"
+  ensure_uv "$code" "$wheelhouse"
+  uv="$UV"
   export UV_PYTHON_INSTALL_DIR="${ROOT}${PYTHON_DIR}"
   # Firewalled fleets: the interpreter archive mirrored into the bucket next to the code
   # (docs/CLOUD.md, "Firewalled fleets"; https://docs.astral.sh/uv/reference/environment/).
@@ -365,10 +458,17 @@ boot() {
 
   # Claim nothing unless this machine can also delete itself: a group member that cannot would
   # otherwise be recreated forever (fleet/selfdelete.py).
+  # Only a definite "not granted" stops here; a check that could not be read is recorded and the
+  # worker goes on (its records carry `permissions: unverified` too).
   PHASE="permissions"
   local verdict
-  if ! verdict="$(cd "$code" && "${ROOT}${VENV_DIR}/bin/python" -m fleet.selfdelete check)"; then
+  if ! verdict="$(cd "$code" && FLEET_STATE_DIR="${ROOT}${STATE_DIR}" "${ROOT}${VENV_DIR}/bin/python" -m fleet.selfdelete check)"; then
     fail "${verdict:-permission_check_failed}"
+  fi
+  if [[ "$verdict" == unverified* ]]; then
+    PERMISSIONS="unverified"
+    log "event=permission_check outcome=unverified detail=${verdict}"
+    record "$LAST_STATE"
   fi
 
   PHASE="worker"

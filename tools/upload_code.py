@@ -6,7 +6,9 @@ the lock files (and, for firewalled fleets, the wheels) they install from.
 Skips .git, virtualenvs, caches and whatever git ignores; deletes objects whose files are gone.
 Uses `gcloud storage rsync` when gcloud is installed, else google-cloud-storage with crc32c
 comparison. Then compiles locks/<lock>.txt (cpu, cuda12, tpu) with `uv pip compile` for the fleet's
-Python on manylinux x86_64 and uploads them next to the code; --wheelhouse also downloads every
+Python on the machines' glibc (--glibc, default 2.35: Ubuntu 22.04), checks that every pin has a
+wheel those machines accept, and uploads them next to the code, with uv/uv: the static uv binary the
+machines run (the version that runs here, or --uv-version). --wheelhouse also downloads every
 locked wheel into wheelhouse/<lock>/, so that machines install with no index at all.
 """
 
@@ -29,7 +31,13 @@ def main() -> None:
     parser.add_argument("--extras", default="extract", help="package extras the machines install (default: extract)")
     parser.add_argument("--no-locks", action="store_true", help="upload the code only (machines then install unpinned)")
     parser.add_argument("--wheelhouse", action="store_true", help="also upload every locked wheel (firewalled fleets)")
+    parser.add_argument("--glibc", default="{}.{}".format(*codesync.MACHINE_GLIBC),
+                        help="the machines' glibc (default %(default)s, Ubuntu 22.04's); locks take wheels up to it")
+    parser.add_argument("--uv-version", help="the uv the machines run (default: the version of this uv)")
     args = parser.parse_args()
+    glibc = tuple(int(part) for part in args.glibc.split(".") if part.isdigit())
+    if len(glibc) != 2 or args.glibc.count(".") != 1:
+        parser.error(f"--glibc {args.glibc!r}: expected a version such as 2.35")
     gapi.setup_logging()
     use_gcloud = False if args.no_gcloud else None
     extras = [e for e in args.extras.split(",") if e]
@@ -41,6 +49,7 @@ def main() -> None:
             codesync.build_environment(
                 args.source, Path(staging), args.python, extras=extras,
                 locks=args.lock or tuple(codesync.LOCKS), wheelhouse=args.wheelhouse,
+                glibc=glibc, uv=args.uv_version or codesync.uv_version(),
             )
             codesync.upload_generated(Path(staging), args.dest, use_gcloud=use_gcloud)
     except codesync.CodeSyncError as err:

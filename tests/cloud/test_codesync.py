@@ -190,3 +190,100 @@ def test_requirements_of_reads_setup_cfg_extras_and_the_jax_variant():
     assert any(r.startswith("google-cloud-tpu") for r in reqs) and any(r.startswith("flax") for r in reqs)
     with pytest.raises(codesync.CodeSyncError, match="no extra 'gpu'"):
         codesync.requirements_of(REPO, ["gpu"], "jax")
+
+
+# ---- the real locks, resolved against the package index as tools/upload_code.py does ----------
+
+#: `heartbeat_timeout_seconds` of jax.distributed.initialize (extract/multihost.py passes it) first
+#: appears in jax 0.7.0's jax/_src/distributed.py; 0.6.2's has no such parameter (both read from the
+#: published wheels).
+FIRST_JAX_WITH_HEARTBEAT_TIMEOUT = "0.7.0"
+
+
+def _floor(requirement: str) -> str:
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    [line] = [r.strip() for r in config.get("options.extras_require", "extract").splitlines()
+              if re.match(rf"{requirement}\s*>=", r.strip())]
+    return line.split(">=", 1)[1].strip()
+
+
+def _machine_tags(python: tuple[int, int], glibc: tuple[int, int]) -> set:
+    """The tags a CPython `python` x86_64 machine with glibc `glibc` accepts, as pip decides it
+    (packaging, which pip vendors), independently of fleet.codesync's own list."""
+    from unittest import mock
+
+    from packaging import _manylinux, tags
+
+    _manylinux._get_glibc_version.cache_clear()
+    with mock.patch.object(_manylinux, "_get_glibc_version", return_value=glibc):
+        platforms = list(_manylinux.platform_tags(["x86_64"]))
+    _manylinux._get_glibc_version.cache_clear()
+    return {*tags.cpython_tags(python, platforms=platforms), *tags.compatible_tags(python, platforms=platforms)}
+
+
+def test_pip_platforms_name_every_manylinux_tag_a_glibc_2_35_machine_accepts():
+    expected = {str(tag.platform) for tag in _machine_tags((3, 11), (2, 35))} - {"any"}
+    assert set(codesync.pip_platforms((2, 35))) == expected
+    assert "manylinux_2_31_x86_64" in codesync.PIP_PLATFORMS and codesync.UV_PLATFORM == "x86_64-manylinux_2_35"
+
+
+def _jax_metadata(version: str, scratch: Path) -> dict:
+    """jax `version`'s core metadata, from pip's installation report (no wheel downloaded)."""
+    import json
+
+    report = scratch / "jax-report.json"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed", "--no-deps",
+                    "--target", str(scratch / "t"), "--report", str(report), f"jax=={version}"],
+                   check=True, capture_output=True, timeout=120)
+    [jax] = json.loads(report.read_text())["install"]
+    return jax["metadata"]
+
+
+def test_real_locks_hold_a_current_jax_and_every_pin_has_a_wheel_the_machines_accept(tmp_path: Path):
+    """The cpu, cuda12 and tpu locks of this checkout, compiled and checked (every pin has a wheel for
+    glibc 2.35, codesync.check_wheels) by build_environment exactly as upload_code runs it."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    codesync.build_environment(REPO, tmp_path, "3.11")
+    held = {name: {p: Version(v) for p, v in codesync.pins(tmp_path / "locks" / f"{name}.txt").items()}
+            for name in codesync.LOCKS}
+    floor = Version(_floor("jax"))
+    assert floor >= Version(FIRST_JAX_WITH_HEARTBEAT_TIMEOUT), "setup.cfg's jax floor lacks heartbeat_timeout_seconds"
+    for name, versions in held.items():
+        assert versions["jax"] >= floor and versions["jaxlib"] >= floor, (name, versions["jax"], versions["jaxlib"])
+    # The machines' platform never holds the TPU lock back: it holds the jax every other lock holds,
+    # and the libtpu that this jax's `tpu` extra asks for.
+    assert held["tpu"]["jax"] == held["cpu"]["jax"] == held["cuda12"]["jax"]
+    wanted = [Requirement(r) for r in _jax_metadata(str(held["tpu"]["jax"]), tmp_path)["requires_dist"]]
+    libtpu = [r for r in wanted if r.name == "libtpu" and r.marker and r.marker.evaluate({"extra": "tpu"})]
+    assert libtpu and all(held["tpu"]["libtpu"] in r.specifier for r in libtpu), (held["tpu"]["libtpu"], libtpu)
+    assert "jax-cuda12-plugin" in held["cuda12"] and "libtpu" not in held["cpu"]
+    # What glibc 2.28 (the old target) could not run: the check refuses the tpu lock there.
+    with pytest.raises(codesync.CodeSyncError, match="libtpu"):
+        codesync.check_wheels(tmp_path / "locks" / "tpu.txt", "3.11", glibc=(2, 28))
+    print({name: {p: str(versions[p]) for p in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt")
+                  if p in versions} for name, versions in held.items()})
+
+
+def _elf_interpreter(binary: bytes) -> bool:
+    """Whether an x86_64 ELF file names a dynamic loader (a PT_INTERP program header)."""
+    import struct
+
+    assert binary[:4] == b"\x7fELF" and binary[4] == 2  # ELF, 64-bit
+    (phoff,) = struct.unpack_from("<Q", binary, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", binary, 0x36)
+    return any(struct.unpack_from("<I", binary, phoff + i * phentsize)[0] == 3 for i in range(phnum))
+
+
+def test_upload_stages_the_static_uv_binary_of_the_pinned_version(tmp_path: Path):
+    version = codesync.uv_version()
+    staged = codesync.stage_uv(tmp_path, version)
+    binary = staged / "uv"
+    assert (staged / "VERSION").read_text().strip() == version
+    assert not _elf_interpreter(binary.read_bytes()), "uv/uv needs a dynamic loader; the machines' glibc would matter"
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=True, env={"PATH": ""})
+    assert out.stdout.split()[:2] == ["uv", version]

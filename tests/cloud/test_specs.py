@@ -32,6 +32,34 @@ def test_shipped_templates_are_valid():
     assert tpu.use_queued_resources is tpu.spot is True
 
 
+# One case per rule the hand-written validator checked and no test above pinned.
+RULES_UNTESTED_BEFORE = [
+    ("vm.yaml", {"consumer": "  "}, "field 'consumer' must be a non-empty string, got '  '"),
+    ("vm.yaml", {"image": 7}, "field 'image' must be a non-empty string, got 7"),
+    ("vm.yaml", {"name": "a" * 51}, "field 'name' must be lowercase letters, digits and hyphens"),
+    ("vm.yaml", {"spawn_flags": "--on-empty delete"}, "field 'spawn_flags' must be a list of non-empty strings"),
+    ("vm.yaml", {"spawn_flags": ["--lease-ttl", 120]}, "field 'spawn_flags[1]' must be a non-empty string, got 120"),
+    ("vm.yaml", {"extras": ["Extract"]}, "field 'extras[0]' must be a package extra"),
+    ("vm.yaml", {"labels": {"team": "ML"}}, "field 'labels' has label 'team': 'ML'"),
+    ("vm.yaml", {"labels": {"run": 5}}, "field 'labels' has label 'run': 5"),
+    ("vm.yaml", {"labels": ["team"]}, "field 'labels' must be a mapping of label keys to values"),
+    ("vm.yaml", {"gpu_count": -1}, "field 'gpu_count' must be a non-negative integer, got -1"),
+    ("vm.yaml", {"gpu_count": 1}, "fields 'gpu_type' and 'gpu_count' go together"),
+    (
+        "vm.yaml",
+        {"gpu_type": "nvidia-tesla-t4", "gpu_count": 1, "accelerator": "cpu"},
+        "field 'accelerator' is 'cpu' but the spec attaches GPUs; use 'gpu'",
+    ),
+    ("vm.yaml", {"max_run_duration_s": 120 * 86400 + 1}, "field 'max_run_duration_s' must be a number of seconds"),
+    ("vm.yaml", {"max_idle_s": 0}, "field 'max_idle_s' must be a positive integer, got 0"),
+    ("vm.yaml", {"external_ip": 1}, "field 'external_ip' must be true or false, got 1"),
+    ("tpu.yaml", {"slices": 0}, "field 'slices' must be a positive integer, got 0"),
+    ("tpu.yaml", {"queued": "no"}, "field 'queued' must be true or false, got 'no'"),
+    ("tpu.yaml", {"accelerator_type": "v5litepod-0"}, "field 'accelerator_type' must be a TPU accelerator type"),
+    ("tpu.yaml", {"runtime_version": None}, "field 'runtime_version' is required for kind 'tpu'"),
+]
+
+
 @pytest.mark.parametrize(
     "base, changes, message",
     [
@@ -51,7 +79,8 @@ def test_shipped_templates_are_valid():
         ("vm.yaml", {"kind": "gke"}, "field 'kind' must be one of vm, tpu, got 'gke'"),
         ("tpu.yaml", {"machine_type": "n2"}, "unknown field 'machine_type' for kind 'tpu'"),
         ("tpu.yaml", {"accelerator_type": "v5e"}, "field 'accelerator_type' must be a TPU accelerator type"),
-    ],
+    ]
+    + RULES_UNTESTED_BEFORE,
 )
 def test_bad_field_is_named_with_file_and_value(tmp_path: Path, base: str, changes: dict, message: str):
     path = _write(tmp_path, base, **changes)
@@ -142,3 +171,33 @@ def test_setup_cfg_requires_the_tpu_client_that_has_queued_resources():
     [line] = [r for r in config["options"]["install_requires"].split() if r.startswith("google-cloud-tpu")]
     floor = tuple(int(p) for p in _re.match(r"google-cloud-tpu>=([0-9.]+)", line).group(1).split("."))
     assert floor >= (1, 21)
+
+
+def test_invalid_yaml_is_a_spec_error(tmp_path: Path):
+    (tmp_path / "bad.yaml").write_text("kind: vm\nname: [unclosed\n")
+    with pytest.raises(specs.SpecError, match="not valid YAML"):
+        specs.load_spec(tmp_path / "bad.yaml")
+
+
+def test_minimal_spec_gets_the_documented_defaults(tmp_path: Path):
+    path = tmp_path / "vm.yaml"
+    path.write_text("kind: vm\nname: w\nconsumer: python consume.py\nmachine_type: n2-standard-4\nimage: img\n")
+    spec = specs.load_spec(path)
+    assert (spec.extras, spec.python, spec.spot, spec.service_account) == (["extract"], "3.11", True, "default")
+    # The default scope is expanded like a written one: the API wants the full URL.
+    assert spec.scopes == ["https://www.googleapis.com/auth/cloud-platform"]
+    assert (spec.labels, spec.network, spec.subnetwork, spec.external_ip) == ({}, "default", None, True)
+    vm_fields = (spec.disk_gb, spec.disk_type, spec.gpu_type, spec.gpu_count, spec.jax_flavour)
+    assert vm_fields == (100, "pd-balanced", None, 0, "cpu")
+    assert (spec.max_idle_s, spec.max_run_duration_s, spec.spawn_flags) == (None, None, [])
+    other = specs.load_spec(path)
+    assert other.labels is not spec.labels and other.spawn_flags is not spec.spawn_flags  # no shared mutable default
+
+
+def test_null_means_the_default_where_the_default_is_none_and_full_scope_urls_are_kept(tmp_path: Path):
+    full = "https://www.googleapis.com/auth/devstorage.read_write"
+    spec = specs.load_spec(_write(tmp_path, "tpu.yaml", subnetwork="sub", scopes=[full, "cloud-platform"]))
+    assert spec.scopes == [full, "https://www.googleapis.com/auth/cloud-platform"] and spec.slices == 1
+    raw = yaml.safe_load((REPO / "templates" / "tpu.yaml").read_text())
+    spec = specs.parse_spec({**raw, "subnetwork": None, "queued": None, "max_idle_s": None}, "x.yaml")
+    assert (spec.subnetwork, spec.queued, spec.max_idle_s) == (None, None, None)

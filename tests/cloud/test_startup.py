@@ -1,5 +1,6 @@
 """startup/startup.sh: shellcheck-clean, and executed for real in a temporary root with stub
-gcloud, uv, python3, apt-get and systemctl on PATH and the fake metadata server behind curl."""
+gcloud, uv, python3, apt-get and systemctl on PATH, the fake metadata server behind curl, and the
+fake Compute and TPU APIs that its REST fallback deletes the machine with."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.cloud.conftest import StubBin
+from tests.cloud.fakecloud import FakeCloud
 from tests.cloud.fakemetadata import FakeMetadata, gce_vm, tpu_vm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +25,19 @@ SHELLCHECK = REPO / ".venv" / "bin" / "shellcheck"
 # The only real programs the script may run; everything else it calls is a stub, so a real
 # gcloud, uv, python or apt-get on this machine can never be reached.
 REAL_TOOLS = ("bash", "curl", "cat", "sha256sum", "mkdir", "rm", "install", "cp", "tee", "tail", "date", "tr",
-              "sleep", "env", "flock", "dirname")
+              "sleep", "env", "flock", "dirname", "chmod")
+TOKEN = "ya29.machine-token"
+# The stub gcloud's rsync: copy SRC to DEST but for the relative paths that the regular expression
+# matches from their start.
+RSYNC_COPY = """
+import pathlib, re, shutil, sys
+src, dest, exclude = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), re.compile(sys.argv[3])
+for f in src.rglob("*"):
+    rel = f.relative_to(src).as_posix()
+    if f.is_file() and not exclude.match(rel):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, dest / rel)
+"""
 ATTRS = {"spawn-code": "gs://bkt/code/run1", "spawn-queue": "gs://bkt/jobs/j1", "spawn-consumer": "python consume.py"}
 
 
@@ -34,11 +49,15 @@ def test_startup_script_is_shellcheck_clean():
 class Boot:
     """One machine's disk (root/) and tools (stubs), booted by running the script."""
 
-    def __init__(self, tmp_path: Path, stubs: StubBin, metadata: FakeMetadata):
+    def __init__(self, tmp_path: Path, stubs: StubBin, metadata: FakeMetadata, cloud: FakeCloud):
         self.root = tmp_path / "root"
         self.root.mkdir()
         self.stubs = stubs
         self.metadata = metadata
+        self.cloud = cloud
+        # What the metadata server hands the machine's service account (authenticate-workloads).
+        metadata.values["instance/service-accounts/default/token"] = json.dumps(
+            {"access_token": TOKEN, "expires_in": 3599, "token_type": "Bearer"})
         bucket = tmp_path / "bucket-code"
         (bucket / "startup").mkdir(parents=True)
         shutil.copy(UNIT, bucket / "startup" / UNIT.name)
@@ -50,18 +69,21 @@ class Boot:
         self.dpkg_lock = tmp_path / "dpkg-lock-frontend"
         self.dpkg_lock.touch()
         self.extra_env: dict[str, str] = {}
-        # gcloud storage rsync SRC DEST: the "bucket" is a local directory here (failing the first
-        # $RSYNC_FAILURES times); gcloud storage cp - URL keeps a machine record.
+        (stubs.dir / "rsync_copy.py").write_text(RSYNC_COPY)
+        # gcloud storage rsync [--exclude=REGEX] SRC DEST: the "bucket" is a local directory here (failing
+        # the first $RSYNC_FAILURES times), copied but for the paths the Python regular expression
+        # matches from their start, as gcloud does; gcloud storage cp - URL keeps a machine record.
         stubs.add("gcloud", """
             if [[ "$1 $2" == "storage rsync" ]]; then
               n=$(( $(cat "$STUB_DIR/.rsyncs" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$STUB_DIR/.rsyncs"
               if (( n <= ${RSYNC_FAILURES:-0} )); then echo "rsync: 503 from the bucket" >&2; exit 1; fi
-              cp -R "$FAKE_BUCKET_CODE/." "${@: -1}"
+              exclude='$^'; for a in "$@"; do case "$a" in --exclude=*) exclude="${a#*=}";; esac; done
+              {PYTHON} "$STUB_DIR/rsync_copy.py" "$FAKE_BUCKET_CODE" "${@: -1}" "$exclude"
             elif [[ "$1 $2" == "storage cp" ]]; then
               url="${@: -1}"; cat > "$FAKE_RECORDS/${url##*/}"
               printf '%s\n' "$url" >> "$FAKE_RECORDS/.history"; for a in "$@"; do case "$a" in --custom-metadata=*) printf '%s\n' "${a#*=}" >> "$FAKE_RECORDS/.history";; esac; done
             fi
-        """)
+        """.replace("{PYTHON}", sys.executable))
         # The virtualenv's python: `-m fleet.selfdelete check` answers as $PERMISSION_VERDICT says.
         stubs.add("venv-python", """
             if [[ "$*" == "-m fleet.selfdelete check" && -n "${PERMISSION_VERDICT:-}" ]]; then echo "$PERMISSION_VERDICT"; exit 3; fi
@@ -102,6 +124,8 @@ class Boot:
             "STARTUP_ROOT": str(self.root),
             "STARTUP_RETRY_DELAY_S": "0",
             "GCE_METADATA_HOST": self.metadata.host,
+            "FLEET_COMPUTE_ENDPOINT": self.cloud.url,
+            "FLEET_TPU_ENDPOINT": self.cloud.url,
             "FAKE_BUCKET_CODE": str(self.bucket),
             "FAKE_RECORDS": str(self.records),
             "DPKG_LOCK": str(self.dpkg_lock),
@@ -136,8 +160,8 @@ class Boot:
 
 
 @pytest.fixture
-def boot(tmp_path: Path, stubs: StubBin, metadata_server: FakeMetadata) -> Boot:
-    return Boot(tmp_path, stubs, metadata_server)
+def boot(tmp_path: Path, stubs: StubBin, metadata_server: FakeMetadata, cloud: FakeCloud) -> Boot:
+    return Boot(tmp_path, stubs, metadata_server, cloud)
 
 
 def _record_call(name: str) -> list[str]:
@@ -150,7 +174,8 @@ def _without_records(calls: list[list[str]]) -> list[list[str]]:
 
 def test_gpu_vm_boot_syncs_provisions_python_installs_cuda_jax_and_starts_the_unit_and_reboot_reinstalls_nothing(boot: Boot):
     boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-1", {**ATTRS, "spawn-accelerator": "gpu", "spawn-extras": "extract"}))
-    rsync = ["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects", "gs://bkt/code/run1", boot.code]
+    rsync = ["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects",
+             "--exclude=wheelhouse/(?!cuda12/)", "gs://bkt/code/run1", boot.code]
     check = ["python", "-m", "fleet.selfdelete", "check"]
     start = [["systemctl", "daemon-reload"], ["systemctl", "start", "spawn-worker.service"]]
 
@@ -179,10 +204,14 @@ def test_gpu_vm_boot_syncs_provisions_python_installs_cuda_jax_and_starts_the_un
     assert boot.unit.read_text() == unit
 
 
-def test_locked_install_takes_exactly_the_lock_from_the_wheelhouse_with_no_index(boot: Boot):
+def test_locked_install_takes_exactly_the_lock_from_its_own_wheelhouse_with_no_index(boot: Boot):
     (boot.bucket / "locks").mkdir()
     (boot.bucket / "locks" / "tpu.txt").write_text("jax[tpu]==0.10.0\n")
-    (boot.bucket / "wheelhouse" / "tpu").mkdir(parents=True)
+    for lock, wheel in (("tpu", "libtpu-0.0.42.1-cp311-cp311-manylinux_2_31_x86_64.whl"),
+                        ("cuda12", "nvidia_cudnn_cu12-9.10.2.21-py3-none-manylinux_2_27_x86_64.whl"),
+                        ("cpu", "jaxlib-0.10.2-cp311-cp311-manylinux_2_27_x86_64.whl")):
+        (boot.bucket / "wheelhouse" / lock).mkdir(parents=True)
+        (boot.bucket / "wheelhouse" / lock / wheel).write_text("wheel")
     boot.metadata.values.update(tpu_vm("p", "us-west4-a", "spawn-tpu-0000", {**ATTRS, "spawn-accelerator": "tpu", "spawn-python": "python3.11"}))
     result = boot.run()
     assert result.returncode == 0, result.stderr
@@ -193,6 +222,8 @@ def test_locked_install_takes_exactly_the_lock_from_the_wheelhouse_with_no_index
         ["uv", "pip", "install", "--python", python, "--no-index", "--find-links", wheelhouse, "--no-deps", "--editable", boot.code],
     ]
     assert boot.record("spawn-tpu-0000")["accelerator"] == "tpu"
+    # A TPU VM copies the TPU wheelhouse alone: never cuda12's gigabytes.
+    assert [p.name for p in (boot.root / "opt/fleet/code/wheelhouse").iterdir()] == ["tpu"]
 
 
 def test_image_without_uv_waits_for_the_dpkg_lock_bootstraps_uv_and_boots_twice(boot: Boot):
@@ -257,8 +288,9 @@ def test_bad_attribute_records_the_failure_and_deletes_the_machine_before_anythi
     record = boot.record("w-bad")
     assert record["state"] == "failed" and record["reason"].startswith("bad_attribute: ") and named.strip() in record["reason"]
     assert "event=bad_attribute" in record["log_tail"]
-    # No virtualenv yet: gcloud deletes the VM.
-    assert _without_records(boot.stubs.calls()) == [["gcloud", "compute", "instances", "delete", "w-bad", "--zone=us-central1-a", "--quiet"]]
+    # No virtualenv yet: one REST call deletes the VM, nothing else ran.
+    assert _without_records(boot.stubs.calls()) == []
+    assert boot.cloud.mutations() == [("DELETE", "/compute/v1/projects/p/zones/us-central1-a/instances/w-bad")]
 
 
 def test_install_failure_records_reason_and_log_tail_then_the_machine_deletes_itself(boot: Boot):
@@ -275,14 +307,18 @@ def test_install_failure_records_reason_and_log_tail_then_the_machine_deletes_it
     assert not boot.unit.exists()
 
 
-def test_broken_virtualenv_falls_back_to_gcloud_to_leave_the_group(boot: Boot):
+def test_broken_virtualenv_falls_back_to_rest_to_leave_the_group(boot: Boot):
     boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-5", {**ATTRS, "created-by": "projects/1/regions/us-central1/instanceGroupManagers/grp"}))
+    boot.cloud.add("projects/p/regions/us-central1/instanceGroupManagers/grp", {"name": "grp", "targetSize": 3})
     boot.stubs.add("venv-python", "exit 1\n")  # the venv exists but cannot run anything
     result = boot.run()
     assert result.returncode == 1
     assert boot.record("w-5")["reason"].startswith("permission_check_failed")
-    assert boot.stubs.calls()[-1] == [
-        "gcloud", "compute", "instance-groups", "managed", "delete-instances", "grp", "--region=us-central1", "--instances=w-5"]
+    assert boot.stubs.calls()[-1] == ["python", "-m", "fleet.selfdelete", "delete"]
+    [call] = boot.cloud.calls()
+    assert (call.method, call.path) == ("POST", "/compute/v1/projects/p/regions/us-central1/instanceGroupManagers/grp/deleteInstances")
+    assert call.body == {"instances": ["zones/us-central1-a/instances/w-5"]}
+    assert boot.cloud.resources["projects/p/regions/us-central1/instanceGroupManagers/grp"]["targetSize"] == 2
 
 
 def test_missing_permission_stops_the_boot_before_the_worker_claims_anything(boot: Boot):
@@ -325,5 +361,71 @@ def test_metadata_server_error_inside_a_substitution_deletes_the_machine_once(bo
     assert "event=metadata_failed path=instance/attributes/spawn-extras status=500" in result.stderr
     record = boot.record("w-8")
     assert record["state"] == "failed" and record["reason"].startswith("metadata_failed: ")
-    deletes = [c for c in boot.stubs.calls() if c[:3] == ["gcloud", "compute", "instances"]]
-    assert deletes == [["gcloud", "compute", "instances", "delete", "w-8", "--zone=us-central1-a", "--quiet"]]
+    assert boot.cloud.mutations() == [("DELETE", "/compute/v1/projects/p/zones/us-central1-a/instances/w-8")]
+
+
+def test_boot_runs_the_buckets_static_uv_without_python3_venv_or_apt(boot: Boot):
+    # A stock image: no uv, no python3-venv, no mirror to apt-get from (the stubs would record it).
+    boot.without_uv()
+    (boot.bucket / "uv").mkdir()
+    shutil.copy(boot.stubs.dir / "uv-stub", boot.bucket / "uv" / "uv")
+    (boot.bucket / "uv" / "uv").chmod(0o644)  # as gcloud storage leaves it: no modes in the bucket
+    (boot.bucket / "uv" / "VERSION").write_text("0.13.9\n")
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-9", ATTRS))
+    result = boot.run()
+    assert result.returncode == 0, result.stderr
+    assert "event=uv source=bucket version=0.13.9" in result.stderr
+    calls = boot.stubs.calls()
+    assert not [c for c in calls if c[0] in ("python3", "apt-get", "pip")]
+    assert ["uv", "python", "install", "3.11"] in calls and calls[-1] == ["systemctl", "start", "spawn-worker.service"]
+
+
+def test_an_unverified_permission_check_is_recorded_and_the_worker_starts(boot: Boot):
+    boot.stubs.add("venv-python", """
+        if [[ "$*" == "-m fleet.selfdelete check" ]]; then echo "unverified: tpu_queued_resource (answered 400)"; fi
+    """)
+    boot.metadata.values.update(tpu_vm("p", "us-west4-a", "t-9", {**ATTRS, "spawn-accelerator": "tpu"}))
+    result = boot.run()
+    assert result.returncode == 0, result.stderr
+    assert boot.stubs.calls()[-1] == ["systemctl", "start", "spawn-worker.service"]
+    record = boot.record("t-9")
+    assert (record["state"], record["permissions"]) == ("installing", "unverified")
+    assert "permissions=unverified" in (boot.records / ".history").read_text()
+
+
+QR = "projects/p/locations/us-west4-a/queuedResources"
+NODES = "projects/p/locations/us-west4-a/nodes"
+
+
+@pytest.mark.parametrize("machine, resources, calls, gone", [
+    (tpu_vm("p", "us-west4-a", "t-1", {"spawn-queued-resource": "t-1"}),
+     {f"{QR}/t-1": {}, f"{NODES}/t-1": {"queuedResource": f"{QR}/t-1"}},
+     [("DELETE", f"/v2/{QR}/t-1", "true")], [f"{QR}/t-1", f"{NODES}/t-1"]),
+    (tpu_vm("p", "us-west4-a", "t-2"),  # made by some other tool: the node names its queued resource
+     {f"{QR}/qr-2": {}, f"{NODES}/t-2": {"queuedResource": f"{QR}/qr-2"}},
+     [("GET", f"/v2/{NODES}/t-2", None), ("DELETE", f"/v2/{QR}/qr-2", "true")], [f"{QR}/qr-2", f"{NODES}/t-2"]),
+    (tpu_vm("p", "us-west4-a", "t-3"), {f"{NODES}/t-3": {}},
+     [("GET", f"/v2/{NODES}/t-3", None), ("DELETE", f"/v2/{NODES}/t-3", None)], [f"{NODES}/t-3"]),
+    (gce_vm("p", "us-central1-a", "g-1", {"created-by": "projects/1/zones/us-central1-a/instanceGroupManagers/grp"}),
+     {"projects/p/zones/us-central1-a/instanceGroupManagers/grp": {"targetSize": 2}, "projects/p/zones/us-central1-a/instances/g-1": {}},
+     [("POST", "/compute/v1/projects/p/zones/us-central1-a/instanceGroupManagers/grp/deleteInstances", None)],
+     ["projects/p/zones/us-central1-a/instances/g-1"]),
+    (gce_vm("p", "us-central1-a", "solo"), {"projects/p/zones/us-central1-a/instances/solo": {}},
+     [("DELETE", "/compute/v1/projects/p/zones/us-central1-a/instances/solo", None)],
+     ["projects/p/zones/us-central1-a/instances/solo"]),
+])
+def test_a_boot_that_fails_without_gcloud_or_virtualenv_deletes_the_machine_over_rest(
+    boot: Boot, machine: dict, resources: dict, calls: list, gone: list
+):
+    (boot.stubs.dir / "gcloud").unlink()  # gcloud missing: the code sync fails, and no virtualenv exists
+    boot.metadata.values.update({**machine, **{f"instance/attributes/{k}": v for k, v in ATTRS.items()}})
+    for name, resource in resources.items():
+        boot.cloud.add(name, {"name": name, **resource})
+    result = boot.run()
+    assert result.returncode == 1
+    assert "event=boot_failed phase=code_sync" in result.stderr and "event=self_delete_fallback method=rest" in result.stderr
+    made = boot.cloud.calls()
+    assert [(c.method, c.path, c.query.get("force")) for c in made] == calls
+    assert all(c.headers["authorization"] == f"Bearer {TOKEN}" for c in made)
+    assert not set(gone) & set(boot.cloud.resources)
+    assert TOKEN not in result.stderr  # the token is never logged

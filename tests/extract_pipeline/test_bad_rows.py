@@ -224,7 +224,7 @@ def test_fail_mode_raises_bad_input_naming_the_file_the_row_and_the_reason(tiny_
 def test_on_bad_row_defaults_to_skip_and_rejects_other_values(tiny_models, corpus):
     assert Job.from_dict(base_job(tiny_models["qwen2"], corpus)).on_bad_row == "skip"
     assert Job.from_dict(base_job(tiny_models["qwen2"], corpus, on_bad_row="fail")).on_bad_row == "fail"
-    with pytest.raises(BadInput, match="^on_bad_row: got 'ignore'; use \"skip\""):
+    with pytest.raises(BadInput, match='^on_bad_row: must be "skip" .* or "fail" .*, got .ignore.$'):
         Job.from_dict(base_job(tiny_models["qwen2"], corpus, on_bad_row="ignore"))
 
 
