@@ -1,15 +1,25 @@
-"""The keeper: keeps N spot TPU VMs (queued resources) alive while the queue has pending work.
+"""The keeper: keeps up to N spot TPU VMs (queued resources) alive while the queue has claimable work.
 
 A preempted spot TPU cannot restart: its queued resource is left SUSPENDED (or FAILED when the
 capacity never came), and nothing replaces it (https://cloud.google.com/tpu/docs/queued-resources,
 https://cloud.google.com/tpu/docs/spot). Each `step()`:
 
-1. asks `pending()` how much work is left; at 0 the keeper is done (the machines delete themselves);
+1. asks `work()` what is left: `claimable` tasks (no live lease: never claimed, released, or whose
+   holder went silent past its TTL) and `held` ones (a live lease); with neither, the keeper is
+   done (the machines delete themselves);
 2. lists the queued resources named `<spec.name>-NNNN` in every zone of `zones`;
 3. deletes the SUSPENDED and FAILED ones (with force, taking any node along);
-4. creates replacements until `count` are alive, under fresh names (a name being deleted cannot
-   be reused yet), in the first zone that accepts the request, falling back through `zones` when
-   a zone refuses (no capacity, no quota) and preferring zones where nothing just failed.
+4. creates replacements, but only for work that the alive machines cannot take: a machine that
+   holds no lease (booting, or idle) will claim one claimable task, so the keeper adds
+   `min(count - alive, claimable - max(0, alive - held))` machines. In the tail, when the last
+   tasks are held by others and nothing is claimable, it creates nothing, so a replacement never
+   boots only to idle out and delete itself. Replacements get fresh names (a name being deleted
+   cannot be reused yet), in the first zone that accepts the request, falling back through `zones`
+   when a zone refuses (no capacity, no quota) and preferring zones where nothing just failed.
+
+`held` counts every live lease, including those of machines the keeper does not manage (another
+group on the same queue): the keeper then thinks fewer of its own machines are idle and may add
+more than needed, never fewer, and never more than `count`.
 
 It holds no state between steps that the TPU API does not hold, so it can run anywhere (a laptop,
 a small VM), be stopped and be started again. With `dry_run` it prints what it would send.
@@ -40,17 +50,40 @@ class KeeperError(Exception):
     """The keeper cannot do its job (bad settings, an API that keeps failing); the message says which."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What the queue has left: tasks a machine could claim now, and tasks under a live lease."""
+
+    claimable: int
+    held: int
+
+    @property
+    def remaining(self) -> int:
+        return self.claimable + self.held
+
+
 @dataclasses.dataclass
 class StepReport:
-    pending: int
+    work: Work
     alive: list[str] = dataclasses.field(default_factory=list)
     deleted: list[str] = dataclasses.field(default_factory=list)
     created: list[str] = dataclasses.field(default_factory=list)
     refused: list[str] = dataclasses.field(default_factory=list)  # "zone: error" for zones that refused a create
 
     @property
+    def pending(self) -> int:
+        return self.work.remaining
+
+    @property
     def drained(self) -> bool:
-        return self.pending <= 0
+        return self.work.remaining <= 0
+
+
+def replacements(count: int, alive: int, work: Work) -> int:
+    """Machines to create: enough for the claimable work that the alive machines without a lease
+    (booting or idle) will not take, and never past `count` alive."""
+    idle = max(0, alive - work.held)
+    return max(0, min(count - alive, work.claimable - idle))
 
 
 def _state_name(qr: tpu_v2.QueuedResource) -> str:
@@ -65,7 +98,7 @@ class Keeper:
     project: str
     zones: Sequence[str]
     count: int
-    pending: Callable[[], int]
+    work: Callable[[], Work]
     dry_run: bool = False
 
     def __post_init__(self) -> None:
@@ -95,9 +128,9 @@ class Keeper:
         self.clients.send(request)
 
     def step(self) -> StepReport:
-        report = StepReport(pending=self.pending())
+        report = StepReport(work=self.work())
         if report.drained:
-            log.info("event=keeper_drained pending=0 action=stop")
+            log.info("event=keeper_drained claimable=0 held=0 action=stop")
             return report
         by_zone = {zone: self._mine(zone) for zone in self.zones}
         used = set()
@@ -118,7 +151,7 @@ class Keeper:
                     report.deleted.append(rid)
                 elif state in ALIVE or state == "STATE_UNSPECIFIED":
                     report.alive.append(rid)
-        wanted = self.count - len(report.alive)
+        wanted = replacements(self.count, len(report.alive), report.work)
         next_index = max(used, default=-1) + 1
         # Zones where a resource just FAILED (capacity) go last; the order is otherwise the user's.
         zones = sorted(self.zones, key=lambda z: (z in self._recently_failed, list(self.zones).index(z)))
@@ -142,8 +175,9 @@ class Keeper:
                 log.error("event=keeper_no_zone queued_resource=%s zones=%s", rid, ",".join(zones))
                 break  # every zone refused; try again next step
         log.info(
-            "event=keeper_step pending=%d alive=%d deleted=%d created=%d refused=%d",
-            report.pending, len(report.alive), len(report.deleted), len(report.created), len(report.refused),
+            "event=keeper_step claimable=%d held=%d alive=%d deleted=%d created=%d refused=%d",
+            report.work.claimable, report.work.held, len(report.alive), len(report.deleted), len(report.created),
+            len(report.refused),
         )
         return report
 

@@ -88,13 +88,14 @@ def create_tpus(
     dry_run: bool = False,
     clients: tpu.TpuClients | None = None,
 ) -> list[proto.Message]:
-    """`count` TPU VMs named SPEC.name-NNNN: queued resources when the spec says so (spot, by default), else nodes."""
+    """`count` times `spec.slices` TPU VMs (slices) named SPEC.name-NNNN, each its own queued resource when
+    the spec says so (spot, by default), else its own node; `first_index` numbers the first."""
     spec = specs.load_spec(spec_path)
     if not isinstance(spec, specs.TpuSpec):
         raise specs.SpecError(f"{spec_path}: kind {spec.kind!r} is not a TPU spec; use create_template.py")
     launch = specs.Launch.make(spec, queue, code, consumer, spawn_flags)
     batch: list[proto.Message] = []
-    for node_id in tpu_names(spec.name, count, first_index):
+    for node_id in tpu_names(spec.name, count * spec.slices, first_index):
         if spec.use_queued_resources:
             qr = specs.queued_resource(spec, launch, project, zone, node_id)
             batch.append(tpu.create_queued_resource(project, zone, node_id, qr))

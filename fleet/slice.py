@@ -6,8 +6,8 @@ worker service. The TPU runtime tells each host who it is through instance attri
 - `agent-worker-number`: this host's index in the slice, 0-based;
 - `worker-network-endpoints`: one entry per host, sorted by that index, either
   `name:index:ip` (older images) or a bare address;
-- `tpu-env`: `NODE_ID` names the slice (the TPU node); in a multislice queued resource each
-  slice is its own node (`<prefix>-0`, `<prefix>-1`, ...), so each is its own claimant.
+- `tpu-env`: `NODE_ID` names the slice (the TPU node); with `slices: K` each slice is its own
+  queued resource and node (fleet/specs.py), so each is its own claimant.
 
 Host 0 leads: it runs the claim loop and holds the lease; the others follow
 (docs/PROTOCOL.md, "Slices"). The leader's JAX coordination service listens on

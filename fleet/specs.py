@@ -353,20 +353,18 @@ def tpu_node(spec: TpuSpec, launch: Launch, queued_resource_id: str | None = Non
 
 
 def queued_resource(spec: TpuSpec, launch: Launch, project: str, zone: str, resource_id: str) -> tpu_v2.QueuedResource:
-    """One queued resource holding one node named like the queued resource, or with `spec.slices` > 1 a
-    multislice of nodes `<resource_id>-0`, `-1`, ... (multisliceParams instead of nodeId:
-    https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.queuedResources,
-    https://cloud.google.com/tpu/docs/multislice-introduction)."""
+    """One queued resource holding one slice: a node named like the queued resource
+    (https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.queuedResources).
+
+    Never `multisliceParams`, even for `slices: K`: a multislice queued resource puts MEGASCALE_*
+    variables in every node's `tpu-env`, from which JAX and libtpu join the K slices into one
+    program, while this project runs one independent program per slice (docs/CLOUD.md, "Slices").
+    K single-slice queued resources give the same capacity, and a preemption costs one slice."""
     node_spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
         parent=f"projects/{project}/locations/{zone}",
+        node_id=resource_id,
         node=tpu_node(spec, launch, queued_resource_id=resource_id),
     )
-    if spec.slices > 1:
-        node_spec.multislice_params = tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
-            node_count=spec.slices, node_id_prefix=resource_id
-        )
-    else:
-        node_spec.node_id = resource_id
     qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[node_spec]))
     if spec.spot:
         qr.spot = tpu_v2.QueuedResource.Spot()

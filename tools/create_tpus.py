@@ -42,7 +42,7 @@ def main() -> None:
         if not args.no_preflight:
             spec = specs.load_spec(args.spec)
             if isinstance(spec, specs.TpuSpec):
-                request = preflight.request_for_tpus(spec, args.count, zone, args.queue)
+                request = preflight.request_for_tpus(spec, args.count * spec.slices, zone, args.queue)
                 preflight.enforce(preflight.run_checks(project, request), force=args.force)
         launch.create_tpus(
             args.spec, project, zone, args.count, args.queue, args.code, first_index=args.first_index,

@@ -1,12 +1,14 @@
 """Keep a TPU fleet alive while its queue has work: `fleetctl.py keep`. (Not `fleet.py`: a script of that
 name would shadow the fleet package it imports.)
 
-    python tools/fleetctl.py keep templates/tpu.yaml --count 32 --zone us-west4-a --zone us-east5-b \
+    python tools/fleetctl.py keep templates/tpu.yaml --count 32 --zones us-west4-a,us-east5-b \
         --queue gs://B/jobs/J --code gs://B/code/NAME [--interval 60] [--once] [--dry-run]
 
-Every --interval seconds: deletes SUSPENDED and FAILED queued resources named SPEC.name-NNNN and
-creates replacements until --count are alive, trying the zones in order; stops once no task is
-pending (every task has a done marker or a dead letter). Runs anywhere with credentials.
+`--zones a,b` and a repeated `--zone a --zone b` are the same: zones to create in, the first
+preferred. Every --interval seconds: deletes SUSPENDED and FAILED queued resources named
+SPEC.name-NNNN and creates replacements up to --count (times the spec's `slices`) only while
+claimable tasks outnumber the alive machines that hold no lease (fleet/keeper.py); stops once
+every task has a done marker or a dead letter. Runs anywhere with credentials.
 """
 
 import argparse
@@ -16,17 +18,25 @@ from pathlib import Path
 
 from fleet import gapi, keeper, specs, tpu
 from objectstore import open_store
-from taskqueue import layout
+from taskqueue import status
 
 
-def pending_tasks(queue: str):
-    """A callable counting tasks with neither a done marker nor a dead letter: three listings."""
+def queue_work(queue: str):
+    """A callable reading what the queue has left (taskqueue.status.snapshot: a few listings per region):
+    claimable = never claimed, released, or under a lease silent past its TTL; held = under a live lease."""
     store = open_store(queue)
 
-    def ids(prefix: str) -> set[str]:
-        return {i for i in (layout.id_from_object(e.name, prefix) for e in store.list(prefix)) if i}
+    def work() -> keeper.Work:
+        view = status.snapshot(store)
+        return keeper.Work(claimable=view["pending"] + view["stale"], held=view["leased"])
 
-    return lambda: len(ids(layout.TASKS) - ids(layout.DONE) - ids(layout.FAILED))
+    return work
+
+
+def zone_list(values: list[str]) -> list[str]:
+    """--zone a --zone b and --zones a,b alike, in order, without repeats."""
+    zones = [z.strip() for value in values for z in value.split(",") if z.strip()]
+    return list(dict.fromkeys(zones))
 
 
 def main() -> None:
@@ -34,8 +44,10 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     keep = sub.add_parser("keep", help="keep --count TPU VMs alive while the queue has pending tasks")
     keep.add_argument("spec", type=Path, help="machine spec, kind: tpu (queued resources)")
-    keep.add_argument("--count", required=True, type=int, help="TPU VMs to keep alive")
-    keep.add_argument("--zone", action="append", default=[], help="zone to create in; repeat for fallbacks, in order")
+    keep.add_argument("--count", required=True, type=int,
+                      help="TPU VMs (slices) to keep alive at most; with `slices: K` in the spec, K times this")
+    keep.add_argument("--zone", "--zones", dest="zones", action="append", default=[],
+                      help="zones to create in, the first preferred: --zones a,b or --zone a --zone b")
     keep.add_argument("--queue", required=True, help="gs:// URL of the job's queue prefix")
     keep.add_argument("--code", required=True, help="gs:// URL the code was uploaded to (tools/upload_code.py)")
     keep.add_argument("--consumer", help="consumer command, overriding the spec's")
@@ -47,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     gapi.setup_logging()
     project = args.project or gapi.default_project()
-    zones = args.zone or [z for z in [gapi.default_zone()] if z]
+    zones = zone_list(args.zones) or [z for z in [gapi.default_zone()] if z]
     if not project or not zones:
         sys.exit("error: need --project and --zone (or gcloud config defaults)")
     try:
@@ -56,12 +68,12 @@ def main() -> None:
             raise specs.SpecError(f"{args.spec}: kind {spec.kind!r} is not a TPU spec")
         launch = specs.Launch.make(spec, args.queue, args.code, args.consumer,
                                    None if args.spawn_flags is None else shlex.split(args.spawn_flags))
-        fleet_keeper = keeper.Keeper(tpu.TpuClients.connect(), spec, launch, project, zones, args.count,
-                                     pending_tasks(args.queue), dry_run=args.dry_run)
+        fleet_keeper = keeper.Keeper(tpu.TpuClients.connect(), spec, launch, project, zones, args.count * spec.slices,
+                                     queue_work(args.queue), dry_run=args.dry_run)
         report = fleet_keeper.run(args.interval, max_steps=1 if args.once else None)
     except (specs.SpecError, keeper.KeeperError) as err:
         sys.exit(f"error: {err}")
-    print(f"pending={report.pending} alive={len(report.alive)} deleted={len(report.deleted)} created={len(report.created)}")
+    print(f"claimable={report.work.claimable} held={report.work.held} alive={len(report.alive)} deleted={len(report.deleted)} created={len(report.created)}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCloud]:
         yield server
     finally:
         server.stop()
+    assert not server.schema_breaks, f"the fake answered outside Google's schema: {server.schema_breaks}"
 
 
 def _client_args(server: FakeCloud) -> dict:

@@ -17,14 +17,20 @@ call, never a silent success.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 
+from tests.cloud import apischema
 from tests.cloud.fakehttp import FakeHTTPServer, Request, Response
 
 COMPUTE = "/compute/v1/"
 TPU = "/v2/"
-CRM = "/v1/projects/"  # Cloud Resource Manager: testIamPermissions, getIamPolicy
+CRM = "/v1/projects/"  # Cloud Resource Manager: testIamPermissions, getIamPolicy, getAncestry
+CRM_V3 = "/v3/"  # Cloud Resource Manager v3: folders and organizations getIamPolicy
 STORAGE = "/storage/v1/b/"  # bucket metadata and bucket IAM policy (objects are tests/fakegcs's)
+# Which of Google's discovery documents (tests/cloud/apischema.py) each path prefix is checked against.
+_APIS = ((COMPUTE, "compute.v1"), (TPU, "tpu.v2"), (CRM, "cloudresourcemanager.v1"), (CRM_V3, "cloudresourcemanager.v3"),
+         (STORAGE, "storage.v1"))
 _STATUS_NAMES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
                  412: "FAILED_PRECONDITION", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 
@@ -43,7 +49,14 @@ class FakeCloud(FakeHTTPServer):
         #: Permissions the caller holds on every project (testIamPermissions); None: all it asks for.
         self.held_permissions: set[str] | None = None
         self.project_policies: dict[str, dict] = {}  # project -> IAM policy (getIamPolicy)
-        self.buckets: dict[str, dict] = {}  # bucket -> {"location": ..., "policy": {...}}
+        #: bucket -> {"location", "bindings", and optionally "locationType", "dataLocations"}
+        self.buckets: dict[str, dict] = {}
+        #: project -> its ancestors, nearest first, e.g. ["folders/12", "organizations/34"] (getAncestry)
+        self.ancestry: dict[str, list[str]] = {}
+        #: "folders/12" or "organizations/34" -> IAM policy; absent: 403, as for a caller without the permission
+        self.resource_policies: dict[str, dict] = {}
+        #: Answers of this fake that Google's schema refuses (tests/cloud/apischema.py); must stay empty.
+        self.schema_breaks: list[str] = []
 
     # -- helpers for tests
 
@@ -70,17 +83,55 @@ class FakeCloud(FakeHTTPServer):
 
     def handle(self, request: Request) -> Response:
         try:
+            checked = self._check_schema(request)
+        except apischema.SchemaViolation as violation:
+            return self._schema_error(request, violation)
+        response = self._answer(request)
+        if checked is not None and response.status == 200:
+            api, method = checked
+            try:
+                api.check_response(method, json.loads(response.body))
+            except AssertionError as broken:
+                # A fault of the fake, not of the code under test: the `cloud` fixture fails the test.
+                with self.lock:
+                    self.schema_breaks.append(str(broken))
+                return Response.json(500, {"error": {"code": 500, "message": str(broken), "status": "INTERNAL"}})
+        return response
+
+    def _answer(self, request: Request) -> Response:
+        try:
             if request.path.startswith(COMPUTE):
                 return self._compute(request, request.path[len(COMPUTE) :])
             if request.path.startswith(TPU):
                 return self._tpu(request, request.path[len(TPU) :])
             if request.path.startswith(CRM):
                 return self._resource_manager(request, request.path[len(CRM) :])
+            if request.path.startswith(CRM_V3):
+                return self._resource_policy(request, request.path[len(CRM_V3) :])
             if request.path.startswith(STORAGE):
                 return self._bucket(request, request.path[len(STORAGE) :])
             raise _ApiError(404, f"no such API on the fake: {request.method} {request.path}")
         except _ApiError as err:
             return self._error(err, tpu=request.path.startswith(TPU))
+
+    @staticmethod
+    def _check_schema(request: Request) -> tuple[apischema.Api, apischema.Method] | None:
+        """Refuse, as Google would, any request its published discovery document refuses (tests/cloud/apischema.py)."""
+        for prefix, name in _APIS:
+            if request.path.startswith(prefix):
+                api = apischema.api(name)
+                return api, api.check(request.method, request.path, request.query, request.body)
+        return None
+
+    @staticmethod
+    def _schema_error(request: Request, violation: apischema.SchemaViolation) -> Response:
+        payload = apischema.bad_request(violation)
+        if request.path.startswith(COMPUTE) or request.path.startswith(STORAGE):
+            # Compute Engine and Cloud Storage also answer the older `errors` list
+            # (https://cloud.google.com/compute/docs/api/how-tos/api-requests-responses#handling_api_errors).
+            payload["error"]["errors"] = [{"domain": "global", "reason": "invalid" if violation.status == 400 else "notFound",
+                                           "message": str(violation)}]
+        return Response.json(violation.status, payload)
 
     @staticmethod
     def _error(err: _ApiError, tpu: bool) -> Response:
@@ -226,10 +277,14 @@ class FakeCloud(FakeHTTPServer):
 
     def _compute_reads(self, method: str, scope: str, rest: str) -> Response | None:
         """regions.get (`projects/P/regions/R` with an empty rest is matched by the caller's regex
-        as scope + rest) and machineTypes.get, served from `resources` like everything else."""
+        as scope + rest), machineTypes.get, subnetworks.get and .list, served from `resources`."""
         if method != "GET":
             return None
-        if re.fullmatch(r"machineTypes/[^/]+", rest):
+        if rest == "subnetworks":
+            key = f"{scope}/subnetworks/"
+            items = [v for k, v in sorted(self.resources.items()) if k.startswith(key)]
+            return Response.json(200, {"kind": "compute#subnetworkList", "items": items})
+        if re.fullmatch(r"(machineTypes|subnetworks)/[^/]+", rest):
             target = f"{scope}/{rest}"
             if target not in self.resources:
                 raise _ApiError(404, f"The resource '{target}' was not found")
@@ -246,7 +301,7 @@ class FakeCloud(FakeHTTPServer):
     # -- Cloud Resource Manager
 
     def _resource_manager(self, request: Request, path: str) -> Response:
-        match = re.fullmatch(r"([^/:]+):(testIamPermissions|getIamPolicy)", path)
+        match = re.fullmatch(r"([^/:]+):(testIamPermissions|getIamPolicy|getAncestry)", path)
         if not match or request.method != "POST":
             raise self._unsupported(request)
         project, verb = match.groups()
@@ -255,9 +310,21 @@ class FakeCloud(FakeHTTPServer):
                 asked = request.body.get("permissions", [])
                 held = [p for p in asked if self.held_permissions is None or p in self.held_permissions]
                 return Response.json(200, {"permissions": held} if held else {})
+            if verb == "getAncestry":
+                ancestors = [("project", project)] + [tuple(a.split("s/", 1)) for a in self.ancestry.get(project, [])]
+                return Response.json(200, {"ancestor": [{"resourceId": {"type": t, "id": i}} for t, i in ancestors]})
             if project not in self.project_policies:
                 raise _ApiError(403, f"The caller does not have permission resourcemanager.projects.getIamPolicy on {project}")
             return Response.json(200, self.project_policies[project])
+
+    def _resource_policy(self, request: Request, path: str) -> Response:
+        match = re.fullmatch(r"((?:folders|organizations)/[^/:]+):getIamPolicy", path)
+        if not match or request.method != "POST":
+            raise self._unsupported(request)
+        with self.lock:
+            if match.group(1) not in self.resource_policies:
+                raise _ApiError(403, f"The caller does not have permission getIamPolicy on {match.group(1)}")
+            return Response.json(200, self.resource_policies[match.group(1)])
 
     # -- Cloud Storage buckets (metadata and IAM only)
 
@@ -273,8 +340,11 @@ class FakeCloud(FakeHTTPServer):
             if iam:
                 return Response.json(200, {"kind": "storage#policy", "resourceId": f"projects/_/buckets/{name}",
                                            "version": 1, "bindings": bucket.get("bindings", []), "etag": "CAE="})
-            return Response.json(200, {"kind": "storage#bucket", "name": name, "id": name,
-                                       "location": bucket["location"], "locationType": bucket.get("locationType", "region")})
+            body = {"kind": "storage#bucket", "name": name, "id": name, "location": bucket["location"],
+                    "locationType": bucket.get("locationType", "region")}
+            if "dataLocations" in bucket:  # a configurable dual-region
+                body["customPlacementConfig"] = {"dataLocations": bucket["dataLocations"]}
+            return Response.json(200, body)
 
     # -- queued-resource state transitions
 

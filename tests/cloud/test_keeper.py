@@ -1,6 +1,6 @@
 """fleet.keeper and tools/fleetctl.py keep against the fake TPU API: a preempted spot TPU (its queued
-resource SUSPENDED) is deleted and replaced, a refusing zone falls back to the next, and a
-drained queue stops the keeper."""
+resource SUSPENDED) is deleted and replaced while claimable work outnumbers the idle machines, never
+in a tail held by others; a refusing zone falls back to the next, and a drained queue stops the keeper."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fleet import keeper, specs
+from fleet import keeper, specs, tpu
 from objectstore import open_store
+from taskqueue.claims import ClaimOptions, Claimer
 from taskqueue.submit import submit
 from tests.cloud.fakecloud import FakeCloud
 
@@ -27,15 +28,29 @@ def _qr(zone: str, rid: str) -> str:
     return f"projects/{PROJECT}/locations/{zone}/queuedResources/{rid}"
 
 
-def _keeper(tpu_clients, count: int, pending: list[int], zones=(ZONE_A, ZONE_B)) -> keeper.Keeper:
+def _keeper(tpu_clients, count: int, work: list[keeper.Work], zones=(ZONE_A, ZONE_B)) -> keeper.Keeper:
+    """A keeper whose queue holds `work[0]` (a test changes it between steps)."""
     spec = specs.load_spec(TPU_SPEC)
     launch = specs.Launch.make(spec, "gs://bkt/jobs/j", "gs://bkt/code/c")
-    return keeper.Keeper(tpu_clients, spec, launch, PROJECT, list(zones), count, lambda: pending[0])
+    return keeper.Keeper(tpu_clients, spec, launch, PROJECT, list(zones), count, lambda: work[0])
+
+
+def _free(claimable: int) -> list[keeper.Work]:
+    return [keeper.Work(claimable=claimable, held=0)]
+
+
+def _running_fleet(cloud: FakeCloud, tpu_clients, count: int, *preempted: str) -> tuple[keeper.Keeper, list[keeper.Work], keeper.StepReport]:
+    """A keeper that has launched `count` machines for plenty of work, then seen `preempted` ones SUSPENDED."""
+    work = _free(10)
+    fleet_keeper = _keeper(tpu_clients, count, work)
+    first = fleet_keeper.step()
+    for rid in preempted:
+        cloud.set_queued_resource_state(_qr(ZONE_A, rid), "SUSPENDED")
+    return fleet_keeper, work, first
 
 
 def test_keeper_replaces_a_suspended_tpu_while_work_is_pending(cloud: FakeCloud, tpu_clients):
-    pending = [10]
-    fleet_keeper = _keeper(tpu_clients, 2, pending)
+    fleet_keeper = _keeper(tpu_clients, 2, _free(10))
     first = fleet_keeper.step()
     assert first.created == [f"{ZONE_A}/spawn-tpu-0000", f"{ZONE_A}/spawn-tpu-0001"]
     assert fleet_keeper.step().created == []  # both ACTIVE: nothing to do
@@ -55,14 +70,14 @@ def test_keeper_replaces_a_suspended_tpu_while_work_is_pending(cloud: FakeCloud,
 
 def test_keeper_falls_back_to_the_next_zone_when_one_refuses(cloud: FakeCloud, tpu_clients):
     cloud.fail_next(1, 429, method="POST", path_contains=f"locations/{ZONE_A}/queuedResources")
-    report = _keeper(tpu_clients, 1, [3]).step()
+    report = _keeper(tpu_clients, 1, _free(3)).step()
     assert report.created == [f"{ZONE_B}/spawn-tpu-0000"]
     assert len(report.refused) == 1 and report.refused[0].startswith(f"{ZONE_A}: ")
     assert _qr(ZONE_B, "spawn-tpu-0000") in cloud.resources
 
 
 def test_keeper_moves_away_from_a_zone_whose_resource_failed(cloud: FakeCloud, tpu_clients):
-    fleet_keeper = _keeper(tpu_clients, 1, [5])
+    fleet_keeper = _keeper(tpu_clients, 1, _free(5))
     fleet_keeper.step()
     cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0000"), "FAILED")
     report = fleet_keeper.step()
@@ -70,11 +85,8 @@ def test_keeper_moves_away_from_a_zone_whose_resource_failed(cloud: FakeCloud, t
 
 
 def test_keeper_stops_when_the_queue_is_drained_and_creates_nothing(cloud: FakeCloud, tpu_clients):
-    pending = [1]
-    fleet_keeper = _keeper(tpu_clients, 2, pending)
-    fleet_keeper.step()
-    cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0001"), "SUSPENDED")
-    pending[0] = 0
+    fleet_keeper, work, _ = _running_fleet(cloud, tpu_clients, 2, "spawn-tpu-0001")
+    work[0] = keeper.Work(claimable=0, held=0)
     before = len(cloud.calls())
     report = fleet_keeper.run(interval_s=0, max_steps=5)
     assert report.drained and report.created == [] and report.deleted == []
@@ -84,7 +96,7 @@ def test_keeper_stops_when_the_queue_is_drained_and_creates_nothing(cloud: FakeC
 def test_fleet_keep_tool_dry_run_prints_the_replacement_and_sends_nothing(cloud: FakeCloud, tpu_clients, gcs_bucket: str, gcs_client):
     queue = f"gs://{gcs_bucket}/jobs/j"
     submit(open_store(queue), None, [("t1", json.dumps({"id": "t1"}).encode())])
-    fleet_keeper = _keeper(tpu_clients, 1, [1])
+    fleet_keeper = _keeper(tpu_clients, 1, _free(1))
     fleet_keeper.step()
     cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0000"), "SUSPENDED")
     mutations = len(cloud.mutations())
@@ -97,10 +109,131 @@ def test_fleet_keep_tool_dry_run_prints_the_replacement_and_sends_nothing(cloud:
     assert len(cloud.mutations()) == mutations
     assert '"request": "DeleteQueuedResourceRequest"' in result.stdout
     assert '"request": "CreateQueuedResourceRequest"' in result.stdout and "spawn-tpu-0001" in result.stdout
-    assert "pending=1 alive=0 deleted=1 created=1" in result.stdout
+    assert "claimable=1 held=0 alive=0 deleted=1 created=1" in result.stdout
 
 
 def test_keeper_refuses_plain_node_specs(tmp_path: Path):
     spec = specs.parse_spec({**__import__("yaml").safe_load(TPU_SPEC.read_text()), "queued": False}, "x.yaml")
     with pytest.raises(keeper.KeeperError, match="queued: false"):
         keeper.Keeper(None, spec, specs.Launch.make(spec, "gs://b/q", "gs://b/c"), PROJECT, [ZONE_A], 1, lambda: 1)
+
+
+def test_keeper_creates_nothing_in_a_tail_held_by_others(cloud: FakeCloud, tpu_clients):
+    """The last tasks are held by live machines and nothing is claimable: a preempted machine is
+    cleaned up but not replaced, since its replacement could only boot, idle out and delete itself."""
+    fleet_keeper, work, first = _running_fleet(cloud, tpu_clients, 4, "spawn-tpu-0000", "spawn-tpu-0001")
+    assert len(first.created) == 4
+    work[0] = keeper.Work(claimable=0, held=2)  # the two survivors hold the last two tasks
+    report = fleet_keeper.step()
+    assert report.deleted == ["spawn-tpu-0000", "spawn-tpu-0001"] and report.created == []
+    assert len(report.alive) == 2
+    assert not [c for c in cloud.calls("POST") if "spawn-tpu-0004" in c.query.get("queuedResourceId", "")]
+
+
+def test_keeper_replaces_only_for_work_the_idle_machines_cannot_take(cloud: FakeCloud, tpu_clients):
+    fleet_keeper, work, _ = _running_fleet(cloud, tpu_clients, 4, "spawn-tpu-0000")
+    # 3 alive, 2 of them holding a task (1 idle); 3 claimable: the idle one takes 1, 2 more are needed,
+    # but only 1 fits under --count.
+    work[0] = keeper.Work(claimable=3, held=2)
+    assert fleet_keeper.step().created == [f"{ZONE_A}/spawn-tpu-0004"]
+    # 4 alive, 3 holding, 1 idle, 1 claimable: the idle machine takes it.
+    cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0001"), "SUSPENDED")
+    work[0] = keeper.Work(claimable=1, held=2)
+    report = fleet_keeper.step()
+    assert report.deleted == ["spawn-tpu-0001"] and report.created == []
+
+
+@pytest.mark.parametrize(
+    "count, alive, claimable, held, wanted",
+    [(4, 0, 10, 0, 4), (4, 2, 10, 2, 2), (4, 2, 0, 2, 0), (4, 2, 1, 2, 1), (4, 3, 1, 2, 0), (4, 4, 9, 4, 0), (4, 1, 0, 5, 0)],
+)
+def test_replacements_cover_claimable_work_beyond_idle_machines(count, alive, claimable, held, wanted):
+    assert keeper.replacements(count, alive, keeper.Work(claimable=claimable, held=held)) == wanted
+
+
+def test_keeper_in_a_simulated_tail_launches_only_while_claimable_work_waits(cloud: FakeCloud, tpu_clients, capsys):
+    """Ten tasks of three keeper intervals each, at most four machines, a preemption of a working
+    machine mid-job (interval 2) and in the tail (interval 6). Each interval: the keeper steps, then
+    every alive machine without a task claims one, tasks progress, and a machine that found nothing
+    to claim for two intervals deletes itself (spawn.py --on-empty delete). A preempted machine's
+    task becomes claimable again (its lease released, or expired)."""
+    tasks_left, duration, idle_limit = 10, 3, 2
+    running: dict[str, int] = {}  # queued resource -> intervals left on its task
+    idle: dict[str, int] = {}  # queued resource -> intervals it found nothing to claim
+    work = [keeper.Work(claimable=tasks_left, held=0)]
+    fleet_keeper = _keeper(tpu_clients, 4, work, zones=(ZONE_A,))
+    timeline = []
+    for interval in range(30):
+        if interval in (2, 6) and running:
+            victim = sorted(running)[0]
+            cloud.set_queued_resource_state(_qr(ZONE_A, victim), "SUSPENDED")
+            del running[victim]
+            tasks_left += 1
+        work[0] = keeper.Work(claimable=tasks_left, held=len(running))
+        report = fleet_keeper.step()
+        created = [c.rsplit("/", 1)[1] for c in report.created]
+        timeline.append((interval, work[0], len(report.alive), created))
+        if report.drained:
+            break
+        for rid in sorted(report.alive) + created:
+            if rid in running:
+                continue
+            if tasks_left:
+                running[rid], tasks_left = duration, tasks_left - 1
+                idle.pop(rid, None)
+            else:
+                idle[rid] = idle.get(rid, 0) + 1
+                if idle[rid] >= idle_limit:  # idled out: the machine deletes its own queued resource
+                    tpu_clients.send(tpu.delete_queued_resource(_qr(ZONE_A, rid)))
+        for rid in list(running):
+            running[rid] -= 1
+            if running[rid] == 0:
+                del running[rid]
+    with capsys.disabled():
+        print("\ninterval claimable held alive created")
+        for interval, seen, alive, created in timeline:
+            print(f"{interval:8d} {seen.claimable:9d} {seen.held:4d} {alive:5d} {','.join(created) or '-'}")
+    assert timeline[-1][1] == keeper.Work(0, 0)  # drained
+    # Every creation answered claimable work beyond the idle machines; none came once nothing was claimable.
+    for _, seen, alive, created in timeline:
+        if created:
+            assert seen.claimable > max(0, alive - seen.held)
+    # The mid-job preemption is replaced; the tail one is not: at interval 6 the three idle machines
+    # take the three claimable tasks (the preempted one's among them), and from then on nothing is
+    # claimable, so the fleet shrinks to zero as its machines idle out.
+    assert [(i, c) for i, _, _, cs in timeline for c in cs] == [
+        (0, "spawn-tpu-0000"), (0, "spawn-tpu-0001"), (0, "spawn-tpu-0002"), (0, "spawn-tpu-0003"), (2, "spawn-tpu-0004"),
+    ]
+    assert [alive for _, _, alive, _ in timeline][-4:] == [3, 3, 3, 0]
+
+
+def test_fleet_keep_tool_reads_tasks_held_by_others_as_not_claimable(cloud: FakeCloud, tpu_clients, gcs_bucket: str, gcs_client):
+    """The tool counts the queue through taskqueue.status: two tasks under live leases of another
+    worker are held, not claimable, so a preempted machine is deleted and not replaced."""
+    queue = f"gs://{gcs_bucket}/jobs/tail"
+    store = open_store(queue)
+    submit(store, None, [(t, json.dumps({"id": t}).encode()) for t in ("t1", "t2")])
+    claimer = iter(Claimer(store, ClaimOptions(worker="other-machine", lease_ttl_s=600, idle_timeout_s=1, poll_min_s=0.01,
+                                               poll_max_s=0.05)))
+    assert {next(claimer).task_id, next(claimer).task_id} == {"t1", "t2"}
+    fleet_keeper = _keeper(tpu_clients, 2, _free(2))
+    fleet_keeper.step()
+    cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0000"), "SUSPENDED")
+    result = subprocess.run(
+        [sys.executable, "tools/fleetctl.py", "keep", str(TPU_SPEC), "--count", "2", "--zones", f"{ZONE_A},{ZONE_B}",
+         "--queue", queue, "--code", "gs://bkt/code/c", "--project", PROJECT, "--once", "--dry-run"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "claimable=0 held=2 alive=1 deleted=1 created=0" in result.stdout
+    assert '"request": "CreateQueuedResourceRequest"' not in result.stdout
+
+
+def test_zones_are_accepted_comma_separated_or_repeated():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import fleetctl
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    assert fleetctl.zone_list(["us-west4-a,us-east5-b", "us-central2-b", "us-west4-a"]) == [
+        "us-west4-a", "us-east5-b", "us-central2-b"]

@@ -1,5 +1,5 @@
 """Multi-host slices on the cloud side: roles from the (fake) TPU metadata server, spawn.py options from
-fleet.service, multi-host and multislice queued resources through the (fake) TPU API, and a slice's
+fleet.service, multi-host queued resources and `slices: K` as K independent ones through the (fake) TPU API, and a slice's
 single self-deletion from its leader."""
 
 from __future__ import annotations
@@ -86,29 +86,33 @@ def test_multi_host_queued_resource_is_created_and_deleted_through_the_tpu_api(
     assert cloud.calls("DELETE")[-1].query.get("force") == "true"
 
 
-def test_multislice_is_one_queued_resource_with_a_node_per_slice(
-    cloud: FakeCloud, tpu_clients: tpu.TpuClients, tmp_path: Path, capsys
-):
-    spec = _spec(tmp_path, accelerator_type="v6e-8", runtime_version="v2-alpha-tpuv6e", slices=3,
-                 spawn_flags=["--on-empty", "delete-when-drained"])  # fmt: skip
+def test_slices_are_independent_single_slice_queued_resources(cloud: FakeCloud, tpu_clients: tpu.TpuClients, tmp_path: Path, capsys):
+    """`slices: 3` makes 3 queued resources of one slice each, never one multislice queued resource:
+    a multislice's MEGASCALE_* tpu-env would make JAX and libtpu expect one 3-slice program, and a
+    preemption would take all 3 slices (docs/CLOUD.md, "Slices")."""
+    spec = _spec(tmp_path, accelerator_type="v6e-8", runtime_version="v2-alpha-tpuv6e", slices=3)
     launch.create_tpus(spec, "proj-a", "us-east5-b", 1, QUEUE, CODE, dry_run=True)
-    [printed] = json.loads(capsys.readouterr().out)
-    [node_spec] = printed["fields"]["queuedResource"]["tpu"]["nodeSpec"]
-    assert node_spec["multisliceParams"] == {"nodeCount": 3, "nodeIdPrefix": "spawn-tpu-0000"}
-    assert "nodeId" not in node_spec
+    printed = json.loads(capsys.readouterr().out)
+    assert [p["fields"]["queuedResourceId"] for p in printed] == ["spawn-tpu-0000", "spawn-tpu-0001", "spawn-tpu-0002"]
+    for request in printed:
+        [node_spec] = request["fields"]["queuedResource"]["tpu"]["nodeSpec"]
+        assert node_spec["nodeId"] == request["fields"]["queuedResourceId"] and "multisliceParams" not in node_spec
     assert cloud.requests == []
 
-    launch.create_tpus(spec, "proj-a", "us-east5-b", 1, QUEUE, CODE, clients=tpu_clients)
-    nodes = sorted(k.rsplit("/", 1)[1] for k in cloud.resources if "/nodes/" in k)
-    assert nodes == ["spawn-tpu-0000-0", "spawn-tpu-0000-1", "spawn-tpu-0000-2"]
-    tpu_clients.send(tpu.delete_queued_resource("projects/proj-a/locations/us-east5-b/queuedResources/spawn-tpu-0000"))
-    assert not [k for k in cloud.resources if "/nodes/" in k]
+    launch.create_tpus(spec, "proj-a", "us-east5-b", 2, QUEUE, CODE, clients=tpu_clients)
+    where = "projects/proj-a/locations/us-east5-b"
+    assert sorted(k.rsplit("/", 1)[1] for k in cloud.resources if "/queuedResources/" in k) == [
+        f"spawn-tpu-{i:04d}" for i in range(6)]
+    # One slice preempted: its queued resource is SUSPENDED and its node gone; the other five keep working.
+    cloud.set_queued_resource_state(f"{where}/queuedResources/spawn-tpu-0001", "SUSPENDED")
+    assert sorted(k.rsplit("/", 1)[1] for k in cloud.resources if "/nodes/" in k) == [
+        f"spawn-tpu-{i:04d}" for i in (0, 2, 3, 4, 5)]
 
 
-def test_multislice_refuses_a_delete_on_idle_that_would_take_the_other_slices_along(tmp_path: Path):
-    spec = _spec(tmp_path, slices=2)  # the template's flags say --on-empty delete
-    with pytest.raises(specs.SpecError, match="use '--on-empty delete-when-drained'"):
-        specs.load_spec(spec)
+def test_slices_may_delete_themselves_when_idle(tmp_path: Path):
+    """Each slice owns its queued resource, so the template's `--on-empty delete` is safe with slices."""
+    spec = specs.load_spec(_spec(tmp_path, slices=2))
+    assert spec.slices == 2 and ["--on-empty", "delete"] == spec.spawn_flags[:2]
 
 
 def test_a_slice_deletes_itself_once_from_its_leader(tmp_path: Path):
