@@ -44,6 +44,10 @@ INDEX_NAME = "index.json"
 DONE_PREFIX = "done/"
 
 
+class MissingStats(ActivationsError):
+    """A shard written before the normalisation statistics existed."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardRef:
     """A shard and what its progress record says about it (None where the source had no record)."""
@@ -186,7 +190,7 @@ def read_header(url: str, reader: ByteReader) -> ShardHeader:
 def read_stats(url: str, header: ShardHeader, reader: ByteReader) -> dict[int, LayerStats]:
     """A shard's per-layer statistics: one ranged read of the stats tensors."""
     if not header.has_stats():
-        raise ActivationsError(f"shard {url}: holds no normalisation statistics (written before they existed); "
+        raise MissingStats(f"shard {url}: holds no normalisation statistics (written before they existed); "
                                "re-extract it, or train without normalisation")  # fmt: skip
     start, end = header.stats_range()
     block = np.frombuffer(reader.read(url, start, end), dtype=np.uint8)

@@ -48,7 +48,8 @@ def write_task(
     root: pathlib.Path, task: str, lengths: list[int], *, shard_size: int, seed: int, first_token: int = 0
 ) -> tuple[list[dict], np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    store = objectstore.open_store(str(root / "out" / task))
+    queue = objectstore.open_store(str(root))  # the queue's store: its children share its bookkeeping
+    store = queue.child(f"out/{task}")
     samples, start = [], first_token
     token_ids, positions = [], []
     for i, n in enumerate(lengths):
@@ -74,9 +75,7 @@ def write_task(
             hidden[layer] = out
         writer.submit(batch, hidden)
     records = writer.finish()
-    marker = root / "done" / f"{task}.json"
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"task": task, "outputs": records}))
+    queue.create(f"done/{task}.json", json.dumps({"task": task, "outputs": records}).encode())
     return records, np.concatenate(token_ids), np.concatenate(positions)
 
 
