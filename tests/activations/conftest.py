@@ -99,3 +99,45 @@ def written(tmp_path_factory) -> Written:
     acts = open_activations(str(root))
     layers = {layer: acts.layer(layer) for layer in LAYERS}
     return Written(root, records, np.concatenate(ids), np.concatenate(positions), layers)
+
+
+@dataclasses.dataclass
+class ExtractedJob:
+    queue: pathlib.Path  # done/t0.json names the shards consume.py wrote under out/
+    layer: int
+    hidden: int
+    num_hidden_layers: int
+
+
+@pytest.fixture(scope="session")
+def extracted_job(tmp_path_factory) -> ExtractedJob:
+    """`make run`'s model (tools/local_run.py: a random Qwen2, hidden 128, 4 layers, GQA 4/2, a trained tokenizer) run
+    by the real consume.py over one task of FineWeb-like rows; its progress records become the task's done marker."""
+    import os
+    import subprocess
+    import sys
+
+    from extract.tiny import write_fineweb_like_parquet, write_tiny_qwen
+    from tests.workers import REPO
+
+    root = tmp_path_factory.mktemp("extracted")
+    model = write_tiny_qwen(root / "model", model_type="qwen2", hidden=128, layers=4, heads=4, kv_heads=2, vocab=512)
+    (parquet,) = write_fineweb_like_parquet(root / "data", n_files=1, rows_per_file=[96], seed=1)
+    job = {"model": str(model), "data_files": [str(parquet)], "layers": [2], "max_seq_len": 128, "batch_size": 16,
+           "shard_size": 32, "buckets": [32, 128]}  # fmt: skip
+    task = {"id": "t0", "files": [{"path": str(parquet), "base": 0, "start": 0, "end": 96}]}
+    (root / "job.json").write_text(json.dumps(job))
+    (root / "task.json").write_text(json.dumps(task))
+    queue = objectstore.open_store(str(root / "queue"))
+    progress = root / "progress.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = {k: v for k, v in env.items() if not k.startswith("SPAWN_")}
+    result = subprocess.run(
+        [sys.executable, "consume.py", "--job-file", str(root / "job.json"), "--task-file", str(root / "task.json"),
+         "--output", str(root / "queue" / "out" / "t0" / "1"), "--progress-file", str(progress)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in progress.read_text().splitlines()]
+    queue.create("done/t0.json", json.dumps({"task": "t0", "outputs": records}).encode())
+    return ExtractedJob(root / "queue", layer=2, hidden=128, num_hidden_layers=4)
