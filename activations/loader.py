@@ -101,7 +101,7 @@ class _ShardRows:
 
     shard: int  # index into the loader's shard list
     lo: int  # first absolute row of this rank's slice
-    data: np.ndarray  # [layers, hi - lo, d], stored dtype
+    data: np.ndarray  # [layers, hi - lo, d], the stored bits as unsigned integers of the stored width
     token_ids: np.ndarray | None  # [hi - lo]
     kept: np.ndarray  # int64 indices into the slice, in order
 
@@ -183,6 +183,9 @@ class ActivationLoader:
         self.layers = tuple(int(layer) for layer in chosen)
         self.hidden_size = first.hidden_size
         self.stored_dtype = first.layer(self.layers[0]).dtype
+        # Rows are moved as raw unsigned integers of the same width: numpy copies those at memory speed, while a
+        # fancy-index assignment of ml_dtypes' bfloat16 takes a per-element path about 20 times slower.
+        self._raw = np.dtype(f"u{self.stored_dtype.itemsize}")
         self._row_shape = (len(self.layers), self.hidden_size)
         self._first_tokens = first.num_tokens
         self._norm = self._normalisation(stats) if normalize else None
@@ -287,7 +290,7 @@ class ActivationLoader:
         self._current: _ShardRows | None = None
         self._rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
         if not hasattr(self, "_buffer"):
-            self._buffer = np.empty((self.capacity, *self._row_shape), dtype=self.stored_dtype)
+            self._buffer = np.empty((self.capacity, *self._row_shape), dtype=self._raw)
             self._src_shard = np.zeros(self.capacity, dtype=np.int32)
             self._src_row = np.zeros(self.capacity, dtype=np.int64)
             self._tokens = np.zeros(self.capacity, dtype=np.int32) if self.return_token_ids else None
@@ -351,7 +354,7 @@ class ActivationLoader:
         self._check_matches(ref, header)
         n = header.num_tokens
         lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
-        data = np.empty((len(self.layers), hi - lo, self.hidden_size), dtype=self.stored_dtype)
+        data = np.empty((len(self.layers), hi - lo, self.hidden_size), dtype=self._raw)
         reads: list[Future[None]] = []
         for i, layer in enumerate(self.layers):
             reads += self._read_rows(ref.url, header.layer(layer).rows(lo, hi)[0], data[i])
@@ -388,7 +391,7 @@ class ActivationLoader:
     # -- batches ------------------------------------------------------------------------------------------------
 
     def _next_rows(self) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """The next batch in the stored dtype, [m, layers, d], with its token ids; None when the last epoch ends."""
+        """The next batch as stored bits, [m, layers, d], with its token ids; None when the last epoch ends."""
         while self.epochs is None or self._epoch < self.epochs:
             parts, tokens = self._fill_batch()
             if parts and (not self.drop_last or sum(len(p) for p in parts) == self.batch_size):
@@ -497,6 +500,7 @@ class ActivationLoader:
         return sum_stats(self.shards, self._reader)
 
     def _convert(self, rows: np.ndarray, tokens: np.ndarray | None) -> Any:
+        rows = rows.view(self.stored_dtype)
         if self._norm is not None or rows.dtype != self.dtype:
             wide = as_float32(rows)
             if self._norm is not None:
