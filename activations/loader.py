@@ -339,7 +339,10 @@ class ActivationLoader:
             if self._j < len(current.kept):
                 picked = current.kept[self._j : self._j + limit]
                 self._j += len(picked)
-                rows = np.take(current.data, picked, axis=1).transpose(1, 0, 2)
+                if picked[-1] - picked[0] == len(picked) - 1:  # consecutive rows (no filter dropped any): no gather
+                    rows = current.data[:, picked[0] : picked[-1] + 1].transpose(1, 0, 2)
+                else:
+                    rows = np.take(current.data, picked, axis=1).transpose(1, 0, 2)
                 tokens = current.token_ids[picked] if self.return_token_ids else None
                 return rows, np.full(len(picked), current.shard, np.int32), current.lo + picked, tokens
             self._k, self._j, self._current = self._k + 1, 0, None
@@ -412,7 +415,7 @@ class ActivationLoader:
                 piece = self._take(need)
                 if piece is None:
                     break
-                parts.append(np.ascontiguousarray(piece[0]))
+                parts.append(np.array(piece[0], order="C"))  # a copy: a batch never pins its shard in memory
                 if tokens is not None:
                     tokens.append(piece[3])
                 need -= len(piece[0])

@@ -4,8 +4,9 @@ Writes shards of the Qwen2.5-7B shape (layers 15-18 x d=3584, bf16, ~9,000 token
 statistics and tensors the real writer stores) to tmpfs (/dev/shm), local disk and the test GCS server (tests/fakegcs
 in its own process), then reads one layer back with `ActivationLoader` and prints, side by side:
 
-- tokens/s and GB/s of activations delivered (bf16 payload, one layer), shuffle on (a 2^17-token buffer) and off,
-  from each place;
+- tokens/s and GB/s of activations delivered (bf16 payload, one layer), shuffle on (a 2^15-token buffer by default,
+  smaller than the data so that most steps are steady-state swaps) and off, from each place, and GB delivered per
+  CPU-second of the process (what one free core delivers, whatever else the machine runs);
 - how throughput scales with reader threads and read-ahead (tmpfs, shuffle on);
 - the writer's ceiling on the same shape: `ShardWriter` fed ready batches of FineWeb-like lengths and storing to a
   null store (bench/host_bench.py's "writer encode" stage), in tokens/s and GB/s of all four layers, and per layer;
@@ -14,7 +15,7 @@ in its own process), then reads one layer back with `ActivationLoader` and print
 Local disk is read through the page cache: the shards were just written, so the figures are the loader's cost over
 cached files, not the device's speed (dropping the cache would disturb other users of the machine).
 
-    .venv/bin/python bench/read_bench.py                    # 4 shards (1 GB) per place
+    .venv/bin/python bench/read_bench.py                    # 6 shards (1.5 GB) per place
     .venv/bin/python bench/read_bench.py --shards 2 --skip-gcs --skip-writer
 """
 
@@ -117,7 +118,9 @@ def writer_ceiling(docs: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shards", type=int, default=4, help="shards per place")
+    parser.add_argument("--shards", type=int, default=6, help="shards per place")
+    parser.add_argument("--shuffle-tokens", type=int, default=1 << 15,
+                        help="shuffle buffer (smaller than the data, so that most steps are steady-state swaps)")
     parser.add_argument("--tokens", type=int, default=9000, help="tokens per shard (9,000 x 4 layers = 258 MB)")
     parser.add_argument("--epochs", type=int, default=2, help="passes over the shards per measurement")
     parser.add_argument("--disk-dir", default=None, help="local-disk directory (default: a temporary one)")
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--writer-docs", type=int, default=400)
     args = parser.parse_args(argv)
     cores = os.cpu_count() or 1
-    shuffle_on = {"shuffle_tokens": 1 << 17}
+    shuffle_on = {"shuffle_tokens": args.shuffle_tokens}
     shuffle_off = {"shuffle": False}
 
     rows: list[tuple[str, str, float, float, float]] = []
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     for place, shuffle, tokens_s, gb_s, gb_cpu in rows:
         print(f"{place:16s} {shuffle:>7s} {tokens_s:10.0f} {gb_s:6.2f} {gb_cpu:13.2f}")
     print()
-    print("tmpfs, shuffle on (2^17-token buffer): GB/s by reader threads x read-ahead shards")
+    print(f"tmpfs, shuffle on ({args.shuffle_tokens}-token buffer): GB/s by reader threads x read-ahead shards")
     print(f"{'threads':>8s}" + "".join(f" {'readahead=' + str(r):>12s}" for r in (0, 1, 4)))
     for threads in (1, 2, 4, 8):
         cells = [gb for t, r, _, gb, _ in scaling if t == threads]
