@@ -1,11 +1,12 @@
-"""Activation shards: the safetensors encoding, and the background writer that turns device batches into shards.
+"""The background writer that turns device batches into activation shards.
 
-Shard format (docs/EXTRACTION.md): one safetensors file per run of `shard_size` consecutive
-slice positions, holding `layer_<L>` [n_tokens, hidden] in the output dtype, `token_ids` int32
-[n_tokens], `sample_ids` int64 [n_samples] and `offsets` int64 [n_samples + 1]; sample k's tokens
-are rows offsets[k]:offsets[k+1]. Padding is never stored. The header is written here rather than
-by the safetensors library because numpy has no bfloat16 (ml_dtypes supplies it), and the
-library's numpy API refuses it; the bytes are standard safetensors ("BF16").
+Shard format (docs/EXTRACTION.md; defined once, in `activations.format`, which every reader shares): one
+safetensors file per run of `shard_size` consecutive slice positions, holding `layer_<L>` [n_tokens, hidden] in the
+output dtype, `token_ids` int32 [n_tokens], `sample_ids` int64 [n_samples], `offsets` int64 [n_samples + 1] (sample
+k's tokens are rows offsets[k]:offsets[k+1]) and each layer's normalisation statistics (`stats.layer_<L>.*`,
+computed here from the stored rows as the shard is encoded). Padding is never stored. The header is written by
+`activations.format` rather than by the safetensors library because numpy has no bfloat16 (ml_dtypes supplies it),
+and the library's numpy API refuses it; the bytes are standard safetensors ("BF16").
 
 The writer (`ShardWriter`, whose docstring counts the host copies) runs a collector thread that copies
 activations to the host, puts samples back into slice order and encodes complete shards into one buffer each,
@@ -21,7 +22,6 @@ at most MAX_LISTED_SKIPPED per task.
 
 from __future__ import annotations
 
-import base64
 import collections
 import contextlib
 import dataclasses
@@ -35,130 +35,32 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+# The shard format is defined once, in activations.format; these names stay importable from here.
+from activations.format import (  # noqa: F401 (re-exported)
+    FORMAT,
+    LayerStats,
+    ShardFormatError,
+    crc32c_b64,
+    decode_safetensors,
+    encode_safetensors,
+    layer_key,
+    numpy_dtype,
+    parse_header,
+    safetensors_layout,
+    shard_name,
+    stats_keys,
+)
 from extract.batching import Batch, ShardBounds
 
 log = logging.getLogger(__name__)
 
-FORMAT = "activations/v1"
-
-#: safetensors dtype codes <-> numpy dtypes (bfloat16 from ml_dtypes).
-_CODES = {
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F16": np.dtype(np.float16),
-    "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64),
-    "I32": np.dtype(np.int32),
-    "I64": np.dtype(np.int64),
-    "U8": np.dtype(np.uint8),
-}
-_CODE_OF = {dtype: code for code, dtype in _CODES.items()}
-_ALIGN = 8
 MAX_PROGRESS_LINE = 64 * 1024
 #: Skipped rows listed (sample id, file, row, reason) per task, over all its attempts; the rest are only counted.
 MAX_LISTED_SKIPPED = 100
 #: The progress-record counter that counts a shard's skipped rows (summed into the done marker's metadata).
 SKIPPED_ROWS = "skipped_rows"
-
-
-class ShardFormatError(ValueError):
-    """Bytes that are not a well-formed safetensors file."""
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """'bfloat16' | 'float16' | 'float32' -> numpy dtype (bfloat16 via ml_dtypes)."""
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def layer_key(layer: int) -> str:
-    return f"layer_{layer}"
-
-
-# -- safetensors encoding -----------------------------------------------------------------------
-
-
-def safetensors_layout(
-    specs: Sequence[tuple[str, np.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
-) -> tuple[bytes, list[int], int]:
-    """(the 8-byte length + JSON header padded to 8 bytes, each tensor's absolute byte offset, total file size)
-    for tensors given as (name, dtype, shape) in storage order."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    starts = []
-    for name, dtype, shape in specs:
-        dtype = np.dtype(dtype)
-        if dtype not in _CODE_OF:
-            raise ShardFormatError(f"tensor {name}: dtype {dtype} has no safetensors code")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        header[name] = {"dtype": _CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        starts.append(offset)
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % _ALIGN)
-    head = len(header_bytes).to_bytes(8, "little") + header_bytes
-    return head, [len(head) + start for start in starts], len(head) + offset
-
-
-def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
-    """Standard safetensors bytes: u64 header length, JSON header padded to 8 bytes, tensor data."""
-    arrays = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
-    head, starts, total = safetensors_layout([(n, a.dtype, a.shape) for n, a in arrays.items()], metadata)
-    out = np.empty(total, dtype=np.uint8)
-    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-    for array, position in zip(arrays.values(), starts):
-        out[position : position + array.nbytes] = array.reshape(-1).view(np.uint8)
-    return out.tobytes()
-
-
-def parse_header(head: bytes) -> tuple[dict[str, Any], int]:
-    """(header dict, offset of the data section) from the first bytes of a safetensors file."""
-    if len(head) < 8:
-        raise ShardFormatError("shorter than a safetensors header")
-    size = int.from_bytes(head[:8], "little")
-    if size > 100 * 1024 * 1024:
-        raise ShardFormatError(f"header length {size} is implausible")
-    if len(head) < 8 + size:
-        raise ShardFormatError(f"header needs {8 + size} bytes, got {len(head)}")
-    try:
-        header = json.loads(head[8 : 8 + size])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ShardFormatError(f"header is not JSON: {exc}") from exc
-    return header, 8 + size
-
-
-def decode_safetensors(buffer: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Tensors (read-only views of `buffer`) and the string metadata."""
-    header, data_start = parse_header(buffer)
-    metadata = header.pop("__metadata__", {}) or {}
-    tensors = {}
-    for name, spec in header.items():
-        if spec["dtype"] not in _CODES:
-            raise ShardFormatError(f"tensor {name}: dtype {spec['dtype']} is not supported here")
-        dtype = _CODES[spec["dtype"]]
-        begin, end = spec["data_offsets"]
-        count = int(np.prod(spec["shape"], dtype=np.int64))
-        if end - begin != count * dtype.itemsize or data_start + end > len(buffer):
-            raise ShardFormatError(f"tensor {name}: data_offsets {begin}:{end} do not match shape {spec['shape']}")
-        array = np.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin)
-        tensors[name] = array.reshape(spec["shape"])
-    return tensors, metadata
-
-
-def crc32c_b64(data: bytes | np.ndarray) -> str:
-    """CRC32C as GCS reports it: the 4 big-endian bytes, base64-encoded.
-
-    google-crc32c's C implementation (it releases the GIL for buffers of 1 MB or more) takes `bytes` or a
-    read-only numpy array, so a shard buffer is checksummed in place."""
-    import google_crc32c
-
-    return base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
-
-
-def shard_name(sample_start: int, sample_end: int) -> str:
-    """Positions in the name make a prefix listing sort in slice order."""
-    return f"shard-{sample_start:09d}-{sample_end:09d}.safetensors"
 
 
 # -- progress records ---------------------------------------------------------------------------
@@ -528,7 +430,13 @@ class ShardWriter:
             "samples": str(len(samples)),
             "tokens": str(n_tokens),
         }
-        specs = [(layer_key(layer), self._out_dtype, (n_tokens, hidden)) for layer in self._layers]
+        # Statistics first, so a reader fetches all of them with one ranged read (activations.format).
+        specs = [
+            (name, np.dtype(np.float64), shape)
+            for layer in self._layers
+            for name, shape in zip(stats_keys(layer), [(hidden,), (hidden,), ()])
+        ]
+        specs += [(layer_key(layer), self._out_dtype, (n_tokens, hidden)) for layer in self._layers]
         specs += [
             ("token_ids", np.dtype(np.int32), (n_tokens,)),
             ("sample_ids", np.dtype(np.int64), (len(samples),)),
@@ -549,6 +457,9 @@ class ShardWriter:
             for sample, lo, hi in zip(samples, offsets[:-1], offsets[1:]):
                 if hi > lo:
                     _copy_rows(target[lo:hi], sample.host[layer][sample.row, sample.column : sample.column + hi - lo])
+            # Normalisation statistics of the stored values, read back from the shard buffer while it is in cache.
+            for name, value in LayerStats.of(target).tensors(layer).items():
+                views[name][...] = value
 
         copies = [self._encode_pool.submit(copy_layer, layer) for layer in self._layers]
         if n_tokens:

@@ -4,6 +4,11 @@ Built only from done markers (`done/<id>.json` under the queue prefix), whose `o
 progress records the spawner committed for that task, so the index lists exactly the shards that
 count and none that a preempted holder left half-written.
 
+Normalisation statistics: every shard stores, per layer, its token count, per-dimension sum and sum of squares and
+the sum of token norms (activations.format); the index sums them per layer under `stats` (two small ranged reads
+per shard), so a trainer normalises without an estimation pass. Shards written before the statistics existed leave
+`stats` null.
+
 Rows the consumer skipped as bad (docs/EXTRACTION.md, "Bad rows") are counted in the records'
 `counters.skipped_rows` and listed, a bounded number per task, in their `skipped`; the index sums
 the counters into `totals` and keeps the first MAX_LISTED_SKIPPED listed rows of the job.
@@ -18,6 +23,8 @@ import datetime as dt
 import json
 import logging
 
+from activations.io import ActivationsError, ByteReader
+from activations.reader import MissingStats, ShardRef, sum_stats  # below fleet: numpy only, no JAX
 from objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -97,8 +104,22 @@ def _shards_of(name: str, raw: bytes) -> _TaskOutputs:
     return _TaskOutputs(task, ordered, counters, skipped)
 
 
-def build_index(store: ObjectStore, parallel: int = 16) -> dict:
-    """Read every done marker under `store` (a queue prefix) and return the index document."""
+def job_stats(shards: list[dict], parallel: int = 16) -> tuple[dict | None, str | None]:
+    """({"layer_<L>": LayerStats JSON} summed over `shards` (index entries), None) or (None, why not).
+
+    The index's shard list does not depend on the statistics, so a shard without them (written before they existed)
+    or one that cannot be read leaves `stats` null with the reason in `stats_error`, and a warning is logged."""
+    try:
+        totals = sum_stats([ShardRef(url=s["url"]) for s in shards], ByteReader(), parallel)
+    except (MissingStats, ActivationsError) as err:
+        log.warning("event=index_without_stats reason=%r", str(err))
+        return None, str(err)
+    return {f"layer_{layer}": stats.to_json() for layer, stats in sorted(totals.items())}, None
+
+
+def build_index(store: ObjectStore, parallel: int = 16, stats: bool = True) -> dict:
+    """Read every done marker under `store` (a queue prefix) and return the index document; with `stats`, also sum
+    the shards' normalisation statistics."""
     names = [e.name for e in store.list(DONE_PREFIX) if e.name.endswith(".json")]
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         per_task = list(pool.map(lambda n: _shards_of(n, store.read(n).data), names))
@@ -120,6 +141,7 @@ def build_index(store: ObjectStore, parallel: int = 16) -> dict:
         },
         "shards": shards,
         "skipped": skipped[:MAX_LISTED_SKIPPED],
+        **dict(zip(("stats", "stats_error"), job_stats(shards, parallel) if stats and shards else (None, None))),
     }
 
 

@@ -6,7 +6,8 @@
 3. tasks planned by tools/make_tasks.py and submitted by tools/submit.py to a local queue;
 4. $WORKERS spawn.py workers (default 3) in parallel, each running consume.py per task;
 5. tools/status.py (and its page, local-run/status.html), then tools/merge.py;
-6. the activations read back through the reader API, with their shapes and counts.
+6. the activations read back through the reader API, with their shapes and counts;
+7. the training loader's first shuffled batch (docs/TRAINING.md).
 
 Every step is the same command a user runs by hand; they are printed as they run. Point it at a
 real model and dataset with environment variables, e.g.
@@ -152,6 +153,16 @@ def main() -> int:
     index = json.loads(store.read("index.json").data)
     print(f"read back {samples} samples, {tokens} tokens from {index['totals']['shards']} shards "
           f"({index['totals']['bytes'] / 1e6:.1f} MB); index totals: {json.dumps(index['totals'])}")
+
+    step("7. the training loader (docs/TRAINING.md)")
+    from activations.loader import ActivationLoader
+
+    layer = acts.layers[0]
+    normalize = "mean_norm" if index.get("stats") else None  # statistics of shards written before them are absent
+    print(f"ActivationLoader({queue!r}, layers={layer}, batch_size=256, shuffle_tokens=4096, normalize={normalize!r})")
+    with ActivationLoader(queue, layers=layer, batch_size=256, shuffle_tokens=4096, normalize=normalize) as loader:
+        batch = next(loader)
+    print(f"first batch: shape {tuple(batch.shape)} dtype {batch.dtype}")
     return 0
 
 

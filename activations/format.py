@@ -1,0 +1,365 @@
+"""The one definition of the activation shard format, shared by the writer (extraction) and every reader.
+
+A shard is a standard safetensors file (docs/EXTRACTION.md, "Output shards"):
+
+| tensor                        | dtype        | shape               |                                                  |
+|-------------------------------|--------------|---------------------|--------------------------------------------------|
+| `stats.layer_<L>.sum`         | F64          | `[hidden]`          | per-dimension sum over the shard's tokens        |
+| `stats.layer_<L>.sum_sq`      | F64          | `[hidden]`          | per-dimension sum of squares                     |
+| `stats.layer_<L>.norm_sum`    | F64          | `[]`                | sum of the tokens' L2 norms                      |
+| `layer_<L>`                   | BF16/F16/F32 | `[n_tokens, hidden]`| one per layer; L is the non-negative index       |
+| `token_ids`                   | I32          | `[n_tokens]`        |                                                  |
+| `sample_ids`                  | I64          | `[n_samples]`       | global sample ids                                |
+| `offsets`                     | I64          | `[n_samples + 1]`   | sample k is rows `offsets[k]:offsets[k+1]`       |
+
+The statistics come first in the data section, so one ranged read after the header fetches all of them; they are
+computed from the stored values (after the cast to the output dtype), so they describe exactly what a reader gets.
+Shards written before the statistics existed simply lack the `stats.` tensors.
+
+Only numpy (and ml_dtypes for bfloat16) is needed here: a trainer's machine imports this without JAX or the queue.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+FORMAT = "activations/v1"
+#: Bytes read for a header in one request; a larger header costs a second read of its exact size.
+HEAD_BYTES = 64 * 1024
+_MAX_HEADER = 100 * 1024 * 1024
+_ALIGN = 8
+
+#: safetensors dtype codes <-> numpy dtypes (bfloat16 from ml_dtypes).
+CODES = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64),
+    "U8": np.dtype(np.uint8),
+}
+CODE_OF = {dtype: code for code, dtype in CODES.items()}
+
+
+class ShardFormatError(ValueError):
+    """Bytes that are not a well-formed safetensors file, or a shard that lacks a tensor of the format."""
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """'bfloat16' | 'float16' | 'float32' (or 'bf16', 'fp16', 'fp32') -> numpy dtype (bfloat16 via ml_dtypes)."""
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    name = aliases.get(name, name)
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def layer_key(layer: int) -> str:
+    return f"layer_{layer}"
+
+
+def stats_keys(layer: int) -> tuple[str, str, str]:
+    """Names of a layer's (sum, sum of squares, norm sum) tensors."""
+    base = f"stats.{layer_key(layer)}"
+    return f"{base}.sum", f"{base}.sum_sq", f"{base}.norm_sum"
+
+
+def shard_name(sample_start: int, sample_end: int) -> str:
+    """Positions in the name make a prefix listing sort in slice order."""
+    return f"shard-{sample_start:09d}-{sample_end:09d}.safetensors"
+
+
+def crc32c_b64(data: bytes | np.ndarray) -> str:
+    """CRC32C as GCS reports it: the 4 big-endian bytes, base64-encoded.
+
+    google-crc32c's C implementation (it releases the GIL for buffers of 1 MB or more) takes `bytes` or a
+    read-only numpy array, so a shard buffer is checksummed in place."""
+    import google_crc32c
+
+    return base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
+
+
+# -- safetensors encoding -----------------------------------------------------------------------------------------
+
+
+def safetensors_layout(
+    specs: Sequence[tuple[str, np.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
+) -> tuple[bytes, list[int], int]:
+    """(the 8-byte length + JSON header padded to 8 bytes, each tensor's absolute byte offset, total file size)
+    for tensors given as (name, dtype, shape) in storage order."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    starts = []
+    for name, dtype, shape in specs:
+        dtype = np.dtype(dtype)
+        if dtype not in CODE_OF:
+            raise ShardFormatError(f"tensor {name}: dtype {dtype} has no safetensors code")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        starts.append(offset)
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % _ALIGN)
+    head = len(header_bytes).to_bytes(8, "little") + header_bytes
+    return head, [len(head) + start for start in starts], len(head) + offset
+
+
+def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """Standard safetensors bytes: u64 header length, JSON header padded to 8 bytes, tensor data."""
+    arrays = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+    head, starts, total = safetensors_layout([(n, a.dtype, a.shape) for n, a in arrays.items()], metadata)
+    out = np.empty(total, dtype=np.uint8)
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    for array, position in zip(arrays.values(), starts):
+        out[position : position + array.nbytes] = array.reshape(-1).view(np.uint8)
+    return out.tobytes()
+
+
+def header_length(head: bytes) -> int:
+    """Bytes of the length prefix and JSON header together, from the file's first 8 bytes or more."""
+    if len(head) < 8:
+        raise ShardFormatError("shorter than a safetensors header")
+    size = int.from_bytes(head[:8], "little")
+    if size > _MAX_HEADER:
+        raise ShardFormatError(f"header length {size} is implausible")
+    return 8 + size
+
+
+def parse_header(head: bytes) -> tuple[dict[str, Any], int]:
+    """(header dict, offset of the data section) from the first bytes of a safetensors file."""
+    data_start = header_length(head)
+    if len(head) < data_start:
+        raise ShardFormatError(f"header needs {data_start} bytes, got {len(head)}")
+    try:
+        header = json.loads(head[8:data_start])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ShardFormatError(f"header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ShardFormatError("header is not a JSON object")
+    return header, data_start
+
+
+def decode_safetensors(buffer: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Tensors (read-only views of `buffer`) and the string metadata."""
+    header, data_start = parse_header(buffer)
+    metadata = header.pop("__metadata__", {}) or {}
+    tensors = {}
+    for name, spec in header.items():
+        tensor = TensorSpec.parse(name, spec, data_start)
+        if tensor.end > len(buffer):
+            raise ShardFormatError(f"tensor {name}: data_offsets end past the file's {len(buffer)} bytes")
+        array = np.frombuffer(buffer, dtype=tensor.dtype, count=tensor.count, offset=tensor.start)
+        tensors[name] = array.reshape(tensor.shape)
+    return tensors, metadata
+
+
+# -- a shard's header, for ranged reads ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor lies in the file: absolute byte range, dtype and shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @classmethod
+    def parse(cls, name: str, spec: Any, data_start: int) -> "TensorSpec":
+        try:
+            code, shape, (begin, end) = spec["dtype"], tuple(int(n) for n in spec["shape"]), spec["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShardFormatError(f"tensor {name}: malformed header entry {spec!r}") from exc
+        if code not in CODES:
+            raise ShardFormatError(f"tensor {name}: dtype {code} is not supported here")
+        dtype = CODES[code]
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - begin != count * dtype.itemsize or begin < 0:
+            raise ShardFormatError(f"tensor {name}: data_offsets {begin}:{end} do not match shape {list(shape)}")
+        return cls(name, dtype, shape, data_start + begin, data_start + end)
+
+    @property
+    def count(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the first axis) of a 2-D tensor."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def rows(self, lo: int, hi: int) -> tuple[int, int]:
+        """Absolute byte range of rows [lo, hi)."""
+        return self.start + lo * self.row_bytes, self.start + hi * self.row_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardHeader:
+    """A shard's parsed header: its tensors' ranges and its decoded metadata."""
+
+    tensors: Mapping[str, TensorSpec]
+    metadata: Mapping[str, Any]
+
+    @classmethod
+    def parse(cls, head: bytes) -> "ShardHeader":
+        header, data_start = parse_header(head)
+        raw = header.pop("__metadata__", {}) or {}
+        tensors = {name: TensorSpec.parse(name, spec, data_start) for name, spec in header.items()}
+        return cls(tensors, parse_metadata(raw))
+
+    def tensor(self, name: str) -> TensorSpec:
+        if name not in self.tensors:
+            raise ShardFormatError(f"the shard has no tensor {name!r}; it holds {sorted(self.tensors)}")
+        return self.tensors[name]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return parse_layers(self.metadata, self.tensors)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tensor("token_ids").shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        return self.tensor("sample_ids").shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.tensor(layer_key(self.layers[0])).shape[1]
+
+    def layer(self, layer: int) -> TensorSpec:
+        if layer not in self.layers:
+            raise ShardFormatError(f"layer {layer} was not extracted; this shard holds layers {list(self.layers)}")
+        return self.tensor(layer_key(layer))
+
+    def has_stats(self) -> bool:
+        return all(key in self.tensors for layer in self.layers for key in stats_keys(layer))
+
+    def stats_range(self) -> tuple[int, int]:
+        """The byte range holding every layer's statistics (they are stored together, first)."""
+        specs = [self.tensor(key) for layer in self.layers for key in stats_keys(layer)]
+        return min(s.start for s in specs), max(s.end for s in specs)
+
+
+_JSON_METADATA = ("layers", "job", "task_manifest", "tokenization")
+_INT_METADATA = (
+    "attempt", "hidden_size", "max_seq_len", "num_hidden_layers", "sample_start", "sample_end", "samples", "tokens",
+)  # fmt: skip
+
+
+def parse_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
+    """Shard `__metadata__` with its JSON and integer fields decoded."""
+    parsed: dict[str, Any] = dict(raw)
+    for key in _JSON_METADATA:
+        if key in parsed:
+            parsed[key] = json.loads(parsed[key])
+    for key in _INT_METADATA:
+        if key in parsed:
+            parsed[key] = int(parsed[key])
+    return parsed
+
+
+def parse_layers(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> tuple[int, ...]:
+    if "layers" in metadata:
+        return tuple(int(x) for x in metadata["layers"])
+    return tuple(sorted(int(name[len("layer_") :]) for name in tensors if name.startswith("layer_")))
+
+
+# -- normalisation statistics -------------------------------------------------------------------------------------
+
+
+def as_float32(rows: np.ndarray) -> np.ndarray:
+    """Activations as float32. bfloat16 is the top half of a float32, so it widens by an integer shift (numpy runs
+    that without the GIL, unlike ml_dtypes' cast) and the result is exact."""
+    if rows.dtype == CODES["BF16"]:
+        wide = np.empty(rows.shape, dtype=np.uint32)
+        np.left_shift(rows.view(np.uint16), 16, out=wide, dtype=np.uint32)
+        return wide.view(np.float32)
+    return rows.astype(np.float32, copy=False)
+
+
+@dataclasses.dataclass
+class LayerStats:
+    """Sums over tokens of one layer; they add across shards, tasks and jobs.
+
+    Derived: mean = sum / tokens; variance = sum_sq / tokens - mean²; mean_norm = norm_sum / tokens."""
+
+    tokens: int
+    sum: np.ndarray  # float64 [hidden]
+    sum_sq: np.ndarray  # float64 [hidden]
+    norm_sum: float
+
+    @classmethod
+    def zeros(cls, hidden: int) -> "LayerStats":
+        return cls(0, np.zeros(hidden), np.zeros(hidden), 0.0)
+
+    #: Rows widened to float32 at a time: small enough that a chunk stays in cache (measured fastest at 128).
+    CHUNK_ROWS = 128
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> "LayerStats":
+        """Statistics of [n, hidden] activations, accumulated in float64 over float32 chunks of CHUNK_ROWS rows
+        (column sums and row norms as matrix-vector products, which BLAS runs without the GIL)."""
+        n, hidden = rows.shape
+        stats = cls.zeros(hidden)
+        ones_rows = np.ones(cls.CHUNK_ROWS, dtype=np.float32)
+        ones_hidden = np.ones(hidden, dtype=np.float32)
+        for lo in range(0, n, cls.CHUNK_ROWS):
+            chunk = as_float32(rows[lo : lo + cls.CHUNK_ROWS])
+            m = chunk.shape[0]
+            stats.sum += ones_rows[:m] @ chunk
+            squares = chunk * chunk
+            stats.sum_sq += ones_rows[:m] @ squares
+            stats.norm_sum += float(np.sqrt(squares @ ones_hidden).sum(dtype=np.float64))
+        stats.tokens = n
+        return stats
+
+    def add(self, other: "LayerStats") -> None:
+        self.tokens += other.tokens
+        self.sum += other.sum
+        self.sum_sq += other.sum_sq
+        self.norm_sum += other.norm_sum
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.sum / max(self.tokens, 1)
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(np.maximum(self.sum_sq / max(self.tokens, 1) - self.mean**2, 0.0))
+
+    @property
+    def mean_norm(self) -> float:
+        return self.norm_sum / max(self.tokens, 1)
+
+    def tensors(self, layer: int) -> dict[str, np.ndarray]:
+        """As the shard stores them."""
+        names = stats_keys(layer)
+        return {names[0]: self.sum, names[1]: self.sum_sq, names[2]: np.array(self.norm_sum, dtype=np.float64)}
+
+    @classmethod
+    def from_tensors(cls, layer: int, tensors: Mapping[str, np.ndarray], tokens: int) -> "LayerStats":
+        names = stats_keys(layer)
+        return cls(tokens, np.array(tensors[names[0]], np.float64), np.array(tensors[names[1]], np.float64),
+                   float(tensors[names[2]]))  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON for the job index; floats survive exactly (JSON numbers are written with repr)."""
+        return {"tokens": self.tokens, "sum": self.sum.tolist(), "sum_sq": self.sum_sq.tolist(),
+                "norm_sum": self.norm_sum, "mean_norm": self.mean_norm}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any], where: str) -> "LayerStats":
+        try:
+            return cls(int(value["tokens"]), np.array(value["sum"], np.float64), np.array(value["sum_sq"], np.float64),
+                       float(value["norm_sum"]))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShardFormatError(f"{where}: malformed statistics ({exc})") from exc

@@ -1,0 +1,184 @@
+"""Bytes of shards, done markers and indexes, on local disk or `gs://`: whole objects, exact byte ranges, listings.
+
+gs:// goes through the object-store layer (`objectstore.GCSStore.read_range`: one ranged GET per range, with our
+retry policy), so a trainer reading a bucket uses the same client and retries as the workers that wrote it. Local
+paths are read with `os.preadv` straight into the caller's buffer. A `RangeCache` keeps fetched ranges of remote
+objects on local disk, so a second epoch reads no bucket bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import tempfile
+import threading
+from typing import Any
+
+import numpy as np
+
+
+class ActivationsError(Exception):
+    """A shard, done marker, index or loader input that cannot be read or used; the message names it."""
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith("gs://")
+
+
+def split_gs(url: str) -> tuple[str, str]:
+    bucket, _, key = url[len("gs://") :].partition("/")
+    if not bucket:
+        raise ActivationsError(f"{url}: a gs:// URL needs a bucket, e.g. gs://bucket/jobs/j1")
+    return bucket, key
+
+
+_stores: dict[tuple[str, int], Any] = {}
+_stores_lock = threading.Lock()
+
+
+def bucket_store(bucket: str, client: Any = None) -> Any:
+    """One `objectstore` store per bucket (and client), shared by every thread."""
+    key = (bucket, id(client))
+    with _stores_lock:
+        if key not in _stores:
+            import objectstore
+
+            _stores[key] = objectstore.open_store(f"gs://{bucket}", client=client)
+        return _stores[key]
+
+
+def _not_found() -> tuple[type[BaseException], ...]:
+    from objectstore import NotFound
+
+    return (NotFound,)
+
+
+def read_object(url: str, client: Any = None) -> bytes:
+    """A whole object (a done marker, an index, or a shard read in one piece)."""
+    try:
+        if is_remote(url):
+            bucket, key = split_gs(url)
+            return bucket_store(bucket, client).read(key).data
+        return pathlib.Path(url).read_bytes()
+    except (OSError, *_not_found()) as exc:
+        raise ActivationsError(f"{url}: cannot be read ({exc})") from exc
+
+
+def exists(url: str, client: Any = None) -> bool:
+    if is_remote(url):
+        bucket, key = split_gs(url)
+        return any(e.name == key for e in bucket_store(bucket, client).list(key, limit=1))
+    return pathlib.Path(url).is_file()
+
+
+def list_objects(prefix: str, suffix: str, client: Any = None) -> list[str]:
+    """URLs of every object under a local directory or gs:// prefix whose name ends with `suffix`, sorted."""
+    if is_remote(prefix):
+        bucket, key = split_gs(prefix)
+        key = key.rstrip("/") + "/" if key else ""
+        return sorted(f"gs://{bucket}/{e.name}" for e in bucket_store(bucket, client).list(key) if e.name.endswith(suffix))
+    return sorted(str(p) for p in pathlib.Path(prefix).rglob(f"*{suffix}") if p.is_file() and ".objectstore" not in p.parts)
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix.rstrip('/')}/{name}"
+
+
+class RangeCache:
+    """Fetched byte ranges of remote objects, one file each under `directory`, written atomically.
+
+    Keyed by URL and range; a shard's bytes never change once its done marker lists it, so entries never go stale.
+    Nothing is evicted: size the directory for the ranges a run reads (the selected layers of the shards)."""
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        self.directory = pathlib.Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, url: str, start: int, end: int) -> pathlib.Path:
+        digest = hashlib.sha256(url.encode()).hexdigest()[:32]
+        return self.directory / digest[:2] / f"{digest}-{start}-{end}.bin"
+
+    def get(self, url: str, start: int, end: int, out: memoryview) -> bool:
+        path = self.path(url, start, end)
+        try:
+            with open(path, "rb") as handle:
+                return handle.readinto(out) == end - start
+        except FileNotFoundError:
+            return False
+
+    def put(self, url: str, start: int, end: int, payload: memoryview) -> None:
+        path = self.path(url, start, end)
+        path.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(payload)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+class ByteReader:
+    """Exact byte ranges of shards into caller-owned buffers; thread-safe."""
+
+    def __init__(self, client: Any = None, cache: RangeCache | None = None):
+        self._client = client
+        self._cache = cache
+
+    def read_into(self, url: str, start: int, out: np.ndarray) -> None:
+        """Fill `out` (a contiguous array) with the bytes [start, start + out.nbytes) of the object."""
+        view = memoryview(out).cast("B")
+        end = start + len(view)
+        if not is_remote(url):
+            self._pread(url, start, view)
+            return
+        if self._cache is not None and self._cache.get(url, start, end, view):
+            return
+        bucket, key = split_gs(url)
+        try:
+            payload = bucket_store(bucket, self._client).read_range(key, start, end)
+        except _not_found() as exc:
+            raise ActivationsError(f"{url}: does not exist ({exc})") from exc
+        if len(payload) != len(view):
+            raise ActivationsError(f"{url}: bytes {start}-{end} returned {len(payload)} bytes; the object is shorter "
+                                   "than its header says (truncated or overwritten)")  # fmt: skip
+        view[:] = payload  # one part-sized copy; the part's bytes object is dropped at once
+        if self._cache is not None:
+            self._cache.put(url, start, end, view)
+
+    def read_prefix(self, url: str, size: int) -> bytes:
+        """The object's first `size` bytes, or all of it if it is shorter (a header read)."""
+        if not is_remote(url):
+            try:
+                with open(url, "rb") as handle:
+                    return handle.read(size)
+            except OSError as exc:
+                raise ActivationsError(f"{url}: cannot be read ({exc})") from exc
+        bucket, key = split_gs(url)
+        try:
+            return bucket_store(bucket, self._client).read_range(key, 0, size)
+        except _not_found() as exc:
+            raise ActivationsError(f"{url}: does not exist ({exc})") from exc
+
+    def read(self, url: str, start: int, end: int) -> bytes:
+        out = np.empty(end - start, dtype=np.uint8)
+        self.read_into(url, start, out)
+        return out.tobytes()
+
+    @staticmethod
+    def _pread(path: str, start: int, view: memoryview) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise ActivationsError(f"{path}: cannot be opened ({exc})") from exc
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n == 0:
+                    raise ActivationsError(f"{path}: ends before byte {start + len(view)}; the shard is truncated")
+                done += n
+        finally:
+            os.close(fd)

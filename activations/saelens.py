@@ -1,0 +1,92 @@
+"""SAELens: a data provider for its trainer, and its cached-activations layout as an export.
+
+Hook names. Our layer index is transformers' hidden-state index (docs/MODEL.md): 0 is the embeddings, i in
+1..n-1 the output of block i counted from 1, n (num_hidden_layers) the final norm's output. TransformerLens counts
+blocks from 0, so index i (1 <= i < n) is `blocks.{i-1}.hook_resid_post`, 0 is `blocks.0.hook_resid_pre`, and n is
+`ln_final.hook_normalized` (the final norm's output, which no block's resid_post equals).
+
+Trainer. SAELens trains from any iterator of [batch, d_in] tensors (`SAETrainer(cfg, sae, data_provider=...)`,
+sae_lens/training/sae_trainer.py), so the provider is the loader with torch output. SAELens's own
+`normalize_activations="expected_average_only_in"` estimates the mean norm from `n_batches_for_norm_estimate`
+batches; `ActivationLoader(normalize="mean_norm")` applies the same scaling (sqrt(d_in) / E||x||) from the
+statistics the writer stored instead, so configure the SAE with `normalize_activations="none"` then.
+
+Export. `export_cached_activations` writes what `ActivationsStore.load_cached_activation_dataset` reads
+(sae_lens/training/activations_store.py, built by sae_lens/cache_activations_runner.py): a Hugging Face `datasets`
+directory (`save_to_disk`) with one `Array2D(shape=(context_size, d_in))` column named after the hook and a
+`token_ids` column, `Sequence(Value("int32"), length=context_size)`. The job's tokens, in slice order, are cut into
+rows of exactly `context_size` (documents concatenated, as SAELens's own cache does; the remainder is dropped).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+from activations.io import ActivationsError
+from activations.loader import ActivationLoader, LoaderConfigError
+
+
+def hook_name(layer: int, num_hidden_layers: int) -> str:
+    """TransformerLens's hook for our hidden-state index `layer` (see the module docstring)."""
+    if not 0 <= layer <= num_hidden_layers:
+        raise LoaderConfigError(f"layer {layer} is not a hidden-state index of a {num_hidden_layers}-layer model")
+    if layer == 0:
+        return "blocks.0.hook_resid_pre"
+    if layer == num_hidden_layers:
+        return "ln_final.hook_normalized"
+    return f"blocks.{layer - 1}.hook_resid_post"
+
+
+def data_provider(loader: ActivationLoader) -> Iterator[Any]:
+    """The loader as SAELens's `DataProvider`: [batch, d_in] torch tensors, without end."""
+    if loader.output != "torch" or len(loader.layers) != 1:
+        raise LoaderConfigError("SAELens needs output='torch' and a single layer; build the loader with "
+                                "ActivationLoader(..., layers=L, output='torch')")  # fmt: skip
+    if loader.epochs is not None:
+        raise LoaderConfigError("SAELens draws batches until its token budget is spent; pass epochs=None")
+    if loader.return_token_ids:
+        raise LoaderConfigError("SAELens takes activations only; pass return_token_ids=False")
+    return iter(loader)
+
+
+def export_cached_activations(
+    source: str, directory: str | pathlib.Path, *, layer: int, context_size: int, dtype: str = "float32",
+    rows_per_write: int = 256, client: Any = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Write SAELens's cached-activations layout for one layer; returns a summary (hook, rows, tokens)."""
+    import datasets
+    import numpy as np
+
+    if dtype not in ("float32", "float16"):
+        raise LoaderConfigError(f"dtype {dtype!r}: SAELens's Array2D cache holds float32 or float16")
+    loader = ActivationLoader(source, layers=layer, batch_size=context_size, shuffle=False, drop_last=True,
+                              return_token_ids=True, dtype=dtype, client=client)  # fmt: skip
+    reference = loader.shards[0].url
+    from activations.reader import read_header
+
+    metadata = read_header(reference, loader._reader).metadata
+    if "num_hidden_layers" not in metadata:
+        raise ActivationsError(f"shard {reference}: metadata has no num_hidden_layers; cannot name the hook")
+    hook = hook_name(layer, int(metadata["num_hidden_layers"]))
+    features = datasets.Features({
+        hook: datasets.Array2D(shape=(context_size, loader.hidden_size), dtype=dtype),
+        "token_ids": datasets.Sequence(datasets.Value("int32"), length=context_size),
+    })  # fmt: skip
+
+    import tempfile
+
+    from datasets.arrow_writer import ArrowWriter
+
+    # Written row by row through an Arrow file (bounded memory), then saved in the `save_to_disk` layout.
+    with tempfile.TemporaryDirectory(prefix="saelens-export-") as scratch:
+        arrow = pathlib.Path(scratch) / "rows.arrow"
+        with ArrowWriter(features=features, path=str(arrow), writer_batch_size=rows_per_write) as writer:
+            for activations, token_ids in loader:
+                writer.write({hook: activations, "token_ids": token_ids.astype(np.int32)})
+            writer.finalize()
+        loader.close()
+        dataset = datasets.Dataset.from_file(str(arrow))
+        dataset.save_to_disk(str(directory))
+    return {"hook": hook, "rows": len(dataset), "tokens": len(dataset) * context_size, "d_in": loader.hidden_size}
