@@ -13,11 +13,11 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 
 $(VENV)/.run-installed: setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[extract]'
+	$(PY) -m pip install --quiet -e '.[extract,status]'
 	touch $@
 
 $(VENV)/.test-installed: setup.cfg pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[extract,test]'
+	$(PY) -m pip install --quiet -e '.[extract,status,test]'
 	touch $@
 
 run: $(VENV)/.run-installed
