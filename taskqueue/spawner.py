@@ -24,6 +24,7 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -373,9 +374,10 @@ class Spawner:
                 pass
             with self._core_lock:
                 signals = run.tick(self.clock.monotonic())
-                if signals:
-                    log.warning("event=consumer_signal task=%s phase=%s why=%r signals=%s",
-                                run.task_id, run.phase.value, run.why, [s.signum for s in signals])  # fmt: skip
+                for action in signals:
+                    # SIGKILL: a stop's grace ran out; SIGTERM: the stuck-task backstop fired.
+                    event = "consumer_kill" if action.signum == signal.SIGKILL else "consumer_stuck"
+                    log.warning("event=%s task=%s pid=%d phase=%s why=%r", event, run.task_id, proc.pid, run.phase.value, run.why)
                 self._perform(signals)
 
     def _heartbeat_loop(self, lease, run: TaskRun, progress: ProgressFile, stop: threading.Event) -> None:
