@@ -165,6 +165,10 @@ def snapshot(
         span = max((now - min(recent)).total_seconds(), 1.0)
         rate = len(recent) * scale / span
     reasons_for = sorted(every_failed)[:MAX_REASONS]
+    # Listed after the regions, like a worker's drained check: a batch still running may be adding
+    # tasks that the listings above did not see (docs/PROTOCOL.md, "Batches").
+    submitting = sorted(e.metadata.get("first", "?") for e in counted.list(layout.BATCHES)
+                        if e.metadata.get("state") != layout.BATCH_DONE)  # fmt: skip
     view = {
         "queue": store.root_url,
         "estimate": len(listed) < len(open_regions),
@@ -185,7 +189,10 @@ def snapshot(
         "counters": dict(sorted(sum_metadata_counters(
             [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
         ).items())),
-        "complete": total > 0 and (not open_regions or (listed is open_regions and remaining == 0)),
+        # From markers only: swept regions count their done markers and dead letters (the sweep listed
+        # them), open ones are listed; a running batch may still add tasks.
+        "complete": total > 0 and not submitting and (not open_regions or (listed is open_regions and remaining == 0)),
+        "submitting": submitting,
         "regions": {"total": len(splits), "swept": len(swept), "open": len(open_regions), "listed": len(listed)},
     }
     view["requests"] = counted.requests
@@ -228,6 +235,8 @@ def render(view: dict) -> str:
         lines.append(f"stale   {stale['task']} held by {stale['worker']}, silent {stale['silent_s']:.0f}s")
     for task_id, reason in view["failed_reasons"].items():
         lines.append(f"failed  {task_id}: {reason}")
+    if view.get("submitting"):
+        lines.append(f"submit  {len(view['submitting'])} batch(es) still running (a submit that died: run it again)")
     if view["complete"]:
         lines.append("complete: every task has a done or failed marker")
     regions = view["regions"]
