@@ -19,7 +19,8 @@ from taskqueue.claims import Claimer, ClaimOptions
 from taskqueue.lease import LeaseLost
 from taskqueue.spawner import Spawner, SpawnOptions
 from taskqueue.status import snapshot
-from taskqueue.submit import submit
+from taskqueue.submit import mark_regions, submit
+from tests.fakegcs.server import Preconditions
 from tests.queue.conftest import assert_outputs_exact
 from tests.workers import REPO, markers
 
@@ -304,18 +305,23 @@ def test_F_a_late_heartbeat_answer_does_not_let_the_old_holder_complete_a_stolen
 # -- G ----------------------------------------------------------------------------------------
 
 
-def test_G_regions_stay_about_a_thousand_tasks_whatever_the_batch_sizes(tmp_path, monkeypatch):
+def test_G_regions_stay_about_a_thousand_tasks_whatever_the_batch_sizes(gcs, gcs_client, gcs_bucket):
     """Ten batches of 900 tasks: regions must still be cut at about a thousand, so that a first
-    claim takes at most 10 requests (it took 12 with one region of 9,000)."""
-    # 9,000 objects: the local store's fsync per object (its durability, not what is tested here)
-    # would take minutes on a shared CI disk.
-    monkeypatch.setattr("objectstore.local.os.fsync", lambda fd: None)
-    store = LocalStore(tmp_path / "q")
+    claim takes at most 10 requests (it took 12 with one region of 9,000).
+
+    Each batch's tasks are seeded straight into the server's storage (the objects `submit` creates;
+    9,000 creates over HTTP would take minutes on a loaded CI machine); then `submit`'s own
+    region-cutting step runs for that batch over HTTP, as `submit` runs it after its creates."""
+    store = GCSStore(gcs_bucket, "q", client=gcs_client)
     for batch in range(10):
-        submit(store, None, tasks(*({"id": f"t{batch}{k:03d}"} for k in range(900))), parallel=8)
+        ids = [f"t{batch}{k:03d}" for k in range(900)]
+        for task_id in ids:
+            manifest = json.dumps({"id": task_id})
+            gcs.storage.commit(gcs_bucket, f"q/{layout.task_object(task_id)}", manifest.encode(),
+                               {"metadata": {"manifest": manifest}}, Preconditions(), "application/json")  # fmt: skip
+        mark_regions(store, ids)
     starts = [layout.HEAD] + [layout.id_from_object(e.name, layout.SPLITS) for e in store.list(layout.SPLITS)]
-    ids = [layout.id_from_object(e.name, layout.TASKS) for e in store.list(layout.TASKS)]
-    keys = [layout.key(t) for t in ids]
+    keys = [layout.key(layout.id_from_object(e.name, layout.TASKS)) for e in store.list(layout.TASKS)]
     bounds = [layout.key(s) if s else "" for s in starts] + ["~"]
     sizes = [sum(lo <= k < hi for k in keys) for lo, hi in zip(bounds, bounds[1:])]
     assert sum(sizes) == 9000 and max(sizes) <= layout.REGION_TASKS and len(sizes) >= 9, sizes
