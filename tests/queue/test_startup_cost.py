@@ -197,6 +197,7 @@ def test_a_waiting_worker_that_loses_a_claim_waits_on_instead_of_moving(gcs, gcs
     # would load regions too, two listings each (7 requests here before waiting stuck).
     at_poll.append(store.requests)
     assert at_poll[race_poll[0] + 1] - at_poll[race_poll[0]] <= 5
-    # Every other poll is batches/ and one listing, or two when it looks at a region it does not watch.
-    assert max(b - a for a, b in zip(at_poll, at_poll[1:])) <= 4
+    # Every other poll is batches/ and one listing, or two when it looks at a region it does not watch,
+    # and swept/ when its copy is over 30 s old (a slow machine); the exit lists batches/ once more.
+    assert max(b - a for a, b in zip(at_poll, at_poll[1:])) <= 5
     assert store.counts["list splits/"] == 1
