@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -334,7 +335,8 @@ class ScriptedConsumer:
             self.exit_at = now + self.term_s
 
     def wake_at(self) -> float:
-        return min(self.next_at, self.exit_at if self.exit_at is not None else math.inf)
+        """When it next does something: its exit once SIGTERM reached it (it writes nothing more), else its next step."""
+        return self.exit_at if self.exit_at is not None else self.next_at
 
 
 class World:
@@ -640,7 +642,11 @@ class SimWorker:
         consumer = ScriptedConsumer(world, claim.task_id, lease.attempt, lease.token, len(lease.committed), self._now())
         next_beat = self._now() + self.options.heartbeat_s
         stop_told = False
-        while consumer.exit_code is None:
+        for turn in itertools.count():
+            if consumer.exit_code is not None:
+                break
+            if turn > 100_000:
+                raise Runaway(f"{self.machine.name}'s shell went round {turn} times on task {claim.task_id}")
             now = self._now()
             if self.machine.stop_reason is not None and not stop_told:
                 stop_told = True
