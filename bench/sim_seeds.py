@@ -709,6 +709,20 @@ def run_seed(seed: int) -> Result:
                   dict(world.stats))  # fmt: skip
 
 
+def _quiet_seed(seed: int) -> Result:
+    quiet()
+    return run_seed(seed)
+
+
+def _results(seeds, jobs: int) -> Iterator[Result]:
+    """Results in seed order; with `jobs` > 1 from that many processes (each seed is independent)."""
+    if jobs <= 1:
+        yield from map(run_seed, seeds)
+        return
+    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+        yield from pool.map(_quiet_seed, seeds, chunksize=16)
+
+
 def quiet() -> None:
     for noisy in ("taskqueue", "objectstore", "consumer"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
@@ -721,6 +735,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=None, help="replay this one seed")
     p.add_argument("--verbose", action="store_true", help="the workers' logs (for a replay)")
     p.add_argument("--max-failures", type=int, default=20, help="stop after this many failing seeds")
+    p.add_argument("--jobs", type=int, default=1, help="processes running seeds side by side")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(threadName)s %(message)s")
     if not args.verbose:
@@ -730,8 +745,8 @@ def main() -> None:
     failures: collections.Counter[int] = collections.Counter()
     ran = 0
     failing = 0
-    for seed in seeds:
-        result = run_seed(seed)
+    for result in _results(seeds, args.jobs):
+        seed = result.seed
         ran += 1
         if args.seed is not None:
             print(json.dumps({"seed": seed, "config": dataclasses.asdict(WorldConfig.draw(seed)), "tasks": result.tasks,
