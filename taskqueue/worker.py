@@ -37,7 +37,7 @@ import signal
 from collections.abc import Sequence
 
 from objectstore import StoreError
-from taskqueue.lease import DEAD, DONE, HeldLease, LeaseLost
+from taskqueue.lease import HeldLease, LeaseLost
 from taskqueue.process import STOP_GRACE_S
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,3 @@ def perform_final(lease: HeldLease, action: FinalAction, started_mono: float) ->
         log.exception("event=outcome_unconfirmed task=%s action=%s error=%r", lease.task_id, type(action).__name__, exc)
         return "unconfirmed"
 
-
-def confirmed_finished(lease: HeldLease) -> bool:
-    """Whether the lease is a tombstone this worker saw written (the only proof a task is finished)."""
-    return not lease.lost and lease.body["state"] in (DONE, DEAD)
