@@ -50,6 +50,12 @@ def _regions(store: ObjectStore) -> tuple[list[str], dict[str, dict]]:
     return splits, swept
 
 
+def _running_batches(store: ObjectStore) -> list[tuple[str, str]]:
+    """The first and last ids of the batches whose submit has not finished."""
+    return [(e.metadata["first"], e.metadata["last"]) for e in store.list(layout.BATCHES)
+            if e.metadata.get("state") != layout.BATCH_DONE and e.metadata.get("first") and e.metadata.get("last")]  # fmt: skip
+
+
 def _region_of(splits: list[str], split_keys: list[str], task_id: str) -> str:
     return splits[bisect.bisect_right(split_keys, layout.key(task_id)) - 1]
 
@@ -81,8 +87,15 @@ def snapshot(
     splits, swept_markers = _regions(counted)
     ends = {r: (splits[i + 1] if i + 1 < len(splits) else None) for i, r in enumerate(splits)}
 
+    # A region a running batch meets is listed, whatever its swept marker says: the batch may be
+    # adding tasks there (docs/PROTOCOL.md, "Batches").
+    running = _running_batches(counted)
+
     def is_swept(region: str) -> bool:
         if region not in swept_markers:
+            return False
+        start, end = layout.key(region) if region else "", ends[region]
+        if any(start <= layout.key(last) and (end is None or layout.key(first) < layout.key(end)) for first, last in running):
             return False
         covered, end = swept_markers[region].get("end") or None, ends[region]
         return covered is None or (end is not None and layout.key(covered) >= layout.key(end))
@@ -167,8 +180,7 @@ def snapshot(
     reasons_for = sorted(every_failed)[:MAX_REASONS]
     # Listed after the regions, like a worker's drained check: a batch still running may be adding
     # tasks that the listings above did not see (docs/PROTOCOL.md, "Batches").
-    submitting = sorted(e.metadata.get("first", "?") for e in counted.list(layout.BATCHES)
-                        if e.metadata.get("state") != layout.BATCH_DONE)  # fmt: skip
+    submitting = sorted(first for first, _ in _running_batches(counted))
     view = {
         "queue": store.root_url,
         "estimate": len(listed) < len(open_regions),
