@@ -100,8 +100,19 @@ def snapshot(
         covered, end = swept_markers[region].get("end") or None, ends[region]
         return covered is None or (end is not None and layout.key(covered) >= layout.key(end))
 
-    swept = [r for r in splits if is_swept(r)]
-    open_regions = [r for r in splits if not is_swept(r)]
+    # A marker written before `submit` cut its region covers the regions cut from it too (its `end`
+    # is the old one): those count from it, once, not from their own markers or listings.
+    swept, open_regions, covered_until = [], [], ""
+    for region in splits:
+        start = layout.key(region) if region else ""
+        if covered_until is None or (covered_until and start < covered_until):
+            continue
+        if is_swept(region):
+            swept.append(region)
+            end = swept_markers[region].get("end") or None
+            covered_until = layout.key(end) if end else None
+        else:
+            open_regions.append(region)
     listed = open_regions
     if sample is not None and sample < len(open_regions):
         listed = sorted(random.Random(seed).sample(open_regions, sample), key=splits.index)
