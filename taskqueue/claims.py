@@ -190,7 +190,8 @@ class QueueView:
         swept = {}
         for entry in self.store.list(layout.SWEPT, end_offset=end):
             region = layout.region_from_swept(entry.name)
-            if region is not None:
+            # Only a confirmed marker counts: a sweeper's second task listing may still withdraw a new one.
+            if region is not None and entry.metadata.get("confirmed"):
                 swept[region] = entry.metadata.get("end") or None
         self.swept = swept
         self.swept_at = self.clock.monotonic()
@@ -414,10 +415,14 @@ class Claimer:
         """Every region swept, confirmed on a fresh listing of the map (free while the view knows an open region)."""
         if self.view.open_regions():
             return False
+        # batches/ before and after the map: a batch that finished (or began) in between may have
+        # added tasks the map's listings did not account for (docs/PROTOCOL.md, "Batches").
+        self.view.scan_batches()
+        before = dict(self.view.batches or {})
         self.view.scan_map()
         while not self.view.map_complete and not self.view.open_regions():
             self.view.extend_map()
-        return self.view.all_swept()
+        return self.view.all_swept() and self.view.batches == before
 
     def _poll(self) -> None:
         """While waiting: the swept markers, and one open region afresh; the walk goes on there if it has work.
@@ -491,11 +496,20 @@ class Claimer:
             # Status counts a swept region from its marker alone, so the done markers' counters go with it.
             record["counters"] = counters
             metadata["counters"] = json.dumps(counters, separators=(",", ":"), sort_keys=True)
+        name = layout.swept_object(region)
         try:
-            generation = self.store.create(layout.swept_object(region), json.dumps(record).encode(), metadata=metadata)
+            generation = self.store.create(name, json.dumps(record).encode(), metadata=metadata)
         except PreconditionFailed:
-            self.view.swept[region] = end  # swept by someone else at the same moment
-            return
+            # Swept by someone else; if they never confirmed it (they died, or are about to), we do.
+            page = self.store.list_page(layout.SWEPT, start_offset=name, page_size=1)
+            current = next((e for e in page.entries if e.name == name), None)
+            if current is None:
+                return  # withdrawn: the next visit looks again
+            generation = current.generation
+            if current.metadata.get("confirmed"):
+                self.view.swept[region] = end
+                return
+        created = self.clock.monotonic()
         again = self.view.list_region_tasks(region)
         if set(again) != set(ids):
             # New tasks: unfinished ones must not be hidden, and finished ones (claimed and completed by
@@ -507,6 +521,16 @@ class Claimer:
                 pass  # the submitter removed it already
             self.view.tasks[region] = again
             return
+        # Confirmed: its second task listing found nothing new. Only now may anyone take it for swept.
+        # (GCS allows one write per second to an object: https://cloud.google.com/storage/quotas#objects)
+        wait = self.store.same_object_write_gap_s - (self.clock.monotonic() - created)
+        if wait > 0:
+            self.clock.wait(self.stop_event, wait)
+        try:
+            self.store.write(name, json.dumps(record).encode(), if_generation=generation,
+                             metadata={**metadata, "confirmed": "1"})  # fmt: skip
+        except (NotFound, PreconditionFailed):
+            return  # the submitter removed it, or another sweeper confirmed it first
         self.view.swept[region] = end
         log.info("event=swept region=%r tasks=%d", region, len(ids))
 

@@ -92,8 +92,8 @@ def snapshot(
     running = _running_batches(counted)
 
     def is_swept(region: str) -> bool:
-        if region not in swept_markers:
-            return False
+        if region not in swept_markers or not swept_markers[region].get("confirmed"):
+            return False  # (an unconfirmed marker may still be withdrawn by its sweeper)
         start, end = layout.key(region) if region else "", ends[region]
         if any(start <= layout.key(last) and (end is None or layout.key(first) < layout.key(end)) for first, last in running):
             return False
