@@ -164,10 +164,12 @@ def mark_regions(store: ObjectStore, task_ids: list[str], parallel: int = 16) ->
             pass  # an earlier submission of the same batch wrote it
 
     def unsweep(entry) -> None:
+        # Whatever its generation: a sweeper may be confirming it right now, and a marker deleted
+        # needlessly only costs a sweep again.
         try:
-            store.delete(entry.name, if_generation=entry.generation)
-        except (NotFound, PreconditionFailed):
-            pass  # somebody else removed or replaced it
+            store.delete(entry.name)
+        except NotFound:
+            pass  # somebody else removed it
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(split, splits))
