@@ -127,8 +127,12 @@ class QueueView:
             if not token:
                 break
         self.map_complete = token is None
+        ends = {region: self.region_end(region) for region in self.tasks}
         self.splits = [layout.HEAD] + splits  # listings come in key order
         self._split_keys = [""] + [layout.key(t) for t in splits]
+        for region, end in ends.items():
+            if self.region_end(region) != end:
+                self.forget(region)  # `submit` cut it: its cached task list runs past its new end
         self.scan_swept()
         self.map_at = self.clock.monotonic()
         if with_batches:
@@ -493,7 +497,9 @@ class Claimer:
             self.view.swept[region] = end  # swept by someone else at the same moment
             return
         again = self.view.list_region_tasks(region)
-        if any(t not in self.view.finished for t in again):
+        if set(again) != set(ids):
+            # New tasks: unfinished ones must not be hidden, and finished ones (claimed and completed by
+            # others since our task listing) are not in the marker's counts. Withdraw; a later sweep counts them.
             log.info("event=sweep_withdrawn region=%r reason=new_tasks", region)
             try:
                 self.store.delete(layout.swept_object(region), if_generation=generation)

@@ -132,7 +132,10 @@ class HeldLease:
         self.generation = generation
         self.body = body
         self.clock = clock
-        self.last_write = sent_at if sent_at is not None else clock.monotonic()  # when the claim's write was sent
+        # When our last confirmed write was sent (an observer's TTL can have started no earlier), and
+        # when its answer came (GCS's one write per second per object counts from there).
+        self.last_write = sent_at if sent_at is not None else clock.monotonic()
+        self._answered = clock.monotonic()
         self.lost = False
         self._lock = threading.Lock()
 
@@ -167,7 +170,7 @@ class HeldLease:
             self.lost = True
             raise LeaseLost(f"lease on task {self.task_id} is no longer at generation {self.generation}: {exc}") from exc
         self.body = body
-        self.last_write = sent
+        self.last_write, self._answered = sent, self.clock.monotonic()
 
     def _updated(self, records: Sequence[dict], **changes: object) -> dict:
         body = dict(self.body)
@@ -240,7 +243,7 @@ class HeldLease:
         """The tombstone: the holder's final write, conditional like every other. Raises LeaseLost."""
         # GCS allows about one write per second to one object name, and a task often ends right after
         # a heartbeat: waiting out the rest of that second is cheaper than a 429 and its retry.
-        wait = self.store.same_object_write_gap_s - (self.clock.monotonic() - self.last_write)
+        wait = self.store.same_object_write_gap_s - (self.clock.monotonic() - self._answered)
         if wait > 0:
             self.clock.wait(threading.Event(), wait)
         self._write(self._updated(records, state=state, **{k: v for k, v in fields.items() if v}))

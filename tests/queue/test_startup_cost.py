@@ -105,7 +105,7 @@ def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(g
     store = GCSStore(gcs_bucket, PREFIX, client=gcs_client)
     exact = snapshot(store)
     assert (exact["total"], exact["done"], exact["pending"], exact["estimate"]) == (5000, 3000, 2000, False)
-    assert exact["requests"] == 2 + 3 * 5 + 3  # map, three listings per open region, failed/, slices/, batches/ once
+    assert exact["requests"] == 2 + 3 * 5 + 4  # map, three listings per open region, failed/ and slices/ once, batches/ before and after
     # A worker sweeps the finished regions it visits; status then counts them from their markers.
     for region in (layout.HEAD, ids[1000], ids[2000]):
         claimer = Claimer(store, ClaimOptions(worker="w"))
@@ -113,14 +113,14 @@ def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(g
         claimer._visit(region)
     swept = snapshot(store)
     assert (swept["total"], swept["done"], swept["regions"]["swept"]) == (5000, 3000, 3)
-    assert swept["requests"] == 2 + 3 * 2 + 3
+    assert swept["requests"] == 2 + 3 * 2 + 4
     estimate = snapshot(store, sample=1, seed=3)
-    assert estimate["estimate"] is True and estimate["requests"] == 2 + 3 + 3
+    assert estimate["estimate"] is True and estimate["requests"] == 2 + 3 + 4
     assert estimate["total"] == 5000 and estimate["done"] == 3000  # both open regions are alike here
     cache = RegionCache()
     snapshot(store, cache=cache)
     watched = snapshot(store, cache=cache)
-    assert watched["requests"] == 2 + 2 * 2 + 3 and watched["total"] == 5000  # task lists kept between ticks
+    assert watched["requests"] == 2 + 2 * 2 + 4 and watched["total"] == 5000  # task lists kept between ticks
 
 
 def test_status_names_dead_letters_of_swept_regions(tmp_path):
@@ -197,6 +197,7 @@ def test_a_waiting_worker_that_loses_a_claim_waits_on_instead_of_moving(gcs, gcs
     # would load regions too, two listings each (7 requests here before waiting stuck).
     at_poll.append(store.requests)
     assert at_poll[race_poll[0] + 1] - at_poll[race_poll[0]] <= 5
-    # Every other poll is batches/ and one listing, or two when it looks at a region it does not watch.
-    assert max(b - a for a, b in zip(at_poll, at_poll[1:])) <= 4
+    # Every other poll is batches/ and one listing, or two when it looks at a region it does not watch,
+    # and swept/ when its copy is over 30 s old (a slow machine); the exit lists batches/ once more.
+    assert max(b - a for a, b in zip(at_poll, at_poll[1:])) <= 5
     assert store.counts["list splits/"] == 1
