@@ -30,7 +30,8 @@ Invariants, checked for every seed (`Violation.invariant` is the number):
    neither), once the fleet (plus fault-free closers) has finished;
 2. no consumer starts on a task whose done marker exists;
 3. every output a lease write committed is in the done marker;
-4. no worker exits `drained` while a task lacks a marker, counting the tasks of a submit in progress;
+4. no worker exits `drained` while a task lacks a marker, counting every task of a submit in progress
+   (from its first applied write on: before that no worker can know of it);
 5. `taskqueue.status.snapshot`'s totals and counters equal the ground truth;
 6. liveness: a task submitted after the chaos window, while some worker has been waiting without a
    task, is claimed within `pickup_bound_s` (two poll caps plus 10 s); no worker exits `idle` while
@@ -355,7 +356,8 @@ class World:
         self.created_at: dict[str, float] = {}
         self.first_claim_at: dict[str, float] = {}
         self.committed: dict[str, set[str]] = collections.defaultdict(set)  # task -> records a lease write carried
-        self.submits_in_progress: dict[str, list[str]] = {}  # submitter -> the ids it is submitting
+        self.submits_starting: dict[str, list[str]] = {}  # submitter -> its ids, before its first write
+        self.submits_in_progress: dict[str, list[str]] = {}  # submitter -> its ids, from its first write on
         self.waiting_log: list[tuple[str, float, float]] = []  # (worker, from, to): alive without a task
         self._spawned = 0
         self.trace = hashlib.sha256()
@@ -365,6 +367,10 @@ class World:
     def _stored(self, name: str, data: bytes, generation: int) -> None:
         now = self.scheduler.now
         self.trace.update(f"{now:.6f} {name} {generation}\n".encode())
+        actor = self.scheduler.current
+        if actor is not None and actor.name in self.submits_starting:
+            # Its first write is where a submit starts to exist for the workers: no protocol can see it sooner.
+            self.submits_in_progress[actor.name] = self.submits_starting.pop(actor.name)
         if name.startswith(layout.TASKS):
             task_id = layout.id_from_object(name, layout.TASKS)
             if task_id is not None:
@@ -446,7 +452,7 @@ class World:
 
     def _submitter(self, batch: list[str], kill_at: int | None, name: str) -> None:
         machine = self.machines[name] = Machine(name, kill_at, fault_free=False)
-        self.submits_in_progress[name] = batch
+        self.submits_starting[name] = batch
         try:
             tasks = [(t, json.dumps({"id": t}).encode()) for t in batch]
             submit(self.store, JOB, tasks, parallel=1)
@@ -457,7 +463,8 @@ class World:
             self.stats["submit_failed"] += 1
             self.trace.update(f"submit failed {exc!r}\n".encode())
         finally:
-            del self.submits_in_progress[name]
+            self.submits_starting.pop(name, None)
+            self.submits_in_progress.pop(name, None)
 
     def plan(self) -> None:
         c = self.config
