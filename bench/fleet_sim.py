@@ -46,12 +46,16 @@ import sys
 import threading
 import time
 
-from objectstore.base import MAX_LIST_PAGE, Blob, Entry, NotFound, ObjectStore, Page, PreconditionFailed, StoreUnavailable
+from google.api_core import exceptions as gexc
+
+from objectstore.base import MAX_LIST_PAGE, Blob, Entry, NotFound, ObjectStore, Page, PreconditionFailed
+from objectstore.gcs import is_transient
+from objectstore.retry import Retrier, RetryPolicy, delete_with_retries, write_with_nonce
 from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions, default_poll_max
 from taskqueue.clock import Clock
 from taskqueue.lease import LeaseLost
-from taskqueue.spawner import MAX_TAKEOVERS
+from taskqueue.worker import MAX_TAKEOVERS
 from taskqueue.submit import submit
 
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -158,10 +162,29 @@ class Limits:
     per_object_mutation_s: float = 1.0
     retry_initial_s: float = 0.1
     retry_cap_s: float = 8.0
+    retry_deadline_s: float = 120.0
 
 
-class TooManyRequests(Exception):
-    """429 from the simulated bucket; retried inside SimStore like objectstore.gcs retries it."""
+class TooManyRequests(gexc.TooManyRequests):
+    """429 from the simulated bucket; retried by objectstore.retry's loop, as objectstore.gcs retries it."""
+
+
+class Faults:
+    """What may go wrong with one request attempt (the deterministic simulation's, bench/sim_seeds.py).
+
+    `draw(op, name)` is called once per attempt, after its latency and rate limits, and returns None,
+    or one of: "transient" (503 before it is applied), "lost" (applied, then the response is lost:
+    a connection reset), "late" (applied, the response comes `late_s` later), or raises what the
+    attempt should raise instead (a 403, an expired credential, a killed machine).
+    """
+
+    late_s = 0.0
+
+    def before(self, op: str, name: str) -> None:
+        """Called before the attempt goes out (before its latency): may raise, e.g. for a dead machine."""
+
+    def draw(self, op: str, name: str) -> str | None:
+        return None
 
 
 class SimStore(ObjectStore):
@@ -170,7 +193,7 @@ class SimStore(ObjectStore):
     Requests are counted per (operation, prefix) and per worker; every retried attempt counts.
     """
 
-    def __init__(self, scheduler: Scheduler, limits: Limits, seed: int) -> None:
+    def __init__(self, scheduler: Scheduler, limits: Limits, seed: int, faults: Faults | None = None) -> None:
         self.root_url = "gs://sim-bucket/q"
         self.same_object_write_gap_s = limits.per_object_mutation_s
         self.scheduler = scheduler
@@ -188,6 +211,18 @@ class SimStore(ObjectStore):
         self.refused: collections.Counter[str] = collections.Counter()  # 412s by kind
         self.first_claim: dict[str, tuple[int, float]] = {}  # worker -> (requests before its first claim, when)
         self.counting = True
+        self.faults = faults
+        self.nonces: dict[str, str | None] = {}  # the nonce each object was written with (objectstore.gcs: NONCE_KEY)
+        #: `on_stored(name, data, generation)`, told of every write the store applied (the simulation's ground truth).
+        self.on_stored = None
+        # The production retry loop (objectstore.retry), on virtual time: the same backoff and deadline.
+        self.retrier = Retrier(
+            RetryPolicy(initial_s=limits.retry_initial_s, cap_s=limits.retry_cap_s, deadline_s=limits.retry_deadline_s),
+            is_transient,
+            sleep=scheduler.sleep,
+            monotonic=lambda: scheduler.now,
+            rng=self.rng,
+        )
 
     # -- the request path
 
@@ -210,8 +245,10 @@ class SimStore(ObjectStore):
             self.throttled[f"{rw} bucket"] += 1
             raise TooManyRequests(f"{op} {name}: bucket {rw} rate over {capacity:.0f}/s")
         if rw == "write":
+            actor_now = self.scheduler.current is not None
             last = self.last_mutation.get(name)
-            if last is not None and self.scheduler.now - last < self.limits.per_object_mutation_s:
+            # (Outside an actor, i.e. the set-up's submit, there is no time to wait: its batch marker's two writes pass.)
+            if last is not None and actor_now and self.scheduler.now - last < self.limits.per_object_mutation_s:
                 self.throttled["write same object"] += 1
                 raise TooManyRequests(f"{op} {name}: more than one mutation per second")
 
@@ -219,29 +256,50 @@ class SimStore(ObjectStore):
         base = self.limits.initial_writes_per_s if rw == "write" else self.limits.initial_reads_per_s
         return base * 2 ** (now / self.limits.doubling_s)
 
+    def _attempt(self, op: str, name: str, apply, items: int = 0, tag: str = ""):
+        """One attempt on the wire: latency, limits, the drawn fault, and the change itself."""
+        if self.faults is not None:
+            self.faults.before(op, name)
+        self._request(op, name, items, tag)
+        fault = self.faults.draw(op, name) if self.faults is not None else None
+        if fault == "transient":
+            raise gexc.ServiceUnavailable(f"{op} {name}: simulated 503")
+        try:
+            result = apply()
+        except PreconditionFailed:
+            if self.counting:
+                self.refused[f"{op} {name.split('/', 1)[0]}/"] += 1
+            raise
+        if fault == "lost":
+            raise ConnectionResetError(f"{op} {name}: simulated reset after the request was applied")
+        if fault == "late":
+            self.scheduler.sleep(self.faults.late_s)
+        return result
+
     def _retrying(self, op: str, name: str, apply, items: int = 0, tag: str = ""):
-        """objectstore.gcs's policy: full-jitter exponential backoff on 429, every attempt on the wire."""
-        attempt = 0
-        while True:
-            try:
-                self._request(op, name, items, tag)
-                return apply()
-            except PreconditionFailed:
-                if self.counting:
-                    self.refused[f"{op} {name.split('/', 1)[0]}/"] += 1
-                raise
-            except TooManyRequests:
-                attempt += 1
-                if attempt > 20:
-                    raise StoreUnavailable(f"{op} {name}: still throttled after {attempt} attempts") from None
-                self.scheduler.sleep(
-                    self.rng.uniform(0, min(self.limits.retry_cap_s, self.limits.retry_initial_s * 2**attempt))
-                )
+        """objectstore.gcs's policy (objectstore.retry.Retrier): full-jitter backoff, every attempt on the wire."""
+        return self.retrier.call(f"{op} {name}", lambda: self._attempt(op, name, apply, items, tag))
+
+    def _conditional(self, op: str, name: str, apply) -> int:
+        """A create or a generation-matched write, through the production ambiguous-write rule."""
+
+        def read_back() -> tuple[int, str | None]:
+            def current():
+                entry = self.entries.get(name)
+                if entry is None:
+                    raise NotFound(f"{name} does not exist")
+                return entry.generation, self.nonces.get(name)
+
+            return self._attempt("read", name, current)
+
+        return write_with_nonce(
+            self.retrier, f"{op} {name}", lambda nonce: self._attempt(op, name, lambda: apply(nonce)), read_back
+        )
 
     def _prefix(self, name: str) -> str:
         return name.split("/", 1)[0] + "/"
 
-    def _store(self, name: str, data: bytes, metadata) -> int:
+    def _store(self, name: str, data: bytes, metadata, nonce: str | None = None) -> int:
         actor = self.scheduler.current
         if name.startswith(layout.LEASES) and actor is not None and actor.name not in self.first_claim:
             # A worker's first successful lease write is its first claim (heartbeats come later).
@@ -252,7 +310,10 @@ class SimStore(ObjectStore):
         self.entries[name] = Entry(name, self.generation, len(data), EPOCH + dt.timedelta(seconds=self.scheduler.now),
                                    dict(metadata or {}))
         self.data[name] = data
+        self.nonces[name] = nonce
         self.last_mutation[name] = self.scheduler.now
+        if self.on_stored is not None:
+            self.on_stored(name, data, self.generation)
         return self.generation
 
     # -- the contract
@@ -267,21 +328,21 @@ class SimStore(ObjectStore):
         return self._retrying("read", name, apply)
 
     def create(self, name: str, data: bytes, metadata=None) -> int:
-        def apply():
+        def apply(nonce):
             if name in self.entries:
                 raise PreconditionFailed(f"{name} already exists")
-            return self._store(name, data, metadata)
+            return self._store(name, data, metadata, nonce)
 
-        return self._retrying("create", name, apply)
+        return self._conditional("create", name, apply)
 
     def write(self, name: str, data: bytes, if_generation: int, metadata=None) -> int:
-        def apply():
+        def apply(nonce):
             entry = self.entries.get(name)
             if entry is None or entry.generation != if_generation:
                 raise PreconditionFailed(f"{name} is not at generation {if_generation}")
-            return self._store(name, data, metadata)
+            return self._store(name, data, metadata, nonce)
 
-        return self._retrying("write", name, apply)
+        return self._conditional("write", name, apply)
 
     def delete(self, name: str, if_generation: int | None = None) -> None:
         def apply():
@@ -295,7 +356,7 @@ class SimStore(ObjectStore):
             del names[bisect.bisect_left(names, name)]
             self.last_mutation[name] = self.scheduler.now
 
-        return self._retrying("delete", name, apply)
+        delete_with_retries(self.retrier, f"delete {name}", lambda: self._attempt("delete", name, apply), if_generation)
 
     def put(self, name: str, data: bytes, metadata=None, content_type=None) -> int:
         return self._retrying("put", name, lambda: self._store(name, data, metadata))  # content type: not simulated
@@ -615,7 +676,8 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("taskqueue").setLevel(logging.ERROR)  # a million event lines would cost more than the run
+    for noisy in ("taskqueue", "objectstore"):  # a million event lines would cost more than the run
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     threading.stack_size(512 * 1024)
     options = FleetOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FleetOptions)})
     limits = Limits(latency_s=args.latency_ms / 1000)

@@ -1,27 +1,24 @@
 """The object-store contract on Google Cloud Storage, through the official `google-cloud-storage` client.
 
-Retries are ours, not the client's: every call passes `retry=None` and is wrapped in tenacity
-(capped exponential backoff with full jitter), because only then do we know whether a request was
-sent more than once. That knowledge is what resolves the ambiguous conditional write: a create
-whose first attempt was applied but whose response was lost comes back as 412 on the retry. A 412
-after a retry is therefore read back, and the write is ours exactly when the object carries the
-nonce this call put in its custom metadata. A 412 on the first attempt is unambiguous.
+Retries are ours, not the client's: every call passes `retry=None` and runs through
+`objectstore.retry.Retrier` (capped exponential backoff with full jitter), because only then do we
+know whether a request was sent more than once. That knowledge resolves the ambiguous conditional
+write (`objectstore.retry.write_with_nonce`): a 412 after a retry is read back, and the write is ours
+exactly when the object carries the nonce this call put in its custom metadata. Non-transient errors
+other than 404 and 412 (403, an expired credential) are re-raised as they are.
 
 `STORAGE_EMULATOR_HOST` is honoured by the client itself; with it set we use anonymous credentials.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import os
-import uuid
 from collections.abc import Callable, Mapping
 from typing import BinaryIO, TypeVar
 
 import requests
-import tenacity
 from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
@@ -35,9 +32,11 @@ from objectstore.base import (
     ObjectStore,
     Page,
     PreconditionFailed,
-    StoreUnavailable,
     check_name,
 )
+from objectstore.retry import Retrier, RetryPolicy, delete_with_retries, write_with_nonce
+
+__all__ = ["GCSStore", "NONCE_KEY", "RetryPolicy", "is_transient", "make_client"]
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +70,6 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, gexc.GoogleAPICallError) and exc.code == 408
 
 
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """Full-jitter exponential backoff: sleep uniform(0, min(cap, initial * 2**n))."""
-
-    initial_s: float = 0.1
-    cap_s: float = 8.0
-    deadline_s: float = 120.0
-    timeout_s: float = 60.0  # per HTTP request
-
-
 def make_client(project: str | None = None) -> storage.Client:
     """A storage client for production (ADC) or, with STORAGE_EMULATOR_HOST set, for a local server."""
     if os.environ.get("STORAGE_EMULATOR_HOST"):
@@ -88,17 +77,6 @@ def make_client(project: str | None = None) -> storage.Client:
 
         return storage.Client(project=project or "local-test", credentials=AnonymousCredentials())
     return storage.Client(project=project)
-
-
-class _Attempts:
-    """Counts how many times one logical call reached the wire."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    @property
-    def retried(self) -> bool:
-        return self.count > 1
 
 
 class _BufferReader(io.RawIOBase):
@@ -144,6 +122,7 @@ class GCSStore(ObjectStore):
         self._bucket = self._client.bucket(bucket)
         self._prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self._policy = policy or RetryPolicy()
+        self._retrier = Retrier(self._policy, is_transient)
         self.root_url = f"gs://{bucket}/{self._prefix}".rstrip("/")
 
     @classmethod
@@ -161,72 +140,38 @@ class GCSStore(ObjectStore):
     def _blob(self, name: str) -> storage.Blob:
         return self._bucket.blob(self._key(name))
 
-    def _call(self, what: str, fn: Callable[[], T], attempts: _Attempts | None = None) -> T:
-        attempts = attempts if attempts is not None else _Attempts()
-        policy = self._policy
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """One request through our retry loop, with GCS's 404 and 412 mapped to the contract's errors."""
+        return self._retrier.call(what, lambda: self._once(what, fn))
 
-        def once() -> T:
-            attempts.count += 1
-            return fn()
+    def _conditional_upload(self, name: str, data: bytes, if_generation: int, metadata: Mapping[str, str] | None) -> int:
+        what = f"{'create' if if_generation == 0 else 'write'} {self.url(name)}"
 
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(is_transient),
-            wait=tenacity.wait_random_exponential(multiplier=policy.initial_s, max=policy.cap_s),
-            stop=tenacity.stop_after_delay(policy.deadline_s),
-            before_sleep=lambda state: log.warning(
-                "event=store_retry call=%s attempt=%d error=%r", what, state.attempt_number, state.outcome.exception()
-            ),
-            reraise=True,
-        )
+        def upload(nonce: str) -> int:
+            blob = self._blob(name)
+            blob.metadata = {**(metadata or {}), NONCE_KEY: nonce}
+            self._once(what, lambda: blob.upload_from_string(
+                data, content_type="application/octet-stream", if_generation_match=if_generation, retry=None,
+                timeout=self._policy.timeout_s,
+            ))  # fmt: skip
+            return int(blob.generation)
+
+        def read_back() -> tuple[int, str | None]:
+            blob = self._blob(name)
+            self._once(f"read back {self.url(name)}", lambda: blob.reload(retry=None, timeout=self._policy.timeout_s))
+            return int(blob.generation), (blob.metadata or {}).get(NONCE_KEY)
+
+        return write_with_nonce(self._retrier, what, upload, read_back)
+
+    @staticmethod
+    def _once(what: str, fn: Callable[[], T]) -> T:
+        """One attempt, with 404 and 412 mapped; the caller's Retrier retries the rest."""
         try:
-            return retrying(once)
+            return fn()
         except gexc.NotFound as exc:
             raise NotFound(f"{what}: not found ({exc.code})") from exc
         except gexc.PreconditionFailed as exc:
             raise PreconditionFailed(f"{what}: precondition failed ({exc.code})") from exc
-        except Exception as exc:
-            if is_transient(exc):
-                raise StoreUnavailable(
-                    f"{what}: still failing after {attempts.count} attempts over {policy.deadline_s:.0f}s: {exc}"
-                ) from exc
-            raise
-
-    def _conditional_upload(self, name: str, data: bytes, if_generation: int, metadata: Mapping[str, str] | None) -> int:
-        nonce = uuid.uuid4().hex
-        blob = self._blob(name)
-        blob.metadata = {**(metadata or {}), NONCE_KEY: nonce}
-        attempts = _Attempts()
-        what = f"{'create' if if_generation == 0 else 'write'} {self.url(name)}"
-        try:
-            self._call(
-                what,
-                lambda: blob.upload_from_string(
-                    data,
-                    content_type="application/octet-stream",
-                    if_generation_match=if_generation,
-                    retry=None,
-                    timeout=self._policy.timeout_s,
-                ),
-                attempts,
-            )
-        except PreconditionFailed:
-            if not attempts.retried:
-                raise
-            return self._resolve_ambiguous(name, nonce, what)
-        return int(blob.generation)
-
-    def _resolve_ambiguous(self, name: str, nonce: str, what: str) -> int:
-        """A 412 after a retry: our lost first attempt, or somebody else's object?"""
-        blob = self._blob(name)
-        try:
-            self._call(f"read back {self.url(name)}", lambda: blob.reload(retry=None, timeout=self._policy.timeout_s))
-        except NotFound:
-            raise PreconditionFailed(f"{what}: precondition failed, and the object is gone now") from None
-        if (blob.metadata or {}).get(NONCE_KEY) == nonce:
-            log.info("event=ambiguous_write_resolved object=%s outcome=ours generation=%s", self.url(name), blob.generation)
-            return int(blob.generation)
-        log.info("event=ambiguous_write_resolved object=%s outcome=theirs", self.url(name))
-        raise PreconditionFailed(f"{what}: precondition failed (another writer's object is there)")
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -247,19 +192,14 @@ class GCSStore(ObjectStore):
 
     def delete(self, name: str, if_generation: int | None = None) -> None:
         blob = self._blob(name)
-        attempts = _Attempts()
-        try:
-            self._call(
-                f"delete {self.url(name)}",
-                lambda: blob.delete(if_generation_match=if_generation, retry=None, timeout=self._policy.timeout_s),
-                attempts,
-            )
-        except NotFound:
-            # After a retry, 404 means our lost first attempt deleted it: only the holder of a
-            # generation ever deletes at that generation.
-            if attempts.retried and if_generation is not None:
-                return
-            raise
+        what = f"delete {self.url(name)}"
+        delete_with_retries(
+            self._retrier, what,
+            lambda: self._once(what, lambda: blob.delete(
+                if_generation_match=if_generation, retry=None, timeout=self._policy.timeout_s
+            )),
+            if_generation,
+        )  # fmt: skip
 
     def put(
         self, name: str, data: bytes | memoryview, metadata: Mapping[str, str] | None = None, content_type: str | None = None

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from objectstore import NotFound, ObjectStore, PreconditionFailed, StoreError, StoreUnavailable
 from taskqueue import layout
 from taskqueue.clock import Clock
-from taskqueue.lease import DEAD, DONE, FINISHED, HELD, RELEASED, HeldLease, encode, new_lease_body, sum_metadata_counters
+from taskqueue.lease import DEAD, DONE, FINISHED, HELD, RELEASED, HeldLease, encode, marker_of, new_lease_body, sum_metadata_counters
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,21 @@ class QueueView:
         self.manifests: dict[str, bytes | None] = {}
         self.sizes: dict[str, int] = {}
         self.finished: set[str] = set()
-        self.failed: set[str] = set()
-        # Done markers' `counters` metadata (compact JSON), kept so that a sweep can sum them.
-        self.counters: dict[str, str] = {}
         self.leases: dict[str, Sighting] = {}
+        # Submit batches (docs/PROTOCOL.md, "Batches"): generation of each batch marker seen, the key
+        # ranges of batches still running, and the regions a new or changed batch added tasks to.
+        self.batches: dict[str, int] | None = None
+        self.running: list[tuple[str, str]] = []
+        self.news: set[str] = set()
 
     # -- the region map ---------------------------------------------------------------------
 
-    def scan_map(self) -> None:
+    def scan_map(self, with_batches: bool = True) -> None:
         """The split markers (one page per thousand regions, and only as many pages as needed so
-        far) and the swept markers of those regions."""
+        far), the swept markers of those regions, then the batches.
+
+        Batches come last: a worker that finds every region swept and then no batch running knows
+        that every task submitted before that last listing is finished (docs/PROTOCOL.md, "Batches")."""
         splits, token, pages = [], None, 0
         while pages < self._map_pages:
             page = self.store.list_page(layout.SPLITS, page_token=token)
@@ -122,10 +127,48 @@ class QueueView:
             if not token:
                 break
         self.map_complete = token is None
+        ends = {region: self.region_end(region) for region in self.tasks}
         self.splits = [layout.HEAD] + splits  # listings come in key order
         self._split_keys = [""] + [layout.key(t) for t in splits]
+        for region, end in ends.items():
+            if self.region_end(region) != end:
+                self.forget(region)  # `submit` cut it: its cached task list runs past its new end
         self.scan_swept()
         self.map_at = self.clock.monotonic()
+        if with_batches:
+            self.scan_batches()
+
+    def scan_batches(self) -> bool:
+        """The batch markers (one request per thousand batches). True when one is new or changed
+        since the last listing (the first listing is the baseline): its regions, and those of every
+        batch still running, are news. Their task lists are forgotten, so the next visit lists
+        them again and finds the tasks the batch added."""
+        seen: dict[str, int] = {}
+        running, spans = [], []
+        for entry in self.store.list(layout.BATCHES):
+            first, last = entry.metadata.get("first"), entry.metadata.get("last")
+            if not first or not last:
+                continue
+            seen[entry.name] = entry.generation
+            span = (layout.key(first), layout.key(last))
+            if entry.metadata.get("state") != layout.BATCH_DONE:
+                running.append(span)
+                spans.append(span)
+            elif self.batches is not None and self.batches.get(entry.name) != entry.generation:
+                spans.append(span)
+        changed = self.batches is not None and any(self.batches.get(n) != g for n, g in seen.items())
+        self.batches, self.running = seen, running
+        for region in self.splits:
+            if any(self.overlaps(region, span) for span in spans):
+                self.news.add(region)
+                if region in self.tasks:
+                    self.forget(region)
+        return changed
+
+    def overlaps(self, region: str, span: tuple[str, str]) -> bool:
+        """Whether a region's key range meets a batch's [first, last]."""
+        end = self.region_end(region)
+        return (layout.key(region) if region else "") <= span[1] and (end is None or span[0] < layout.key(end))
 
     def freshen_map(self) -> None:
         """Re-list what is old: the splits every MAP_REFRESH_S (they change only when tasks are
@@ -147,7 +190,8 @@ class QueueView:
         swept = {}
         for entry in self.store.list(layout.SWEPT, end_offset=end):
             region = layout.region_from_swept(entry.name)
-            if region is not None:
+            # Only a confirmed marker counts: a sweeper's second task listing may still withdraw a new one.
+            if region is not None and entry.metadata.get("confirmed"):
                 swept[region] = entry.metadata.get("end") or None
         self.swept = swept
         self.swept_at = self.clock.monotonic()
@@ -172,6 +216,8 @@ class QueueView:
     def is_swept(self, region: str) -> bool:
         if region not in self.swept:
             return False
+        if any(self.overlaps(region, span) for span in self.running):
+            return False  # a submit still adding tasks here: its swept marker may be about to go
         covered, end = self.swept[region], self.region_end(region)
         return covered is None or (end is not None and layout.key(covered) >= layout.key(end))
 
@@ -225,10 +271,6 @@ class QueueView:
             state = entry.metadata.get("state", HELD)
             if state in FINISHED:
                 self.finished.add(task_id)
-                if state == DEAD:
-                    self.failed.add(task_id)
-                elif "counters" in entry.metadata:
-                    self.counters[task_id] = entry.metadata["counters"]
                 continue
             old = self.leases.get(task_id)
             first_seen = old.first_seen if old and old.generation == entry.generation else now
@@ -249,10 +291,8 @@ class QueueView:
         self.loaded.pop(region, None)
         for task_id in self.tasks.pop(region, []):
             self.manifests.pop(task_id, None)
-            self.counters.pop(task_id, None)
             self.sizes.pop(task_id, None)
             self.finished.discard(task_id)
-            self.failed.discard(task_id)
             self.leases.pop(task_id, None)
 
     def region_finished(self, region: str) -> bool:
@@ -336,7 +376,8 @@ class Claimer:
                 return
             now = self.clock.monotonic()
             idle_since = idle_since if idle_since is not None else now
-            if now - idle_since >= self.options.idle_timeout_s:
+            if now - idle_since >= self.options.idle_timeout_s and not self._retrying(self.view.scan_batches):
+                # (A batch submitted since the last poll is news: it goes round again instead of leaving.)
                 self.exit_reason = "idle"
                 log.info("event=idle_timeout waited_s=%.1f open_regions=%d", now - idle_since, len(self.view.open_regions()))
                 return
@@ -374,10 +415,14 @@ class Claimer:
         """Every region swept, confirmed on a fresh listing of the map (free while the view knows an open region)."""
         if self.view.open_regions():
             return False
+        # batches/ before and after the map: a batch that finished (or began) in between may have
+        # added tasks the map's listings did not account for (docs/PROTOCOL.md, "Batches").
+        self.view.scan_batches()
+        before = dict(self.view.batches or {})
         self.view.scan_map()
         while not self.view.map_complete and not self.view.open_regions():
             self.view.extend_map()
-        return self.view.all_swept()
+        return self.view.all_swept() and self.view.batches == before
 
     def _poll(self) -> None:
         """While waiting: the swept markers, and one open region afresh; the walk goes on there if it has work.
@@ -388,8 +433,14 @@ class Claimer:
         from a live one; one poll in four loads a region it does not watch, so that between them
         the waiting workers watch every open region, however few they are.
         """
-        # Only swept/: splits/ changes only when tasks are submitted, and a waiting worker lists it
-        # afresh once every region it knows is swept (`_drained`), so new regions wait for the old.
+        # batches/ on every poll: a batch submitted or finished since is news, found within one poll
+        # (docs/PROTOCOL.md, "Batches"); splits/ then too, since a batch may have cut new regions.
+        changed = self.view.scan_batches()
+        self.view.news &= set(self.view.open_regions())
+        if changed or self.view.news:
+            self.view.scan_map(with_batches=False)
+            self._waiting = False  # the next turn moves, to the regions the batch added tasks to first
+            return
         self.view.freshen_swept()
         regions = self.view.open_regions()
         if not regions:
@@ -416,35 +467,53 @@ class Claimer:
     def _sweep(self, region: str) -> None:
         """Mark a region whose every task is finished (docs/PROTOCOL.md, "Regions").
 
-        The tasks are listed again after the marker is written: a task submitted after the load
-        shows up there (then the marker is taken back), and one submitted later finds the marker
-        and removes it, so a swept marker never hides a task that is still to run.
+        The region's done markers and dead letters are listed first: a holder that died between
+        its tombstone and its marker left the marker to whoever sweeps, who copies it from the
+        tombstone. The swept marker's counts are therefore counts of markers. The tasks are listed
+        again after the marker is written: a task submitted after the load shows up there (then the
+        marker is taken back), and one submitted later finds the marker and removes it, so a swept
+        marker never hides a task that is still to run.
         """
         if region in self.view.swept and self.view.is_swept(region):
             return
         end = self.view.region_end(region)
         ids = self.view.tasks.get(region, [])
+        done, failed = self._markers(region)
+        for task_id in ids:
+            if task_id not in done and task_id not in failed and not self._mark_from_tombstone(task_id, done, failed):
+                return
         record = {
             "region": region,
             "end": end,
             "tasks": len(ids),
-            "failed": sum(t in self.view.failed for t in ids),
+            "failed": sum(t in failed for t in ids),
             "worker": self.options.worker,
             "swept_at": self.clock.wall_iso(),
         }
         metadata = {"end": end or "", "tasks": str(record["tasks"]), "failed": str(record["failed"])}
-        counters = sum_metadata_counters(self.view.counters[t] for t in ids if t in self.view.counters)
+        counters = sum_metadata_counters(done[t] for t in ids if done.get(t))
         if counters:
             # Status counts a swept region from its marker alone, so the done markers' counters go with it.
             record["counters"] = counters
             metadata["counters"] = json.dumps(counters, separators=(",", ":"), sort_keys=True)
+        name = layout.swept_object(region)
         try:
-            generation = self.store.create(layout.swept_object(region), json.dumps(record).encode(), metadata=metadata)
+            generation = self.store.create(name, json.dumps(record).encode(), metadata=metadata)
         except PreconditionFailed:
-            self.view.swept[region] = end  # swept by someone else at the same moment
-            return
+            # Swept by someone else; if they never confirmed it (they died, or are about to), we do.
+            page = self.store.list_page(layout.SWEPT, start_offset=name, page_size=1)
+            current = next((e for e in page.entries if e.name == name), None)
+            if current is None:
+                return  # withdrawn: the next visit looks again
+            generation = current.generation
+            if current.metadata.get("confirmed"):
+                self.view.swept[region] = end
+                return
+        created = self.clock.monotonic()
         again = self.view.list_region_tasks(region)
-        if any(t not in self.view.finished for t in again):
+        if set(again) != set(ids):
+            # New tasks: unfinished ones must not be hidden, and finished ones (claimed and completed by
+            # others since our task listing) are not in the marker's counts. Withdraw; a later sweep counts them.
             log.info("event=sweep_withdrawn region=%r reason=new_tasks", region)
             try:
                 self.store.delete(layout.swept_object(region), if_generation=generation)
@@ -452,8 +521,55 @@ class Claimer:
                 pass  # the submitter removed it already
             self.view.tasks[region] = again
             return
+        # Confirmed: its second task listing found nothing new. Only now may anyone take it for swept.
+        # (GCS allows one write per second to an object: https://cloud.google.com/storage/quotas#objects)
+        wait = self.store.same_object_write_gap_s - (self.clock.monotonic() - created)
+        if wait > 0:
+            self.clock.wait(self.stop_event, wait)
+        try:
+            self.store.write(name, json.dumps(record).encode(), if_generation=generation,
+                             metadata={**metadata, "confirmed": "1"})  # fmt: skip
+        except (NotFound, PreconditionFailed):
+            return  # the submitter removed it, or another sweeper confirmed it first
         self.view.swept[region] = end
         log.info("event=swept region=%r tasks=%d", region, len(ids))
+
+    def _markers(self, region: str) -> tuple[dict[str, str | None], set[str]]:
+        """The region's done markers (id -> their `counters` metadata) and dead letters: two listings."""
+        end = self.view.region_end(region)
+        done: dict[str, str | None] = {}
+        for entry in self.store.list(layout.DONE, start_offset=_offset(layout.DONE, region), end_offset=_offset(layout.DONE, end)):
+            task_id = layout.id_from_object(entry.name, layout.DONE)
+            if task_id is not None:
+                done[task_id] = entry.metadata.get("counters")
+        failed = set()
+        for entry in self.store.list(layout.FAILED, start_offset=_offset(layout.FAILED, region), end_offset=_offset(layout.FAILED, end)):
+            task_id = layout.id_from_object(entry.name, layout.FAILED)
+            if task_id is not None:
+                failed.add(task_id)
+        return done, failed
+
+    def _mark_from_tombstone(self, task_id: str, done: dict[str, str | None], failed: set[str]) -> bool:
+        """The marker a holder that died after its tombstone never wrote; False when the lease is no tombstone."""
+        try:
+            tombstone = json.loads(self.store.read(layout.lease_object(task_id)).data)
+        except (NotFound, ValueError) as exc:
+            log.error("event=sweep_refused task=%s reason=%r", task_id, f"lease unreadable: {exc}")
+            return False
+        if not isinstance(tombstone, dict) or tombstone.get("state") not in FINISHED:
+            log.error("event=sweep_refused task=%s reason=lease_not_a_tombstone", task_id)
+            return False
+        name, data, metadata = marker_of(tombstone)
+        try:
+            self.store.create(name, data, metadata=metadata)
+            log.info("event=marker_from_tombstone task=%s object=%s", task_id, name)
+        except PreconditionFailed:
+            pass  # its holder wrote it meanwhile: the same body
+        if tombstone["state"] == DEAD:
+            failed.add(task_id)
+        else:
+            done[task_id] = (metadata or {}).get("counters")
+        return True
 
     # -- moving between regions -------------------------------------------------------------
 
@@ -472,15 +588,17 @@ class Claimer:
         view.freshen_map()
         tries = 0
         while True:
-            fresh = [r for r in view.open_regions() if r not in view.tasks]
+            news = [r for r in view.open_regions() if r in view.news]
+            fresh = [r for r in view.open_regions() if r not in view.tasks and r not in view.news]
             known = [r for r in view.open_regions() if r in view.tasks and r != self._region and self._has_claimable(r)]
-            self.rng.shuffle(fresh)
-            self.rng.shuffle(known)
+            for regions in (news, fresh, known):
+                self.rng.shuffle(regions)
             here = [self._region] if self._region is not None and self._region in view.tasks else []
-            for region in fresh + known + here:
+            for region in news + fresh + known + here:
                 if tries >= JUMP_TRIES:
                     break
                 tries += 1
+                view.news.discard(region)
                 self._visit(region)
                 if self._land(region, first):
                     return True
@@ -590,19 +708,20 @@ class Claimer:
 
     def _learn_outcome(self, lease: HeldLease) -> None:
         """What this worker did with a claim is news its view can use without a listing."""
-        state = lease.body["state"]
+        state = lease.body["state"]  # the state of our last write that was confirmed
         if lease.lost:
             self.view.leases.pop(lease.task_id, None)
-        elif state == RELEASED:
-            self.view.leases[lease.task_id] = Sighting(
-                lease.generation, RELEASED, self.options.worker, float(lease.body["ttl_s"]), self.clock.monotonic()
-            )
-        else:  # completed or dead-lettered: the lease is a tombstone now
+        elif state in FINISHED:  # the tombstone's write was confirmed: the task is finished for good
             self.view.finished.add(lease.task_id)
-            if state == DEAD:
-                self.view.failed.add(lease.task_id)
             self._mine.add(lease.task_id)
             self.view.leases.pop(lease.task_id, None)
+        else:
+            # Released, or still held: a write that failed (or whose answer never came) may or may not
+            # have been applied. Only what we saw confirmed counts: the lease as our last confirmed
+            # write left it, live until a TTL after we sent that write; a listing tells us more.
+            self.view.leases[lease.task_id] = Sighting(
+                lease.generation, state, self.options.worker, float(lease.body["ttl_s"]), lease.last_write
+            )
 
     def _acquire(self, task_id: str) -> HeldLease | None:
         """Create, take over or steal the lease; None when someone else won."""
@@ -613,6 +732,7 @@ class Claimer:
         if sighting is None:
             body = new_lease_body(task_id, self.options.worker, self.options.lease_ttl_s, self.clock)
             data, metadata = encode(body)
+            sent = self.clock.monotonic()
             try:
                 generation = self.store.create(name, data, metadata=metadata)
             except PreconditionFailed:
@@ -621,7 +741,7 @@ class Claimer:
                 self.view.leases[task_id] = Sighting(0, HELD, "?", float("inf"), self.clock.monotonic())
                 return None
             log.info("event=claimed task=%s token=%d attempt=%d", task_id, generation, body["attempt"])
-            return HeldLease(self.store, body, generation, self.clock)
+            return HeldLease(self.store, body, generation, self.clock, sent_at=sent)
         # Released, or expired by observation: read it, then rewrite at the generation we saw.
         try:
             current = self.store.read(name)
@@ -639,11 +759,12 @@ class Claimer:
             return None
         body = new_lease_body(task_id, self.options.worker, self.options.lease_ttl_s, self.clock, previous)
         data, metadata = encode(body)
+        sent = self.clock.monotonic()
         try:
             generation = self.store.write(name, data, if_generation=sighting.generation, metadata=metadata)
         except PreconditionFailed:
             return None
-        lease = HeldLease(self.store, body, generation, self.clock)
+        lease = HeldLease(self.store, body, generation, self.clock, sent_at=sent)
         try:
             finished = self._finished_already(task_id)
         except StoreError:
@@ -654,8 +775,6 @@ class Claimer:
             log.info("event=tombstone task=%s state=%s previous_worker=%s", task_id, state, previous.get("worker"))
             lease.settle(state, counters)
             self.view.finished.add(task_id)
-            if state == DEAD:
-                self.view.failed.add(task_id)
             return None
         how = "takeover" if previous.get("state") == RELEASED else "steal"
         log.info(

@@ -47,6 +47,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tasks", type=int, default=None, help="exit after this many tasks")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for leased work before exiting")
     p.add_argument(
+        "--stuck-after", type=float, default=None, metavar="SECONDS",
+        help="stop a consumer that wrote no progress record and no output line for this long; the attempt "
+        "counts as failed (default: never)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-task-time", type=float, default=None, metavar="SECONDS",
+        help="stop a consumer that has run this long in all; the attempt counts as failed (default: no limit)",
+    )  # fmt: skip
+    p.add_argument(
         "--poll", type=float, default=1.0,
         help="shortest wait between polls of a busy queue (seconds; the first is at least an eighth of the longest)",
     )
@@ -126,6 +135,8 @@ def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner | 
             poll_min_s=args.poll,
             poll_max_s=default_poll_max(args.poll, args.lease_ttl),
             slice=role,
+            stuck_after_s=args.stuck_after,
+            max_task_s=args.max_task_time,
         )
     except ValueError as exc:
         parser().error(str(exc))

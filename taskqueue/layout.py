@@ -13,9 +13,13 @@ FAILED = "failed/"
 OUT = "out/"
 SPLITS = "splits/"
 SWEPT = "swept/"
+BATCHES = "batches/"
+#: A batch marker's `state`: `running` from before `submit` creates the batch's first task until
+#: every task of it exists and no swept marker covers one; then `done`.
+BATCH_RUNNING, BATCH_DONE = "running", "done"
 
-#: Tasks per region: `submit` writes a split marker at every REGION_TASKS-th id of a batch, so one
-#: listing page (at most 1000 entries) covers a region's tasks.
+#: Tasks per region: `submit` cuts every region it added tasks to at every REGION_TASKS-th id, so one
+#: listing page (at most 1000 entries) covers a region's tasks whatever the batch sizes.
 REGION_TASKS = 1000
 #: The region before the first split (ids created outside `submit`, or a queue with no splits).
 HEAD = ""
@@ -53,6 +57,10 @@ def split_object(task_id: str) -> str:
 
 def swept_object(region: str) -> str:
     return f"{SWEPT}{region or _HEAD_NAME}.json"
+
+
+def batch_object(batch_id: str) -> str:
+    return f"{BATCHES}{batch_id}.json"
 
 
 def region_from_swept(name: str) -> str | None:

@@ -2,7 +2,10 @@
 
 The holder's fencing token is the generation of the write that gave it the lease. Each later write
 (heartbeat, release, completion, dead letter) must match the generation of the holder's previous
-write, so once anyone else has written the lease, the old holder can commit nothing more.
+write, so once anyone else has written the lease, the old holder can commit nothing more. A task
+ends with its tombstone (the holder's last conditional write) and only then its done marker or
+dead letter, copied from the tombstone: no marker is ever made by a holder that cannot prove,
+with that write, that it still holds the lease.
 """
 
 from __future__ import annotations
@@ -100,17 +103,42 @@ def compact(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
+def marker_of(tombstone: dict) -> tuple[str, bytes, dict[str, str] | None]:
+    """The done marker or dead letter a tombstone stands for: name, body and custom metadata.
+
+    The holder creates it right after its tombstone; a sweep creates it from the tombstone when the
+    holder died in between. Both copy the same body, so whoever is first, the marker is the same.
+    """
+    task_id = tombstone["task"]
+    if tombstone["state"] == DEAD:
+        letter = {k: tombstone.get(k) for k in ("task", "reason", "errors", "worker", "fencing_token", "failed_at")}
+        return layout.failed_object(task_id), json.dumps(letter, indent=1).encode(), None
+    marker = {"task": task_id, "fencing_token": tombstone.get("fencing_token"), "worker": tombstone.get("worker"),
+              "attempt": tombstone.get("attempt"), "outputs": tombstone.get("progress", []),
+              "claimed_at": tombstone.get("claimed_at"), "completed_at": tombstone.get("completed_at"),
+              "seconds": tombstone.get("seconds")}  # fmt: skip
+    counters = tombstone.get("counters")
+    # In the metadata, listings return the counters and times with the marker: status reads no body.
+    metadata = {key: str(marker[key]) for key in ("completed_at", "seconds") if marker[key] is not None}
+    if counters:
+        metadata["counters"] = compact(counters)
+    return layout.done_object(task_id), json.dumps(marker, indent=1).encode(), metadata or None
+
+
 class HeldLease:
     """The lease a worker holds on one task. Thread-safe: the heartbeat thread shares it."""
 
-    def __init__(self, store: ObjectStore, body: dict, generation: int, clock: Clock):
+    def __init__(self, store: ObjectStore, body: dict, generation: int, clock: Clock, sent_at: float | None = None):
         self.store = store
         self.task_id: str = body["task"]
         self.token = generation
         self.generation = generation
         self.body = body
         self.clock = clock
-        self.last_write = clock.monotonic()
+        # When our last confirmed write was sent (an observer's TTL can have started no earlier), and
+        # when its answer came (GCS's one write per second per object counts from there).
+        self.last_write = sent_at if sent_at is not None else clock.monotonic()
+        self._answered = clock.monotonic()
         self.lost = False
         self._lock = threading.Lock()
 
@@ -134,6 +162,9 @@ class HeldLease:
             # A tombstone is final: a late release must never turn a finished task back into work.
             raise LeaseLost(f"lease on task {self.task_id} is already {self.body['state']}")
         data, metadata = encode(body)
+        # Stamped when sent, not when acknowledged: an observer may have seen this write (and started
+        # its TTL) as soon as it was applied, however late the answer comes.
+        sent = self.clock.monotonic()
         try:
             self.generation = self.store.write(
                 layout.lease_object(self.task_id), data, if_generation=self.generation, metadata=metadata
@@ -142,7 +173,7 @@ class HeldLease:
             self.lost = True
             raise LeaseLost(f"lease on task {self.task_id} is no longer at generation {self.generation}: {exc}") from exc
         self.body = body
-        self.last_write = self.clock.monotonic()
+        self.last_write, self._answered = sent, self.clock.monotonic()
 
     def _updated(self, records: Sequence[dict], **changes: object) -> dict:
         body = dict(self.body)
@@ -163,80 +194,59 @@ class HeldLease:
             self._write(self._updated(records, state=RELEASED, errors=errors))
 
     def complete(self, records: Sequence[dict], started_mono: float) -> bool:
-        """Done marker, then the lease becomes a `done` tombstone. False when another holder had
-        already completed the task."""
+        """The `done` tombstone, then the done marker copied from it (docs/PROTOCOL.md, "Completion").
+
+        The tombstone is a write conditional on our last generation: once it is applied, no other
+        holder can ever get the lease, so the marker made from it is the only outcome the task can
+        have. Raises LeaseLost (nothing was written, the outputs are abandoned) or StoreError (the
+        tombstone may or may not be there: the caller must not count the task as finished). True
+        when the marker is ours; False when it existed already (a sweep copied our tombstone first).
+        """
         with self._lock:
-            ttl = float(self.body["ttl_s"])
-            if self.clock.monotonic() - self.last_write > ttl / 2:
-                # Only inside half a TTL of our last write is nobody able to have stolen the lease, so
-                # only then may the done marker commit outputs without a lease write first.
-                self._write(self._updated(records))
-                records = ()
             outputs = self.committed + list(records)
-            counters = sum_counters(outputs)
-            marker = {
-                "task": self.task_id,
-                "fencing_token": self.token,
-                "worker": self.body["worker"],
-                "attempt": self.attempt,
-                "outputs": outputs,
-                "claimed_at": self.body["claimed_at"],
-                "completed_at": self.clock.wall_iso(),
-                "seconds": round(self.clock.monotonic() - started_mono, 3),
-            }
-            duplicate = False
-            try:
-                self.store.create(
-                    layout.done_object(self.task_id),
-                    json.dumps(marker, indent=1).encode(),
-                    # In the metadata, listings return the counters and times with the marker: status reads no body.
-                    metadata={"completed_at": marker["completed_at"], "seconds": str(marker["seconds"]), **({"counters": compact(counters)} if counters else {})},
-                )
-            except PreconditionFailed:
-                duplicate = True
-                log.warning("event=duplicate_completion task=%s token=%d outputs=abandoned", self.task_id, self.token)
-            self._settle(DONE, records, counters=counters if not duplicate else None)
-            return not duplicate
+            self._settle(
+                DONE,
+                records,
+                fencing_token=self.token,
+                counters=sum_counters(outputs),
+                completed_at=self.clock.wall_iso(),
+                seconds=round(self.clock.monotonic() - started_mono, 3),
+            )
+            return self._mark()
 
     def dead_letter(self, reason: str, records: Sequence[dict] = (), error: dict | None = None) -> None:
-        """Failed marker, then the lease becomes a `dead` tombstone."""
+        """The `dead` tombstone, then the dead letter copied from it; raises like `complete`."""
         with self._lock:
             errors = list(self.body["errors"]) + ([error] if error else [])
-            letter = {
-                "task": self.task_id,
-                "reason": reason,
-                "errors": errors,
-                "worker": self.body["worker"],
-                "fencing_token": self.token,
-                "failed_at": self.clock.wall_iso(),
-            }
-            try:
-                self.store.create(layout.failed_object(self.task_id), json.dumps(letter, indent=1).encode())
-            except PreconditionFailed:
-                log.warning("event=duplicate_dead_letter task=%s", self.task_id)
-            self._write(self._updated(records, state=DEAD, errors=errors))
+            self._settle(
+                DEAD, records, errors=errors, reason=reason, fencing_token=self.token, failed_at=self.clock.wall_iso()
+            )
+            self._mark()
+
+    def _mark(self) -> bool:
+        """Create the marker of our tombstone. Caller holds self._lock."""
+        name, data, metadata = marker_of(self.body)
+        try:
+            self.store.create(name, data, metadata=metadata)
+        except PreconditionFailed:
+            log.info("event=marker_exists task=%s object=%s", self.task_id, name)
+            return False
+        return True
 
     def settle(self, state: str, counters: dict | None = None) -> None:
         """Make our lease the tombstone (`done` or `dead`) of a task whose marker exists already (its
         holder died before writing the tombstone); `counters` are its done marker's."""
         with self._lock:
-            self._settle(state, (), counters=counters)
+            try:
+                self._settle(state, (), counters=counters)
+            except LeaseLost as exc:
+                log.warning("event=tombstone_refused task=%s state=%s error=%s", self.task_id, state, exc)
 
-    def _settle(self, state: str, records: Sequence[dict], counters: dict | None = None) -> None:
-        """The final write: conditional like every other, so only the holder can make the tombstone.
-
-        If it fails, the marker is there anyway; the lease expires, and whoever takes it over finds
-        the marker (the takeover's check) and writes the tombstone then.
-        """
+    def _settle(self, state: str, records: Sequence[dict], **fields: object) -> None:
+        """The tombstone: the holder's final write, conditional like every other. Raises LeaseLost."""
         # GCS allows about one write per second to one object name, and a task often ends right after
         # a heartbeat: waiting out the rest of that second is cheaper than a 429 and its retry.
-        wait = self.store.same_object_write_gap_s - (self.clock.monotonic() - self.last_write)
+        wait = self.store.same_object_write_gap_s - (self.clock.monotonic() - self._answered)
         if wait > 0:
             self.clock.wait(threading.Event(), wait)
-        changes: dict[str, object] = {"state": state}
-        if counters:
-            changes["counters"] = counters
-        try:
-            self._write(self._updated(records, **changes))
-        except LeaseLost as exc:
-            log.warning("event=tombstone_refused task=%s state=%s error=%s", self.task_id, state, exc)
+        self._write(self._updated(records, state=state, **{k: v for k, v in fields.items() if v}))

@@ -8,7 +8,7 @@ import logging
 import os
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 #: The consumer's time to exit after SIGTERM before its group is killed; a release must fit in 10 s.
 STOP_GRACE_S = 5.0
@@ -56,11 +56,16 @@ class ConsumerSlot:
         signal_group(proc, signum)
 
 
-def pump_output(proc: subprocess.Popen, task_id: str, tail: collections.deque) -> None:
-    """Log the consumer's output one line per line, keeping the last lines in `tail` for its error record."""
+def pump_output(
+    proc: subprocess.Popen, task_id: str, tail: collections.deque, on_line: Callable[[], None] | None = None
+) -> None:
+    """Log the consumer's output one line per line, keeping the last lines in `tail` for its error record;
+    `on_line` is told of each line (the stuck-task backstop counts output as activity)."""
     assert proc.stdout is not None
     consumer_log = logging.getLogger("consumer")
     for raw in proc.stdout:
         line = raw.decode("utf-8", "replace").rstrip("\n")
         tail.append(line)
         consumer_log.info("task=%s | %s", task_id, line)
+        if on_line is not None:
+            on_line()

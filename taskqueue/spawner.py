@@ -1,7 +1,18 @@
-"""The worker: claim a task, run the consumer on it, heartbeat, and record how it ended.
+"""The worker's shell: threads, signals and the consumer subprocess around the worker core.
 
-One consumer subprocess at a time, in its own process group so that a stop reaches everything it
-started. The consumer contract (environment variables, exit codes) is in docs/PROTOCOL.md.
+What the worker decides (on each consumer exit, heartbeat result, store error, stop request,
+preemption notice, stuck consumer) lives in `taskqueue.worker.TaskRun`, which takes events and
+returns actions and does no I/O; the deterministic simulation (`bench/sim_seeds.py`) drives the same
+core. This module only feeds it events and carries out its actions:
+
+- the main thread claims (`Claimer`), starts the consumer in its own process group, and waits for
+  it, ticking the core every 0.2 s (stop grace, the stuck-task backstop);
+- a heartbeat thread reads the progress file and performs the core's renewals; it survives every
+  exception and tells the core, which decides when the lease must be given up;
+- a pump thread logs the consumer's output (each line is activity for the backstop);
+- `request_stop` (a signal handler or the preemption watch) tells the core, which signals the consumer.
+
+The consumer contract (environment variables, exit codes) is in docs/PROTOCOL.md.
 """
 
 from __future__ import annotations
@@ -24,20 +35,30 @@ from objectstore import NotFound, ObjectStore, StoreError
 from taskqueue import layout
 from taskqueue.claims import Claim, Claimer, ClaimOptions
 from taskqueue.clock import Clock
-from taskqueue.lease import HeldLease, LeaseLost
-from taskqueue.process import STOP_GRACE_S, ConsumerSlot, pump_output
+from taskqueue.process import ConsumerSlot, pump_output
 from taskqueue.slice import AssignmentBoard, SliceOptions
+from taskqueue.worker import (
+    MAX_TAKEOVERS,
+    SLICE_HOST_STOPPED,
+    Abandon,
+    DeadLetter,
+    Release,
+    RunOptions,
+    Signal,
+    Tally,
+    TaskRun,
+    perform_final,
+    perform_renew,
+    verdict_before_start,
+)
 
 log = logging.getLogger(__name__)
 
-EX_DATAERR = 65
+__all__ = ["MAX_TAKEOVERS", "SLICE_HOST_STOPPED", "ProgressError", "ProgressFile", "SpawnOptions", "Spawner", "Tally"]
+
 ERROR_TAIL_LINES = 40
-#: Expiries are not attempts (a dead machine is not the task's fault), but a task whose holders
-#: keep dying without a word is poison: after this many steals it is dead-lettered.
-MAX_TAKEOVERS = 10
 MAX_PROGRESS_LINE = 64 * 1024
-#: A slice consumer's exit code when one of its hosts was stopped by SIGTERM (docs/PROTOCOL.md, "Slices").
-SLICE_HOST_STOPPED = 128 + signal.SIGTERM
+TICK_S = 0.2
 
 
 class ProgressError(ValueError):
@@ -86,6 +107,10 @@ class SpawnOptions:
     poll_max_s: float = 30.0
     #: Set on a multi-host slice's leader (host 0): every claim is published to the followers.
     slice: SliceOptions | None = None
+    #: The stuck-task backstop (taskqueue.worker): stop a consumer silent this long (no progress record,
+    #: no output line), or running this long in all, and count the attempt as failed. None: never.
+    stuck_after_s: float | None = None
+    max_task_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.consumer:
@@ -99,16 +124,9 @@ class SpawnOptions:
             )
         if self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be at least 1, got {self.max_attempts}")
-
-
-@dataclasses.dataclass
-class Tally:
-    done: int = 0
-    failed_attempts: int = 0
-    dead_letters: int = 0
-    released: int = 0
-    lost: int = 0
-    duplicates: int = 0
+        for flag, value in (("--stuck-after", self.stuck_after_s), ("--max-task-time", self.max_task_s)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag} must be a positive number of seconds (leave it out to disable), got {value}")
 
 
 #: `on_state(state, **fields)`: told when the worker starts a task ("working", task=...) and when it
@@ -141,6 +159,9 @@ class Spawner:
         self._stop = threading.Event()
         self._consumer = ConsumerSlot()
         self._job: bytes | None = None
+        # The core of the task in hand, and the lock every thread takes to feed it an event.
+        self._run: TaskRun | None = None
+        self._core_lock = threading.RLock()  # re-entrant: a signal handler may run while the main thread holds it
         self.board = (
             AssignmentBoard(store, options.slice, options.worker, self.clock)
             if options.slice is not None and options.slice.is_leader
@@ -156,7 +177,9 @@ class Spawner:
         self.stop_reason = reason
         self._stop.set()
         self.claimer.stop()
-        self._consumer.signal(signal.SIGTERM)
+        with self._core_lock:
+            if self._run is not None:
+                self._perform(self._run.stop(reason, self.clock.monotonic()))
 
     def tell_state(self, state: str, **fields: object) -> None:
         if self.on_state is None:
@@ -165,6 +188,10 @@ class Spawner:
             self.on_state(state, worker=self.options.worker, **fields)
         except Exception:  # noqa: BLE001 - the hook is the cloud glue's; it must never stop the worker
             log.exception("event=state_hook_failed state=%s", state)
+
+    def _perform(self, signals: list[Signal]) -> None:
+        for action in signals:
+            self._consumer.signal(action.signum)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -190,29 +217,42 @@ class Spawner:
                 self.board.close(reason)  # the followers exit too
             except StoreError as exc:
                 log.error("event=slice_close_failed error=%s", exc)
-        log.info("event=worker_exit worker=%s reason=%s %s", self.options.worker, reason, _fields(self.tally))
+        log.info("event=worker_exit worker=%s reason=%s %s", self.options.worker, reason, self.tally.fields())
         return reason
 
+    def run_options(self) -> RunOptions:
+        o = self.options
+        return RunOptions(
+            lease_ttl_s=o.lease_ttl_s, heartbeat_s=o.heartbeat_s, max_attempts=o.max_attempts, worker=o.worker,
+            is_slice_leader=self.board is not None, stuck_after_s=o.stuck_after_s, max_task_s=o.max_task_s,
+        )  # fmt: skip
+
     def _handle(self, claim: Claim) -> None:
-        takeovers = int(claim.lease.body.get("takeovers", 0))
-        if takeovers >= MAX_TAKEOVERS:
-            self._dead_letter(claim.lease, f"its lease expired {takeovers} times: every holder died running it", (), None)
-            return
-        if claim.manifest is None:
-            log.error("event=bad_manifest task=%s reason=%r", claim.task_id, claim.problem)
-            self._dead_letter(claim.lease, f"bad manifest: {claim.problem}", (), None)
+        lease = claim.lease
+        run = TaskRun(claim.task_id, lease.attempt, self.run_options(), self.clock.monotonic(), self.tally)
+        verdict = verdict_before_start(int(lease.body.get("takeovers", 0)), claim.problem if claim.manifest is None else None)
+        if verdict is not None:
+            log.error("event=dead_letter_unrun task=%s reason=%r", claim.task_id, verdict)
+            self._settle(run, lease, DeadLetter(verdict, (), None))
             return
         workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"spawn-{claim.task_id}-"))
         try:
-            self._run_consumer(claim, workdir)
-        except LeaseLost as exc:
-            self.tally.lost += 1
-            log.warning("event=lease_lost task=%s error=%s", claim.task_id, exc)
-        except StoreError as exc:
-            # The lease stays ours until it expires; the next holder resumes from what was committed.
-            log.error("event=store_error task=%s error=%s", claim.task_id, exc)
+            self._settle(run, lease, self._run_consumer(claim, run, workdir))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+    def _settle(self, run: TaskRun, lease, action) -> None:
+        result = perform_final(lease, action, run.started)
+        run.settled(action, result)
+        fields = f"task={lease.task_id} token={lease.token} action={type(action).__name__} result={result}"
+        if result == "done":
+            log.info("event=done %s outputs=%d", fields, len(lease.committed))
+        elif result == "dead":
+            log.error("event=dead_letter %s reason=%r", fields, action.reason)
+        elif isinstance(action, Release) and result == "released":
+            log.info("event=released %s why=%r committed=%d", fields, action.why, len(lease.committed))
+        else:
+            log.warning("event=task_settled %s why=%r", fields, getattr(action, "why", ""))
 
     def _job_bytes(self) -> bytes:
         if self._job is None:
@@ -222,7 +262,8 @@ class Spawner:
                 self._job = b"{}"
         return self._job
 
-    def _run_consumer(self, claim: Claim, workdir: pathlib.Path) -> None:
+    def _prepare(self, claim: Claim, workdir: pathlib.Path) -> tuple[dict[str, str], pathlib.Path]:
+        """The consumer's files and environment (docs/PROTOCOL.md, "The consumer contract")."""
         lease = claim.lease
         files = {
             "SPAWN_TASK_FILE": workdir / "task.json",
@@ -245,37 +286,46 @@ class Spawner:
         )
         if self.board is not None:
             env.update(self.options.slice.consumer_env())
-            try:
-                self.board.assign(lease, claim.manifest, env["SPAWN_OUTPUT"])
-            except StoreError as exc:
-                # The followers cannot join, so neither can we: give the task back (not an attempt).
-                log.error("event=slice_assign_failed task=%s error=%s", claim.task_id, exc)
-                lease.release()
-                self.tally.released += 1
-                return
-        progress = ProgressFile(files["SPAWN_PROGRESS_FILE"])
-        started = self.clock.monotonic()
+            self.board.assign(lease, claim.manifest, env["SPAWN_OUTPUT"])
+        return env, files["SPAWN_PROGRESS_FILE"]
+
+    def _run_consumer(self, claim: Claim, run: TaskRun, workdir: pathlib.Path):
+        """Run the consumer under the core; returns the core's final action."""
+        lease = claim.lease
+        try:
+            env, progress_path = self._prepare(claim, workdir)
+        except Exception as exc:  # noqa: BLE001 - job.json unreadable, a 403, the slice refused: give the task back
+            log.error("event=consumer_not_started task=%s error=%r", claim.task_id, exc)
+            return run.start_failed(exc)
+        progress = ProgressFile(progress_path)
         tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
-        proc = self._consumer.start(self.options.consumer, env)
-        if self._stop.is_set():  # a stop that arrived while we were starting it
-            self._consumer.signal(signal.SIGTERM)
+        with self._core_lock:
+            proc = self._consumer.start(self.options.consumer, env)
+            self._run = run
+            if self._stop.is_set():  # a stop that arrived while we were starting it
+                self._perform(run.stop(self.stop_reason or "stopped", self.clock.monotonic()))
         log.info("event=consumer_start task=%s pid=%d attempt=%d", claim.task_id, proc.pid, lease.attempt)
-        pump = threading.Thread(target=pump_output, args=(proc, claim.task_id, tail), daemon=True)
+        pump = threading.Thread(target=self._pump, args=(proc, claim.task_id, tail, run), daemon=True)
         pump.start()
         beat_stop = threading.Event()
-        trouble: list[BaseException] = []
-        beat = threading.Thread(
-            target=self._heartbeat_loop, args=(lease, progress, beat_stop, trouble), daemon=True
-        )
+        beat = threading.Thread(target=self._heartbeat_loop, args=(lease, run, progress, beat_stop), daemon=True)
         beat.start()
         try:
-            exit_code = self._wait(proc)
+            exit_code = self._wait(proc, run)
         finally:
             beat_stop.set()
             beat.join()
             pump.join(timeout=5)
-            self._consumer.clear()
+            with self._core_lock:
+                self._consumer.clear()
+                self._run = None
             self._withdraw(claim.task_id, proc.returncode)
+        with self._core_lock:
+            self._read_progress(run, progress)
+        log.info(
+            "event=consumer_exit task=%s exit_code=%d seconds=%.1f",
+            claim.task_id, exit_code, self.clock.monotonic() - run.started,
+        )  # fmt: skip
         error = {
             "attempt": lease.attempt,
             "worker": self.options.worker,
@@ -283,38 +333,27 @@ class Spawner:
             "error": "\n".join(tail)[-4000:],
             "at": self.clock.wall_iso(),
         }
-        if trouble and isinstance(trouble[0], LeaseLost):
-            raise trouble[0]
+        with self._core_lock:
+            action = run.exited(exit_code, error)
+        if isinstance(action, Abandon):
+            log.warning("event=lease_lost task=%s why=%s", claim.task_id, action.why)
+        return action
+
+    def _pump(self, proc: subprocess.Popen, task_id: str, tail: collections.deque, run: TaskRun) -> None:
+        def activity() -> None:
+            with self._core_lock:
+                run.output_line(self.clock.monotonic())
+
+        pump_output(proc, task_id, tail, on_line=activity)
+
+    def _read_progress(self, run: TaskRun, progress: ProgressFile) -> list[Signal]:
+        """Caller holds the core lock. New progress records go to the core, which keeps them pending."""
         try:
-            records = progress.new_records()
+            run.progress(progress.new_records(), self.clock.monotonic())
         except ProgressError as exc:
-            trouble.append(exc)
-        if trouble:
-            self._dead_letter(lease, f"consumer broke the progress contract: {trouble[0]}", (), error)
-            return
-        log.info("event=consumer_exit task=%s exit_code=%d seconds=%.1f", claim.task_id, exit_code, self.clock.monotonic() - started)
-        if self._stop.is_set() or (self.board is not None and exit_code == SLICE_HOST_STOPPED):
-            # On a slice, 128+SIGTERM from our consumer while we were not stopped means another host
-            # was (preempted, maintenance): like our own stop, that is not the task's fault.
-            lease.release(records)
-            self.tally.released += 1
-            reason = self.stop_reason if self._stop.is_set() else "a slice host was stopped"
-            log.info("event=released task=%s reason=%r committed=%d", claim.task_id, reason, len(lease.committed))
-        elif exit_code == 0:
-            if lease.complete(records, started):
-                self.tally.done += 1
-                log.info("event=done task=%s token=%d outputs=%d", claim.task_id, lease.token, len(lease.committed))
-            else:
-                self.tally.duplicates += 1
-        elif exit_code == EX_DATAERR:
-            self._dead_letter(lease, "consumer exit 65: bad input", records, error)
-        else:
-            self.tally.failed_attempts += 1
-            if lease.attempt >= self.options.max_attempts:
-                self._dead_letter(lease, f"failed {lease.attempt} attempts (last exit code {exit_code})", records, error)
-            else:
-                lease.release(records, error=error)
-                log.warning("event=attempt_failed task=%s attempt=%d exit_code=%d", claim.task_id, lease.attempt, exit_code)
+            log.error("event=progress_broken task=%s error=%s", run.task_id, exc)
+            return run.broken(str(exc))
+        return []
 
     def _withdraw(self, task_id: str, exit_code: int | None) -> None:
         """Followers stop once their consumer's task is no longer assigned (their consumers have failed or
@@ -326,50 +365,45 @@ class Spawner:
         except StoreError as exc:  # the followers also stop when the lease goes away
             log.error("event=slice_withdraw_failed task=%s error=%s", task_id, exc)
 
-    def _dead_letter(self, lease: HeldLease, reason: str, records, error: dict | None) -> None:
-        lease.dead_letter(reason, records, error)
-        self.tally.dead_letters += 1
-        log.error("event=dead_letter task=%s reason=%r", lease.task_id, reason)
-
-    def _wait(self, proc: subprocess.Popen) -> int:
-        """Wait for the consumer; after a stop, give it STOP_GRACE_S and then kill its process group."""
-        deadline: float | None = None
+    def _wait(self, proc: subprocess.Popen, run: TaskRun) -> int:
+        """Wait for the consumer, ticking the core: it escalates a stop after the grace and fires the backstop."""
         while True:
             try:
-                return proc.wait(timeout=0.2)
+                return proc.wait(timeout=TICK_S)
             except subprocess.TimeoutExpired:
                 pass
-            if self._stop.is_set():
-                now = self.clock.monotonic()
-                deadline = deadline if deadline is not None else now + STOP_GRACE_S
-                if now >= deadline:
-                    log.warning("event=consumer_kill pid=%d reason=stop_grace_exceeded", proc.pid)
-                    self._consumer.signal(signal.SIGKILL)
+            with self._core_lock:
+                signals = run.tick(self.clock.monotonic())
+                for action in signals:
+                    # SIGKILL: a stop's grace ran out; SIGTERM: the stuck-task backstop fired.
+                    event = "consumer_kill" if action.signum == signal.SIGKILL else "consumer_stuck"
+                    log.warning("event=%s task=%s pid=%d phase=%s why=%r", event, run.task_id, proc.pid, run.phase.value, run.why)
+                self._perform(signals)
 
-    def _heartbeat_loop(
-        self, lease: HeldLease, progress: ProgressFile, stop: threading.Event, trouble: list[BaseException]
-    ) -> None:
-        ttl = self.options.lease_ttl_s
+    def _heartbeat_loop(self, lease, run: TaskRun, progress: ProgressFile, stop: threading.Event) -> None:
+        """Renew every heartbeat_s until the consumer exits. Survives every exception: the core decides
+        (LeaseLost or a whole TTL of failures ends the task; anything else is tried again next beat)."""
         while not stop.wait(self.options.heartbeat_s):
-            try:
-                lease.heartbeat(progress.new_records())
-            except (LeaseLost, ProgressError) as exc:
-                trouble.append(exc)
-                log.error("event=heartbeat_stop task=%s error=%s", lease.task_id, exc)
-                self._consumer.signal(signal.SIGKILL)  # commit nothing more, at once
+            with self._core_lock:
+                self._perform(self._read_progress(run, progress))
+                renew = run.heartbeat()
+            if renew is None:
                 return
-            except StoreError as exc:
-                silent = self.clock.monotonic() - lease.last_write
-                log.warning("event=heartbeat_failed task=%s silent_s=%.1f error=%s", lease.task_id, silent, exc)
-                if silent >= ttl:
-                    lease.lost = True
-                    trouble.append(LeaseLost(f"no heartbeat for {silent:.0f}s, a whole TTL: the lease may be stolen"))
-                    self._consumer.signal(signal.SIGKILL)
-                    return
-
-
-def _fields(tally: Tally) -> str:
-    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(tally).items())
+            try:
+                perform_renew(lease, renew)
+            except Exception as exc:  # noqa: BLE001 - every failure goes to the core, none ends this thread unheard
+                with self._core_lock:
+                    signals = run.renewal_failed(exc, self.clock.monotonic())
+                    self._perform(signals)
+                    phase = run.phase
+                log.log(
+                    logging.ERROR if signals else logging.WARNING,
+                    "event=heartbeat_failed task=%s phase=%s silent_s=%.1f error=%r",
+                    lease.task_id, phase.value, self.clock.monotonic() - run.last_write, exc,
+                )  # fmt: skip
+                continue
+            with self._core_lock:
+                run.renewed(renew, self.clock.monotonic())
 
 
 def resolve_consumer(command: list[str]) -> list[str]:

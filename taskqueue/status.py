@@ -58,6 +58,12 @@ def _regions(store: ObjectStore) -> tuple[list[str], dict[str, dict]]:
     return splits, swept
 
 
+def _running_batches(store: ObjectStore) -> list[tuple[str, str]]:
+    """The first and last ids of the batches whose submit has not finished."""
+    return [(e.metadata["first"], e.metadata["last"]) for e in store.list(layout.BATCHES)
+            if e.metadata.get("state") != layout.BATCH_DONE and e.metadata.get("first") and e.metadata.get("last")]  # fmt: skip
+
+
 def _region_of(splits: list[str], split_keys: list[str], task_id: str) -> str:
     return splits[bisect.bisect_right(split_keys, layout.key(task_id)) - 1]
 
@@ -94,14 +100,32 @@ def snapshot(
     splits, swept_markers = _regions(counted)
     ends = {r: (splits[i + 1] if i + 1 < len(splits) else None) for i, r in enumerate(splits)}
 
+    # A region a running batch meets is listed, whatever its swept marker says: the batch may be
+    # adding tasks there (docs/PROTOCOL.md, "Batches").
+    running = _running_batches(counted)
+
     def is_swept(region: str) -> bool:
-        if region not in swept_markers:
+        if region not in swept_markers or not swept_markers[region].get("confirmed"):
+            return False  # (an unconfirmed marker may still be withdrawn by its sweeper)
+        start, end = layout.key(region) if region else "", ends[region]
+        if any(start <= layout.key(last) and (end is None or layout.key(first) < layout.key(end)) for first, last in running):
             return False
         covered, end = swept_markers[region].get("end") or None, ends[region]
         return covered is None or (end is not None and layout.key(covered) >= layout.key(end))
 
-    swept = [r for r in splits if is_swept(r)]
-    open_regions = [r for r in splits if not is_swept(r)]
+    # A marker written before `submit` cut its region covers the regions cut from it too (its `end`
+    # is the old one): those count from it, once, not from their own markers or listings.
+    swept, open_regions, covered_until = [], [], ""
+    for region in splits:
+        start = layout.key(region) if region else ""
+        if covered_until is None or (covered_until and start < covered_until):
+            continue
+        if is_swept(region):
+            swept.append(region)
+            end = swept_markers[region].get("end") or None
+            covered_until = layout.key(end) if end else None
+        else:
+            open_regions.append(region)
     listed = open_regions
     if sample is not None and sample < len(open_regions):
         listed = sorted(random.Random(seed).sample(open_regions, sample), key=splits.index)
@@ -200,6 +224,9 @@ def snapshot(
         rate_low = max(0.0, counted_recent - margin) / span
         rate_high = (counted_recent + margin) / span
     reasons_for = sorted(every_failed)[:MAX_REASONS]
+    # Listed after the regions, like a worker's drained check: a batch still running may be adding
+    # tasks that the listings above did not see (docs/PROTOCOL.md, "Batches").
+    submitting = sorted(first for first, _ in _running_batches(counted))
     view = {
         "queue": store.root_url,
         "estimate": len(listed) < len(open_regions),
@@ -226,7 +253,10 @@ def snapshot(
         "counters": dict(sorted(sum_metadata_counters(
             [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
         ).items())),
-        "complete": total > 0 and (not open_regions or (listed is open_regions and remaining == 0)),
+        # From markers only: swept regions count their done markers and dead letters (the sweep listed
+        # them), open ones are listed; a running batch may still add tasks.
+        "complete": total > 0 and not submitting and (not open_regions or (listed is open_regions and remaining == 0)),
+        "submitting": submitting,
         "regions": {"total": len(splits), "swept": len(swept), "open": len(open_regions), "listed": len(listed)},
     }
     view["requests"] = counted.requests
@@ -368,6 +398,8 @@ def render(view: dict) -> str:
     for task_id, reason in view["failed_reasons"].items():
         detail = view["failed_details"].get(task_id)
         lines.append(f"failed  {task_id}: {reason}" + (f" | {detail}" if detail else ""))
+    if view.get("submitting"):
+        lines.append(f"submit  {len(view['submitting'])} batch(es) still running (a submit that died: run it again)")
     if view["complete"]:
         lines.append("complete: every task has a done or failed marker")
     regions = view["regions"]

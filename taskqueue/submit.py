@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import pathlib
 from collections.abc import Iterable
@@ -59,6 +60,15 @@ def read_tasks(path: pathlib.Path) -> list[tuple[str, bytes]]:
 
 
 def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, bytes]], parallel: int = 16) -> SubmitReport:
+    """Create the job and the tasks, inside a batch marker (docs/PROTOCOL.md, "Batches").
+
+    The marker is `running` before the first task is created and `done` only once every task
+    exists, the regions are cut and no swept marker covers one of them: while it runs, no worker
+    takes a region it covers for swept, nor the queue for drained. A submit that dies halfway
+    leaves its batch `running` (workers then run what it created, and leave `idle`, never
+    `drained`); running the same submit again finishes it, because the batch's name is made from
+    its ids.
+    """
     report = SubmitReport()
     if job is not None:
         try:
@@ -73,6 +83,15 @@ def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, byt
             report.job = "existing"
 
     tasks = list(tasks)
+    if not tasks:
+        return report
+    ids = sorted((task_id for task_id, _ in tasks), key=layout.key)
+    name = layout.batch_object(hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24])
+    span = {"first": ids[0], "last": ids[-1], "tasks": str(len(ids))}
+    try:
+        generation = store.create(name, b"{}", metadata={**span, "state": layout.BATCH_RUNNING})
+    except PreconditionFailed:
+        generation = store.read(name).generation  # the same batch submitted before: finish it
 
     def create(task: tuple[str, bytes]) -> bool:
         task_id, data = task
@@ -94,24 +113,40 @@ def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, byt
                 report.created += 1
             else:
                 report.existing += 1
-    mark_regions(store, [task_id for task_id, _ in tasks], parallel)
+    mark_regions(store, ids, parallel)
+    try:
+        store.write(name, b"{}", if_generation=generation, metadata={**span, "state": layout.BATCH_DONE})
+    except PreconditionFailed:
+        pass  # another run of the same batch finished it
     return report
 
 
 def mark_regions(store: ObjectStore, task_ids: list[str], parallel: int = 16) -> None:
-    """Split markers for a batch, and no swept marker left over any of its ids (docs/PROTOCOL.md, "Regions").
+    """Split markers that keep every region the batch touched at REGION_TASKS tasks or fewer, and no
+    swept marker left over any of its ids (docs/PROTOCOL.md, "Regions").
 
-    Runs after the tasks exist, so a worker never sees a region's split before its tasks. A batch
-    that lands inside a region some worker already swept un-sweeps it: the marker said every task
-    there was finished, which is no longer true.
+    Runs after the tasks exist, so a worker never sees a region's split before its tasks. Each
+    region the batch added tasks to is listed whole (one request per thousand tasks, whoever
+    created them) and cut at every REGION_TASKS-th id, so regions stay about a thousand tasks
+    whatever the batch sizes. A batch that lands inside a region some worker already swept
+    un-sweeps it: the marker said every task there was finished, which is no longer true.
     """
     if not task_ids:
         return
-    ordered = sorted(task_ids, key=layout.key)
-    # No split at the batch's first id: its first thousand tasks join the region before them (the
-    # head region, in a new queue), so no region is left empty.
-    splits = ordered[layout.REGION_TASKS :: layout.REGION_TASKS]
-    keys = [layout.key(t) for t in ordered]
+    keys = sorted(layout.key(t) for t in task_ids)
+    starts = [layout.HEAD] + [t for t in (layout.id_from_object(e.name, layout.SPLITS) for e in store.list(layout.SPLITS)) if t]
+    bounds = [layout.key(r) if r else "" for r in starts]
+    splits = []
+    for i, region in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else None
+        first = bisect.bisect_left(keys, bounds[i])
+        if first == len(keys) or (end is not None and keys[first] >= bounds[i + 1]):
+            continue  # the batch added nothing here
+        ids = [t for t in (layout.id_from_object(e.name, layout.TASKS) for e in store.list(
+            layout.TASKS, start_offset=layout.TASKS + bounds[i] if region else None,
+            end_offset=layout.TASKS + bounds[i + 1] if end is not None else None)) if t]  # fmt: skip
+        # No split at the region's first id: it has one already (or is the head region).
+        splits += ids[layout.REGION_TASKS :: layout.REGION_TASKS]
     stale = []
     for entry in store.list(layout.SWEPT):
         region = layout.region_from_swept(entry.name)
@@ -129,10 +164,12 @@ def mark_regions(store: ObjectStore, task_ids: list[str], parallel: int = 16) ->
             pass  # an earlier submission of the same batch wrote it
 
     def unsweep(entry) -> None:
+        # Whatever its generation: a sweeper may be confirming it right now, and a marker deleted
+        # needlessly only costs a sweep again.
         try:
-            store.delete(entry.name, if_generation=entry.generation)
-        except (NotFound, PreconditionFailed):
-            pass  # somebody else removed or replaced it
+            store.delete(entry.name)
+        except NotFound:
+            pass  # somebody else removed it
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(split, splits))

@@ -1,0 +1,172 @@
+"""The worker core (taskqueue.worker.TaskRun) on its own, and the stuck-task backstop with real processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from google.api_core import exceptions as gexc
+from google.auth import exceptions as auth_exceptions
+
+from objectstore import StoreUnavailable, open_store
+from objectstore.local import LocalStore
+from taskqueue import layout
+from taskqueue.clock import Clock
+from taskqueue.lease import HeldLease, LeaseLost, encode, new_lease_body
+from taskqueue.worker import (
+    Abandon,
+    Complete,
+    DeadLetter,
+    Phase,
+    Release,
+    RunOptions,
+    Signal,
+    Tally,
+    TaskRun,
+    perform_final,
+)
+from tests.queue.conftest import submit_tasks
+from tests.workers import Workers, markers
+
+TTL = 60.0
+OPTIONS = RunOptions(lease_ttl_s=TTL, heartbeat_s=15.0, max_attempts=3, worker="w", stuck_after_s=100.0, max_task_s=1000.0)
+ERROR = {"attempt": 1, "worker": "w", "exit_code": None, "error": "tail"}
+
+
+def a_run(attempt: int = 1, options: RunOptions = OPTIONS) -> TaskRun:
+    return TaskRun("t1", attempt, options, now=0.0, tally=Tally())
+
+
+def test_progress_stays_pending_until_a_renewal_that_carried_it_succeeded():
+    run = a_run()
+    run.progress([{"i": 0}, {"i": 1}], now=1.0)
+    first = run.heartbeat()
+    assert run.renewal_failed(StoreUnavailable("503 past the deadline"), now=2.0) == []
+    run.progress([{"i": 2}], now=3.0)
+    second = run.heartbeat()
+    assert second.records == ({"i": 0}, {"i": 1}, {"i": 2})  # the failed beat's records go again
+    run.renewed(second, now=4.0)
+    assert run.pending == [] and first.records == ({"i": 0}, {"i": 1})
+    run.progress([{"i": 3}], now=5.0)
+    assert run.exited(0, ERROR) == Complete(({"i": 3},))  # the completion carries what is still pending
+
+
+@pytest.mark.parametrize(
+    "error",
+    [StoreUnavailable("503s"), gexc.Forbidden("403 on the lease"), auth_exceptions.RefreshError("expired"), RuntimeError("bug")],
+)
+def test_any_failed_renewal_keeps_the_task_until_a_ttl_then_gives_the_lease_up(error):
+    run = a_run()
+    run.renewed(run.heartbeat(), now=10.0)
+    assert run.renewal_failed(error, now=10.0 + TTL - 1) == [] and run.phase is Phase.RUNNING
+    assert run.renewal_failed(error, now=10.0 + TTL) == [Signal(signal.SIGKILL)]
+    assert run.phase is Phase.LOST and run.heartbeat() is None
+    assert isinstance(run.exited(-9, ERROR), Abandon)  # commit nothing: the lease may be someone else's
+
+
+def test_lease_lost_kills_the_consumer_at_once_and_writes_nothing():
+    run = a_run()
+    assert run.renewal_failed(LeaseLost("412"), now=1.0) == [Signal(signal.SIGKILL)]
+    assert isinstance(run.exited(0, ERROR), Abandon)  # even a clean exit: its outputs are abandoned
+
+
+@pytest.mark.parametrize(
+    ("attempt", "exit_code", "stopped", "expected"),
+    [
+        (1, 0, False, Complete),
+        (1, 65, False, DeadLetter),
+        (1, 1, False, Release),
+        (3, 1, False, DeadLetter),  # the last allowed attempt
+        (1, -11, False, Release),  # a crash is a failed attempt
+        (1, 0, True, Release),  # stopped: released, whatever the exit
+        (3, 1, True, Release),  # a stop is never an attempt
+    ],
+)
+def test_each_consumer_exit_is_decided_by_the_table(attempt, exit_code, stopped, expected):
+    run = a_run(attempt)
+    if stopped:
+        assert run.stop("SIGTERM", now=1.0) == [Signal(signal.SIGTERM)]
+    action = run.exited(exit_code, ERROR)
+    assert type(action) is expected
+    if isinstance(action, Release):
+        assert (action.error is None) == stopped
+
+
+def test_a_stop_is_escalated_to_sigkill_after_the_grace():
+    run = a_run()
+    run.stop("preempted", now=10.0)
+    assert run.tick(now=14.9) == [] and run.tick(now=15.0) == [Signal(signal.SIGKILL)]
+    assert run.tick(now=16.0) == []
+
+
+def test_the_backstop_stops_a_silent_or_overlong_consumer_as_a_failed_attempt():
+    silent = a_run()
+    silent.output_line(now=50.0)
+    assert silent.tick(now=149.0) == [] and silent.tick(now=150.0) == [Signal(signal.SIGTERM)]
+    assert silent.tick(now=155.0) == [Signal(signal.SIGKILL)]
+    action = silent.exited(-9, ERROR)
+    assert isinstance(action, Release) and "no progress record and no output line" in action.error["error"]
+    busy = a_run(attempt=3)
+    for t in range(0, 1000, 50):
+        busy.progress([{"i": t}], now=float(t))
+    assert busy.tick(now=1000.0) == [Signal(signal.SIGTERM)]
+    action = busy.exited(143, ERROR)
+    assert isinstance(action, DeadLetter) and "max-task-time" in action.error["error"]
+    assert silent.tally.stuck == 1
+
+
+class FailingWrites(LocalStore):
+    """A local store whose lease rewrites fail past the retries, as a StoreError or as a 403."""
+
+    def __init__(self, root: str, error: Exception):
+        super().__init__(root)
+        self.error = error
+
+    def write(self, name, data, if_generation, metadata=None):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [StoreUnavailable("503 past the deadline"), gexc.Forbidden("403")])
+def test_an_outcome_whose_write_failed_is_unconfirmed_and_the_lease_stays_held(tmp_path, error):
+    store = FailingWrites(str(tmp_path / "q"), error)
+    clock = Clock()
+    body = new_lease_body("t1", "w", TTL, clock)
+    data, metadata = encode(body)
+    lease = HeldLease(store, body, store.create(layout.lease_object("t1"), data, metadata=metadata), clock)
+    run = a_run()
+    action = run.exited(0, ERROR)
+    assert perform_final(lease, action, run.started) == "unconfirmed"
+    run.settled(action, "unconfirmed")
+    assert run.tally.unconfirmed == 1 and run.tally.done == 0
+    # Nothing claims the task finished: no marker, and the lease is still held until it expires.
+    assert not list(store.list(layout.DONE))
+    assert json.loads(store.read(layout.lease_object("t1")).data)["state"] == "held"
+    assert lease.body["state"] == "held"
+
+
+SILENT = "python -c 'import time; time.sleep(120)'"
+CHATTY = "python -u -c 'import time\nwhile True: print(\"working\"); time.sleep(0.2)'"
+
+
+@pytest.mark.parametrize(
+    ("consumer", "flags", "reason"),
+    [
+        (SILENT, ("--stuck-after", "1.5"), "no progress record and no output line"),
+        (CHATTY, ("--max-task-time", "2"), "over --max-task-time"),
+    ],
+)
+def test_a_stuck_or_overlong_consumer_is_stopped_and_counts_as_a_failed_attempt(tmp_path, consumer, flags, reason):
+    url = str(tmp_path / "queue")
+    submit_tasks(url, [{"id": "stuck"}])
+    workers = Workers(url, tmp_path)
+    try:
+        workers.start("w", *flags, "--max-attempts", "2", consumer=consumer)
+        assert workers.wait(timeout=60) == {"w": 0}
+    finally:
+        workers.kill_all()
+    letter = markers(url, layout.FAILED)["stuck"]
+    assert [e["attempt"] for e in letter["errors"]] == [1, 2]
+    assert all(reason in e["error"] for e in letter["errors"]), letter
+    assert "event=consumer_stuck" in workers.log("w")
+    assert not list(open_store(url).list(layout.DONE))
