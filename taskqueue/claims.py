@@ -376,8 +376,10 @@ class Claimer:
                 return
             now = self.clock.monotonic()
             idle_since = idle_since if idle_since is not None else now
-            if now - idle_since >= self.options.idle_timeout_s and not self._retrying(self.view.scan_batches):
-                # (A batch submitted since the last poll is news: it goes round again instead of leaving.)
+            if now - idle_since >= self.options.idle_timeout_s and self._retrying(self._last_look):
+                idle_since = None  # something to claim after all: go round again
+                continue
+            if now - idle_since >= self.options.idle_timeout_s:
                 self.exit_reason = "idle"
                 log.info("event=idle_timeout waited_s=%.1f open_regions=%d", now - idle_since, len(self.view.open_regions()))
                 return
@@ -423,6 +425,19 @@ class Claimer:
         while not self.view.map_complete and not self.view.open_regions():
             self.view.extend_map()
         return self.view.all_swept() and self.view.batches == before
+
+    def _last_look(self) -> bool:
+        """Before leaving `idle`: batches/, then every open region afresh (one or two requests each).
+        True when there is news or a region with a task to claim; polls look at one region at a time,
+        so a worker could otherwise leave with a released or unclaimed task in a region it never polled."""
+        if self.view.scan_batches():
+            return True
+        for region in self.view.open_regions():
+            self._visit(region)
+            if self._land(region, first=False):
+                self._waiting = False
+                return True
+        return False
 
     def _poll(self) -> None:
         """While waiting: the swept markers, and one open region afresh; the walk goes on there if it has work.

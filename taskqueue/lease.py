@@ -199,8 +199,8 @@ class HeldLease:
         The tombstone is a write conditional on our last generation: once it is applied, no other
         holder can ever get the lease, so the marker made from it is the only outcome the task can
         have. Raises LeaseLost (nothing was written, the outputs are abandoned) or StoreError (the
-        tombstone may or may not be there: the caller must not count the task as finished). True
-        when the marker is ours; False when it existed already (a sweep copied our tombstone first).
+        tombstone may or may not be there: the caller must not count the task as finished). True:
+        the completion is ours, whoever created the marker (a sweep may copy our tombstone first).
         """
         with self._lock:
             outputs = self.committed + list(records)
@@ -212,7 +212,8 @@ class HeldLease:
                 completed_at=self.clock.wall_iso(),
                 seconds=round(self.clock.monotonic() - started_mono, 3),
             )
-            return self._mark()
+            self._mark()
+            return True
 
     def dead_letter(self, reason: str, records: Sequence[dict] = (), error: dict | None = None) -> None:
         """The `dead` tombstone, then the dead letter copied from it; raises like `complete`."""
@@ -223,15 +224,13 @@ class HeldLease:
             )
             self._mark()
 
-    def _mark(self) -> bool:
+    def _mark(self) -> None:
         """Create the marker of our tombstone. Caller holds self._lock."""
         name, data, metadata = marker_of(self.body)
         try:
             self.store.create(name, data, metadata=metadata)
         except PreconditionFailed:
-            log.info("event=marker_exists task=%s object=%s", self.task_id, name)
-            return False
-        return True
+            log.info("event=marker_exists task=%s object=%s copied_by=sweep", self.task_id, name)
 
     def settle(self, state: str, counters: dict | None = None) -> None:
         """Make our lease the tombstone (`done` or `dead`) of a task whose marker exists already (its
