@@ -253,6 +253,20 @@ class SeedFaults(Faults):
         return None
 
 
+class SetUpClock(Clock):
+    """Virtual time that stands still: the world's set-up, before any actor runs."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+
+    def monotonic(self) -> float:
+        return self.scheduler.now
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        return stop.is_set()
+
+
 class SimClock(Clock):
     """A worker's clock on virtual time, running at its own rate (a few percent off)."""
 
@@ -455,7 +469,7 @@ class World:
         self.submits_starting[name] = batch
         try:
             tasks = [(t, json.dumps({"id": t}).encode()) for t in batch]
-            submit(self.store, JOB, tasks, parallel=1)
+            submit(self.store, JOB, tasks, parallel=1, clock=SimClock(self.scheduler, 1.0))
         except Killed:
             machine.dead = True
             self.stats["submitter_killed"] += 1
@@ -472,7 +486,8 @@ class World:
         for t in initial:
             self.outputs[t] = self.rng.randint(0, 4)
         self.store.counting = False
-        submit(self.store, JOB, [(t, json.dumps({"id": t}).encode()) for t in initial], parallel=1)
+        # The set-up runs before virtual time starts, outside every actor: nothing waits there.
+        submit(self.store, JOB, [(t, json.dumps({"id": t}).encode()) for t in initial], parallel=1, clock=SetUpClock(self.scheduler))
         self.store.counting = True
         for k in range(c.workers):
             self.machine(self.rng.uniform(0, 10), fault_free=False)

@@ -60,6 +60,8 @@ class Sighting:
     worker: str
     ttl_s: float
     first_seen: float
+    #: This worker saw the lease at an earlier generation too: its holder was renewing it then.
+    renewed: bool = False
 
 
 @dataclasses.dataclass
@@ -109,6 +111,7 @@ class QueueView:
         self.batches: dict[str, int] | None = None
         self.running: list[tuple[str, str]] = []
         self.news: set[str] = set()
+        self._news_spans: list[tuple[str, str]] = []  # the last batches/ listing's news, as key ranges
 
     # -- the region map ---------------------------------------------------------------------
 
@@ -132,7 +135,9 @@ class QueueView:
         self._split_keys = [""] + [layout.key(t) for t in splits]
         for region, end in ends.items():
             if self.region_end(region) != end:
-                self.forget(region)  # `submit` cut it: its cached task list runs past its new end
+                self.forget(region, keep_sightings=True)  # `submit` cut it: its cached task list runs past its new end
+        # The batch that brought news may have cut new regions out of the one it seemed to touch.
+        self._mark_news(self._news_spans)
         self.scan_swept()
         self.map_at = self.clock.monotonic()
         if with_batches:
@@ -140,9 +145,9 @@ class QueueView:
 
     def scan_batches(self) -> bool:
         """The batch markers (one request per thousand batches). True when one is new or changed
-        since the last listing (the first listing is the baseline): its regions, and those of every
-        batch still running, are news. Their task lists are forgotten, so the next visit lists
-        them again and finds the tasks the batch added."""
+        since the last listing (the first listing is the baseline): its regions are news. Their task lists are forgotten, so the next visit lists
+        them again and finds the tasks the batch added; a region under a batch still running has
+        its tasks listed again at every visit (`Claimer._visit`), since its batch may add more."""
         seen: dict[str, int] = {}
         running, spans = [], []
         for entry in self.store.list(layout.BATCHES):
@@ -153,17 +158,20 @@ class QueueView:
             span = (layout.key(first), layout.key(last))
             if entry.metadata.get("state") != layout.BATCH_DONE:
                 running.append(span)
-                spans.append(span)
-            elif self.batches is not None and self.batches.get(entry.name) != entry.generation:
-                spans.append(span)
+            if self.batches is not None and self.batches.get(entry.name) != entry.generation:
+                spans.append(span)  # news once, when it starts or ends: a batch whose submitter died
+                # stays running, and news on every poll would keep the worker on its regions alone
         changed = self.batches is not None and any(self.batches.get(n) != g for n, g in seen.items())
-        self.batches, self.running = seen, running
+        self.batches, self.running, self._news_spans = seen, running, spans
+        self._mark_news(spans)
+        return changed
+
+    def _mark_news(self, spans: list[tuple[str, str]]) -> None:
         for region in self.splits:
-            if any(self.overlaps(region, span) for span in spans):
+            if region not in self.news and any(self.overlaps(region, span) for span in spans):
                 self.news.add(region)
                 if region in self.tasks:
-                    self.forget(region)
-        return changed
+                    self.forget(region, keep_sightings=True)
 
     def overlaps(self, region: str, span: tuple[str, str]) -> bool:
         """Whether a region's key range meets a batch's [first, last]."""
@@ -213,10 +221,13 @@ class QueueView:
         """Regions whose both ends are known (the last split's region is open until the map is complete)."""
         return self.splits if self.map_complete else self.splits[:-1]
 
+    def under_running_batch(self, region: str) -> bool:
+        return any(self.overlaps(region, span) for span in self.running)
+
     def is_swept(self, region: str) -> bool:
         if region not in self.swept:
             return False
-        if any(self.overlaps(region, span) for span in self.running):
+        if self.under_running_batch(region):
             return False  # a submit still adding tasks here: its swept marker may be about to go
         covered, end = self.swept[region], self.region_end(region)
         return covered is None or (end is not None and layout.key(covered) >= layout.key(end))
@@ -273,9 +284,14 @@ class QueueView:
                 self.finished.add(task_id)
                 continue
             old = self.leases.get(task_id)
-            first_seen = old.first_seen if old and old.generation == entry.generation else now
+            same = old is not None and old.generation == entry.generation
             seen[task_id] = Sighting(
-                entry.generation, state, entry.metadata.get("worker", "?"), _float(entry.metadata.get("ttl_s")), first_seen
+                entry.generation,
+                state,
+                entry.metadata.get("worker", "?"),
+                _float(entry.metadata.get("ttl_s")),
+                old.first_seen if same else now,
+                renewed=old.renewed if same else old is not None and old.generation > 0,
             )
         here = set(ids)
         for task_id in [t for t in self.leases if t not in seen and t in here]:
@@ -287,13 +303,18 @@ class QueueView:
         while len(self.loaded) > MAX_LOADED_REGIONS:
             self.forget(next(iter(self.loaded)))
 
-    def forget(self, region: str) -> None:
+    def forget(self, region: str, keep_sightings: bool = False) -> None:
+        """Drop a region's cached task list (the next visit lists it again). `keep_sightings` keeps
+        what its leases looked like and since when: a region re-listed for news (a batch, a cut)
+        must not restart the TTL-long watch that tells an expired lease from a live one (a batch
+        whose submitter died stays running, and would otherwise restart it on every poll)."""
         self.loaded.pop(region, None)
         for task_id in self.tasks.pop(region, []):
             self.manifests.pop(task_id, None)
             self.sizes.pop(task_id, None)
-            self.finished.discard(task_id)
-            self.leases.pop(task_id, None)
+            if not keep_sightings:
+                self.finished.discard(task_id)
+                self.leases.pop(task_id, None)
 
     def region_finished(self, region: str) -> bool:
         return all(t in self.finished for t in self.tasks.get(region, ()))
@@ -309,6 +330,14 @@ class QueueView:
 
     def claimable(self, task_id: str) -> bool:
         return task_id not in self.finished and not self.live(task_id)
+
+    def unjudged(self) -> list[str]:
+        """Leases of open regions held by someone this worker has neither seen renew nor watched
+        unchanged for a whole TTL: each may be a dead holder's, which only a TTL of watching tells."""
+        open_tasks = {t for r in self.open_regions() for t in self.tasks.get(r, ())}
+        return sorted(
+            t for t in open_tasks if t not in self.finished and self.live(t) and not self.leases[t].renewed
+        )
 
 
 def _release_quietly(lease: HeldLease) -> None:
@@ -376,13 +405,14 @@ class Claimer:
                 return
             now = self.clock.monotonic()
             idle_since = idle_since if idle_since is not None else now
-            if now - idle_since >= self.options.idle_timeout_s and self._retrying(self._last_look):
-                idle_since = None  # something to claim after all: go round again
-                continue
-            if now - idle_since >= self.options.idle_timeout_s:
-                self.exit_reason = "idle"
-                log.info("event=idle_timeout waited_s=%.1f open_regions=%d", now - idle_since, len(self.view.open_regions()))
-                return
+            if now - idle_since >= self.options.idle_timeout_s and self._may_leave_idle(now - idle_since):
+                if self._retrying(self._last_look):
+                    idle_since = None  # something to claim after all: go round again
+                    continue
+                if self._may_leave_idle(now - idle_since):  # unless the last look found a lease to judge first
+                    self.exit_reason = "idle"
+                    log.info("event=idle_timeout waited_s=%.1f open_regions=%d", now - idle_since, len(self.view.open_regions()))
+                    return
             # Everything left within reach is leased by someone else: wait for it to finish or expire.
             # Jitter over the upper half only: waiting workers spread out without polling twice as often.
             self.clock.wait(self.stop_event, self.rng.uniform(backoff / 2, backoff))
@@ -425,6 +455,19 @@ class Claimer:
         while not self.view.map_complete and not self.view.open_regions():
             self.view.extend_map()
         return self.view.all_swept() and self.view.batches == before
+
+    def _may_leave_idle(self, idle_s: float) -> bool:
+        """Not while a lease in view may be a dead holder's: the worker polls on (a poll re-lists the
+        region it watched longest ago, so it sees these leases again) until each such lease has
+        renewed or stayed unchanged for its TTL (then a poll takes it over), for at most one TTL
+        past the idle timeout; then a last look, and if that finds a lease first seen there, the
+        same again. Otherwise the last waiting worker could leave beside an expired lease it first
+        saw in its last look, and nobody would be left to take it over."""
+        unjudged = self.view.unjudged()
+        if unjudged and idle_s < self.options.idle_timeout_s + self.options.lease_ttl_s:
+            log.debug("event=idle_deferred unjudged=%d first=%s", len(unjudged), unjudged[0])
+            return False
+        return True
 
     def _last_look(self) -> bool:
         """Before leaving `idle`: batches/, then every open region afresh (one or two requests each).
@@ -471,8 +514,9 @@ class Claimer:
 
     def _visit(self, region: str) -> None:
         """Read a region afresh, and sweep it if every task in it is finished: its leases when its task
-        list is known already (one request), else its tasks and leases (two)."""
-        if region in self.view.tasks:
+        list is known already (one request), else its tasks and leases (two). A region under a batch
+        still running is read whole: its batch may have added tasks since its last listing."""
+        if region in self.view.tasks and not self.view.under_running_batch(region):
             self.view.refresh(region)
         else:
             self.view.load(region)

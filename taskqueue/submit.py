@@ -8,10 +8,12 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import threading
 from collections.abc import Iterable
 
 from objectstore import NotFound, ObjectStore, PreconditionFailed
 from taskqueue import layout
+from taskqueue.clock import Clock
 
 
 class SubmitError(ValueError):
@@ -59,7 +61,13 @@ def read_tasks(path: pathlib.Path) -> list[tuple[str, bytes]]:
     return tasks
 
 
-def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, bytes]], parallel: int = 16) -> SubmitReport:
+def submit(
+    store: ObjectStore,
+    job: bytes | None,
+    tasks: Iterable[tuple[str, bytes]],
+    parallel: int = 16,
+    clock: Clock | None = None,
+) -> SubmitReport:
     """Create the job and the tasks, inside a batch marker (docs/PROTOCOL.md, "Batches").
 
     The marker is `running` before the first task is created and `done` only once every task
@@ -69,6 +77,7 @@ def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, byt
     `drained`); running the same submit again finishes it, because the batch's name is made from
     its ids.
     """
+    clock = clock or Clock()
     report = SubmitReport()
     if job is not None:
         try:
@@ -92,6 +101,7 @@ def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, byt
         generation = store.create(name, b"{}", metadata={**span, "state": layout.BATCH_RUNNING})
     except PreconditionFailed:
         generation = store.read(name).generation  # the same batch submitted before: finish it
+    marked = clock.monotonic()
 
     def create(task: tuple[str, bytes]) -> bool:
         task_id, data = task
@@ -114,6 +124,10 @@ def submit(store: ObjectStore, job: bytes | None, tasks: Iterable[tuple[str, byt
             else:
                 report.existing += 1
     mark_regions(store, ids, parallel)
+    # A small batch finishes within a second of its `running` write; GCS allows about one write per
+    # second to an object (https://cloud.google.com/storage/quotas#objects), and the 429's backoff
+    # would keep the batch `running`, its tasks out of waiting workers' sight, for several seconds.
+    clock.wait(threading.Event(), store.same_object_write_gap_s - (clock.monotonic() - marked))
     try:
         store.write(name, b"{}", if_generation=generation, metadata={**span, "state": layout.BATCH_DONE})
     except PreconditionFailed:

@@ -2,19 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 from objectstore import NotFound, open_store
 from taskqueue import layout
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QUEUE_TEST_CONSUMER = "python tests/queue/consumer.py"
+
+
+@contextlib.contextmanager
+def renewing(lease, every_s: float = 0.2) -> Iterator[None]:
+    """Heartbeat a lease held in the test's own process, as a live holder's worker would."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            lease.heartbeat()
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class Workers:

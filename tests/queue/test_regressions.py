@@ -22,7 +22,7 @@ from taskqueue.status import snapshot
 from taskqueue.submit import mark_regions, submit
 from tests.fakegcs.server import Preconditions
 from tests.queue.conftest import assert_outputs_exact
-from tests.workers import REPO, markers
+from tests.workers import REPO, markers, renewing
 
 CONSUMER = [sys.executable, str(REPO / "tests" / "queue" / "consumer.py")]
 #: Outlasted within a second, so that a test can make a request fail for good.
@@ -125,14 +125,15 @@ def test_B_tasks_submitted_while_a_worker_waits_are_claimed_within_a_poll_cap(tm
             claim.lease.complete([], time.monotonic())
 
     thread = threading.Thread(target=run)
-    thread.start()
-    time.sleep(1.0)  # it has found nothing and waits, polling
-    submit(store, b"{}", tasks({"id": "k"}, {"id": "l"}))  # into the region it watches
-    into_region = time.monotonic()
-    time.sleep(1.0)
-    submit(store, b"{}", tasks(*({"id": f"z{k}"} for k in range(7))))  # past the end: new regions
-    new_regions = time.monotonic()
-    thread.join(timeout=30)
+    with renewing(holder.lease):  # live: the waiting worker leaves idle once it has seen it renew
+        thread.start()
+        time.sleep(1.0)  # it has found nothing and waits, polling
+        submit(store, b"{}", tasks({"id": "k"}, {"id": "l"}))  # into the region it watches
+        into_region = time.monotonic()
+        time.sleep(1.0)
+        submit(store, b"{}", tasks(*({"id": f"z{k}"} for k in range(7))))  # past the end: new regions
+        new_regions = time.monotonic()
+        thread.join(timeout=30)
     assert not thread.is_alive()
     assert len(list(store.list(layout.SPLITS))) >= 2
     assert set(claimed) == {"k", "l", *(f"z{k}" for k in range(7))}, sorted(claimed)

@@ -20,6 +20,7 @@ from taskqueue.lease import RELEASED, encode, new_lease_body
 from taskqueue.status import RegionCache, snapshot
 from taskqueue.submit import submit
 from tests.fakegcs.server import Preconditions
+from tests.workers import renewing
 
 PREFIX = "q"
 
@@ -77,7 +78,8 @@ def test_a_worker_leaves_drained_only_once_every_region_is_swept(gcs, gcs_client
     holder = next(iter(Claimer(store, ClaimOptions(worker="holder", lease_ttl_s=60, seed=1))))
     assert holder.task_id == ids[-1]
     waiting = Claimer(store, options)
-    assert list(waiting) == [] and waiting.exit_reason == "idle"
+    with renewing(holder.lease):  # live: a worker leaves idle beside a lease only once it saw it renew
+        assert list(waiting) == [] and waiting.exit_reason == "idle"
     swept = {e.name for e in store.list(layout.SWEPT)}
     assert swept == {layout.swept_object(layout.HEAD), layout.swept_object(ids[1000])}  # the finished regions
     holder.lease.complete([], time.monotonic())
@@ -97,7 +99,11 @@ def test_a_submission_into_a_swept_region_unsweeps_it(gcs_client, gcs_bucket):
     submit(store, b"{}", [("a1b", json.dumps({"id": "a1b"}).encode())])
     assert list(store.list(layout.SWEPT)) == []
     second = Claimer(store, options)
-    assert [c.task_id for c in second] == ["a1b"]
+    claimed = []
+    for claim in second:
+        claimed.append(claim.task_id)
+        claim.lease.complete([], time.monotonic())
+    assert claimed == ["a1b"] and second.exit_reason == "drained"
 
 
 def test_status_counts_swept_regions_from_their_markers_and_labels_an_estimate(gcs, gcs_client, gcs_bucket):
@@ -179,6 +185,8 @@ def test_a_waiting_worker_that_loses_a_claim_waits_on_instead_of_moving(gcs, gcs
     at_poll: list[int] = []
     race_poll: list[int] = []
 
+    looks: set[int] = set()  # the poll intervals in which a last look before leaving idle ran
+
     class Counted(Claimer):
         def _poll(self):
             at_poll.append(store.requests)
@@ -188,7 +196,14 @@ def test_a_waiting_worker_that_loses_a_claim_waits_on_instead_of_moving(gcs, gcs
                 if store.raced is not None and not race_poll:
                     race_poll.append(len(at_poll) - 1)
 
-    claimer = Counted(store, ClaimOptions(worker="w", idle_timeout_s=2, poll_min_s=0.01, poll_max_s=0.2, seed=3))
+        def _last_look(self):
+            looks.add(len(at_poll) - 1)
+            return super()._last_look()
+
+    # A TTL of 1 s: past the idle timeout the last looks go on for at most one TTL, while the other
+    # holders' leases (which never renew here) are not yet judged (docs/PROTOCOL.md, "Claim").
+    options = ClaimOptions(worker="w", idle_timeout_s=2, lease_ttl_s=1, poll_min_s=0.01, poll_max_s=0.2, seed=3)
+    claimer = Counted(store, options)
     assert list(claimer) == [] and claimer.exit_reason == "idle"
     assert store.raced is not None and store.counts["read leases/"] == 1  # it saw the release and lost the takeover
     assert at_poll[0] == 3 + 2 * JUMP_TRIES  # start: map and batches, then the regions one move tries, all held
@@ -198,8 +213,8 @@ def test_a_waiting_worker_that_loses_a_claim_waits_on_instead_of_moving(gcs, gcs
     at_poll.append(store.requests)
     assert at_poll[race_poll[0] + 1] - at_poll[race_poll[0]] <= 5
     # Every other poll is batches/ and one listing, or two when it looks at a region it does not watch,
-    # and swept/ when its copy is over 30 s old (a slow machine).
-    assert max(b - a for a, b in zip(at_poll[:-1], at_poll[1:-1])) <= 5
-    # The last poll, then the last look before leaving idle: batches/ and each of the 3 regions afresh.
-    assert at_poll[-1] - at_poll[-2] <= 5 + 1 + 2 * 3
+    # and swept/ when its copy is over 30 s old (a slow machine); a last look before leaving idle adds
+    # batches/ and each of the 3 regions afresh.
+    for k, (a, b) in enumerate(zip(at_poll[:-1], at_poll[1:])):
+        assert b - a <= 5 + (1 + 2 * 3 if k in looks else 0), (k, b - a, sorted(looks))
     assert store.counts["list splits/"] == 1

@@ -96,7 +96,9 @@ def test_a_waiting_worker_watches_its_regions_with_one_request_and_still_explore
             data, metadata = encode({**new_lease_body(task_id, "gone-vm", 60, Clock()), "state": DONE})
         store.create(layout.lease_object(task_id), data, metadata=metadata)
     before = dict(store.counts)
-    waiting = Claimer(store, ClaimOptions(worker="w", lease_ttl_s=60, idle_timeout_s=1.5, poll_min_s=0.01,
+    # A TTL of 0.5 s: past the idle timeout it polls on for at most one TTL while the busy leases (which
+    # never renew here) are not yet judged.
+    waiting = Claimer(store, ClaimOptions(worker="w", lease_ttl_s=0.5, idle_timeout_s=1.5, poll_min_s=0.01,
                                           poll_max_s=0.02, seed=3))  # fmt: skip
     assert list(waiting) == [] and waiting.exit_reason == "idle"
     polls = {k: store.counts[k] - before.get(k, 0) for k in ("list tasks/", "list leases/")}

@@ -223,11 +223,12 @@ def test_an_empty_queue_exits_at_once_and_a_busy_one_after_the_idle_timeout(loca
     workers.start("empty")
     assert workers.wait(timeout=20) == {"empty": 0}
     assert time.monotonic() - started < 10 and "reason=drained" in workers.log("empty")
-    submit_tasks(url, [{"id": "long", "outputs": 1, "sleep": 6}])
-    workers.start("holder", "--lease-ttl", "30")
+    submit_tasks(url, [{"id": "long", "outputs": 1, "sleep": 12}])
+    workers.start("holder", "--lease-ttl", "30", "--heartbeat", "0.5")
     wait_for(lambda: lease_body(url, "long"), 10, "the claim")
     started = time.monotonic()
-    idle = workers.start("idle", "--idle-timeout", "1")
+    # It leaves idle once it has seen the holder's lease renew (a dead holder's would be taken over).
+    idle = workers.start("idle", "--idle-timeout", "1", "--lease-ttl", "30", "--poll", "0.2")
     assert idle.wait(timeout=20) == 0
     assert 1 <= time.monotonic() - started < 6 and "reason=idle" in workers.log("idle")
 

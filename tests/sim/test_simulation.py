@@ -43,6 +43,21 @@ def test_every_seed_keeps_every_invariant(first):
     assert not failures, f"{len(failures)} of {CHUNK} seeds broke an invariant:\n" + "\n".join(failures)
 
 
+#: Seeds past the CI range that found bugs, replayed on every run:
+#: 947 - a dead submit's batch stays running, and re-listing its regions on every poll restarted the
+#:       TTL-long watch of an expired lease (the last workers left idle beside it);
+#: 1737 - the last waiting worker first saw a dead holder's lease in its last look and left idle;
+#: 1740 - a dead submit's running batch was news on every poll, so the worker only ever visited its
+#:        regions, and a region cut by a later batch was not news (a late task waited 44 s).
+FOUND_BUGS = (947, 1737, 1740)
+
+
+@pytest.mark.parametrize("seed", FOUND_BUGS)
+def test_seeds_that_found_bugs_keep_every_invariant(seed):
+    result = run_seed(seed)
+    assert result.ok, f"replay with `{result.replay_command()}`: " + "; ".join(str(v) for v in result.violations[:4])
+
+
 def test_a_seed_replays_exactly_in_another_process():
     """Same seed, same world: every applied write at the same virtual time, whatever the hash seed."""
     seeds = [3, 11]
