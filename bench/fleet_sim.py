@@ -567,9 +567,12 @@ class Fleet:
 
     def _machine(self, name: str, booted: float, preempt_at: float, seed: int) -> None:
         """One VM: startup.sh's boot records, then the worker process, restarted after a crash."""
-        for state in ("booting", "installing"):  # startup.sh: one plain write per boot state
-            write_record(self.store, make_record(name, state, at=self.clock.wall(), since=self.clock.wall().isoformat()))
+        for state in ("booting", "installing"):  # startup.sh: one plain write per boot state, never fatal
             self.stats.record_writes["startup"] += 1
+            try:
+                write_record(self.store, make_record(name, state, at=self.clock.wall(), since=self.clock.wall().isoformat()))
+            except CRASHES:
+                self.stats.record_writes["startup_failed"] += 1
             # A real boot and install take minutes; here a second apart (one write per second per object).
             self.scheduler.sleep(self.store.same_object_write_gap_s)
         rng = random.Random(seed)
