@@ -1,11 +1,15 @@
 """A fleet on a virtual clock: the real `Claimer` and `HeldLease` against a store that behaves like GCS.
 
     python -m bench.fleet_sim [--workers 1000] [--tasks 100000] [--mean-task-s 60] [--preempt-per-hour 0]
+                              [--faults 0.01] [--late-batch 500]
 
 Each worker is a thread running the real claim loop (`taskqueue.claims.Claimer`) and the real lease
 (`taskqueue.lease.HeldLease`), with the spawner's task handling reduced to what a no-op consumer
 needs: heartbeats every `--heartbeat-s` committing the consumer's checkpoints, `complete` at the end,
-`release` on a preemption, dead-lettering after `MAX_TAKEOVERS` steals (the spawner's constant). Only
+`release` on a preemption, dead-lettering after `MAX_TAKEOVERS` steals (the spawner's constant). Each
+machine also writes what a real one writes on GCP: startup.sh's two boot records, and the real
+`fleet.machines.MachineRecorder` (its beat an actor of its own, on virtual time) told of every state
+change as `taskqueue.spawner` and `taskqueue.cli` tell it. Only
 one thread runs at a time: a scheduler hands the turn to whichever worker's virtual wake-up time
 comes first, so a run is deterministic for a seed and 1,000 workers x 100,000 tasks take minutes.
 
@@ -19,7 +23,16 @@ The store (`SimStore`) follows what GCS documents:
   (https://cloud.google.com/storage/docs/request-rate); requests beyond that get 429.
 A 429 is retried like `objectstore.gcs` does (full-jitter exponential backoff), and every attempt counts.
 
-It reports requests per task by kind, requests and time before each worker's first claim, claim
+`--faults P` makes P of the workers' request attempts fail: half of them a 503, a fifth applied with
+the response lost (writes), a fifth applied and answered late (2 s, half a TTL or a TTL), a tenth a
+403. A non-transient error, or a store error past the retry deadline, that escapes the worker ends
+its process, as it would: its lease is left to expire, and the process restarts `--restart-s` later
+(systemd) on the same machine. `--late-batch N` submits N more tasks at half the ideal makespan and
+N more once the fleet has started waiting at the end, and reports how long they waited from their
+creation to their first claim.
+
+It reports requests per task by kind (`machines/` for the records), the record writes per task with
+the beat rule and as if every change were written, requests and time before each worker's first claim, claim
 collisions, makespan against the ideal (total work / workers), the machine time the fleet ran and
 how much of it went to tasks, work lost to preemption, the peak request rate against the bucket's
 limits, and an extrapolation to a bigger fleet from a cost model whose terms it prints. For the
@@ -33,6 +46,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import concurrent.futures
 import dataclasses
 import datetime as dt
 import heapq
@@ -45,10 +59,14 @@ import random
 import sys
 import threading
 import time
+from unittest import mock
 
 from google.api_core import exceptions as gexc
 
-from objectstore.base import MAX_LIST_PAGE, Blob, Entry, NotFound, ObjectStore, Page, PreconditionFailed
+from google.auth import exceptions as auth_exceptions
+
+from fleet.machines import MachineRecorder, make_record, write_record
+from objectstore.base import MAX_LIST_PAGE, Blob, Entry, NotFound, ObjectStore, Page, PreconditionFailed, StoreError
 from objectstore.gcs import is_transient
 from objectstore.retry import Retrier, RetryPolicy, delete_with_retries, write_with_nonce
 from taskqueue import layout
@@ -56,10 +74,16 @@ from taskqueue.claims import Claimer, ClaimOptions, default_poll_max
 from taskqueue.clock import Clock
 from taskqueue.lease import LeaseLost
 from taskqueue.worker import MAX_TAKEOVERS
+from taskqueue.status import snapshot
 from taskqueue.submit import submit
 
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
-PREFIXES = (layout.TASKS, layout.LEASES, layout.DONE, layout.FAILED, layout.SPLITS, layout.SWEPT, layout.OUT)
+#: What ends a worker's process when it escapes (a 403, an expired credential, a store error past the
+#: retry deadline); systemd starts it again.
+CRASHES = (StoreError, gexc.GoogleAPICallError, auth_exceptions.GoogleAuthError)
+MACHINES = "machines/"
+SUBMITTER = "submitter"
+PREFIXES = (MACHINES, layout.TASKS, layout.LEASES, layout.DONE, layout.FAILED, layout.SPLITS, layout.SWEPT, layout.OUT)
 
 
 # -- virtual time ---------------------------------------------------------------------------------
@@ -130,6 +154,23 @@ class Actor:
             self.scheduler._turn_over.release()
 
 
+class SimLock:
+    """A lock for actors: a waiter gives the turn away until it is free (a real lock held across a
+    request would stop the whole simulation, since only one actor runs at a time)."""
+
+    def __init__(self, scheduler: Scheduler, poll_s: float = 0.01) -> None:
+        self.scheduler, self.poll_s, self.held = scheduler, poll_s, False
+
+    def __enter__(self) -> "SimLock":
+        while self.held:
+            self.scheduler.sleep(self.poll_s)
+        self.held = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.held = False
+
+
 class SimClock(Clock):
     """The queue's clock on virtual time: monotonic is scheduler time, waits give the turn away."""
 
@@ -187,6 +228,33 @@ class Faults:
         return None
 
 
+class FleetFaults(Faults):
+    """`--faults P`: P of the workers' request attempts fail (the submitter's never do)."""
+
+    def __init__(self, scheduler: "Scheduler", rate: float, lease_ttl_s: float, seed: int) -> None:
+        self.scheduler, self.rate, self.lease_ttl_s = scheduler, rate, lease_ttl_s
+        self.rng = random.Random(f"faults-{seed}")
+        self.drawn: collections.Counter[str] = collections.Counter()
+
+    def draw(self, op: str, name: str) -> str | None:
+        actor = self.scheduler.current
+        if actor is None or actor.name.startswith(SUBMITTER) or self.rng.random() >= self.rate:
+            return None
+        roll = self.rng.random()
+        if roll < 0.1:
+            self.drawn["403"] += 1
+            raise gexc.Forbidden(f"{op} {name}: simulated 403")
+        if roll < 0.3 and op in ("create", "write", "put", "delete"):
+            self.drawn["lost"] += 1
+            return "lost"
+        if roll < 0.5 and op in ("create", "write", "put"):
+            self.drawn["late"] += 1
+            self.late_s = self.rng.choice([2.0, self.lease_ttl_s / 2, self.lease_ttl_s])
+            return "late"
+        self.drawn["503"] += 1
+        return "transient"
+
+
 class SimStore(ObjectStore):
     """In-memory objects with GCS's generations, preconditions, listing pages and rate limits.
 
@@ -206,10 +274,15 @@ class SimStore(ObjectStore):
         self.last_mutation: dict[str, float] = {}
         self.by_kind: collections.Counter[str] = collections.Counter()
         self.by_worker: collections.Counter[str] = collections.Counter()
+        self.records_by_worker: collections.Counter[str] = collections.Counter()  # of which machines/
+        #: `on_created(name, now)`, told when an object is created (the late tasks' pickup clock starts).
+        self.on_created = None
         self.per_second: dict[str, collections.Counter[int]] = {"read": collections.Counter(), "write": collections.Counter()}
         self.throttled: collections.Counter[str] = collections.Counter()
         self.refused: collections.Counter[str] = collections.Counter()  # 412s by kind
-        self.first_claim: dict[str, tuple[int, float]] = {}  # worker -> (requests before its first claim, when)
+        #: worker -> (requests before its first claim, of which machines/, when); `first_claim_counted`: those reported
+        self.first_claim: dict[str, tuple[int, int, float]] = {}
+        self.first_claim_counted: set[str] = set()
         self.counting = True
         self.faults = faults
         self.nonces: dict[str, str | None] = {}  # the nonce each object was written with (objectstore.gcs: NONCE_KEY)
@@ -236,6 +309,8 @@ class SimStore(ObjectStore):
             actor = self.scheduler.current
             if actor is not None:
                 self.by_worker[actor.name] += 1
+                if name.startswith(MACHINES):
+                    self.records_by_worker[actor.name] += 1
             self.per_second[rw][second] += 1
         latency = self.limits.latency_s * self.rng.lognormvariate(0, 0.3) + items * self.limits.per_item_s
         if self.scheduler.current is not None:
@@ -303,10 +378,13 @@ class SimStore(ObjectStore):
         actor = self.scheduler.current
         if name.startswith(layout.LEASES) and actor is not None and actor.name not in self.first_claim:
             # A worker's first successful lease write is its first claim (heartbeats come later).
-            self.first_claim[actor.name] = (self.by_worker[actor.name] - 1, self.scheduler.now)
+            self.first_claim[actor.name] = (self.by_worker[actor.name] - 1, self.records_by_worker[actor.name],
+                                            self.scheduler.now)
         self.generation += 1
         if name not in self.entries:
             bisect.insort(self.names.setdefault(self._prefix(name), []), name)
+            if self.on_created is not None:
+                self.on_created(name, self.scheduler.now)
         self.entries[name] = Entry(name, self.generation, len(data), EPOCH + dt.timedelta(seconds=self.scheduler.now),
                                    dict(metadata or {}))
         self.data[name] = data
@@ -413,25 +491,36 @@ class FleetOptions:
     idle_timeout_s: float = 300.0
     poll_min_s: float = 1.0
     poll_max_s: float = 0.0  # 0: spawn.py's default for the TTL (taskqueue.claims.default_poll_max)
+    faults: float = 0.0  # the share of the workers' request attempts that fail (FleetFaults)
+    restart_s: float = 5.0  # a crashed worker process starts again this much later (systemd)
+    late_batch: int = 0  # tasks submitted at half the ideal makespan, and as many again once workers wait at the end
+    record_beat_s: float = 60.0  # the machine record's beat (fleet.machines.DEFAULT_BEAT_S)
     seed: int = 1
 
 
 @dataclasses.dataclass
 class Stats:
     first_claim_requests: list[int] = dataclasses.field(default_factory=list)
+    first_claim_record_requests: list[int] = dataclasses.field(default_factory=list)  # of which machines/
     first_claim_s: list[float] = dataclasses.field(default_factory=list)
     completions: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     duplicates: int = 0
     collisions: int = 0
     preemptions: int = 0
+    crashes: int = 0  # worker processes ended by an error (restarted)
     lost_work_s: float = 0.0
     lost_leases: int = 0
     dead_letters: int = 0
     exit_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     last_done_s: float = 0.0
+    first_done_s: float = 0.0  # the last of the first tasks (not the late ones) done
     heartbeats: int = 0
     machine_s: float = 0.0  # from each worker's boot to its exit: what the fleet pays for
     busy_s: float = 0.0  # of which running a task
+    record_writes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by cause
+    created_at: dict = dataclasses.field(default_factory=dict)  # late task -> when it was created
+    claimed_at: dict = dataclasses.field(default_factory=dict)  # late task -> its first claim
+    late_submitted_at: list = dataclasses.field(default_factory=list)  # when each late batch began
 
 
 class Fleet:
@@ -440,16 +529,33 @@ class Fleet:
         self.rng = random.Random(options.seed)
         self.scheduler = Scheduler()
         self.clock = SimClock(self.scheduler)
-        self.store = SimStore(self.scheduler, limits, options.seed)
+        faults = FleetFaults(self.scheduler, options.faults, options.lease_ttl_s, options.seed) if options.faults > 0 else None
+        self.store = SimStore(self.scheduler, limits, options.seed, faults)
         self.stats = Stats()
         mu = math.log(options.mean_task_s) - options.task_sigma**2 / 2
         self.ids = [f"t{k:07d}" for k in range(options.tasks)]
-        self.duration = {t: self.rng.lognormvariate(mu, options.task_sigma) for t in self.ids}
+        # Late tasks sort after the first ones: the first late batch fills a new region at the end.
+        self.late = [[f"t{options.tasks + b * options.late_batch + k:07d}" for k in range(options.late_batch)]
+                     for b in range(2 if options.late_batch > 0 else 0)]  # fmt: skip
+        self.duration = {t: self.rng.lognormvariate(mu, options.task_sigma) for t in self.ids + sum(self.late, [])}
+        self.first_late = f"t{options.tasks:07d}"
         self._spawned = 0
+        self.store.on_created = self._created
+
+    @property
+    def total_tasks(self) -> int:
+        return len(self.duration)
+
+    def _created(self, name: str, now: float) -> None:
+        if name.startswith(layout.TASKS):
+            task_id = name[len(layout.TASKS) :].rsplit(".", 1)[0]
+            if task_id in self.duration:
+                self.stats.created_at.setdefault(task_id, now)
 
     def setup(self) -> None:
         self.store.counting = False
         submit(self.store, b"{}", [(t, json.dumps({"id": t}).encode()) for t in self.ids], parallel=1)
+        self.stats.created_at.clear()  # only the late tasks' pickup is measured
         self.store.counting = True
 
     def _spawn_worker(self, at: float) -> None:
@@ -457,39 +563,88 @@ class Fleet:
         name = f"w{self._spawned:05d}"
         lifetime = self.rng.expovariate(self.o.preempt_per_hour / 3600) if self.o.preempt_per_hour > 0 else math.inf
         seed = self.rng.randrange(2**32)
-        self.scheduler.spawn(name, lambda: self._worker(name, at, at + lifetime, seed), at)
+        self.scheduler.spawn(name, lambda: self._machine(name, at, at + lifetime, seed), at)
 
-    def _worker(self, name: str, booted: float, preempt_at: float, seed: int) -> None:
-        o, store, stats = self.o, self.store, self.stats
-        claimer = Claimer(
-            store,
-            ClaimOptions(name, o.lease_ttl_s, o.idle_timeout_s, o.poll_min_s,
-                         o.poll_max_s or default_poll_max(o.poll_min_s, o.lease_ttl_s), seed=seed),
-            self.clock,
-        )
-        first = True
-        for claim in claimer:
-            lease = claim.lease
-            if first:
-                first = False
-                requests, at = store.first_claim[name]
-                stats.first_claim_requests.append(requests)
-                stats.first_claim_s.append(at - booted)
-            if int(lease.body.get("takeovers", 0)) >= MAX_TAKEOVERS:
-                lease.dead_letter(f"its lease expired {lease.body['takeovers']} times", ())
-                stats.dead_letters += 1
+    def _machine(self, name: str, booted: float, preempt_at: float, seed: int) -> None:
+        """One VM: startup.sh's boot records, then the worker process, restarted after a crash."""
+        for state in ("booting", "installing"):  # startup.sh: one plain write per boot state, never fatal
+            self.stats.record_writes["startup"] += 1
+            try:
+                write_record(self.store, make_record(name, state, at=self.clock.wall(), since=self.clock.wall().isoformat()))
+            except CRASHES:
+                self.stats.record_writes["startup_failed"] += 1
+            # A real boot and install take minutes; here a second apart (one write per second per object).
+            self.scheduler.sleep(self.store.same_object_write_gap_s)
+        rng = random.Random(seed)
+        while True:
+            try:
+                reason = self._worker(name, booted, preempt_at, rng.randrange(2**32))
+            except CRASHES:
+                self.stats.crashes += 1
+                self.scheduler.sleep(self.o.restart_s)
                 continue
-            started = self.scheduler.now
-            finished = self._run(claim.task_id, lease, preempt_at)
-            stats.busy_s += self.scheduler.now - started
-            if not finished:
-                stats.preemptions += 1
-                self._spawn_worker(self.scheduler.now + o.boot_s)
-                stats.exit_reasons["preempted"] += 1
-                stats.machine_s += self.scheduler.now - booted
-                return
-        stats.exit_reasons[claimer.exit_reason] += 1
-        stats.machine_s += self.scheduler.now - booted
+            break
+        self.stats.exit_reasons[reason] += 1
+        self.stats.machine_s += self.scheduler.now - booted
+
+    def _recorder(self, name: str, booted: float) -> MachineRecorder:
+        """spawn.py's `machine_state`: the real recorder, carrying on this boot's spells (one read),
+        its beat an actor of its own on virtual time."""
+        recorder = MachineRecorder(self.store, name, beat_s=self.o.record_beat_s, now=self.clock.wall,
+                                   wait=self.clock.wait, lock=SimLock(self.scheduler), accelerator="cpu",
+                                   provisioning="spot")  # fmt: skip
+        recorder.carry_on(EPOCH + dt.timedelta(seconds=booted))
+        self.scheduler.spawn(f"{name}.record", lambda: self._beats(recorder), self.scheduler.now)
+        return recorder
+
+    def _beats(self, recorder: MachineRecorder) -> None:
+        recorder.beat_loop()
+
+    def _worker(self, name: str, booted: float, preempt_at: float, seed: int) -> str:
+        """One worker process (taskqueue.spawner.Spawner.run and taskqueue.cli around it); returns why it ended."""
+        o, store, stats = self.o, self.store, self.stats
+        started = self.scheduler.now
+        recorder = self._recorder(name, booted)
+        try:
+            claimer = Claimer(
+                store,
+                ClaimOptions(name, o.lease_ttl_s, o.idle_timeout_s, o.poll_min_s,
+                             o.poll_max_s or default_poll_max(o.poll_min_s, o.lease_ttl_s), seed=seed),
+                self.clock,
+            )
+            recorder.set("idle", worker=name)
+            for claim in claimer:
+                lease = claim.lease
+                if name not in store.first_claim_counted:
+                    store.first_claim_counted.add(name)
+                    requests, records, at = store.first_claim[name]
+                    stats.first_claim_requests.append(requests - records)
+                    stats.first_claim_record_requests.append(records)
+                    stats.first_claim_s.append(at - started)
+                stats.claimed_at.setdefault(claim.task_id, self.scheduler.now)
+                recorder.set("working", worker=name, task=claim.task_id, attempt=lease.attempt)
+                if int(lease.body.get("takeovers", 0)) >= MAX_TAKEOVERS:
+                    lease.dead_letter(f"its lease expired {lease.body['takeovers']} times", ())
+                    stats.dead_letters += 1
+                    recorder.set("idle", worker=name, last_task=claim.task_id)
+                    continue
+                started = self.scheduler.now
+                finished = self._run(claim.task_id, lease, preempt_at)
+                stats.busy_s += self.scheduler.now - started
+                if not finished:
+                    stats.preemptions += 1
+                    self._spawn_worker(self.scheduler.now + o.boot_s)
+                    recorder.set("exited", worker=name, reason="stopped")  # taskqueue.cli after a stop
+                    return "preempted"
+                recorder.set("idle", worker=name, last_task=claim.task_id)
+            # taskqueue.cli: a fleet deletes itself when the queue is empty (--on-empty delete)
+            recorder.set("deleting" if claimer.exit_reason in ("drained", "idle") else "exited", worker=name,
+                         reason=f"queue {claimer.exit_reason}")  # fmt: skip
+            return claimer.exit_reason
+        finally:
+            recorder.stop()  # a crashed process writes nothing more; its beat ends at its next wake-up
+            for cause, n in recorder.writes.items():
+                stats.record_writes[cause] += n
 
     def _run(self, task_id: str, lease, preempt_at: float) -> bool:
         """The consumer and its heartbeats on virtual time; False when the VM was preempted."""
@@ -518,6 +673,8 @@ class Fleet:
                     if lease.complete(records, started):
                         self.stats.completions[task_id] += 1
                         self.stats.last_done_s = max(self.stats.last_done_s, now.now)
+                        if task_id < self.first_late:
+                            self.stats.first_done_s = max(self.stats.first_done_s, now.now)
                     else:
                         self.stats.duplicates += 1
                 except LeaseLost:
@@ -531,13 +688,33 @@ class Fleet:
                 self.stats.lost_leases += 1
                 return True
 
+    def _submitter(self) -> None:
+        """The late batches: one at half the ideal makespan, one once the fleet waits at the end
+        (the first tasks all claimed: every worker that finishes now finds nothing)."""
+        from bench.sim_seeds import InlineExecutor  # submit's pool, inline: one thread acts per actor
+
+        ideal = sum(self.duration.values()) / self.o.workers
+        self.scheduler.sleep(ideal / 2)
+        for k, batch in enumerate(self.late):
+            if k == 1:
+                # Every task so far claimed, and half the fleet done with its last one: waiting.
+                so_far = self.ids + self.late[0]
+                while (any(t not in self.stats.claimed_at for t in so_far[-self.o.late_batch:])
+                       or len(self.stats.completions) < len(so_far) - self.o.workers // 2):
+                    self.scheduler.sleep(5.0)
+            self.stats.late_submitted_at.append(self.scheduler.now)
+            with mock.patch.object(concurrent.futures, "ThreadPoolExecutor", InlineExecutor):
+                submit(self.store, None, [(t, json.dumps({"id": t}).encode()) for t in batch], parallel=1)
+
     def run(self) -> None:
         for _ in range(self.o.workers):
             self._spawn_worker(self.rng.uniform(0, self.o.start_spread_s))
+        if self.late:
+            self.scheduler.spawn(SUBMITTER, self._submitter, 0.0)
         started = time.monotonic()
         self.scheduler.run(
             lambda now: print(
-                f"event=progress virtual_s={now:.0f} done={len(self.stats.completions)}/{self.o.tasks} "
+                f"event=progress virtual_s={now:.0f} done={len(self.stats.completions)}/{self.total_tasks} "
                 f"requests={sum(self.store.by_kind.values())} wall_s={time.monotonic() - started:.0f}",
                 file=sys.stderr,
                 flush=True,
@@ -555,29 +732,56 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _spread(values: list[float]) -> dict:
+    return {"p50": round(percentile(values, 0.5), 1), "p99": round(percentile(values, 0.99), 1),
+            "max": round(max(values, default=float("nan")), 1)}  # fmt: skip
+
+
 def report(fleet: Fleet, seconds: float) -> dict:
     o, s, store = fleet.o, fleet.stats, fleet.store
+    tasks = fleet.total_tasks
     total = sum(store.by_kind.values())
     heartbeats = s.heartbeats  # lease writes that renew (the tombstone and takeovers are lease writes too)
-    by_kind = {k: round(v / o.tasks, 4) for k, v in sorted(store.by_kind.items())}
+    by_kind = {k: round(v / tasks, 4) for k, v in sorted(store.by_kind.items())}
     work = sum(fleet.duration.values())
     ideal = work / o.workers
     done = len(s.completions)
+    records = sum(v for k, v in store.by_kind.items() if k.startswith(("put " + MACHINES, "read " + MACHINES)))
+    w = s.record_writes
+    waited = [s.claimed_at[t] - s.created_at[t] for batch in fleet.late for t in batch if t in s.claimed_at and t in s.created_at]
+    late = [{"tasks": len(batch), "submitted_at_s": round(at, 1),
+             "waited_s": _spread([s.claimed_at[t] - s.created_at[t] for t in batch if t in s.claimed_at and t in s.created_at]),
+             "never_claimed": sum(1 for t in batch if t not in s.claimed_at)}
+            for batch, at in zip(fleet.late, s.late_submitted_at)]  # fmt: skip
     peak = {rw: max(c.values(), default=0) for rw, c in store.per_second.items()}
     peak_at = {rw: max(c, key=c.get, default=0) for rw, c in store.per_second.items()}
     return {
         "workers": o.workers,
-        "tasks": o.tasks,
+        "tasks": tasks,
         "wall_seconds": round(seconds, 1),
         "done": done,
         "double_completions": sum(1 for n in s.completions.values() if n > 1) + s.duplicates,
-        "requests_per_task": round(total / o.tasks, 3),
-        "heartbeats_per_task": round(heartbeats / o.tasks, 3),
-        "requests_per_task_without_heartbeats": round((total - heartbeats) / o.tasks, 3),
+        "requests_per_task": round(total / tasks, 3),
+        "heartbeats_per_task": round(heartbeats / tasks, 3),
+        "requests_per_task_without_heartbeats": round((total - heartbeats) / tasks, 3),
+        "machine_record_requests_per_task": round(records / tasks, 3),
+        "requests_per_task_without_records": round((total - records) / tasks, 3),
+        # Writes by cause: startup.sh's two per boot, changes written at once (first and final states),
+        # beats; "every_change" is what the same run would have written with each change written at once.
+        "machine_record_writes_per_task": {
+            "startup": round(w["startup"] / tasks, 3), "change": round(w["change"] / tasks, 3),
+            "beat": round(w["beat"] / tasks, 3), "total": round((w["startup"] + w["change"] + w["beat"]) / tasks, 3),
+            "every_change": round((w["startup"] + w["change"] + w["deferred"] + w["beat"]) / tasks, 3)},
         "by_kind_per_task": by_kind,
         "first_claim_requests": {"max": max(s.first_claim_requests, default=0),
                                   "p50": percentile(s.first_claim_requests, 0.5),
                                   "p99": percentile(s.first_claim_requests, 0.99)},
+        "first_claim_record_requests": {"max": max(s.first_claim_record_requests, default=0),
+                                         "p50": percentile(s.first_claim_record_requests, 0.5)},
+        "late_batches": late,
+        "late_waited_s": _spread(waited),
+        "faults": dict(store.faults.drawn) if isinstance(store.faults, FleetFaults) else {},
+        "crashes": s.crashes,
         "first_claim_s": {"max": round(max(s.first_claim_s, default=0), 2),
                           "p50": round(percentile(s.first_claim_s, 0.5), 2)},
         "claim_collisions": store.refused.get("create leases/", 0),
@@ -585,6 +789,7 @@ def report(fleet: Fleet, seconds: float) -> dict:
         "makespan_s": round(s.last_done_s, 1),
         "ideal_s": round(ideal, 1),
         "makespan_over_ideal": round(s.last_done_s / ideal, 4) if ideal else None,
+        "first_tasks_done_s": round(s.first_done_s, 1),
         "machine_hours": round(s.machine_s / 3600, 1),
         "busy_fraction": round(s.busy_s / s.machine_s, 4) if s.machine_s else None,
         "preemptions": s.preemptions,
@@ -659,6 +864,12 @@ def simulate(options: FleetOptions, limits: Limits) -> dict:
     setup_s = time.monotonic() - started
     fleet.run()
     result = report(fleet, time.monotonic() - started)
+    # What tools/status.py says of the queue at the end (uncounted, fault-free): the ground truth the
+    # worker-side figures above may miss (a task whose tombstone was written by a process that crashed).
+    fleet.scheduler.current = None
+    fleet.store.counting, fleet.store.faults = False, None
+    view = snapshot(fleet.store, now=EPOCH + dt.timedelta(seconds=fleet.scheduler.now))
+    result["status"] = {k: view[k] for k in ("total", "done", "failed", "complete")}
     result["setup_seconds"] = round(setup_s, 1)
     return result
 
@@ -694,21 +905,32 @@ def main() -> None:
         return
     r = result
     print(f"fleet  {r['workers']} workers x {r['tasks']} tasks, tasks ~{options.mean_task_s:g}s (lognormal sigma "
-          f"{options.task_sigma}), heartbeat {options.heartbeat_s:g}s, preemptions {options.preempt_per_hour:g}/worker-hour; "
+          f"{options.task_sigma}), heartbeat {options.heartbeat_s:g}s, preemptions {options.preempt_per_hour:g}/worker-hour, "
+          f"faults {options.faults:g} of attempts {r['faults']}, late batches {options.late_batch}; "
           f"simulated in {r['wall_seconds']}s (setup {r['setup_seconds']}s)")
-    print(f"done   {r['done']}/{r['tasks']}, double completions {r['double_completions']}, dead letters {r['dead_letters']}, "
-          f"exits {r['exit_reasons']}")
+    print(f"done   {r['done']}/{r['tasks']} seen by the workers (status at the end: {r['status']}), double completions {r['double_completions']}, dead letters {r['dead_letters']}, "
+          f"exits {r['exit_reasons']}, crashed processes {r['crashes']}")
     print(f"cost   {r['requests_per_task']} requests/task, of which {r['heartbeats_per_task']} heartbeats "
           f"({r['requests_per_task_without_heartbeats']} without them)")
     print("       per task by kind: " + ", ".join(f"{k}={v}" for k, v in r["by_kind_per_task"].items()))
+    mw = r["machine_record_writes_per_task"]
+    print(f"record machine records {r['machine_record_requests_per_task']} requests/task "
+          f"({r['requests_per_task_without_records']} requests/task without them); writes/task: startup.sh "
+          f"{mw['startup']}, changes {mw['change']}, beats {mw['beat']}: {mw['total']} "
+          f"(every change written at once: {mw['every_change']})")
     fc = r["first_claim_requests"]
-    print(f"start  requests before first claim: max {fc['max']}, p50 {fc['p50']}, p99 {fc['p99']}; "
+    print(f"start  requests before first claim: max {fc['max']}, p50 {fc['p50']}, p99 {fc['p99']} "
+          f"(queue; plus machine records: max {r['first_claim_record_requests']['max']}); "
           f"time to first claim: max {r['first_claim_s']['max']}s, p50 {r['first_claim_s']['p50']}s")
     print(f"claims collisions (412 on lease create) {r['claim_collisions']}; all 412s {r['refused_412']}")
     print(f"time   makespan {r['makespan_s']}s vs ideal {r['ideal_s']}s (total work / workers; the fleet boots over "
           f"{options.start_spread_s:g}s): "
-          f"{r['makespan_over_ideal']}x; machines ran {r['machine_hours']} worker-hours, "
+          f"{r['makespan_over_ideal']}x (first tasks all done at {r['first_tasks_done_s']}s); machines ran {r['machine_hours']} worker-hours, "
           f"{100 * r['busy_fraction']:.1f}% of it running tasks (the rest: boot spread, moving, waiting at the end)")
+    for k, batch in enumerate(r["late_batches"]):
+        print(f"late   batch {k + 1}: {batch['tasks']} tasks submitted at t={batch['submitted_at_s']}s, waited from "
+              f"creation to claim p50 {batch['waited_s']['p50']}s, p99 {batch['waited_s']['p99']}s, "
+              f"max {batch['waited_s']['max']}s; never claimed {batch['never_claimed']}")
     print(f"loss   preemptions {r['preemptions']}, work lost {r['work_lost_s']}s = {100 * r['work_lost_fraction']:.3f}% "
           f"of all work, leases lost {r['lost_leases']}")
     print(f"rate   peak {r['peak_per_s']['write']} writes/s at t={r['peak_at_s']['write']}s "

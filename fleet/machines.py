@@ -6,8 +6,13 @@ Contract (docs/PROTOCOL.md, "Machine records"):
   exists, so no precondition is needed. `startup/startup.sh` writes the early states (booting,
   installing, and failed when the boot fails); the worker writes the rest (working, idle,
   deleting, failed) through the `on_state` hook that spawn.py injects into the queue's spawner.
-- It is rewritten on every change of state and, while the worker runs, every `beat_s` seconds
-  even without one, so a record older than a few beats belongs to a machine that went silent.
+- While the worker runs it is rewritten every `beat_s` seconds (the beat), so a record older than
+  a few beats belongs to a machine that went silent. The first state and the final ones (failed,
+  deleting, exited) are written at once; a change between `working` and `idle` (a new task
+  included) is written by the next beat, so a fleet of back-to-back tasks writes one record per
+  machine-minute, not two per task plus the beats. The time accounting stays exact: spells are
+  kept in memory and every write carries them, so only the split of at most one beat between
+  idle and working can be late, never the machine's total.
 - The body is JSON (the schema below, with the log tail of a failure). The fields that `status`
   needs (state, task, reason, accelerator, code, and what the cost needs) are repeated as custom
   metadata, so one listing of `machines/` (one request per 1000 machines) is the whole cost of
@@ -28,11 +33,12 @@ UTC), `since`, `spent` ({state: seconds}), and as the state needs: `task`, `reas
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime as dt
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from objectstore import ObjectStore, StoreError
 
@@ -127,18 +133,37 @@ class MachineRecorder:
     Every `set` ends the current spell (its seconds go to `spent[state]`) and starts a new one at
     `since`; `start()` first reads the record startup.sh wrote in this boot, to carry its spells on."""
 
-    def __init__(self, store: ObjectStore, name: str, beat_s: float = DEFAULT_BEAT_S, **base_fields: object):
+    def __init__(
+        self,
+        store: ObjectStore,
+        name: str,
+        beat_s: float = DEFAULT_BEAT_S,
+        now: Callable[[], dt.datetime] = _now,
+        wait: Callable[[threading.Event, float], bool] | None = None,
+        lock: contextlib.AbstractContextManager | None = None,
+        **base_fields: object,
+    ):
+        """`now` (UTC), `wait(stop, seconds) -> stopped` and `lock` are the wall clock, the beat's
+        sleep and the lock that orders writes; a simulation passes virtual ones (bench/fleet_sim.py:
+        its actors must wait for the lock on virtual time), production keeps the defaults."""
         record_object(name)
         self.store = store
         self.name = name
         self.beat_s = beat_s
+        self.now = now
+        self.wait = wait or (lambda stop, seconds: stop.wait(seconds))
         self.base_fields = dict(base_fields)
-        self._lock = threading.Lock()
+        self._lock = lock or threading.Lock()
         self._body: dict | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._spent: dict[str, float] = {}
         self._spell: tuple[str, dt.datetime] | None = None  # (state, since) of the current spell
+        self._beating = False  # once beats run, working/idle changes wait for the next one
+        self._published = False  # a record of this run has been written
+        #: Writes attempted, by cause: "change" (written at once), "beat", and "deferred" (a change
+        #: left to the next beat: the writes the beat rule saves). A benchmark reads them.
+        self.writes: collections.Counter[str] = collections.Counter()
 
     def carry_on(self, boot_at: dt.datetime | None) -> None:
         """Take over the spells of this boot's record (startup.sh's booting and installing), one read.
@@ -166,7 +191,10 @@ class MachineRecorder:
             self._spell = (state, since)
 
     def set(self, state: str, **fields: object) -> None:
-        now = _now()
+        """End the current spell and start `state`'s. Written at once when it is the first state of
+        this run or a final one, or when no beat runs; a `working`/`idle` change otherwise waits for
+        the next beat (at most `beat_s`)."""
+        now = self.now()
         # One writer at a time: a beat must never overwrite a newer state with an older one.
         with self._lock:
             if self._spell is not None:
@@ -180,32 +208,47 @@ class MachineRecorder:
             self._body = body
             if state in FINAL_STATES:
                 self._stop.set()
+            if self._beating and self._published and state not in FINAL_STATES:
+                self.writes["deferred"] += 1
+                return
+            self.writes["change"] += 1
             self._write(body)
 
     def _write(self, body: dict) -> None:
+        self._published = True
         try:
             write_record(self.store, body)
             log.info("event=machine_record machine=%s state=%s task=%s", self.name, body["state"], body.get("task", "-"))
-        except StoreError as err:
-            log.warning("event=machine_record_failed machine=%s state=%s error=%s", self.name, body["state"], err)
+        except Exception as err:  # noqa: BLE001 - a 403 or an expired credential too: the record must never stop the work
+            log.warning("event=machine_record_failed machine=%s state=%s error=%s: %s", self.name, body["state"],
+                        type(err).__name__, err)  # fmt: skip
 
     def start(self, carry_on: bool = False) -> "MachineRecorder":
         if carry_on:
             self.carry_on(boot_time())
-        self._thread = threading.Thread(target=self._beat, name="machine-record", daemon=True)
+        self._beating = True
+        self._thread = threading.Thread(target=self.beat_loop, name="machine-record", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.beat_s):
-            with self._lock:
-                if self._stop.is_set() or self._body is None:
-                    continue
-                body = {**self._body, "at": _now().isoformat(timespec="seconds")}
-                self._write(body)
+    def beat_loop(self) -> None:
+        """Refresh the record every `beat_s` until a final state or `stop()`: the thread `start()`
+        runs, or a simulated actor on virtual time."""
+        self._beating = True
+        while not self.wait(self._stop, self.beat_s):
+            self.beat()
+
+    def beat(self) -> None:
+        """One refresh: the current state with its spells up to date (a deferred change included)."""
+        with self._lock:
+            if self._stop.is_set() or self._body is None:
+                return
+            self._body = {**self._body, "at": _iso(self.now())}
+            self.writes["beat"] += 1
+            self._write(self._body)
 
 
 # ---- the fleet section of status -------------------------------------------------------------

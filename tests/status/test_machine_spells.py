@@ -77,3 +77,45 @@ def test_identity_reads_the_priced_type_and_provisioning_model_from_the_metadata
             "node-1", "v5litepod-8", expected, "0")  # fmt: skip
     finally:
         server.stop()
+
+
+def test_back_to_back_tasks_wait_for_the_beat_and_the_seconds_stay_exact(tmp_path: Path):
+    """A working/idle change after the first write is published by the next beat, not at once; the
+    spells are kept in memory, so the record's seconds add up to the machine's time all the same."""
+    store = open_store(str(tmp_path / "queue"))
+    start = dt.datetime(2026, 1, 1, 12, tzinfo=dt.timezone.utc)
+    clock = [start]
+    at = lambda s: start + dt.timedelta(seconds=s)  # noqa: E731
+    recorder = machines.MachineRecorder(store, "vm-2", beat_s=60, now=lambda: clock[0], machine_type="e2-standard-4")
+    seen = []  # the record as stored: after each minute's changes, and after each beat
+
+    def record() -> dict:
+        return json.loads(store.read("machines/vm-2.json").data)
+
+    def minute(stop, seconds):
+        """The beat's sleep: what the worker does in this minute, then the clock moves on."""
+        if seen:
+            seen.append(record())  # what the previous beat wrote
+        if not seen:
+            for second, state, fields in [(5, "working", {"task": "t1"}), (50, "idle", {}), (52, "working", {"task": "t2"})]:
+                clock[0] = at(second)
+                recorder.set(state, **fields)
+            seen.append(record())
+            clock[0] = at(60)
+        else:
+            clock[0] = at(100)
+            recorder.set("exited", reason="drained")
+        return stop.is_set()
+
+    recorder.wait = minute
+    recorder.set("idle")  # the first state: written at once
+    recorder.beat_loop()
+    assert recorder.writes == {"change": 2, "deferred": 3, "beat": 1}
+    assert seen[0]["state"] == "idle"  # three changes in the first minute, none written at once
+    assert (seen[1]["state"], seen[1]["task"], seen[1]["since"], seen[1]["spent"]) == (
+        "working", "t2", at(52).isoformat(), {"idle": 7, "working": 45})  # the beat wrote the last of them
+    final = json.loads(store.read("machines/vm-2.json").data)
+    assert final["state"] == "exited" and final["spent"] == {"idle": 7, "working": 93}
+    [entry] = store.list("machines/")
+    row = machines._row(entry, at(100))
+    assert sum(machine_seconds(row, at(100), silent_after_s=180).values()) == 100
