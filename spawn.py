@@ -5,6 +5,7 @@ The queue package does the work; this file only plugs in the cloud hooks (self-d
 queue is empty, the preemption watcher, the machine record), so that neither package imports the other.
 """
 
+import os
 import socket
 import sys
 
@@ -39,7 +40,7 @@ def watch_preemption(on_preempted, required: bool):
 def machine_state(store, required: bool):
     """The on_state hook: this machine's record, machines/<name>.json in the queue."""
     global _recorder
-    from fleet.machines import MachineRecorder, machine_identity, maybe_on_gce
+    from fleet.machines import DEFAULT_BEAT_S, MachineRecorder, machine_identity, maybe_on_gce
     from fleet.metadata import MetadataClient, on_gcp
 
     if maybe_on_gce() and on_gcp():
@@ -49,7 +50,9 @@ def machine_state(store, required: bool):
     else:
         return None
     name = identity.pop("name")
-    _recorder = MachineRecorder(store, name, **identity).start(carry_on=True)
+    # SPAWN_MACHINE_BEAT_S: how often the record is refreshed (docs/PROTOCOL.md, "Machine records").
+    beat_s = float(os.environ.get("SPAWN_MACHINE_BEAT_S", DEFAULT_BEAT_S))
+    _recorder = MachineRecorder(store, name, beat_s=beat_s, **identity).start(carry_on=True)
     return _recorder.set
 
 

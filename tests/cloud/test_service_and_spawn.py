@@ -4,6 +4,7 @@ and a real spawn.py worker hands its task back within 10 s of a preemption notic
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -60,12 +61,12 @@ def _wait_for(what: str, check, timeout_s: float, proc: subprocess.Popen | None 
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def _spawn(queue: Path, *flags: str) -> subprocess.Popen:
+def _spawn(queue: Path, *flags: str, env: dict | None = None) -> subprocess.Popen:
     consumer = f"{sys.executable} {REPO / 'tests' / 'queue' / 'consumer.py'}"
     return subprocess.Popen(
         [sys.executable, "spawn.py", str(queue), "--consumer", consumer, "--lease-ttl", "60", "--heartbeat", "0.3",
          "--idle-timeout", "1", "--poll", "0.1", *flags],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
     )
 
 
@@ -138,15 +139,18 @@ def test_worker_writes_its_machine_record_on_each_state_change(tmp_path: Path, m
     metadata_server.values.update(gce_vm("p", "us-central1-a", "w-7", {"spawn-accelerator": "cpu", "spawn-code": "gs://b/code/v3"}))
     queue = tmp_path / "queue"
     store = open_store(str(queue))
-    submit(store, None, [(t, json.dumps({"id": t, "outputs": 2}).encode()) for t in ("t1", "t2")])
+    submit(store, None, [(t, json.dumps({"id": t, "outputs": 2, "sleep": 1.0}).encode()) for t in ("t1", "t2")])
 
-    worker = _spawn(queue, "--worker-id", "w-7-worker", "--preemption-watch", "off", "--machine-record", "auto")
+    # The first state and the final one are written at once; working/idle changes go out with the
+    # beat (docs/PROTOCOL.md, "Machine records"), here every 0.2 s, so each task of a second shows.
+    worker = _spawn(queue, "--worker-id", "w-7-worker", "--preemption-watch", "off", "--machine-record", "auto",
+                    env={"SPAWN_MACHINE_BEAT_S": "0.2"})  # fmt: skip
     output, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, output
     states = [line.split("state=")[1].split()[0] for line in output.splitlines() if "event=machine_record " in line]
     assert states[0] == "idle" and states[-1] == "exited"
-    assert states.count("working") == 2
     assert "event=machine_record machine=w-7 state=working task=t1" in output
+    assert "event=machine_record machine=w-7 state=working task=t2" in output
     record = json.loads(store.read("machines/w-7.json").data)
     assert record["state"] == "exited" and record["reason"] == "drained"
     assert (record["machine"], record["zone"], record["accelerator"], record["code"]) == ("w-7", "us-central1-a", "cpu", "gs://b/code/v3")
