@@ -3,7 +3,7 @@
 
 import sys
 
-from extract.cli import main
+from extract.cli import exit_now, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
