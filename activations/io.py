@@ -8,6 +8,8 @@ objects on local disk, so a second epoch reads no bucket bytes.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import os
 import pathlib
@@ -89,11 +91,29 @@ class RangeCache:
     """Fetched byte ranges of remote objects, one file each under `directory`, written atomically.
 
     Keyed by URL and range; a shard's bytes never change once its done marker lists it, so entries never go stale.
-    Nothing is evicted: size the directory for the ranges a run reads (the selected layers of the shards)."""
+    With `max_bytes`, the least recently used entries are deleted to keep the directory under that size: a hit
+    touches its file's mtime, so the order also holds across runs that reuse the directory. The bound is kept by
+    each process on its own; ranks sharing one directory should split the disk between them. Without `max_bytes`
+    nothing is evicted: size the directory for the ranges a run reads (the selected layers of the shards).
+    """
 
-    def __init__(self, directory: str | os.PathLike[str]):
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int | None = None):
+        if max_bytes is not None and max_bytes < 1:
+            raise ActivationsError(f"cache max_bytes must be positive, got {max_bytes}; or leave it out for no bound")
         self.directory = pathlib.Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        # path -> size, least recently used first: what an earlier run left, oldest first.
+        entries = sorted((p.stat().st_mtime_ns, str(p), p.stat().st_size) for p in self.directory.glob("*/*.bin"))
+        self._entries: collections.OrderedDict[str, int] = collections.OrderedDict((p, n) for _, p, n in entries)
+        self._bytes = sum(self._entries.values())
+        self._evict()
+
+    @property
+    def bytes(self) -> int:
+        """Bytes this process knows the cache to hold."""
+        return self._bytes
 
     def path(self, url: str, start: int, end: int) -> pathlib.Path:
         digest = hashlib.sha256(url.encode()).hexdigest()[:32]
@@ -103,11 +123,21 @@ class RangeCache:
         path = self.path(url, start, end)
         try:
             with open(path, "rb") as handle:
-                return handle.readinto(out) == end - start
+                if handle.readinto(out) != end - start:
+                    return False
         except FileNotFoundError:
             return False
+        if self.max_bytes is not None:
+            with self._lock:
+                if str(path) in self._entries:
+                    self._entries.move_to_end(str(path))
+            with contextlib.suppress(OSError):  # evicted meanwhile by another process: the bytes are already read
+                os.utime(path)
+        return True
 
     def put(self, url: str, start: int, end: int, payload: memoryview) -> None:
+        if self.max_bytes is not None and len(payload) > self.max_bytes:
+            return  # larger than the whole cache: keeping it would evict everything else
         path = self.path(url, start, end)
         path.parent.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -118,6 +148,20 @@ class RangeCache:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        with self._lock:
+            self._bytes += len(payload) - self._entries.pop(str(path), 0)
+            self._entries[str(path)] = len(payload)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Delete least recently used entries until the cache fits (the caller holds the lock, or is __init__)."""
+        if self.max_bytes is None:
+            return
+        while self._bytes > self.max_bytes and self._entries:
+            victim, size = self._entries.popitem(last=False)
+            self._bytes -= size
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(victim)
 
 
 class ByteReader:

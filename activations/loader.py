@@ -18,7 +18,8 @@ What it does, in order:
    `token_ids`/`offsets` when a filter or `return_token_ids` needs them), cut into parts of `part_bytes` read in
    parallel by `threads` I/O threads, straight into the shard's one array (local files: `os.preadv`; gs://: the
    object store's ranged GETs, each part copied once from the response). `readahead` shards are fetched ahead of
-   the one being consumed, across epoch boundaries. With `cache_dir`, fetched gs:// ranges are kept on local disk.
+   the one being consumed, across epoch boundaries. With `cache_dir`, fetched gs:// ranges are kept on local disk
+   (least recently used ranges deleted beyond `cache_bytes`).
 4. **Token filters.** `drop_token_ids`, `drop_first` (the first k positions of every document) and `positions`
    (keep positions lo <= p < hi of every document) select the rows that enter the stream.
 5. **Shuffle buffer.** With `shuffle_tokens=C`, the first C rows of the stream fill a buffer; then each step takes
@@ -137,6 +138,7 @@ class ActivationLoader:
         readahead: int = 4,
         part_bytes: int = 8 << 20,
         cache_dir: str | None = None,
+        cache_bytes: int | None = None,
         client: Any = None,
     ):
         if batch_size < 1:
@@ -168,7 +170,7 @@ class ActivationLoader:
         self.readahead = max(0, readahead)
         self.part_bytes = max(1 << 16, part_bytes)
         self._client = client
-        self._reader = ByteReader(client, RangeCache(cache_dir) if cache_dir else None)
+        self._reader = ByteReader(client, RangeCache(cache_dir, cache_bytes) if cache_dir else None)
 
         self.shards: list[ShardRef] = resolve_shards(source, client)
         if not self.shards:
@@ -233,7 +235,9 @@ class ActivationLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch returned, JSON-able: epoch, stream position, the shuffle buffer's
-        random state and, for each of its rows, where it came from (shard, row), so that it can be read back."""
+        random state and, for each of its rows, where it came from (shard, row), so that it can be read back.
+        While the buffer drains at an epoch's end, its rows are listed in the order they will leave."""
+        live = self._live_slots()
         return {
             "format": STATE_FORMAT,
             "fingerprint": self._fingerprint(),
@@ -241,9 +245,10 @@ class ActivationLoader:
             "position": [self._k, self._j],
             "emitted": self._emitted,
             "rng": self._rng.bit_generator.state,
-            "filled": self._filled,
-            "buffer_shard": self._src_shard[: self._filled].tolist(),
-            "buffer_row": self._src_row[: self._filled].tolist(),
+            "filled": len(live),
+            "draining": self._drain is not None,
+            "buffer_shard": self._src_shard[live].tolist(),
+            "buffer_row": self._src_row[live].tolist(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -265,6 +270,8 @@ class ActivationLoader:
         shards = np.asarray(state["buffer_shard"], dtype=np.int32)
         rows = np.asarray(state["buffer_row"], dtype=np.int64)
         self._filled = len(shards)
+        if state.get("draining"):
+            self._drain = np.arange(self._filled)
         self._src_shard[: self._filled] = shards
         self._src_row[: self._filled] = rows
         for shard in np.unique(shards):
@@ -295,6 +302,15 @@ class ActivationLoader:
             self._src_row = np.zeros(self.capacity, dtype=np.int64)
             self._tokens = np.zeros(self.capacity, dtype=np.int32) if self.return_token_ids else None
         self._filled = 0
+        # At the epoch's end the buffer leaves in one random permutation of its slots, `_drained` of them gone.
+        self._drain: np.ndarray | None = None
+        self._drained = 0
+
+    def _live_slots(self) -> np.ndarray:
+        """The buffer's slots that hold rows not yet emitted: in leaving order while it drains."""
+        if self._drain is not None:
+            return self._drain[self._drained :]
+        return np.arange(self._filled)
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -435,20 +451,15 @@ class ActivationLoader:
                 self._place(slots, piece)
                 need -= len(slots)
                 continue
-            if self._filled == 0:
+            # The epoch's stream has ended: the buffer leaves in one random order, each row read once, none moved.
+            if self._drain is None:
+                self._drain = self._rng.permutation(self._filled)
+            if self._drained == len(self._drain):
                 break
-            # The epoch's stream has ended: drain the buffer in random order, keeping it compact.
-            m = min(need, self._filled)
-            slots = self._rng.choice(self._filled, m, replace=False)
+            slots = self._drain[self._drained : self._drained + need]
             self._emit(slots, parts, tokens)
-            remaining = self._filled - m
-            holes = np.sort(slots[slots < remaining])
-            chosen_tail = np.zeros(m, dtype=bool)
-            chosen_tail[slots[slots >= remaining] - remaining] = True
-            movers = remaining + np.flatnonzero(~chosen_tail)
-            self._move(movers, holes)
-            self._filled = remaining
-            need -= m
+            self._drained += len(slots)
+            need -= len(slots)
         return parts, tokens
 
     def _place(self, slots: np.ndarray, piece: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]) -> None:
@@ -463,13 +474,6 @@ class ActivationLoader:
         parts.append(self._buffer[slots])
         if tokens is not None:
             tokens.append(self._tokens[slots])
-
-    def _move(self, sources: np.ndarray, targets: np.ndarray) -> None:
-        self._buffer[targets] = self._buffer[sources]
-        self._src_shard[targets] = self._src_shard[sources]
-        self._src_row[targets] = self._src_row[sources]
-        if self._tokens is not None:
-            self._tokens[targets] = self._tokens[sources]
 
     # -- output -------------------------------------------------------------------------------------------------
 

@@ -77,7 +77,8 @@ def test_several_layers_give_one_row_per_token_across_layers(written):
     assert np.array_equal(batch[:, 1], np.asarray(written.layers[3][keys], np.float32))
 
 
-@pytest.mark.parametrize("taken", [2, 9, 25])  # filling the buffer, streaming, draining at the epoch's end
+# Early in the stream, later in it, mid-drain at the first epoch's end, just drained, and in the second epoch.
+@pytest.mark.parametrize("taken", [2, 9, 19, 23, 30])
 def test_state_dict_resumes_to_exactly_the_same_stream(written, taken):
     def make():
         return ActivationLoader(str(written.root), layers=list(LAYERS), batch_size=8, shuffle_tokens=48, seed=11,
@@ -87,6 +88,7 @@ def test_state_dict_resumes_to_exactly_the_same_stream(written, taken):
     for _ in range(taken):
         next(original)
     state = json.loads(json.dumps(original.state_dict()))
+    assert state["draining"] == (taken in (19, 23)), "the taken counts no longer reach the phases they name"
     expected = list(original)
     resumed = make()
     resumed.load_state_dict(state)
@@ -168,6 +170,33 @@ def test_gcs_stream_equals_local_and_a_second_epoch_comes_from_the_cache(written
     second_epoch = keys_of(remote)
     assert sorted(np.concatenate(second_epoch).tolist()) == list(range(len(written.token_ids)))
     assert gcs.counts()["reads"] == shards  # headers only: the rows come from the cache
+
+
+def test_a_bounded_cache_keeps_the_most_recent_ranges_under_its_size(tmp_path):
+    from activations.io import RangeCache
+
+    def entry(cache, name, size, fill):
+        cache.put(f"gs://b/{name}", 0, size, memoryview(bytes([fill]) * size))
+
+    def held(cache, name, size):
+        out = bytearray(size)
+        return cache.get(f"gs://b/{name}", 0, size, memoryview(out)) and out == bytes([out[0]]) * size
+
+    cache = RangeCache(tmp_path / "c", max_bytes=300)
+    entry(cache, "a", 100, 1)
+    entry(cache, "b", 100, 2)
+    entry(cache, "c", 100, 3)
+    assert held(cache, "a", 100)  # a is now the most recently used
+    entry(cache, "d", 100, 4)  # over 300: b, the least recently used, goes
+    assert [held(cache, n, 100) for n in "abcd"] == [True, False, True, True]
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "c").rglob("*.bin"))
+    assert on_disk == cache.bytes == 300
+    entry(cache, "huge", 400, 5)  # larger than the whole cache: not kept, nothing evicted for it
+    assert not held(cache, "huge", 400) and cache.bytes == 300
+    # A later run over the same directory with a smaller bound starts from what is there, oldest out first.
+    smaller = RangeCache(tmp_path / "c", max_bytes=200)
+    assert smaller.bytes == 200
+    assert sum(p.stat().st_size for p in (tmp_path / "c").rglob("*.bin")) == 200
 
 
 def test_the_loader_imports_and_reads_without_jax_or_the_queue(written):
