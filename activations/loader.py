@@ -41,6 +41,7 @@ the position after the last batch returned.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import math
@@ -366,13 +367,15 @@ class ActivationLoader:
 
     # -- reading one shard --------------------------------------------------------------------------------------
 
-    def _fetch(self, shard: int) -> _ShardRows:
-        """This rank's rows of the selected layers of one shard, and the rows the filters keep."""
+    def _fetch(self, shard: int, every_rank: bool = False) -> _ShardRows:
+        """This rank's rows (or every rank's) of the selected layers of one shard, and the rows the filters keep."""
         ref = self.shards[shard]
         header = read_header(ref.url, self._reader)
         self._check_matches(ref, header)
         n = header.num_tokens
         lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
+        if every_rank:
+            lo, hi = 0, n
         data = np.empty((len(self.layers), hi - lo, self.hidden_size), dtype=self._raw)
         reads: list[Future[None]] = []
         for i, layer in enumerate(self.layers):
@@ -505,6 +508,29 @@ class ActivationLoader:
                 return {layer: LayerStats.from_json(recorded[f"layer_{layer}"], f"index {index_url} stats")
                         for layer in self.layers}  # fmt: skip
         return sum_stats(self.shards, self._reader)
+
+    def kept_stats(self, shards: int | None = None) -> dict[int, LayerStats]:
+        """Statistics of the rows the token filters keep, to pass as `stats=` to a loader with the same filters.
+
+        The stored statistics cover every token. A filter that drops tokens unlike the rest changes the mean norm:
+        a document's first position holds an attention sink whose norm is many times the others'. This reads the
+        selected layers of every shard once (every rank's rows, so that all ranks normalise alike); `shards=N`
+        reads N shards spread evenly over the job instead, an estimate at N shards' cost."""
+        count = len(self.shards)
+        if shards is None or shards >= count:
+            picks = list(range(count))
+        else:
+            picks = sorted({round(x) for x in np.linspace(0, count - 1, max(1, shards))})
+        totals = {layer: LayerStats.zeros(self.hidden_size) for layer in self.layers}
+        ahead = self.readahead + 1  # shards read at once, as the stream reads them
+        pending = collections.deque(self._fetcher.submit(self._fetch, shard, True) for shard in picks[:ahead])
+        for following in picks[ahead:] + [None] * len(pending):
+            rows = pending.popleft().result()
+            if following is not None:
+                pending.append(self._fetcher.submit(self._fetch, following, True))
+            for i, layer in enumerate(self.layers):
+                totals[layer].add(LayerStats.of(rows.data[i][rows.kept].view(self.stored_dtype)))
+        return totals
 
     def _convert(self, rows: np.ndarray, tokens: np.ndarray | None) -> Any:
         rows = rows.view(self.stored_dtype)

@@ -118,6 +118,28 @@ def test_stored_statistics_match_numpy_over_the_same_tokens(written):
         np.testing.assert_allclose(s.norm_sum, np.linalg.norm(x, axis=1).sum(), rtol=1e-5)
 
 
+def test_kept_statistics_cover_exactly_the_tokens_the_filters_keep(written):
+    filters = {"drop_token_ids": [0, 1, 2], "drop_first": 1}
+    probe = ActivationLoader(str(written.root), layers=list(LAYERS), world_size=2, rank=1, **filters)
+    keep = ~np.isin(written.token_ids, [0, 1, 2]) & (written.positions >= 1)
+    kept = probe.kept_stats()
+    for layer in LAYERS:
+        x = np.asarray(written.layers[layer], np.float64)[keep]  # every rank's kept rows, not only rank 1's
+        s = kept[layer]
+        assert s.tokens == len(x) < len(written.token_ids)
+        np.testing.assert_allclose(s.sum, x.sum(0), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(s.sum_sq, (x**2).sum(0), rtol=1e-5)
+        np.testing.assert_allclose(s.norm_sum, np.linalg.norm(x, axis=1).sum(), rtol=1e-5)
+    # Passed to a loader with the same filters, mean-norm scaling brings the kept rows' mean norm to sqrt(d).
+    scaled = ActivationLoader(str(written.root), layers=3, batch_size=16, shuffle=False, normalize="mean_norm",
+                              stats=kept, **filters)  # fmt: skip
+    got = np.concatenate(list(scaled))
+    assert abs(np.linalg.norm(got, axis=1).mean() - np.sqrt(HIDDEN)) < 1e-3
+    # A sample of shards is an estimate over just those shards.
+    two = probe.kept_stats(shards=2)[3]
+    assert 0 < two.tokens < kept[3].tokens
+
+
 @pytest.mark.parametrize("normalize", ["mean_norm", "standardize"])
 def test_normalised_batches_use_the_stored_statistics_without_an_estimation_pass(written, normalize):
     x = np.asarray(written.layers[3], np.float64)
