@@ -3,7 +3,8 @@
 gs:// goes through the object-store layer (`objectstore.GCSStore.read_range`: one ranged GET per range, with our
 retry policy), so a trainer reading a bucket uses the same client and retries as the workers that wrote it. Local
 paths are read with `os.preadv` straight into the caller's buffer. A `RangeCache` keeps fetched ranges of remote
-objects on local disk, so a second epoch reads no bucket bytes.
+objects on local disk, so a second epoch reads no bucket bytes. The loader maps local shards' rows instead
+(`ByteReader.map_local`), so that they are copied once, from the page cache straight into the shuffle buffer.
 """
 
 from __future__ import annotations
@@ -191,6 +192,32 @@ class ByteReader:
         view[:] = payload  # one part-sized copy; the part's bytes object is dropped at once
         if self._cache is not None:
             self._cache.put(url, start, end, view)
+
+    @staticmethod
+    def map_local(path: str, start: int, nbytes: int) -> np.ndarray:
+        """Bytes [start, start + nbytes) of a local file as a read-only array over the page cache: no copy.
+
+        The pages are mapped and faulted in now (MAP_POPULATE), by the calling thread: on local disk that reads them,
+        so a read-ahead thread that maps a shard leaves the consumer nothing to wait for. The mapping lives as long
+        as the array. The file's size is checked first: touching a mapping past the end of a file kills the
+        process (SIGBUS) instead of raising."""
+        import mmap
+
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise ActivationsError(f"{path}: cannot be opened ({exc})") from exc
+        try:
+            if os.fstat(fd).st_size < start + nbytes:
+                raise ActivationsError(f"{path}: ends before byte {start + nbytes}; the shard is truncated")
+            if nbytes == 0:
+                return np.empty(0, dtype=np.uint8)
+            aligned = start - start % mmap.ALLOCATIONGRANULARITY
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, start + nbytes - aligned, flags=flags, prot=mmap.PROT_READ, offset=aligned)
+        finally:
+            os.close(fd)
+        return np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=start - aligned)
 
     def read_prefix(self, url: str, size: int) -> bytes:
         """The object's first `size` bytes, or all of it if it is shorter (a header read)."""

@@ -15,9 +15,10 @@ What it does, in order:
    tokens, so each token is read by exactly one rank per epoch and ranks' token counts differ by under one per
    shard (before token filters).
 3. **Ranged reads.** Per shard: the header (one ranged read), then only the selected layers' rows of this rank (and
-   `token_ids`/`offsets` when a filter or `return_token_ids` needs them), cut into parts of `part_bytes` read in
-   parallel by `threads` I/O threads, straight into the shard's one array (local files: `os.preadv`; gs://: the
-   object store's ranged GETs, each part copied once from the response). `readahead` shards are fetched ahead of
+   `token_ids`/`offsets` when a filter or `return_token_ids` needs them). gs://: cut into parts of `part_bytes`
+   read in parallel by `threads` I/O threads, the object store's ranged GETs, each part copied once from the
+   response into the shard's array. Local files: the rows' byte range is mapped (mmap, populated by the fetching
+   thread), so rows are copied once, from the page cache into the buffer or the batch. `readahead` shards are fetched ahead of
    the one being consumed, across epoch boundaries. With `cache_dir`, fetched gs:// ranges are kept on local disk
    (least recently used ranges deleted beyond `cache_bytes`).
 4. **Token filters.** `drop_token_ids`, `drop_first` (the first k positions of every document) and `positions`
@@ -33,7 +34,9 @@ What it does, in order:
 
 Memory bound (`memory_bound_bytes`): (readahead + 1) shards' selected rows for this rank, the shuffle buffer
 (C × layers × d in the stored dtype), and two output batches. A shard's rows are held once: parts are read into
-its array, rows are copied from it into the buffer or the batch, and it is dropped when consumed.
+its array (or its file's pages are mapped), rows are copied from it into the buffer or the batch, and it is dropped
+when consumed. A local shard's mapped rows are the page cache's pages, which the kernel may reclaim, not the
+process's own memory.
 
 Batches are assembled in the caller's thread (numpy's gathers release the GIL), so `state_dict()` always describes
 the position after the last batch returned.
@@ -53,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from activations.format import LayerStats, ShardHeader, as_float32, numpy_dtype
-from activations.io import ActivationsError, ByteReader, RangeCache
+from activations.io import ActivationsError, ByteReader, RangeCache, is_remote
 from activations.reader import ShardRef, queue_index_url, read_header, read_index, resolve_shards, sum_stats
 
 STATE_FORMAT = "activations-loader/v1"
@@ -103,7 +106,8 @@ class _ShardRows:
 
     shard: int  # index into the loader's shard list
     lo: int  # first absolute row of this rank's slice
-    data: np.ndarray  # [layers, hi - lo, d], the stored bits as unsigned integers of the stored width
+    data: list[np.ndarray]  # per layer [hi - lo, d], the stored bits as unsigned integers of the stored width
+    # (a local shard's are mappings of its file: the page cache's pages, not a copy)
     token_ids: np.ndarray | None  # [hi - lo]
     kept: np.ndarray  # int64 indices into the slice, in order
 
@@ -279,7 +283,7 @@ class ActivationLoader:
             slots = np.flatnonzero(shards == shard)
             fetched = self._fetch(int(shard))
             local = rows[slots] - fetched.lo
-            self._buffer[slots] = np.take(fetched.data, local, axis=1).transpose(1, 0, 2)
+            self._buffer[slots] = _rows_of(fetched.data, local)
             if self._tokens is not None:
                 self._tokens[slots] = fetched.token_ids[local]
 
@@ -356,10 +360,7 @@ class ActivationLoader:
             if self._j < len(current.kept):
                 picked = current.kept[self._j : self._j + limit]
                 self._j += len(picked)
-                if picked[-1] - picked[0] == len(picked) - 1:  # consecutive rows (no filter dropped any): no gather
-                    rows = current.data[:, picked[0] : picked[-1] + 1].transpose(1, 0, 2)
-                else:
-                    rows = np.take(current.data, picked, axis=1).transpose(1, 0, 2)
+                rows = _rows_of(current.data, picked)
                 tokens = current.token_ids[picked] if self.return_token_ids else None
                 return rows, np.full(len(picked), current.shard, np.int32), current.lo + picked, tokens
             self._k, self._j, self._current = self._k + 1, 0, None
@@ -376,10 +377,15 @@ class ActivationLoader:
         lo, hi = n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size
         if every_rank:
             lo, hi = 0, n
-        data = np.empty((len(self.layers), hi - lo, self.hidden_size), dtype=self._raw)
+        data: list[np.ndarray] = []
         reads: list[Future[None]] = []
-        for i, layer in enumerate(self.layers):
-            reads += self._read_rows(ref.url, header.layer(layer).rows(lo, hi)[0], data[i])
+        for layer in self.layers:
+            start, end = header.layer(layer).rows(lo, hi)
+            if is_remote(ref.url):
+                data.append(np.empty((hi - lo, self.hidden_size), dtype=self._raw))
+                reads += self._read_rows(ref.url, start, data[-1])
+            else:
+                data.append(self._reader.map_local(ref.url, start, end - start).view(self._raw).reshape(hi - lo, self.hidden_size))
         token_ids = offsets = None
         if self.filter.needs_token_ids or self.return_token_ids:
             token_ids = np.empty(hi - lo, dtype=np.int32)
@@ -548,6 +554,19 @@ class ActivationLoader:
         if not self.return_token_ids:
             return out
         return out, _to_framework(tokens, self.output, self.device)
+
+
+def _rows_of(data: list[np.ndarray], picked: np.ndarray) -> np.ndarray:
+    """Rows `picked` (sorted) of a shard's layers as [m, layers, d]: a view when they are consecutive and one layer
+    is read (the caller's copy into the buffer or the batch is then the only one), else one gathered copy."""
+    consecutive = picked[-1] - picked[0] == len(picked) - 1
+    if len(data) == 1:
+        layer = data[0]
+        rows = layer[picked[0] : picked[-1] + 1] if consecutive else np.take(layer, picked, axis=0)
+        return rows[:, None, :]
+    if consecutive:
+        return np.stack([layer[picked[0] : picked[-1] + 1] for layer in data], axis=1)
+    return np.stack([np.take(layer, picked, axis=0) for layer in data], axis=1)
 
 
 def _to_framework(array: np.ndarray, output: str, device: Any) -> Any:

@@ -4,6 +4,7 @@ resume, normalisation from the stored statistics, gs:// through the real client,
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -219,6 +220,21 @@ def test_a_bounded_cache_keeps_the_most_recent_ranges_under_its_size(tmp_path):
     smaller = RangeCache(tmp_path / "c", max_bytes=200)
     assert smaller.bytes == 200
     assert sum(p.stat().st_size for p in (tmp_path / "c").rglob("*.bin")) == 200
+
+
+def test_a_truncated_local_shard_is_named_not_a_crash(written, tmp_path):
+    import shutil
+
+    from activations.io import ActivationsError, ByteReader
+    from activations.reader import read_header
+
+    copy = tmp_path / "copy"
+    shutil.copytree(written.root / "out", copy)
+    victim = sorted(copy.rglob("*.safetensors"))[-1]
+    start, end = read_header(str(victim), ByteReader()).layer(3).rows(0, 1)
+    os.truncate(victim, end - 2)  # the header is whole; layer 3's rows end early
+    with pytest.raises(ActivationsError, match=f"{victim.name}.*truncated"):
+        list(ActivationLoader(str(copy), layers=3, batch_size=8, shuffle=False))
 
 
 def test_the_loader_imports_and_reads_without_jax_or_the_queue(written):
