@@ -7,7 +7,8 @@ in its own process), then reads one layer back with `ActivationLoader` and print
 - tokens/s and GB/s of activations delivered (bf16 payload, one layer), shuffle on (a 2^15-token buffer by default,
   smaller than the data so that most steps are steady-state swaps) and off, from each place, and GB delivered per
   CPU-second of the process (what one free core delivers, whatever else the machine runs);
-- how throughput scales with reader threads and read-ahead (tmpfs, shuffle on);
+- how throughput scales with read-ahead (tmpfs, shuffle on; local shards are mapped, so reader threads do not
+  apply there), and with reader threads x read-ahead from the test GCS server (one epoch each);
 - the writer's ceiling on the same shape: `ShardWriter` fed ready batches of FineWeb-like lengths and storing to a
   null store (bench/host_bench.py's "writer encode" stage), in tokens/s and GB/s of all four layers, and per layer;
 - the load average while measuring (the machine may be shared), and what an H100 training a 64k-latent SAE needs.
@@ -44,6 +45,8 @@ HIDDEN = 3584
 LAYERS = (15, 16, 17, 18)
 #: H100 dense bf16 at a realistic fraction of its 989 TFLOP/s peak, as the issue states it.
 H100_FLOPS = 400e12
+READAHEADS = (0, 1, 2, 4)
+THREADS = (1, 2, 4, 8)
 
 
 def make_shards(directory: pathlib.Path, shards: int, tokens: int, seed: int) -> list[pathlib.Path]:
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     shuffle_off = {"shuffle": False}
 
     rows: list[tuple[str, str, float, float, float]] = []
+    local_scaling: list[tuple[int, float, float, float]] = []
     scaling: list[tuple[int, int, float, float, float]] = []
     load_before = os.getloadavg()[0]
     shm = pathlib.Path(tempfile.mkdtemp(prefix="read-bench-", dir="/dev/shm"))
@@ -144,9 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         for place, paths in (("tmpfs", shm_paths), ("local disk", disk_paths)):
             rows.append((place, "on", *measure(paths, args.epochs, **shuffle_on)))
             rows.append((place, "off", *measure(paths, args.epochs, **shuffle_off)))
-        for threads in (1, 2, 4, 8):
-            for readahead in (0, 1, 4):
-                scaling.append((threads, readahead, *measure(shm_paths, args.epochs, threads=threads, readahead=readahead, **shuffle_on)))
+        for readahead in READAHEADS:
+            local_scaling.append((readahead, *measure(shm_paths, args.epochs, readahead=readahead, **shuffle_on)))
         if not args.skip_gcs:
             from bench.host_bench import fake_gcs_server
 
@@ -159,6 +162,10 @@ def main(argv: list[str] | None = None) -> None:
                     store.put_file(pathlib.Path(path).name, path)
                 rows.append(("test GCS server", "on", *measure("gs://bench/shards", args.epochs, **shuffle_on)))
                 rows.append(("test GCS server", "off", *measure("gs://bench/shards", args.epochs, **shuffle_off)))
+                for threads in THREADS:
+                    for readahead in (0, 2):
+                        scaling.append((threads, readahead, *measure("gs://bench/shards", 1, threads=threads,
+                                                                     readahead=readahead, **shuffle_on)))  # fmt: skip
         writer = None if args.skip_writer else writer_ceiling(args.writer_docs)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -175,11 +182,16 @@ def main(argv: list[str] | None = None) -> None:
     for place, shuffle, tokens_s, gb_s, gb_cpu in rows:
         print(f"{place:16s} {shuffle:>7s} {tokens_s:10.0f} {gb_s:6.2f} {gb_cpu:13.2f}")
     print()
-    print(f"tmpfs, shuffle on ({args.shuffle_tokens}-token buffer): GB/s by reader threads x read-ahead shards")
-    print(f"{'threads':>8s}" + "".join(f" {'readahead=' + str(r):>12s}" for r in (0, 1, 4)))
-    for threads in (1, 2, 4, 8):
-        cells = [gb for t, r, _, gb, _ in scaling if t == threads]
-        print(f"{threads:8d}" + "".join(f" {gb:12.2f}" for gb in cells))
+    print(f"tmpfs, shuffle on ({args.shuffle_tokens}-token buffer): GB/s (GB per CPU-s) by read-ahead shards")
+    print("".join(f" {'readahead=' + str(r):>14s}" for r, *_ in local_scaling))
+    print("".join(f" {gb:6.2f} ({cpu:5.2f})" for _, _, gb, cpu in local_scaling))
+    if scaling:
+        print()
+        print("test GCS server, shuffle on, one epoch: GB/s by reader threads x read-ahead shards")
+        print(f"{'threads':>8s}" + "".join(f" {'readahead=' + str(r):>12s}" for r in (0, 2)))
+        for threads in THREADS:
+            cells = [gb for t, r, _, gb, _ in scaling if t == threads]
+            print(f"{threads:8d}" + "".join(f" {gb:12.2f}" for gb in cells))
     if writer:
         print()
         print(f"writer ceiling (ShardWriter to a null store, same shape, 4 layers): {writer[0]:.0f} tokens/s, "
