@@ -548,47 +548,6 @@ def read_slice(task: Task, text_field: str, skip: int = 0) -> Iterator[Document]
                 position += 1
 
 
-def read_bytes(url: str) -> bytes:
-    """A whole object: for shards and done markers, which are read in one piece."""
-    if url.startswith("gs://"):
-        from objectstore import NotFound
-
-        bucket, key = _split_gs(url)
-        try:
-            return _bucket_store(bucket).read(key).data
-        except NotFound as exc:
-            raise FileNotFoundError(f"{url} does not exist") from exc
-    with open_binary(url) if url.startswith("hf://") else open(url, "rb") as handle:
-        return handle.read()
-
-
-def read_head(url: str, size: int, offset: int = 0) -> bytes:
-    """`size` bytes at `offset` (a ranged read on gs://)."""
-    if url.startswith("gs://"):
-        bucket, key = _split_gs(url)
-        from objectstore import NotFound
-
-        try:
-            handle = _bucket_store(bucket).open_read(key)
-        except NotFound as exc:
-            raise FileNotFoundError(f"{url} does not exist") from exc
-    else:
-        handle = open(url, "rb")
-    with handle:
-        handle.seek(offset)
-        return handle.read(size)
-
-
-def list_shards(prefix: str) -> list[str]:
-    """Every `*.safetensors` object under a local directory or a gs:// prefix, sorted by name."""
-    if prefix.startswith("gs://"):
-        bucket, key = _split_gs(prefix)
-        key = key.rstrip("/") + "/" if key else ""
-        entries = _bucket_store(bucket).list(key)
-        return sorted(f"gs://{bucket}/{e.name}" for e in entries if e.name.endswith(".safetensors"))
-    return sorted(str(p) for p in pathlib.Path(prefix).rglob("*.safetensors") if p.is_file())
-
-
 __all__ = [
     "BAD_ROW_REASONS",
     "BadRow",
@@ -598,10 +557,7 @@ __all__ = [
     "expand_data_files",
     "file_format",
     "job_data_files",
-    "list_shards",
     "open_binary",
-    "read_bytes",
-    "read_head",
     "read_slice",
     "resolve_hub_dataset",
 ]
