@@ -324,7 +324,7 @@ class SimStore(ObjectStore):
             last = self.last_mutation.get(name)
             # (Outside an actor, i.e. the set-up's submit, there is no time to wait: its batch marker's two writes pass.)
             if last is not None and actor_now and self.scheduler.now - last < self.limits.per_object_mutation_s:
-                self.throttled["write same object"] += 1
+                self.throttled[f"write same object ({name.split('/')[0]}/)"] += 1
                 raise TooManyRequests(f"{op} {name}: more than one mutation per second")
 
     def capacity(self, rw: str, now: float) -> float:
