@@ -108,10 +108,15 @@ def snapshot(
         if region not in swept_markers or not swept_markers[region].get("confirmed"):
             return False  # (an unconfirmed marker may still be withdrawn by its sweeper)
         start, end = layout.key(region) if region else "", ends[region]
-        if any(start <= layout.key(last) and (end is None or layout.key(first) < layout.key(end)) for first, last in running):
+        covered = swept_markers[region].get("end") or None
+        if not (covered is None or (end is not None and layout.key(covered) >= layout.key(end))):
             return False
-        covered, end = swept_markers[region].get("end") or None, ends[region]
-        return covered is None or (end is not None and layout.key(covered) >= layout.key(end))
+        # The marker's counts stand for all of [start, covered), which reaches past the region's end when a
+        # submit cut the region after the sweep: a running batch anywhere in that reach may be adding tasks
+        # that the counts miss, even in a region cut from this one (sim seed 11605: a submitter killed
+        # halfway left its batch running in the cut-off part, and the old marker hid 19 of its tasks).
+        reach = layout.key(covered) if covered else None
+        return not any(start <= layout.key(last) and (reach is None or layout.key(first) < reach) for first, last in running)
 
     # A marker written before `submit` cut its region covers the regions cut from it too (its `end`
     # is the old one): those count from it, once, not from their own markers or listings.
