@@ -172,21 +172,22 @@ class SimLock:
 
 
 class SimClock(Clock):
-    """The queue's clock on virtual time: monotonic is scheduler time, waits give the turn away."""
+    """The queue's clock on virtual time: monotonic is scheduler time (at `rate`, for a clock that runs
+    a few percent off), waits give the turn away."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        super().__init__()
+    def __init__(self, scheduler: Scheduler, rate: float = 1.0) -> None:
+        super().__init__(rate=rate)
         self.scheduler = scheduler
 
     def monotonic(self) -> float:
-        return self.scheduler.now
+        return self.scheduler.now * self.rate
 
     def wall(self) -> dt.datetime:
         return EPOCH + dt.timedelta(seconds=self.scheduler.now)
 
     def wait(self, stop: threading.Event, seconds: float) -> bool:
         if not stop.is_set():
-            self.scheduler.sleep(seconds)
+            self.scheduler.sleep(seconds / self.rate)
         return stop.is_set()
 
 

@@ -62,11 +62,11 @@ from unittest import mock
 from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exceptions
 
+from bench import fleet_sim
 from bench.fleet_sim import EPOCH, Faults, Limits, Scheduler, SimStore
 from objectstore.base import NotFound, StoreError
 from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions, default_poll_max
-from taskqueue.clock import Clock
 from taskqueue.lease import sum_counters
 from taskqueue.status import snapshot
 from taskqueue.submit import submit
@@ -253,39 +253,20 @@ class SeedFaults(Faults):
         return None
 
 
-class SetUpClock(Clock):
+class SetUpClock(fleet_sim.SimClock):
     """Virtual time that stands still: the world's set-up, before any actor runs."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        super().__init__()
-        self.scheduler = scheduler
-
-    def monotonic(self) -> float:
-        return self.scheduler.now
 
     def wait(self, stop: threading.Event, seconds: float) -> bool:
         return stop.is_set()
 
 
-class SimClock(Clock):
-    """A worker's clock on virtual time, running at its own rate (a few percent off)."""
-
-    def __init__(self, scheduler: Scheduler, rate: float) -> None:
-        super().__init__(rate=rate)
-        self.scheduler = scheduler
-
-    def monotonic(self) -> float:
-        return self.scheduler.now * self.rate
-
-    def wall(self) -> dt.datetime:
-        return EPOCH + dt.timedelta(seconds=self.scheduler.now)
+class SimClock(fleet_sim.SimClock):
+    """A worker's clock on virtual time, running at its own rate, that stops a runaway seed."""
 
     def wait(self, stop: threading.Event, seconds: float) -> bool:
         if self.scheduler.now > MAX_VIRTUAL_S:
             raise Runaway(f"a wait at virtual {self.scheduler.now:.0f}s")
-        if not stop.is_set():
-            self.scheduler.sleep(max(0.0, seconds) / self.rate)
-        return stop.is_set()
+        return super().wait(stop, seconds)
 
 
 @dataclasses.dataclass
