@@ -106,8 +106,9 @@ class RangeCache:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         # path -> size, least recently used first: what an earlier run left, oldest first.
-        entries = sorted((p.stat().st_mtime_ns, str(p), p.stat().st_size) for p in self.directory.glob("*/*.bin"))
-        self._entries: collections.OrderedDict[str, int] = collections.OrderedDict((p, n) for _, p, n in entries)
+        found = [(str(p), p.stat()) for p in self.directory.glob("*/*.bin")]
+        found.sort(key=lambda entry: (entry[1].st_mtime_ns, entry[0]))
+        self._entries: collections.OrderedDict[str, int] = collections.OrderedDict((p, st.st_size) for p, st in found)
         self._bytes = sum(self._entries.values())
         self._evict()
 
