@@ -58,8 +58,7 @@ def _install_signal_handlers(stop) -> None:
     def hard_exit_later(signum: int) -> None:
         time.sleep(STOP_GRACE_S)
         log.error("event=stop_timeout signal=%d grace_s=%.0f: exiting without waiting further", signum, STOP_GRACE_S)
-        logging.shutdown()
-        os._exit(128 + signum)
+        _exit_without_teardown(128 + signum)
 
     def handler(signum: int, frame: object) -> None:
         if stop.is_set():
@@ -139,6 +138,11 @@ def exit_now(code: int) -> None:
     """
     if code < 128:
         sys.exit(code)
+    _exit_without_teardown(code)
+
+
+def _exit_without_teardown(code: int) -> None:
+    """Flush the logs and the standard streams, then end the process at once (no atexit, no finalizers)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -175,8 +179,7 @@ def _run_share(role, job, task, paths, attempt, args, stop) -> int:
         else:
             code = exit_code_for(exc)
         log.error("event=slice_failed exit=%d error=%r", code, exc)
-        logging.shutdown()
-        os._exit(code)
+        _exit_without_teardown(code)
     if result.stopped:
         return 128 + (stop.signum or signal.SIGTERM)
     return EX_OK
