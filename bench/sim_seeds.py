@@ -278,7 +278,6 @@ class Machine:
     dead: bool = False
     stop_reason: str | None = None
     claimer: Claimer | None = None
-    holding: str | None = None  # the task it runs now
     waiting_since: float | None = None  # alive and without a task since
 
 
@@ -591,9 +590,7 @@ class SimWorker:
         m.waiting_since = world.scheduler.now
         for claim in self.claimer:
             self.left_waiting()
-            m.holding = claim.task_id
             self.handle(claim)
-            m.holding = None
             if m.stop_reason is not None:
                 break
             m.waiting_since = world.scheduler.now

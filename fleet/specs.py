@@ -36,11 +36,6 @@ ATTR_QUEUED_RESOURCE = "spawn-queued-resource"  # on a TPU node made by a queued
 
 SCOPE_PREFIX = "https://www.googleapis.com/auth/"
 STARTUP_SCRIPT = Path(__file__).resolve().parent.parent / "startup" / "startup.sh"
-# Single-host TPU VMs have at most 8 chips (v5e, v6e) or 8 TensorCores (v2-v5p) under the
-# number in the accelerator type; anything larger is a multi-host slice, whose hosts run one
-# worker together (docs/CLOUD.md, "Slices"; https://cloud.google.com/tpu/docs/v5e,
-# https://cloud.google.com/tpu/docs/v4).
-MAX_SINGLE_HOST_TPU = 8
 
 
 class SpecError(ValueError):
@@ -70,10 +65,6 @@ def _python(version: str) -> str:
     if minor < MIN_PYTHON_MINOR:
         raise ValueError(version)
     return f"3.{minor}"
-
-
-def is_multi_host(accelerator_type: str) -> bool:
-    return int(accelerator_type.rsplit("-", 1)[1]) > MAX_SINGLE_HOST_TPU
 
 
 # Labels are validated by _labels (its message names the label at fault); the schema shows editors the same rule.
@@ -168,7 +159,10 @@ class TpuSpec(_Common):
     """TPU VMs: `name` is the prefix of node (and queued resource) ids."""
 
     kind: Literal["tpu"] = Field(description="tpu: TPU VMs (queued resources or plain nodes)")
-    # Single-host (v5litepod-8) and multi-host (v4-16, v5litepod-64) types alike: a slice is one worker.
+    # Single-host (v5litepod-8) and multi-host (v4-16, v5litepod-64) types alike: a slice is one worker. Single-host
+    # TPU VMs have at most 8 chips (v5e, v6e) or 8 TensorCores (v2-v5p) under the number in the type; anything larger
+    # is a multi-host slice (docs/CLOUD.md, "Slices"; https://cloud.google.com/tpu/docs/v5e,
+    # https://cloud.google.com/tpu/docs/v4).
     accelerator_type: Annotated[
         StrictStr,
         Field(pattern=r"^[a-z0-9]+-0*[1-9][0-9]*$"),
