@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from extract.attention import attend
 from extract.config import QwenConfig
 from extract.rope import Rope
 from extract.sharding import ShardingRules
-
-# Stands in for -inf in masked attention logits: exp() underflows to exactly 0 and no row is ever all-masked
-# (a token always sees itself), so no NaN can appear.
-_MASKED = float(np.finfo(np.float32).min)
 
 _init = nnx.initializers.normal(stddev=0.02)
 
@@ -87,24 +83,6 @@ def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array, scale: float = 1.0)
     return (rotated * scale if scale != 1.0 else rotated).astype(x.dtype)
 
 
-def attention_mask(seq_len: int, window: int | None) -> jax.Array:
-    """[T, S] boolean: key s is visible from query t when s <= t (and t - s < window for sliding layers)."""
-    t = jnp.arange(seq_len)[:, None]
-    s = jnp.arange(seq_len)[None, :]
-    visible = s <= t
-    if window is not None:
-        visible &= t - s < window
-    return visible
-
-
-def packed_attention_mask(segment_ids: jax.Array, window: int | None) -> jax.Array:
-    """[B, T, S] boolean for packed rows: causal (and windowed) within a document, nothing across documents.
-
-    Documents are contiguous in a row, so row offsets t - s are position differences inside one document."""
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return attention_mask(segment_ids.shape[1], window)[None] & same
-
-
 class Attention(nnx.Module):
     def __init__(self, config: QwenConfig, window: int | None, dtype, rngs: nnx.Rngs):
         d, n, k, h = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -119,34 +97,19 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.window = window
-        self.groups = config.num_query_groups
         self.scale = config.head_dim**-0.5
 
     def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
         k = jnp.einsum("BSD,DKH->BSKH", x, self.k_proj[...])
-        # Values go straight to head-major order, the layout the weighted sum consumes.
-        v = jnp.einsum("BSD,DKH->BKSH", x, self.v_proj[...])
+        v = jnp.einsum("BSD,DKH->BSKH", x, self.v_proj[...])
         if self.q_bias is not None:
-            q, k = q + self.q_bias[...], k + self.k_bias[...]
-            v = v + self.v_bias[...][None, :, None, :]
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, sin, cos, self.scale), apply_rope(k, sin, cos)
-
-        b, t, n, h = q.shape
-        kv_heads = n // self.groups
-        q = q.reshape(b, t, kv_heads, self.groups, h)
-        # Scores and softmax in float32 whatever the compute dtype; the probabilities go back to it for the sum.
-        logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-        if segment_ids is None:
-            logits = jnp.where(attention_mask(t, self.window), logits, _MASKED)
-        else:
-            logits = jnp.where(packed_attention_mask(segment_ids, self.window)[:, None, None], logits, _MASKED)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        mixed = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v)
-        o_proj = self.o_proj[...].reshape(kv_heads, self.groups, h, -1)
-        out = jnp.einsum("BKGTH,KGHD->BTD", mixed, o_proj)
+        mixed = attend(q, k, v, window=self.window, segment_ids=segment_ids)
+        out = jnp.einsum("BTNH,NHD->BTD", mixed, self.o_proj[...])
         if self.o_bias is not None:
             out = out + self.o_bias[...]
         return out
