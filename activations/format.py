@@ -11,10 +11,16 @@ A shard is a standard safetensors file (docs/EXTRACTION.md, "Output shards"):
 | `token_ids`                   | I32          | `[n_tokens]`        |                                                  |
 | `sample_ids`                  | I64          | `[n_samples]`       | global sample ids                                |
 | `offsets`                     | I64          | `[n_samples + 1]`   | sample k is rows `offsets[k]:offsets[k+1]`       |
+| `positions`                   | I32          | `[n_tokens]`        | sampled shards only: each token's position in its document |
 
 The statistics come first in the data section, so one ranged read after the header fetches all of them; they are
 computed from the stored values (after the cast to the output dtype), so they describe exactly what a reader gets.
 Shards written before the statistics existed simply lack the `stats.` tensors.
+
+A job that stores only some positions (`token_sample`, `drop_first`: activations.sampling) writes shards of format
+`activations/v2`: the same tensors plus `positions`, and its sampling in the metadata (`sampling`, JSON). Without
+`positions`, a token's position is its row's offset within its sample (every position is stored), which is what a
+reader computes for v1 shards.
 
 Only numpy (and ml_dtypes for bfloat16) is needed here: a trainer's machine imports this without JAX or the queue.
 """
@@ -31,6 +37,9 @@ import ml_dtypes
 import numpy as np
 
 FORMAT = "activations/v1"
+#: Shards that store only some positions of each document: v1's tensors plus `positions` (activations.sampling).
+FORMAT_SAMPLED = "activations/v2"
+POSITIONS = "positions"
 #: Bytes read for a header in one request; a larger header costs a second read of its exact size.
 HEAD_BYTES = 64 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
@@ -240,6 +249,11 @@ class ShardHeader:
             raise ShardFormatError(f"layer {layer} was not extracted; this shard holds layers {list(self.layers)}")
         return self.tensor(layer_key(layer))
 
+    @property
+    def sampled(self) -> bool:
+        """True when the shard stores only some positions and says which (`positions`)."""
+        return POSITIONS in self.tensors
+
     def has_stats(self) -> bool:
         return all(key in self.tensors for layer in self.layers for key in stats_keys(layer))
 
@@ -249,7 +263,7 @@ class ShardHeader:
         return min(s.start for s in specs), max(s.end for s in specs)
 
 
-_JSON_METADATA = ("layers", "job", "task_manifest", "tokenization")
+_JSON_METADATA = ("layers", "job", "task_manifest", "tokenization", "sampling")
 _INT_METADATA = (
     "attempt", "hidden_size", "max_seq_len", "num_hidden_layers", "sample_start", "sample_end", "samples", "tokens",
 )  # fmt: skip
@@ -271,6 +285,13 @@ def parse_layers(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> tup
     if "layers" in metadata:
         return tuple(int(x) for x in metadata["layers"])
     return tuple(sorted(int(name[len("layer_") :]) for name in tensors if name.startswith("layer_")))
+
+
+def document_positions(offsets: np.ndarray) -> np.ndarray:
+    """Each row's position in its document when every position is stored (v1 shards): row - offsets[its sample]."""
+    lengths = np.diff(np.asarray(offsets, dtype=np.int64))
+    starts = np.repeat(np.asarray(offsets[:-1], dtype=np.int64), lengths)
+    return (np.arange(int(offsets[-1]) - int(offsets[0]), dtype=np.int64) + int(offsets[0]) - starts).astype(np.int32)
 
 
 # -- normalisation statistics -------------------------------------------------------------------------------------

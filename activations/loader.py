@@ -22,7 +22,9 @@ What it does, in order:
    fetched ahead of the one being consumed, across epoch boundaries. With `cache_dir`, fetched gs:// ranges are kept on local disk
    (least recently used ranges deleted beyond `cache_bytes`).
 4. **Token filters.** `drop_token_ids`, `drop_first` (the first k positions of every document) and `positions`
-   (keep positions lo <= p < hi of every document) select the rows that enter the stream.
+   (keep positions lo <= p < hi of every document) select the rows that enter the stream. A position is the token's
+   place in its document: a sampled shard (a job with `token_sample`/`drop_first`) stores it (`positions`, read for
+   these filters in place of `offsets`), so the filters mean the same on sampled and unsampled shards.
 5. **Shuffle buffer.** With `shuffle_tokens=C`, the first C rows of the stream fill a buffer; then each step takes
    the next `batch_size` rows of the stream, puts them into C distinct slots drawn uniformly at random, and emits the
    rows those slots held, as the batch. At the end of an epoch's stream the buffer drains in random order. See
@@ -55,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from activations.format import LayerStats, ShardHeader, as_float32, numpy_dtype
+from activations.format import POSITIONS, LayerStats, ShardHeader, as_float32, numpy_dtype
 from activations.io import ActivationsError, ByteReader, RangeCache, is_remote
 from activations.reader import ShardRef, queue_index_url, read_header, read_index, resolve_shards, sum_stats
 
@@ -84,20 +86,28 @@ class TokenFilter:
     def needs_offsets(self) -> bool:
         return self.drop_first > 0 or self.positions != (0, None)
 
-    def kept(self, lo: int, hi: int, token_ids: np.ndarray | None, offsets: np.ndarray | None) -> np.ndarray:
-        """Indices (relative to `lo`) of the rows [lo, hi) of a shard that are kept."""
+    def kept(
+        self, lo: int, hi: int, token_ids: np.ndarray | None, offsets: np.ndarray | None,
+        positions: np.ndarray | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """Indices (relative to `lo`) of the rows [lo, hi) of a shard that are kept. `positions` (rows [lo, hi) of a
+        sampled shard's `positions`) gives each row's position in its document; without it, `offsets` does."""
         keep = np.ones(hi - lo, dtype=bool)
         if self.drop_token_ids:
             keep &= ~np.isin(token_ids, np.fromiter(self.drop_token_ids, dtype=np.int64))
         if self.needs_offsets:
-            rows = np.arange(lo, hi, dtype=np.int64)
-            document = np.searchsorted(offsets, rows, side="right") - 1
-            position = rows - offsets[document]
+            position = positions if positions is not None else _row_positions(lo, hi, offsets)
             first, last = self.positions
             keep &= position >= max(first, self.drop_first)
             if last is not None:
                 keep &= position < last
         return np.flatnonzero(keep)
+
+
+def _row_positions(lo: int, hi: int, offsets: np.ndarray) -> np.ndarray:
+    """Rows [lo, hi)'s positions in their documents when every position is stored (an unsampled shard)."""
+    rows = np.arange(lo, hi, dtype=np.int64)
+    return rows - offsets[np.searchsorted(offsets, rows, side="right") - 1]
 
 
 @dataclasses.dataclass
@@ -384,17 +394,20 @@ class ActivationLoader:
                 reads += self._read_rows(ref.url, start, data[-1])
             else:
                 data.append(self._reader.map_local(ref.url, start, end - start).view(self._raw).reshape(hi - lo, self.hidden_size))
-        token_ids = offsets = None
+        token_ids = offsets = positions = None
         if self.filter.needs_token_ids or self.return_token_ids:
             token_ids = np.empty(hi - lo, dtype=np.int32)
             reads += self._read_rows(ref.url, header.tensor("token_ids").rows(lo, hi)[0], token_ids)
-        if self.filter.needs_offsets:
+        if self.filter.needs_offsets and header.sampled:  # a sampled shard says where its tokens are
+            positions = np.empty(hi - lo, dtype=np.int32)
+            reads += self._read_rows(ref.url, header.tensor(POSITIONS).rows(lo, hi)[0], positions)
+        elif self.filter.needs_offsets:
             spec = header.tensor("offsets")
             offsets = np.empty(spec.shape, dtype=np.int64)
             reads += self._read_rows(ref.url, spec.start, offsets)
         for read in reads:
             read.result()
-        return _ShardRows(shard, lo, data, token_ids, self.filter.kept(lo, hi, token_ids, offsets))
+        return _ShardRows(shard, lo, data, token_ids, self.filter.kept(lo, hi, token_ids, offsets, positions))
 
     def _read_rows(self, url: str, start: int, out: np.ndarray) -> list[Future[None]]:
         """Parallel ranged reads of `out.nbytes` bytes at `start` into `out`, in parts of about `part_bytes`."""

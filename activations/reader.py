@@ -28,11 +28,13 @@ import numpy as np
 
 from activations.format import (
     HEAD_BYTES,
+    POSITIONS,
     LayerStats,
     ShardFormatError,
     ShardHeader,
     crc32c_b64,
     decode_safetensors,
+    document_positions,
     header_length,
     layer_key,
     parse_layers,
@@ -63,6 +65,7 @@ class SampleActivations:
     sample_id: int
     token_ids: np.ndarray  # int32 [n_tokens]
     layers: Mapping[int, np.ndarray]  # layer -> [n_tokens, hidden]
+    positions: np.ndarray  # int32 [n_tokens]: each token's position in the document (a sampled job stores some)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +88,25 @@ class Shard:
     def token_ids(self) -> np.ndarray:
         return self.tensors["token_ids"]
 
+    @property
+    def positions(self) -> np.ndarray:
+        """Each stored token's position in its document: the shard's `positions` (a sampled job's), else computed
+        from the offsets, as every position is then stored."""
+        return self.tensors[POSITIONS] if POSITIONS in self.tensors else document_positions(self.offsets)
+
     def layer(self, layer: int) -> np.ndarray:
         return self.tensors[layer_key(layer)]
 
     def samples(self) -> Iterator[SampleActivations]:
         layers = parse_layers(self.metadata, self.tensors)
-        offsets = self.offsets
+        offsets, positions = self.offsets, self.positions
         for k, sample_id in enumerate(self.sample_ids):
             lo, hi = int(offsets[k]), int(offsets[k + 1])
             yield SampleActivations(
                 sample_id=int(sample_id),
                 token_ids=self.token_ids[lo:hi],
                 layers={layer: self.layer(layer)[lo:hi] for layer in layers},
+                positions=positions[lo:hi],
             )
 
 
@@ -295,6 +305,15 @@ class Activations:
 
     def sample_ids(self) -> np.ndarray:
         return np.concatenate([shard.sample_ids for shard in self.iter_shards()])
+
+    def positions(self) -> np.ndarray:
+        """Each token's position in its document, aligned with `layer(L)` and `token_ids()`."""
+        return np.concatenate([shard.positions for shard in self.iter_shards()])
+
+    @property
+    def sampled(self) -> bool:
+        """True when the shards store only some positions of each document (a job with token_sample/drop_first)."""
+        return any(header.sampled for header in self._all_headers())
 
     def offsets(self) -> np.ndarray:
         """Per-sample token offsets into `layer(L)` and `token_ids()`: [num_samples + 1]."""

@@ -222,6 +222,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     out_dtype = numpy_dtype(job.out_dtype_name)
     # A token costs its hidden state at every layer plus its token id (the writer's layout).
     bytes_per_token = len(engine.layers) * engine.config.hidden_size * out_dtype.itemsize + 4
+    bytes_per_token += 4 if job.sampling.active else 0  # and its position in its document (a sampled job's shards)
     shard_tokens = shard_token_limit(job.shard_bytes, bytes_per_token)
     progress = ProgressLog(inputs.progress_path)
     display = ProgressDisplay(total=end - start, every_s=inputs.log_every_s)
@@ -243,6 +244,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 depth=INFLIGHT_BATCHES,
                 listed_skipped=inputs.resume.listed_skipped,
                 shard_tokens=shard_tokens,
+                sampling=job.sampling,
             )
             batches = Prefetcher(
                 batches_for_slice(

@@ -22,9 +22,11 @@ import re
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, StrictStr, ValidationError, ValidationInfo
+from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, StrictStr, ValidationError
+from pydantic import ValidationInfo
 from pydantic import WithJsonSchema, field_validator, model_validator
 
+from activations.sampling import TokenSampling
 from extract.errors import BadInput
 from schemas import MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
 from schemas import choice, cross_field, invalid, problems, rule, summary
@@ -158,6 +160,13 @@ class Job(Model):
     ) = Field("skip", description="skip: record a bad row and extract the rest; fail: dead-letter the task")
     shard_bytes: PositiveInt = Field(DEFAULT_SHARD_BYTES, description="a shard ends before its tensors pass this")
     packing: Flag = Field(False, description="several documents per device row (sequence packing)")
+    # Storage sampling (activations.sampling): the forward pass runs on whole documents, only storage is sampled.
+    token_sample: Annotated[
+        float, Field(strict=True, gt=0, le=1), rule("must be a fraction in (0, 1], e.g. 0.1 (1 stores every token)")
+    ] = Field(1.0, description="the fraction of each document's token positions stored, chosen by (sample_seed, "
+                               "sample id, position)")  # fmt: skip
+    drop_first: NonNegativeInt = Field(0, description="the first positions of every document that are not stored")
+    sample_seed: NonNegativeInt = Field(0, description="the seed of the token_sample choice")
 
     @field_validator("buckets")
     @classmethod
@@ -183,6 +192,11 @@ class Job(Model):
                 + '; give exactly one: "dataset": {"name": ..., "config": ..., "split": ...} or "data_files": [paths]',
             )
         return self
+
+    @property
+    def sampling(self) -> TokenSampling:
+        """Which positions are stored; `.active` is False when every one is (the shards are then unsampled)."""
+        return TokenSampling(float(self.token_sample), self.drop_first, self.sample_seed)
 
     @property
     def out_dtype_name(self) -> str:

@@ -14,6 +14,11 @@ an encode pool that does those copies in parallel, and an uploader that stores u
 and appends their progress records in shard order. Bounded queues block the producer (backpressure); a failure
 in any thread is re-raised in the main thread on its next call.
 
+A sampled job (`token_sample`, `drop_first`: activations.sampling) stores only the positions its sampling keeps,
+chosen from (seed, sample id, position) alone, and adds each stored token's position in its document (`positions`);
+its records count the tokens processed beside those stored (`counters.processed_tokens`, `.stored_tokens`). Shards
+are cut by stored tokens, so a shard of a sampled job holds as many bytes as one of an unsampled job.
+
 Skipped bad rows hold their positions without a sample: a shard still covers its positions but holds
 fewer samples (none, if every row was bad: the shard is then written with empty tensors, so that every
 record names a shard). Its record counts them in `counters.skipped_rows` and lists them in `skipped`,
@@ -40,6 +45,8 @@ import numpy as np
 # The shard format is defined once, in activations.format; these names stay importable from here.
 from activations.format import (  # noqa: F401 (re-exported)
     FORMAT,
+    FORMAT_SAMPLED,
+    POSITIONS,
     LayerStats,
     ShardFormatError,
     crc32c_b64,
@@ -52,6 +59,7 @@ from activations.format import (  # noqa: F401 (re-exported)
     shard_name,
     stats_keys,
 )
+from activations.sampling import TokenSampling
 from extract.batching import Batch, ShardBounds
 
 log = logging.getLogger(__name__)
@@ -61,6 +69,8 @@ MAX_PROGRESS_LINE = 64 * 1024
 MAX_LISTED_SKIPPED = 100
 #: The progress-record counter that counts a shard's skipped rows (summed into the done marker's metadata).
 SKIPPED_ROWS = "skipped_rows"
+#: The counters of a sampled job's records: tokens the forward pass ran on, and tokens stored.
+PROCESSED_TOKENS, STORED_TOKENS = "processed_tokens", "stored_tokens"
 
 
 # -- progress records ---------------------------------------------------------------------------
@@ -106,6 +116,15 @@ class _PendingSample:
     host: Mapping[int, np.ndarray] | None  # layer -> [batch, T, hidden] host copy of the batch; None if empty
     row: int
     column: int = 0  # where the sample starts in its row (packed batches)
+    kept: np.ndarray | None = None  # the positions stored (a sampled job); None: every position
+
+    @property
+    def processed(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def stored(self) -> int:
+        return self.processed if self.kept is None else int(self.kept.shape[0])
 
 
 @dataclasses.dataclass
@@ -123,6 +142,7 @@ class _EncodedShard:
     buffer: np.ndarray  # uint8, the whole safetensors file; read-only once encoded
     final: bool
     base: np.ndarray | None = None  # the pooled allocation `buffer` is a view of
+    processed_tokens: int | None = None  # a sampled shard's tokens before sampling
     skipped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
@@ -134,6 +154,7 @@ class RunTotals:
     tokens: int = 0
     flops: float = 0.0
     skipped_rows: int = 0
+    stored_tokens: int | None = None  # a sampled job's; None when every token is stored
 
     def stats(self, seconds: float, peak_flops: float | None) -> dict[str, Any]:
         seconds = max(seconds, 1e-9)
@@ -141,6 +162,7 @@ class RunTotals:
         return {
             "samples": self.samples,
             "tokens": self.tokens,
+            **({} if self.stored_tokens is None else {STORED_TOKENS: self.stored_tokens}),
             "skipped_rows": self.skipped_rows,
             "seconds": round(seconds, 3),
             "tokens_per_s": round(self.tokens / seconds, 3),
@@ -179,6 +201,19 @@ class _BufferPool:
             self._idle.append(buffer)
             if len(self._idle) > self._keep:
                 self._idle.pop(min(range(len(self._idle)), key=lambda i: self._idle[i].nbytes))
+
+
+def _stored_rows(sample: _PendingSample, layer: int) -> np.ndarray:
+    """The sample's stored rows of one layer in its batch's host array: a view of its span, or (a sampled job)
+    the kept positions gathered from it."""
+    assert sample.host is not None
+    span = sample.host[layer][sample.row, sample.column : sample.column + sample.processed]
+    if sample.kept is None:
+        return span
+    if span.dtype.itemsize in (2, 4):  # gathered as raw integers: ml_dtypes' per-element path is far slower
+        raw = np.uint16 if span.dtype.itemsize == 2 else np.uint32
+        return np.take(span.view(raw), sample.kept, axis=0).view(span.dtype)
+    return span[sample.kept]
 
 
 def _copy_rows(target: np.ndarray, source: np.ndarray) -> None:
@@ -231,8 +266,10 @@ class ShardWriter:
         shard_tokens: int | None = None,
         streams: int | None = None,
         listed_skipped: int = 0,
+        sampling: TokenSampling | None = None,
     ):
-        """`listed_skipped`: skipped rows the task's earlier attempts already listed (their records' `skipped`)."""
+        """`listed_skipped`: skipped rows the task's earlier attempts already listed (their records' `skipped`);
+        `sampling`: the job's storage sampling (every position is stored without one, or with an inactive one)."""
         if not 0 <= start < end:
             raise ValueError(f"writer range [{start}, {end}) is empty")
         self._store = store
@@ -245,7 +282,8 @@ class ShardWriter:
         self._peak_flops = peak_flops
         self._on_samples = on_samples
         self._streams = max(1, streams or default_upload_streams())
-        self.totals = RunTotals()
+        self._sampling = sampling if sampling is not None and sampling.active else None
+        self.totals = RunTotals(stored_tokens=None if self._sampling is None else 0)
         self.records: list[dict[str, Any]] = []
         self.started = time.monotonic()
 
@@ -374,13 +412,17 @@ class ShardWriter:
             n = sample.n_tokens
             if arrays and arrays[self._layers[0]].shape[1] < column + n:
                 raise ValueError(f"sample {sample.sample_id}: {n} tokens but the batch's activations hold fewer")
-            self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, arrays, row, column)
+            kept = None if self._sampling is None else self._sampling.kept(sample.sample_id, n)
+            self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, arrays, row, column, kept)
             tokens += n
+            if self.totals.stored_tokens is not None:
+                self.totals.stored_tokens += 0 if kept is None else len(kept)
             if self._flops_per_token is not None:
                 flops += n * self._flops_per_token(n)
         for sample in batch.empty:
             if sample.position >= self._start:
-                self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, None, 0)
+                kept = None if self._sampling is None else np.zeros(0, np.int64)
+                self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, None, 0, 0, kept)
         skipped = [doc for doc in batch.skipped if doc.position >= self._start]
         for doc in skipped:
             self._pending[doc.position] = _SkippedRow(doc.skipped_entry())
@@ -401,7 +443,7 @@ class ShardWriter:
             if isinstance(result, _SkippedRow):
                 self._shard_skipped.append(result.entry)
             else:
-                if self._bounds.starts_shard(self._next, int(result.token_ids.shape[0])) and self._shard_samples:
+                if self._bounds.starts_shard(self._next, result.stored) and self._shard_samples:
                     self._emit(self._next)
                 self._shard_samples.append(result)
             self._next += 1
@@ -418,7 +460,7 @@ class ShardWriter:
         self._put(self._uploads, shard)
 
     def _encode(self, start: int, end: int, samples: list[_PendingSample]) -> _EncodedShard:
-        lengths = np.array([s.token_ids.shape[0] for s in samples], dtype=np.int64)
+        lengths = np.array([s.stored for s in samples], dtype=np.int64)
         offsets = np.zeros(len(samples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         n_tokens = int(offsets[-1])
@@ -430,6 +472,8 @@ class ShardWriter:
             "samples": str(len(samples)),
             "tokens": str(n_tokens),
         }
+        if self._sampling is not None:
+            metadata.update(format=FORMAT_SAMPLED, sampling=self._sampling.to_json())
         # Statistics first, so a reader fetches all of them with one ranged read (activations.format).
         specs = [
             (name, np.dtype(np.float64), shape)
@@ -442,6 +486,8 @@ class ShardWriter:
             ("sample_ids", np.dtype(np.int64), (len(samples),)),
             ("offsets", np.dtype(np.int64), (len(samples) + 1,)),
         ]
+        if self._sampling is not None:
+            specs.append((POSITIONS, np.dtype(np.int32), (n_tokens,)))
         head, starts, total = safetensors_layout(specs, metadata)
         base = self._buffers.take(total)
         buffer = base[:total]
@@ -456,13 +502,16 @@ class ShardWriter:
             target = views[layer_key(layer)]
             for sample, lo, hi in zip(samples, offsets[:-1], offsets[1:]):
                 if hi > lo:
-                    _copy_rows(target[lo:hi], sample.host[layer][sample.row, sample.column : sample.column + hi - lo])
+                    _copy_rows(target[lo:hi], _stored_rows(sample, layer))
             # Normalisation statistics of the stored values, read back from the shard buffer while it is in cache.
             for name, value in LayerStats.of(target).tensors(layer).items():
                 views[name][...] = value
 
         copies = [self._encode_pool.submit(copy_layer, layer) for layer in self._layers]
-        if n_tokens:
+        if n_tokens and self._sampling is not None:
+            np.concatenate([s.token_ids[s.kept] for s in samples], out=views["token_ids"], casting="unsafe")
+            np.concatenate([s.kept for s in samples], out=views[POSITIONS], casting="unsafe")
+        elif n_tokens:
             np.concatenate([s.token_ids for s in samples], out=views["token_ids"], casting="unsafe")
         views["sample_ids"][:] = [s.sample_id for s in samples]
         views["offsets"][:] = offsets
@@ -478,6 +527,7 @@ class ShardWriter:
             buffer=buffer,
             final=end == self._end,
             base=base,
+            processed_tokens=None if self._sampling is None else sum(s.processed for s in samples),
         )
 
     # -- uploader thread ----------------------------------------------------------------------
@@ -526,8 +576,10 @@ class ShardWriter:
             "samples": shard.samples,
             "tokens": shard.tokens,
         }
+        if shard.processed_tokens is not None:
+            record["counters"] = {PROCESSED_TOKENS: shard.processed_tokens, STORED_TOKENS: shard.tokens}
         if shard.skipped:
-            record["counters"] = {SKIPPED_ROWS: len(shard.skipped)}
+            record["counters"] = {**record.get("counters", {}), SKIPPED_ROWS: len(shard.skipped)}
             record["skipped"] = self._listable(shard.skipped)
             self._listed_skipped += len(record["skipped"])
             for entry in record["skipped"]:
