@@ -16,6 +16,9 @@ Export. `export_cached_activations` writes what `ActivationsStore.load_cached_ac
 directory (`save_to_disk`) with one `Array2D(shape=(context_size, d_in))` column named after the hook and a
 `token_ids` column, `Sequence(Value("int32"), length=context_size)`. The job's tokens, in slice order, are cut into
 rows of exactly `context_size` (documents concatenated, as SAELens's own cache does; the remainder is dropped).
+A sampled job's shards (token_sample, drop_first) export the same way: a row then holds stored tokens of several
+documents, not consecutive text; SAELens's cache trains on single tokens and shuffles them, so nothing depends on
+a row being contiguous (the summary says `sampled`).
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def export_cached_activations(
     reference = loader.shards[0].url
     from activations.reader import read_header
 
-    metadata = read_header(reference, loader._reader).metadata
+    header = read_header(reference, loader._reader)
+    metadata = header.metadata
     if "num_hidden_layers" not in metadata:
         raise ActivationsError(f"shard {reference}: metadata has no num_hidden_layers; cannot name the hook")
     hook = hook_name(layer, int(metadata["num_hidden_layers"]))
@@ -89,4 +93,5 @@ def export_cached_activations(
         loader.close()
         dataset = datasets.Dataset.from_file(str(arrow))
         dataset.save_to_disk(str(directory))
-    return {"hook": hook, "rows": len(dataset), "tokens": len(dataset) * context_size, "d_in": loader.hidden_size}
+    return {"hook": hook, "rows": len(dataset), "tokens": len(dataset) * context_size, "d_in": loader.hidden_size,
+            "sampled": header.sampled}  # fmt: skip

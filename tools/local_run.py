@@ -84,6 +84,10 @@ def main() -> int:
         "dtype": env("DTYPE", "bf16"),
         "shard_size": int(env("SHARD_SIZE", "32")),
     }
+    if os.environ.get("TOKEN_SAMPLE"):  # store a fraction of each document's positions (docs/EXTRACTION.md)
+        job["token_sample"] = float(os.environ["TOKEN_SAMPLE"])
+    if os.environ.get("DROP_FIRST"):
+        job["drop_first"] = int(os.environ["DROP_FIRST"])
     job_file = WORK / "job.json"
     job_file.write_text(json.dumps(job, indent=1) + "\n")
     print(f"job: {json.dumps(job)}")
@@ -153,6 +157,9 @@ def main() -> int:
     index = json.loads(store.read("index.json").data)
     print(f"read back {samples} samples, {tokens} tokens from {index['totals']['shards']} shards "
           f"({index['totals']['bytes'] / 1e6:.1f} MB); index totals: {json.dumps(index['totals'])}")
+    if "processed_tokens" in index["totals"]:
+        print(f"sampled: {index['totals']['stored_tokens']} tokens stored of {index['totals']['processed_tokens']} "
+              f"processed (job token_sample={job.get('token_sample', 1)}, drop_first={job.get('drop_first', 0)})")
 
     step("7. the training loader (docs/TRAINING.md)")
     from activations.loader import ActivationLoader
