@@ -14,6 +14,10 @@ Every figure follows from the job file, the model's `config.json` and the data, 
   4-byte token id; per sample an 8-byte sample id and an 8-byte offset; per shard one more offset and the
   safetensors header (JSON metadata that repeats the job and the task manifest: estimated, see
   `shard_header_bytes`).
+- **Sampling** (`token_sample`, `drop_first`; activations.sampling): the forward pass runs on every token, storage
+  holds `token_sample · max(0, n - drop_first)` of a row's `n` tokens on average, plus a 4-byte position each
+  (`stored_tokens_per_row`); a document keeps at least one token with probability `1 - (1 - token_sample)^(n -
+  drop_first)` (`documents_covered`). `suggest_token_sample` finds the largest fraction whose output fits a budget.
 - **Shards**: cut at every `shard_size` rows of a task, and before a row whose tokens would take the shard's
   tensors past `shard_bytes` (at the mean tokens per row, `rows_per_shard`), as the writer cuts them.
 
@@ -29,6 +33,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from activations.sampling import TokenSampling
 from extract.batching import shard_token_limit
 from extract.config import QwenConfig
 from extract.errors import BadInput
@@ -39,6 +44,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TOKEN_ID_BYTES = 4  # token_ids: int32
 SAMPLE_ID_BYTES = 8  # sample_ids: int64
 OFFSET_BYTES = 8  # offsets: int64, n_samples + 1 per shard
+POSITION_BYTES = 4  # positions: int32, per stored token of a sampled job's shard
 #: The shard metadata's fixed part (format, model, layers, tokenization, tensor entries, ...) without the job and
 #: the task manifest, which are added at their real JSON length. Measured on `make run` shards: 931-947 bytes
 #: besides those two (a longer model path adds its length); rounded up.
@@ -193,6 +199,7 @@ class OutputEstimate:
     sample_bytes: float  # sample ids and offsets
     shards: int
     header_bytes: float  # headers and the per-shard extra offset
+    stored_tokens_per_row: float = 0.0  # after the job's sampling (every token without one)
 
     @property
     def total(self) -> float:
@@ -220,17 +227,59 @@ def shards_in_task(rows: int, shard_size: int, shard_rows: int | None = None) ->
 def output_bytes(
     job: Job, hidden_size: int, n_layers: int, tokens: TokenEstimate, task_rows: Sequence[int], header_bytes: int
 ) -> OutputEstimate:
-    """Bytes the job writes, given the rows of each of its tasks (their sum is `tokens.rows`)."""
-    per_token = bytes_per_token(job, hidden_size, n_layers)
-    shard_rows = rows_per_shard(job, tokens.tokens_per_row, per_token)
+    """Bytes the job writes, given the rows of each of its tasks (their sum is `tokens.rows`); a sampled job's
+    stored tokens only (`stored_tokens_per_row`), each with its position."""
+    per_token = bytes_per_token(job, hidden_size, n_layers) + (POSITION_BYTES if job.sampling.active else 0)
+    stored = stored_tokens_per_row(tokens, job.sampling)
+    shard_rows = rows_per_shard(job, stored, per_token)
     shards = sum(shards_in_task(rows, job.shard_size, shard_rows) for rows in task_rows)
     return OutputEstimate(
         bytes_per_token=per_token,
-        token_bytes=tokens.tokens * per_token,
+        token_bytes=tokens.rows * stored * per_token,
         sample_bytes=tokens.rows * (SAMPLE_ID_BYTES + OFFSET_BYTES),
         shards=shards,
         header_bytes=shards * (header_bytes + OFFSET_BYTES),
+        stored_tokens_per_row=stored,
     )
+
+
+def stored_tokens_per_row(tokens: TokenEstimate, sampling: TokenSampling) -> float:
+    """Mean tokens stored per row: every token, or a sampled job's expected share of each sampled length."""
+    if not sampling.active:
+        return tokens.tokens_per_row
+    if tokens.sample_lengths:
+        return sum(sampling.expected_kept(n) for n in tokens.sample_lengths) / len(tokens.sample_lengths)
+    return sampling.expected_kept(tokens.tokens_per_row)
+
+
+def documents_covered(tokens: TokenEstimate, sampling: TokenSampling) -> float:
+    """The share of rows that store at least one token: over the sampled lengths, else at the mean length."""
+    lengths = tokens.sample_lengths or (tokens.tokens_per_row,)
+    return sum(sampling.covered(n) for n in lengths) / len(lengths)
+
+
+def suggest_token_sample(
+    budget_bytes: float, job: Job, hidden_size: int, n_layers: int, tokens: TokenEstimate, task_rows: Sequence[int],
+    header_bytes: int,
+) -> float | None:  # fmt: skip
+    """The largest token_sample, rounded down to two significant digits, whose output fits `budget_bytes` (the
+    job's drop_first and seed kept); None if even the smallest fraction, 0.0001, does not fit (the per-row and
+    per-shard bytes alone exceed it). Bisection over `output_bytes`, which grows with the fraction."""
+
+    def total(fraction: float) -> float:
+        sampled = job.model_copy(update={"token_sample": fraction})
+        return output_bytes(sampled, hidden_size, n_layers, tokens, task_rows, header_bytes).total
+
+    low, high = 1e-4, 1.0
+    if total(low) > budget_bytes:
+        return None
+    if total(high) <= budget_bytes:
+        return 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if total(middle) <= budget_bytes else (low, middle)
+    digits = -math.floor(math.log10(low)) + 1
+    return max(1e-4, math.floor(low * 10**digits) / 10**digits)
 
 
 def split_rows(rows: int, rows_per_task: int) -> list[int]:

@@ -5,6 +5,10 @@ Prints tokens, FLOPs to the deepest layer, machine-hours at an assumed MFU, on-d
 bytes and their Cloud Storage cost per month, the storage operations of the claim protocol, and a
 --rows-per-task that makes a task last about --target-minutes. Warns loudly when the output is large.
 
+A job that samples its tokens (`token_sample`, `drop_first`) is planned for what it stores: tokens, bytes, shards,
+storage dollars and operations; `--storage-budget-tb` suggests the token_sample whose output fits, and says how
+many documents keep at least one token at that rate (the diversity a sample rate buys, against fewer rows).
+
 Rows come from the tasks file, else from the data files' parquet footers, else from --rows. Tokens per row come
 from tokenising a sample of rows (--sample-rows) with the checkpoint's tokenizer, else from --tokens-per-row.
 A job on a Hub model or dataset can be planned without the Hub:
@@ -66,6 +70,7 @@ def parse_args(argv):
     p.add_argument("--storage", default="region", help="bucket location class in the price table (default region)")
     p.add_argument("--months", type=float, default=1.0, help="months the output is kept, for storage $ (default 1)")
     p.add_argument("--warn-output-tb", type=float, default=10.0, help="warn above this many TB of output (default 10)")
+    p.add_argument("--storage-budget-tb", type=float, help="suggest the token_sample whose output fits this many TB")
     p.add_argument("--prices", help="price table JSON (default: fleet/prices.json)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p.parse_args(argv)
@@ -84,6 +89,8 @@ def _check_flags(args) -> None:
         raise BadInput("--rows/--stats: the rows come from --tasks; give one or the other")
     if args.rows is not None and args.rows <= 0:
         raise BadInput(f"--rows: got {args.rows}; use a positive number of rows")
+    if args.storage_budget_tb is not None and not args.storage_budget_tb > 0:
+        raise BadInput(f"--storage-budget-tb: got {args.storage_budget_tb}; use a positive number of TB")
     if args.tokens_per_row is not None and not args.tokens_per_row > 0:
         raise BadInput(f"--tokens-per-row: got {args.tokens_per_row}; use a positive number")
 
@@ -217,9 +224,9 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     header = costmodel.shard_header_bytes(job, tasks[0] if tasks else None)
     out = costmodel.output_bytes(job, config.hidden_size, len(layers), tokens, task_rows, header)
     # A typical full shard: shard_size rows, or fewer where shard_bytes cuts it first (extract.batching.ShardBounds).
-    full_shard_rows = costmodel.rows_per_shard(job, tokens.tokens_per_row, out.bytes_per_token)
+    full_shard_rows = costmodel.rows_per_shard(job, out.stored_tokens_per_row, out.bytes_per_token)
     shard_rows = min(full_shard_rows, rows_per_task)
-    shard_bytes = shard_rows * (tokens.tokens_per_row * out.bytes_per_token + 16) + header
+    shard_bytes = shard_rows * (out.stored_tokens_per_row * out.bytes_per_token + 16) + header
     storage_month = out.total / GIB * storage.standard_per_gib_month
 
     # Storage operations (docs/PROTOCOL.md, "Cost"). Class A: object writes and listings
@@ -322,16 +329,64 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
         },
         "prices": {"file": prices.source, "as_of": prices.as_of, "sources": dict(prices.sources)},
     }
-    plan["warnings"] = warnings(plan, args, job, config, tokens, layers, prices)
+    plan["sampling"] = sampling_figures(job, tokens, out)
+    if args.storage_budget_tb is not None:
+        plan["storage_budget"] = budget_figures(args.storage_budget_tb * TB, job, config, layers, tokens, task_rows,
+                                                header, storage.standard_per_gib_month)  # fmt: skip
+    fits_warning = None
+    if out.total > args.warn_output_tb * TB:
+        fits_warning = costmodel.suggest_token_sample(args.warn_output_tb * TB, job, config.hidden_size, len(layers),
+                                                      tokens, task_rows, header)  # fmt: skip
+    plan["warnings"] = warnings(plan, args, job, config, tokens, layers, prices, fits_warning)
     return plan
 
 
-def warnings(plan, args, job, config, tokens, layers, prices) -> list[str]:
+def sampling_figures(job: Job, tokens: costmodel.TokenEstimate, out: costmodel.OutputEstimate) -> dict:
+    """What the job's storage sampling keeps: tokens stored of those processed, and documents covered."""
+    sampling = job.sampling
+    covered = costmodel.documents_covered(tokens, sampling)
+    stored = tokens.rows * out.stored_tokens_per_row
+    return {
+        "token_sample": sampling.fraction,
+        "drop_first": sampling.drop_first,
+        "seed": sampling.seed,
+        "processed_tokens": tokens.tokens,
+        "stored_tokens": stored,
+        "stored_fraction": stored / tokens.tokens if tokens.tokens else 0.0,
+        "documents_covered": covered * tokens.rows,
+        "documents_covered_fraction": covered,
+        "stored_tokens_per_covered_document": stored / (covered * tokens.rows) if covered else 0.0,
+    }
+
+
+def budget_figures(budget: float, job: Job, config, layers, tokens, task_rows, header: int, per_gib_month: float) -> dict:
+    """The token_sample that fits `budget` bytes (costmodel.suggest_token_sample), what it stores and costs, and the
+    diversity it keeps beside the other way to fit: all tokens of fewer rows."""
+    fraction = costmodel.suggest_token_sample(budget, job, config.hidden_size, len(layers), tokens, task_rows, header)
+    figures: dict = {"tb": budget / TB, "token_sample": fraction}
+    if fraction is None:
+        return figures
+    sampled = job.model_copy(update={"token_sample": fraction})
+    out = costmodel.output_bytes(sampled, config.hidden_size, len(layers), tokens, task_rows, header)
+    unsampled = costmodel.output_bytes(job.model_copy(update={"token_sample": 1.0, "drop_first": 0}),
+                                       config.hidden_size, len(layers), tokens, task_rows, header)  # fmt: skip
+    figures.update(
+        bytes=out.total,
+        shards=out.shards,
+        dollars_per_month=out.total / GIB * per_gib_month,
+        **{k: v for k, v in sampling_figures(sampled, tokens, out).items() if k not in ("token_sample", "seed")},
+        rows_if_unsampled=int(tokens.rows * min(1.0, budget / unsampled.total)),
+    )
+    return figures
+
+
+def warnings(plan, args, job, config, tokens, layers, prices, fits_warning: float | None = None) -> list[str]:
+    """`fits_warning`: the token_sample whose output fits under --warn-output-tb (costmodel.suggest_token_sample)."""
     out = []
     total = plan["output"]["bytes"]
     limit = args.warn_output_tb * TB
     if total > limit:
-        per_layer = tokens.tokens * config.hidden_size * costmodel.DTYPE_BYTES[job.dtype]
+        per_layer = plan["sampling"]["stored_tokens"] * config.hidden_size * costmodel.DTYPE_BYTES[job.dtype]
         keep_rows = int(tokens.rows * limit / total)
         lines = [
             f"OUTPUT TOO LARGE: {total / TB:,.1f} TB, above --warn-output-tb {args.warn_output_tb:g} TB "
@@ -349,6 +404,9 @@ def warnings(plan, args, job, config, tokens, layers, prices) -> list[str]:
                 break
         else:
             lines.append("  - a token subsample: a smaller max_seq_len stores fewer tokens per long document")
+        if fits_warning is not None and fits_warning < job.sampling.fraction:
+            lines.append(f"  - token_sample {fits_warning:g}: stores that fraction of every document's positions, so "
+                         "every document still contributes (--storage-budget-tb TB says what a rate keeps)")
         if job.dtype == "fp32":
             lines.append("  - dtype bf16 or fp16 halves it (fp32 stores 4 bytes per value)")
         else:
@@ -401,6 +459,7 @@ def render(plan: dict) -> str:
     t, c, a, tm = plan["tokens"], plan["compute"], plan["accelerator"], plan["time"]
     o, s, ops, tk = plan["output"], plan["storage"], plan["operations"], plan["tasks"]
     d, total = plan["compute_dollars"], plan["total_dollars"]
+    sp = plan["sampling"]
     lines = [
         f"plan for {plan['job']}",
         f"  model       {plan['model']['name']} ({plan['model']['model_type']}, hidden {plan['model']['hidden_size']}, "
@@ -417,6 +476,10 @@ def render(plan: dict) -> str:
         f"{_n(tm['wall_clock_hours'])} h wall clock on {tm['machines']} machines ({tm['rounds']} rounds of tasks)",
         f"  compute $   on-demand {_n(d['on_demand'])}   spot {_n(d['spot'])}   "
         f"({_n(a['on_demand_per_hour'])} / {_n(a['spot_per_hour'])} $/machine-hour)",
+        f"  stored      {_si(sp['stored_tokens'], 'tokens')} of {_si(sp['processed_tokens'], 'tokens')} processed "
+        f"({sp['stored_fraction']:.1%}; token_sample {sp['token_sample']:g}, drop_first {sp['drop_first']}); "
+        f"{sp['documents_covered']:,.0f} documents keep at least one token ({sp['documents_covered_fraction']:.1%}), "
+        f"{_n(sp['stored_tokens_per_covered_document'])} tokens each",
         f"  output      {_si(o['bytes'], 'B')} ({o['bytes_per_token']:,} B/token in {o['dtype']}, {o['shards']:,} shards "
         f"of ~{_si(o['shard_bytes'], 'B')}, {o['shard_rows']:,} rows each: cut by {o['shard_cut_by']})",
         f"  storage $   {_n(s['dollars_per_month'])} per month ({s['location']} Standard, "
@@ -431,6 +494,18 @@ def render(plan: dict) -> str:
         f"(compute + storage for {s['months']:g} month(s) + operations)",
         f"  prices      {plan['prices']['file']} as of {plan['prices']['as_of']}; spot figures are approximate",
     ]
+    budget = plan.get("storage_budget")
+    if budget is not None and budget["token_sample"] is None:
+        lines.append(f"  budget      {budget['tb']:g} TB: no token_sample fits; the per-row and per-shard bytes alone "
+                     "exceed it (fewer rows or layers)")  # fmt: skip
+    elif budget is not None:
+        lines.append(
+            f"  budget      {budget['tb']:g} TB: token_sample {budget['token_sample']:g} stores "
+            f"{_si(budget['stored_tokens'], 'tokens')} in {_si(budget['bytes'], 'B')} ({budget['shards']:,} shards, "
+            f"{_n(budget['dollars_per_month'])} $/month); {budget['documents_covered']:,.0f} documents keep a token "
+            f"({budget['documents_covered_fraction']:.1%}), {_n(budget['stored_tokens_per_covered_document'])} each; "
+            f"every token of fewer rows would cover {budget['rows_if_unsampled']:,}"
+        )
     for warning in plan["warnings"]:
         lines.append("")
         lines.append("!!! WARNING: " + warning)
