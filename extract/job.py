@@ -166,7 +166,9 @@ class Job(Model):
     ] = Field(1.0, description="the fraction of each document's token positions stored, chosen by (sample_seed, "
                                "sample id, position)")  # fmt: skip
     drop_first: NonNegativeInt = Field(0, description="the first positions of every document that are not stored")
-    sample_seed: NonNegativeInt = Field(0, description="the seed of the token_sample choice")
+    sample_seed: Annotated[StrictInt, Field(ge=0, le=2**64 - 1), rule("must be an integer from 0 to 2**64 - 1")] = Field(
+        0, description="the seed of the token_sample choice"
+    )
 
     @field_validator("buckets")
     @classmethod
