@@ -22,6 +22,11 @@ A job that stores only some positions (`token_sample`, `drop_first`: activations
 `positions`, a token's position is its row's offset within its sample (every position is stored), which is what a
 reader computes for v1 shards.
 
+A job with `dtype: fp8` stores each layer as fp8 e4m3 (`F8_E4M3`, 1 byte a value) with a float32 scale per token
+(`scale.layer_<L>`, [n_tokens]): value = fp8 × scale, the scale being the token's largest magnitude / 448, so no
+value saturates (`quantize_per_token`; bench/fp8_storage.py measured what it loses). Readers return the product
+(`dequantize`), and the statistics are those of the product.
+
 Only numpy (and ml_dtypes for bfloat16) is needed here: a trainer's machine imports this without JAX or the queue.
 """
 
@@ -54,6 +59,7 @@ CODES = {
     "I32": np.dtype(np.int32),
     "I64": np.dtype(np.int64),
     "U8": np.dtype(np.uint8),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 CODE_OF = {dtype: code for code, dtype in CODES.items()}
 
@@ -64,9 +70,11 @@ class ShardFormatError(ValueError):
 
 def numpy_dtype(name: str) -> np.dtype:
     """'bfloat16' | 'float16' | 'float32' (or 'bf16', 'fp16', 'fp32') -> numpy dtype (bfloat16 via ml_dtypes)."""
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
     name = aliases.get(name, name)
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    if name in ("bfloat16", "float8_e4m3fn"):
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
 
 
 def layer_key(layer: int) -> str:
@@ -77,6 +85,31 @@ def stats_keys(layer: int) -> tuple[str, str, str]:
     """Names of a layer's (sum, sum of squares, norm sum) tensors."""
     base = f"stats.{layer_key(layer)}"
     return f"{base}.sum", f"{base}.sum_sq", f"{base}.norm_sum"
+
+
+def scale_key(layer: int) -> str:
+    """The per-token scale of an fp8 layer."""
+    return f"scale.{layer_key(layer)}"
+
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+#: e4m3's largest finite value: a token's scale maps its largest magnitude there.
+FP8_MAX = 448.0
+
+
+def quantize_per_token(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[n, d] activations -> (fp8 e4m3 [n, d], float32 scale [n]) with scale = max |row| / 448 (1 for a zero row)."""
+    wide = as_float32(rows)
+    absmax = np.abs(wide).max(axis=1) if wide.shape[1] else np.zeros(len(wide), np.float32)
+    scale = np.where(absmax > 0, absmax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    return (wide / scale[:, None]).astype(FP8), scale
+
+
+def dequantize(values: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """float32 activations from stored values and, for fp8, their per-token scale."""
+    if scale is None:
+        return as_float32(values)
+    return values.astype(np.float32) * np.asarray(scale, np.float32)[:, None]
 
 
 def shard_name(sample_start: int, sample_end: int) -> str:
@@ -254,6 +287,10 @@ class ShardHeader:
         """True when the shard stores only some positions and says which (`positions`)."""
         return POSITIONS in self.tensors
 
+    def scale(self, layer: int) -> TensorSpec | None:
+        """An fp8 layer's per-token scale; None for a layer stored in bf16, fp16 or fp32."""
+        return self.tensors.get(scale_key(layer))
+
     def has_stats(self) -> bool:
         return all(key in self.tensors for layer in self.layers for key in stats_keys(layer))
 
@@ -326,15 +363,18 @@ class LayerStats:
     CHUNK_ROWS = 128
 
     @classmethod
-    def of(cls, rows: np.ndarray) -> "LayerStats":
-        """Statistics of [n, hidden] activations, accumulated in float64 over float32 chunks of CHUNK_ROWS rows
-        (column sums and row norms as matrix-vector products, which BLAS runs without the GIL)."""
+    def of(cls, rows: np.ndarray, scale: np.ndarray | None = None) -> "LayerStats":
+        """Statistics of [n, hidden] activations (times a per-row `scale`, fp8's), accumulated in float64 over
+        float32 chunks of CHUNK_ROWS rows (column sums and row norms as matrix-vector products, which BLAS runs
+        without the GIL)."""
         n, hidden = rows.shape
         stats = cls.zeros(hidden)
         ones_rows = np.ones(cls.CHUNK_ROWS, dtype=np.float32)
         ones_hidden = np.ones(hidden, dtype=np.float32)
         for lo in range(0, n, cls.CHUNK_ROWS):
             chunk = as_float32(rows[lo : lo + cls.CHUNK_ROWS])
+            if scale is not None:
+                chunk = chunk * scale[lo : lo + cls.CHUNK_ROWS, None]
             m = chunk.shape[0]
             stats.sum += ones_rows[:m] @ chunk
             squares = chunk * chunk

@@ -51,7 +51,7 @@ import dataclasses
 import hashlib
 import math
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -204,6 +204,11 @@ class ActivationLoader:
         # fancy-index assignment of ml_dtypes' bfloat16 takes a per-element path about 20 times slower.
         self._raw = np.dtype(f"u{self.stored_dtype.itemsize}")
         self._row_shape = (len(self.layers), self.hidden_size)
+        # fp8 shards: a row travels as its d bytes of e4m3 followed by the 4 bytes of its float32 scale (`_fp8_rows`),
+        # so that the buffer moves it like any other row; `_decode` multiplies them out.
+        self._scaled = first.scale(self.layers[0]) is not None
+        if self._scaled:
+            self._row_shape = (len(self.layers), self.hidden_size + 4)
         self._first_tokens = first.num_tokens
         self._norm = self._normalisation(stats) if normalize else None
 
@@ -243,7 +248,7 @@ class ActivationLoader:
         records (index or done markers) when they give token counts, else from the first shard."""
         known = [ref.tokens for ref in self.shards if ref.tokens is not None]
         tokens = max(known) if known else self._first_tokens
-        row = len(self.layers) * self.hidden_size * self.stored_dtype.itemsize
+        row = len(self.layers) * self._row_shape[1] * self._raw.itemsize
         shard = (tokens // self.world_size + 1) * (row + 4)
         batch = self.batch_size * len(self.layers) * self.hidden_size * self.dtype.itemsize
         return (self.readahead + 1) * shard + self.capacity * (row + 12) + 2 * (batch + self.batch_size * row)
@@ -387,9 +392,15 @@ class ActivationLoader:
         lo, hi = (0, n) if every_rank else (n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size)
         data: list[np.ndarray] = []
         reads: list[Future[None]] = []
+        joins: list[Callable[[], None]] = []
         for layer in self.layers:
             start, end = header.layer(layer).rows(lo, hi)
-            if is_remote(ref.url):
+            if self._scaled:
+                data.append(np.empty((hi - lo, self.hidden_size + 4), dtype=np.uint8))
+                layer_reads, join = self._fp8_rows(ref.url, header, layer, lo, hi, data[-1])
+                reads += layer_reads
+                joins.append(join)
+            elif is_remote(ref.url):
                 data.append(np.empty((hi - lo, self.hidden_size), dtype=self._raw))
                 reads += self._read_rows(ref.url, start, data[-1])
             else:
@@ -407,7 +418,36 @@ class ActivationLoader:
             reads += self._read_rows(ref.url, spec.start, offsets)
         for read in reads:
             read.result()
+        for join in joins:
+            join()
         return _ShardRows(shard, lo, data, token_ids, self.filter.kept(lo, hi, token_ids, offsets, positions))
+
+    def _fp8_rows(
+        self, url: str, header: ShardHeader, layer: int, lo: int, hi: int, out: np.ndarray
+    ) -> tuple[list[Future[None]], Callable[[], None]]:
+        """Reads of an fp8 layer's rows [lo, hi) and their scales, and what puts them into `out` [hi - lo, d + 4]
+        (uint8: each row's d bytes of e4m3, then its scale's 4 bytes) once they are done."""
+        spec = header.scale(layer)
+        if spec is None:
+            raise ActivationsError(f"shard {url}: layer {layer} has no per-token scale, unlike the first shard's; read "
+                                   "shards of one job together")  # fmt: skip
+        values = np.empty((hi - lo, self.hidden_size), dtype=np.uint8)
+        scales = np.empty(hi - lo, dtype=np.float32)
+        reads = self._read_rows(url, header.layer(layer).rows(lo, hi)[0], values)
+        reads += self._read_rows(url, spec.rows(lo, hi)[0], scales)
+
+        def join() -> None:
+            out[:, : self.hidden_size] = values
+            out[:, self.hidden_size :] = scales.view(np.uint8).reshape(-1, 4)
+
+        return reads, join
+
+    def _decode(self, rows: np.ndarray) -> np.ndarray:
+        """Raw rows [..., width] as the stored dtype, or (fp8) as float32: e4m3 values times their scale."""
+        if not self._scaled:
+            return rows.view(self.stored_dtype)
+        scale = np.ascontiguousarray(rows[..., self.hidden_size :]).view(np.float32)
+        return rows[..., : self.hidden_size].view(self.stored_dtype).astype(np.float32) * scale
 
     def _read_rows(self, url: str, start: int, out: np.ndarray) -> list[Future[None]]:
         """Parallel ranged reads of `out.nbytes` bytes at `start` into `out`, in parts of about `part_bytes`."""
@@ -548,11 +588,11 @@ class ActivationLoader:
             if following is not None:
                 pending.append(self._fetcher.submit(self._fetch, following, True))
             for i, layer in enumerate(self.layers):
-                totals[layer].add(LayerStats.of(rows.data[i][rows.kept].view(self.stored_dtype)))
+                totals[layer].add(LayerStats.of(self._decode(rows.data[i][rows.kept])))
         return totals
 
     def _convert(self, rows: np.ndarray, tokens: np.ndarray | None) -> Any:
-        rows = rows.view(self.stored_dtype)
+        rows = self._decode(rows)
         if self._norm is not None or rows.dtype != self.dtype:
             wide = as_float32(rows)
             if self._norm is not None:

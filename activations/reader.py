@@ -34,11 +34,13 @@ from activations.format import (
     ShardHeader,
     crc32c_b64,
     decode_safetensors,
+    dequantize,
     document_positions,
     header_length,
     layer_key,
     parse_layers,
     parse_metadata,
+    scale_key,
 )
 from activations.io import ActivationsError, ByteReader, exists, join, list_objects, read_object
 
@@ -95,17 +97,21 @@ class Shard:
         return self.tensors[POSITIONS] if POSITIONS in self.tensors else document_positions(self.offsets)
 
     def layer(self, layer: int) -> np.ndarray:
-        return self.tensors[layer_key(layer)]
+        """[n_tokens, hidden] as stored (bf16, fp16, fp32), or float32 for an fp8 layer (values times their scale)."""
+        scale = self.tensors.get(scale_key(layer))
+        values = self.tensors[layer_key(layer)]
+        return values if scale is None else dequantize(values, scale)
 
     def samples(self) -> Iterator[SampleActivations]:
         layers = parse_layers(self.metadata, self.tensors)
         offsets, positions = self.offsets, self.positions
+        arrays = {layer: self.layer(layer) for layer in layers}
         for k, sample_id in enumerate(self.sample_ids):
             lo, hi = int(offsets[k]), int(offsets[k + 1])
             yield SampleActivations(
                 sample_id=int(sample_id),
                 token_ids=self.token_ids[lo:hi],
-                layers={layer: self.layer(layer)[lo:hi] for layer in layers},
+                layers={layer: arrays[layer][lo:hi] for layer in layers},
                 positions=positions[lo:hi],
             )
 

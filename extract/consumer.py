@@ -148,7 +148,7 @@ def load_engine(job: Job) -> Any:
         batch_size=job.batch_size,
         max_seq_len=job.max_seq_len,
         compute_dtype=job.compute_dtype_name,
-        out_dtype=job.out_dtype_name,
+        out_dtype=job.engine_out_dtype_name,
         mesh=job.mesh,
     )
 
@@ -222,6 +222,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     out_dtype = numpy_dtype(job.out_dtype_name)
     # A token costs its hidden state at every layer plus its token id (the writer's layout).
     bytes_per_token = len(engine.layers) * engine.config.hidden_size * out_dtype.itemsize + 4
+    bytes_per_token += 4 * len(engine.layers) if job.dtype == "fp8" else 0  # a float32 scale per token and layer
     bytes_per_token += 4 if job.sampling.active else 0  # and its position in its document (a sampled job's shards)
     shard_tokens = shard_token_limit(job.shard_bytes, bytes_per_token)
     progress = ProgressLog(inputs.progress_path)

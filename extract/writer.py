@@ -45,6 +45,7 @@ import numpy as np
 # The shard format is defined once, in activations.format; these names stay importable from here.
 from activations.format import (  # noqa: F401 (re-exported)
     FORMAT,
+    FP8,
     FORMAT_SAMPLED,
     POSITIONS,
     LayerStats,
@@ -55,7 +56,9 @@ from activations.format import (  # noqa: F401 (re-exported)
     layer_key,
     numpy_dtype,
     parse_header,
+    quantize_per_token,
     safetensors_layout,
+    scale_key,
     shard_name,
     stats_keys,
 )
@@ -481,6 +484,8 @@ class ShardWriter:
             for name, shape in zip(stats_keys(layer), [(hidden,), (hidden,), ()])
         ]
         specs += [(layer_key(layer), self._out_dtype, (n_tokens, hidden)) for layer in self._layers]
+        if self._out_dtype == FP8:
+            specs += [(scale_key(layer), np.dtype(np.float32), (n_tokens,)) for layer in self._layers]
         specs += [
             ("token_ids", np.dtype(np.int32), (n_tokens,)),
             ("sample_ids", np.dtype(np.int64), (len(samples),)),
@@ -500,11 +505,14 @@ class ShardWriter:
         def copy_layer(layer: int) -> None:
             # Copy 2: each sample's rows to their final place in the shard file.
             target = views[layer_key(layer)]
+            scale = views.get(scale_key(layer))
             for sample, lo, hi in zip(samples, offsets[:-1], offsets[1:]):
-                if hi > lo:
+                if hi > lo and scale is not None:  # fp8: quantised per token on the way in
+                    target[lo:hi], scale[lo:hi] = quantize_per_token(_stored_rows(sample, layer))
+                elif hi > lo:
                     _copy_rows(target[lo:hi], _stored_rows(sample, layer))
             # Normalisation statistics of the stored values, read back from the shard buffer while it is in cache.
-            for name, value in LayerStats.of(target).tensors(layer).items():
+            for name, value in LayerStats.of(target, scale).tensors(layer).items():
                 views[name][...] = value
 
         copies = [self._encode_pool.submit(copy_layer, layer) for layer in self._layers]
