@@ -40,7 +40,9 @@ from extract.errors import BadInput
 from extract.job import Job, Task
 
 #: Bytes per stored activation value, by the job's `dtype`. fp16 is no smaller than bf16.
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+#: fp8 layers also store a float32 scale per token (activations.format.quantize_per_token).
+FP8_SCALE_BYTES = 4
 TOKEN_ID_BYTES = 4  # token_ids: int32
 SAMPLE_ID_BYTES = 8  # sample_ids: int64
 OFFSET_BYTES = 8  # offsets: int64, n_samples + 1 per shard
@@ -177,8 +179,9 @@ def job_flops(config: QwenConfig, depth: int, tokens: TokenEstimate) -> float:
 
 
 def value_bytes_per_token(job: Job, hidden_size: int, n_layers: int) -> int:
-    """Activation bytes per stored token: every requested layer's hidden vector in the output dtype."""
-    return n_layers * hidden_size * DTYPE_BYTES[job.dtype]
+    """Activation bytes per stored token: every requested layer's hidden vector in the output dtype (and, fp8, its
+    scale)."""
+    return n_layers * (hidden_size * DTYPE_BYTES[job.dtype] + (FP8_SCALE_BYTES if job.dtype == "fp8" else 0))
 
 
 def bytes_per_token(job: Job, hidden_size: int, n_layers: int) -> int:

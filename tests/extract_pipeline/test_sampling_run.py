@@ -139,3 +139,20 @@ def test_sampled_run_resumed_after_sigkill_stores_the_same_positions_and_activat
         assert np.array_equal(positions, want[sample_id][0]) and np.array_equal(token_ids, want[sample_id][1])
         for layer, rows in layers.items():
             assert np.array_equal(rows, want[sample_id][2][layer]), (sample_id, layer)
+
+
+def test_fp8_run_stores_the_bf16_runs_activations_quantised_per_token(tmp_path, tiny_models, corpus, runs):
+    """dtype fp8 through consume's run loop: the engine hands bf16, the writer stores e4m3 and a scale per token."""
+    from activations.format import quantize_per_token
+
+    task = Task.from_dict({"id": "t000001", "files": corpus.slice_files(SLICE)})
+    job = Job.from_dict({**base_job(tiny_models["qwen2"], corpus), **SAMPLING, "dtype": "fp8"})
+    run(RunInputs(job=job, task=task, output_url=str(tmp_path / "fp8")))
+    acts = open_activations(str(tmp_path / "fp8"))
+    assert next(acts.iter_shards()).tensors["layer_1"].dtype.name == "float8_e4m3fn"
+    plain = {s.sample_id: s for s in open_activations(runs[4, False][0][0]).samples()}
+    for sample in acts.samples():
+        reference = plain[sample.sample_id]
+        for layer, rows in sample.layers.items():
+            values, scale = quantize_per_token(reference.layers[layer][sample.positions])
+            assert np.array_equal(rows, values.astype(np.float32) * scale[:, None]), (sample.sample_id, layer)

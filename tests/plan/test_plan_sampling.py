@@ -122,3 +122,11 @@ def test_planned_sampled_output_agrees_with_what_the_writer_stores(tmp_path):
     assert plan["output"]["shards"] == shards == 4
     assert plan["sampling"]["stored_tokens"] == pytest.approx(stored, rel=0.08)
     assert plan["output"]["bytes"] == pytest.approx(written, rel=0.08)
+
+
+def test_seed_job_sampled_at_a_tenth_in_fp8_stores_under_15_tb(tmp_path):
+    plan = plan_seed_job(tmp_path, token_sample=0.1, dtype="fp8")
+    # A stored token: 4 layers x (3584 e4m3 bytes + a 4-byte scale), a token id and a position.
+    assert plan["output"]["bytes_per_token"] == 4 * (3584 + 4) + 4 + 4
+    assert plan["output"]["bytes"] == pytest.approx(ROWS * (0.1 * PER_ROW * 14360 + 16), rel=1e-3)
+    assert plan["output"]["bytes"] <= 15e12
