@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 import time
 
-import ml_dtypes
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-FP8_MAX = 448.0
+from activations.format import FP8, FP8_MAX, dequantize, quantize_per_token  # noqa: E402
+
 MASSIVE_DIMS = (1000, 2000)
 OUTLIER_DIMS = (7, 311, 1500, 2222, 2900, 3401)
 DELIMITERS = (".", ",", "\n")
@@ -94,13 +94,6 @@ def extract(work: pathlib.Path, model: pathlib.Path, rows: int) -> pathlib.Path:
     return out
 
 
-def fp8_per_token(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(e4m3 values, float32 scale per row): scale = absmax / 448, so no value saturates."""
-    absmax = np.abs(rows).max(axis=1)
-    scale = np.where(absmax > 0, absmax / FP8_MAX, 1.0).astype(np.float32)
-    return (rows / scale[:, None]).astype(FP8), scale
-
-
 def fp8_per_tensor(rows: np.ndarray) -> np.ndarray:
     scale = np.float32(np.abs(rows).max() / FP8_MAX)
     return (rows / scale).astype(FP8).astype(np.float32) * scale
@@ -110,24 +103,24 @@ def relative_error(approx: np.ndarray, exact: np.ndarray) -> float:
     return float(((approx - exact) ** 2).sum() / max((exact**2).sum(), 1e-30))
 
 
-def write_fp8_round_trip(source: pathlib.Path, target: pathlib.Path) -> None:
-    """The bf16 shards with every layer replaced by its fp8 round trip (stored as float32, statistics recomputed)."""
-    from activations.format import LayerStats, encode_safetensors, layer_key, stats_keys
+def write_fp8_shards(source: pathlib.Path, target: pathlib.Path) -> None:
+    """The bf16 shards in the fp8 format the writer writes for `dtype: fp8` (e4m3 and a scale per token, the
+    statistics of the product), so that the SAE reads them through the loader's fp8 path."""
+    from activations.format import LayerStats, encode_safetensors, layer_key, scale_key, stats_keys
     from activations.reader import open_activations
 
     target.mkdir(parents=True, exist_ok=True)
     for shard in open_activations(str(source / "done.json")).iter_shards():
         tensors = {}
         for layer in (1, 2):
-            values, scale = fp8_per_token(np.asarray(shard.layer(layer), np.float32))
-            restored = values.astype(np.float32) * scale[:, None]
-            tensors.update(LayerStats.of(restored).tensors(layer))
-            tensors[layer_key(layer)] = restored
+            values, scale = quantize_per_token(shard.layer(layer))
+            tensors.update(LayerStats.of(values, scale).tensors(layer))
+            tensors[layer_key(layer)], tensors[scale_key(layer)] = values, scale
         tensors.update({name: shard.tensors[name] for name in ("token_ids", "sample_ids", "offsets")})
         order = [k for layer in (1, 2) for k in stats_keys(layer)] + [layer_key(1), layer_key(2)]
-        order += ["token_ids", "sample_ids", "offsets"]
+        order += [scale_key(1), scale_key(2), "token_ids", "sample_ids", "offsets"]
         metadata = {k: (json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in shard.metadata.items()}
-        metadata["dtype"] = "fp32"
+        metadata["dtype"] = "fp8"
         name = pathlib.Path(shard.ref.url).name
         (target / name).write_bytes(encode_safetensors({k: tensors[k] for k in order}, metadata))
 
@@ -145,8 +138,8 @@ def reconstruction_table(source: pathlib.Path) -> None:
           f"{'their rest':>10} {'per-tensor':>10} {'p-t ordinary':>12}")  # fmt: skip
     for layer in (1, 2):
         x = np.asarray(acts.layer(layer), np.float32)
-        values, scale = fp8_per_token(x)
-        q = values.astype(np.float32) * scale[:, None]
+        values, scale = quantize_per_token(x)
+        q = dequantize(values, scale)
         t = fp8_per_tensor(x)
         rms = np.sqrt((x**2).mean(axis=1))
         rest = np.ix_(massive_token, ordinary_dims)
@@ -184,28 +177,27 @@ def explained_variance(sae, x) -> float:
     return float(1 - ((x - reconstruction) ** 2).sum() / ((x - x.mean(0)) ** 2).sum())
 
 
-def sae_comparison(work: pathlib.Path, steps: int, d_sae: int, layer: int = 2) -> None:
+def sae_comparison(work: pathlib.Path, steps: int, d_sae: int, seeds: tuple[int, ...], layer: int = 2) -> None:
     import torch
 
     from activations.loader import ActivationLoader
     from activations.reader import open_activations
 
     bf16, fp8 = work / "bf16", work / "fp8"
-    write_fp8_round_trip(bf16, fp8)
+    write_fp8_shards(bf16, fp8)
     acts = open_activations(str(bf16 / "done.json"))
     planted = json.loads((work / "model" / "planted.json").read_text())
     ordinary = ~np.isin(acts.token_ids(), planted["delimiter_ids"])
-    scale_of = {}
+    scale_of = {}  # the loader's mean_norm scaling of each source: sqrt(d) / E||x||, from the stored statistics
     for name, source in (("bf16", str(bf16 / "done.json")), ("fp8", str(fp8))):
-        with ActivationLoader(source, layers=layer, batch_size=8, shuffle=False, normalize="mean_norm") as loader:
-            scale_of[name] = float(loader._norm[1][0, 0])
+        with ActivationLoader(source, layers=layer, batch_size=8, shuffle=False) as loader:
+            scale_of[name] = math.sqrt(loader.hidden_size) / loader.stats()[layer].mean_norm
     truth = np.asarray(acts.layer(layer), np.float32)
     rows = {"bf16": truth, "fp8": None}
-    values, scale = fp8_per_token(truth)
-    rows["fp8"] = values.astype(np.float32) * scale[:, None]
+    rows["fp8"] = dequantize(*quantize_per_token(truth))
     results = {}
-    for name, source in (("bf16", str(bf16 / "done.json")), ("fp8", str(fp8))):
-        for seed in (0, 1):
+    for seed in seeds:
+        for name, source in (("bf16", str(bf16 / "done.json")), ("fp8", str(fp8))):
             started = time.monotonic()
             sae = train_sae(source, layer, steps, seed, d_sae)
             own = torch.from_numpy(rows[name] * scale_of[name])
@@ -219,13 +211,14 @@ def sae_comparison(work: pathlib.Path, steps: int, d_sae: int, layer: int = 2) -
             print(f"SAE on {name} (seed {seed}): {json.dumps(results[name, seed])}", flush=True)
     print(f"\nSAE, layer {layer}, d_in {truth.shape[1]}, d_sae {d_sae}, {steps} steps x 256 tokens, mean_norm; "
           "explained variance on the bf16 activations")  # fmt: skip
-    for seed in (0, 1):
+    for seed in seeds:
         a, b = results["bf16", seed], results["fp8", seed]
         print(f"  seed {seed}: bf16 {a['ev_on_bf16']:.4f}  fp8 {b['ev_on_bf16']:.4f}  difference "
               f"{a['ev_on_bf16'] - b['ev_on_bf16']:+.4f}   (ordinary tokens: {a['ev_on_bf16_ordinary']:.4f} vs "
               f"{b['ev_on_bf16_ordinary']:.4f}, {a['ev_on_bf16_ordinary'] - b['ev_on_bf16_ordinary']:+.4f})")  # fmt: skip
-    noise = results["bf16", 0]["ev_on_bf16"] - results["bf16", 1]["ev_on_bf16"]
-    print(f"  run-to-run (bf16 seed 0 - seed 1): {noise:+.4f}")
+    if len(seeds) > 1:
+        noise = results["bf16", seeds[0]]["ev_on_bf16"] - results["bf16", seeds[1]]["ev_on_bf16"]
+        print(f"  run-to-run (bf16 seed {seeds[0]} - seed {seeds[1]}): {noise:+.4f}")
 
 
 def main() -> int:
@@ -235,6 +228,7 @@ def main() -> int:
     parser.add_argument("--massive", type=float, default=10000.0, help="massive activation value (default 10000)")
     parser.add_argument("--steps", type=int, default=400, help="SAE training steps of 256 tokens (default 400)")
     parser.add_argument("--d-sae", type=int, default=4096, help="SAE latents (default 4096)")
+    parser.add_argument("--seeds", default="0,1", help="SAE seeds, each trained on bf16 and on fp8 (default 0,1)")
     parser.add_argument("--skip-sae", action="store_true", help="only the reconstruction table")
     args = parser.parse_args()
     work = pathlib.Path(args.work)
@@ -243,7 +237,7 @@ def main() -> int:
     bf16 = extract(work, model, args.rows)
     reconstruction_table(bf16)
     if not args.skip_sae:
-        sae_comparison(work, args.steps, args.d_sae)
+        sae_comparison(work, args.steps, args.d_sae, tuple(int(s) for s in args.seeds.split(",")))
     return 0
 
 
