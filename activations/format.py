@@ -154,7 +154,8 @@ def safetensors_layout(
 
 def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
     """Standard safetensors bytes: u64 header length, JSON header padded to 8 bytes, tensor data."""
-    arrays = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+    # reshape: np.ascontiguousarray makes a 0-d array (a statistic's norm_sum) 1-d.
+    arrays = {name: np.ascontiguousarray(array).reshape(np.shape(array)) for name, array in tensors.items()}
     head, starts, total = safetensors_layout([(n, a.dtype, a.shape) for n, a in arrays.items()], metadata)
     out = np.empty(total, dtype=np.uint8)
     out[: len(head)] = np.frombuffer(head, dtype=np.uint8)

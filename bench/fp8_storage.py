@@ -134,6 +134,7 @@ def reconstruction_table(source: pathlib.Path) -> None:
     ordinary_dims = np.setdiff1d(np.arange(acts.hidden_size), MASSIVE_DIMS)
     print(f"\n{acts.num_tokens} tokens, {int(massive_token.sum())} of them delimiters carrying massive activations")
     print("relative squared error ||q(x) - x||^2 / ||x||^2 of fp8 e4m3 (per-token scale unless said)")
+    print("(layer 1: block 1's output, the residual stream; layer 2: the final norm's output of this 2-block model)")
     print(f"{'layer':>5} {'max|x|':>9} {'median rms':>10} {'all':>10} {'ordinary':>10} {'massive tok':>11} "
           f"{'their rest':>10} {'per-tensor':>10} {'p-t ordinary':>12}")  # fmt: skip
     for layer in (1, 2):
@@ -169,6 +170,27 @@ def train_sae(source: str, layer: int, steps: int, seed: int, d_sae: int):
     return sae
 
 
+def massive_sweep(source: pathlib.Path, layer: int = 1) -> None:
+    """The same tokens with their massive values scaled up: where the per-token scale stops coping. A massive
+    token's scale is M / 448, so its ordinary values (about 1) land at 448 / M: below e4m3's smallest normal, 2^-6,
+    once M passes ~3e4, where subnormals (spaced 2^-9) keep fewer bits."""
+    from activations.reader import open_activations
+
+    acts = open_activations(str(source / "done.json"))
+    planted = json.loads((source.parent / "model" / "planted.json").read_text())
+    massive_token = np.isin(acts.token_ids(), planted["delimiter_ids"])
+    ordinary_dims = np.setdiff1d(np.arange(acts.hidden_size), MASSIVE_DIMS)
+    x = np.asarray(acts.layer(layer), np.float32)[massive_token]
+    print(f"\nlayer {layer}, the {len(x)} massive tokens with their massive dimensions multiplied by k: relative squared "
+          "error of their ordinary dimensions")  # fmt: skip
+    for k in (0.1, 1, 10, 100):
+        scaled = x.copy()
+        scaled[:, list(MASSIVE_DIMS)] *= k
+        q = dequantize(*quantize_per_token(scaled))
+        rest = (slice(None), ordinary_dims)
+        print(f"  M = {planted['massive'] * k:>9.0f}: {relative_error(q[rest], scaled[rest]):.2e}")
+
+
 def explained_variance(sae, x) -> float:
     import torch
 
@@ -177,7 +199,9 @@ def explained_variance(sae, x) -> float:
     return float(1 - ((x - reconstruction) ** 2).sum() / ((x - x.mean(0)) ** 2).sum())
 
 
-def sae_comparison(work: pathlib.Path, steps: int, d_sae: int, seeds: tuple[int, ...], layer: int = 2) -> None:
+def sae_comparison(work: pathlib.Path, steps: int, d_sae: int, seeds: tuple[int, ...], layer: int = 1) -> None:
+    """SAEs on layer 1, block 1's output: the residual stream with its massive dimensions (layer 2 of this 2-block
+    model is the final norm's output, whose RMS normalisation removes them)."""
     import torch
 
     from activations.loader import ActivationLoader
@@ -236,6 +260,7 @@ def main() -> int:
     model = build_model(work, args.massive)
     bf16 = extract(work, model, args.rows)
     reconstruction_table(bf16)
+    massive_sweep(bf16)
     if not args.skip_sae:
         sae_comparison(work, args.steps, args.d_sae, tuple(int(s) for s in args.seeds.split(",")))
     return 0
