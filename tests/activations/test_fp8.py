@@ -117,3 +117,12 @@ def test_fp8_with_sampling_and_the_saelens_export(tmp_path):
 
     first = np.asarray(datasets.load_from_disk(str(tmp_path / "saelens"))[0][summary["hook"]], np.float32)
     assert np.array_equal(first, acts.layer(2)[:4])
+
+
+def test_encode_safetensors_keeps_a_scalar_statistic_scalar():
+    """A shard encoded by encode_safetensors (tools and benches do) must hold norm_sum as [] for read_stats."""
+    from activations.format import decode_safetensors, encode_safetensors
+
+    tensors = LayerStats.of(np.ones((3, 4), np.float32)).tensors(1)
+    decoded, _ = decode_safetensors(encode_safetensors(tensors, {}))
+    assert decoded["stats.layer_1.norm_sum"].shape == () and float(decoded["stats.layer_1.norm_sum"]) == 6.0
