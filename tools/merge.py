@@ -2,6 +2,9 @@
 
     python tools/merge.py gs://B/jobs/J             # writes gs://B/jobs/J/index.json
     python tools/merge.py /tmp/queue --out -        # prints it
+
+The totals line counts tasks, shards, samples, stored tokens (`tokens`) and bytes, plus the records' counters: a
+sampled job's (token_sample, drop_first) `processed_tokens` beside its `stored_tokens`, and `skipped_rows`.
 """
 
 import argparse
