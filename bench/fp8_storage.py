@@ -199,7 +199,10 @@ def explained_variance(sae, x) -> float:
     return float(1 - ((x - reconstruction) ** 2).sum() / ((x - x.mean(0)) ** 2).sum())
 
 
-def sae_comparison(work: pathlib.Path, steps: int, d_sae: int, seeds: tuple[int, ...], layer: int = 1) -> None:
+def sae_comparison(
+    work: pathlib.Path, steps: int, d_sae: int, seeds: tuple[int, ...], dtypes: tuple[str, ...] = ("bf16", "fp8"),
+    layer: int = 1,
+) -> None:
     """SAEs on layer 1, block 1's output: the residual stream with its massive dimensions (layer 2 of this 2-block
     model is the final norm's output, whose RMS normalisation removes them)."""
     import torch
@@ -222,6 +225,8 @@ def sae_comparison(work: pathlib.Path, steps: int, d_sae: int, seeds: tuple[int,
     results = {}
     for seed in seeds:
         for name, source in (("bf16", str(bf16 / "done.json")), ("fp8", str(fp8))):
+            if name not in dtypes:
+                continue
             started = time.monotonic()
             sae = train_sae(source, layer, steps, seed, d_sae)
             own = torch.from_numpy(rows[name] * scale_of[name])
@@ -235,6 +240,8 @@ def sae_comparison(work: pathlib.Path, steps: int, d_sae: int, seeds: tuple[int,
             print(f"SAE on {name} (seed {seed}): {json.dumps(results[name, seed])}", flush=True)
     print(f"\nSAE, layer {layer}, d_in {truth.shape[1]}, d_sae {d_sae}, {steps} steps x 256 tokens, mean_norm; "
           "explained variance on the bf16 activations")  # fmt: skip
+    if set(dtypes) != {"bf16", "fp8"}:
+        return  # one side only (the two sides can run as two processes): compare their printed lines
     for seed in seeds:
         a, b = results["bf16", seed], results["fp8", seed]
         print(f"  seed {seed}: bf16 {a['ev_on_bf16']:.4f}  fp8 {b['ev_on_bf16']:.4f}  difference "
@@ -253,6 +260,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400, help="SAE training steps of 256 tokens (default 400)")
     parser.add_argument("--d-sae", type=int, default=4096, help="SAE latents (default 4096)")
     parser.add_argument("--seeds", default="0,1", help="SAE seeds, each trained on bf16 and on fp8 (default 0,1)")
+    parser.add_argument("--dtypes", default="bf16,fp8", help="which SAEs to train (default bf16,fp8)")
     parser.add_argument("--skip-sae", action="store_true", help="only the reconstruction table")
     args = parser.parse_args()
     work = pathlib.Path(args.work)
@@ -262,7 +270,8 @@ def main() -> int:
     reconstruction_table(bf16)
     massive_sweep(bf16)
     if not args.skip_sae:
-        sae_comparison(work, args.steps, args.d_sae, tuple(int(s) for s in args.seeds.split(",")))
+        sae_comparison(work, args.steps, args.d_sae, tuple(int(s) for s in args.seeds.split(",")),
+                       tuple(args.dtypes.split(",")))  # fmt: skip
     return 0
 
 

@@ -31,9 +31,14 @@ from extract.errors import BadInput
 from schemas import MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
 from schemas import choice, cross_field, invalid, problems, rule, summary
 
-#: Output dtypes: job spelling -> numpy/JAX dtype name. fp8 is e4m3 with a float32 scale per token and layer
-#: (activations.format.quantize_per_token), quantised by the writer from the engine's bf16 output.
-OUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
+#: Output dtypes: job spelling -> numpy/JAX dtype name.
+OUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: fp8: e4m3 with a float32 scale per token and layer (activations.format.quantize_per_token), quantised by the
+#: writer from the engine's bf16 output. The format, writer, readers, loader and planner handle it, but a job may
+#: not ask for it until bench/fp8_storage.py's SAE comparison has shown issue 31's bar (explained variance within
+#: 0.005 of bf16's); its reconstruction error passed, the SAE comparison did not finish here (docs/EXTRACTION.md,
+#: "Compact storage: fp8"). Merge this into OUT_DTYPES once it has.
+GATED_DTYPES = {"fp8": "float8_e4m3fn"}
 #: Compute dtypes the engine runs in.
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 #: Smallest default bucket: below it padding costs less than another compiled program.
@@ -145,8 +150,7 @@ class Job(Model):
         | None
     ) = Field(None, validate_default=True, description="padded lengths, ending at max_seq_len; default: 64, 128, ...")
     text_field: Text = Field("text", description="the column or key holding the text")
-    dtype: choice(*OUT_DTYPES) = Field("bf16", description="the dtype of the stored activations (fp8: e4m3 with a "
-                                                           "scale per token)")  # fmt: skip
+    dtype: choice(*OUT_DTYPES) = Field("bf16", description="the dtype of the stored activations")
     compute_dtype: choice(*COMPUTE_DTYPES) = Field("bf16", description="the dtype the forward pass runs in")
     mesh: (
         Annotated[
@@ -204,7 +208,7 @@ class Job(Model):
 
     @property
     def out_dtype_name(self) -> str:
-        return OUT_DTYPES[self.dtype]
+        return {**OUT_DTYPES, **GATED_DTYPES}[self.dtype]
 
     @property
     def engine_out_dtype_name(self) -> str:

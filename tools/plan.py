@@ -408,10 +408,9 @@ def warnings(plan, args, job, config, tokens, layers, prices, fits_warning: floa
             lines.append(f"  - token_sample {fits_warning:g}: stores that fraction of every document's positions, so "
                          "every document still contributes (--storage-budget-tb TB says what a rate keeps)")
         if job.dtype == "fp32":
-            lines.append("  - dtype bf16 or fp16 halves it (fp32 stores 4 bytes per value), fp8 quarters it")
-        elif job.dtype != "fp8":
-            lines.append("  - dtype fp8 (e4m3, a scale per token) about halves it; fp16 is the same size as bf16 "
-                         "(2 bytes per value)")
+            lines.append("  - dtype bf16 or fp16 halves it (fp32 stores 4 bytes per value)")
+        else:
+            lines.append("  - dtype: fp16 is the same size as bf16 (2 bytes per value); only fp32 changes it (doubles)")
         out.append("\n".join(lines))
     shard = plan["output"]["shard_bytes"]
     if shard > SHARD_WARN_BYTES:
