@@ -110,6 +110,7 @@ class QueueView:
         # Submit batches (docs/PROTOCOL.md, "Batches"): generation of each batch marker seen, the key
         # ranges of batches still running, and the regions a new or changed batch added tasks to.
         self.batches: dict[str, int] | None = None
+        self.batches_at: float | None = None  # when batches/ was last listed
         self.running: list[tuple[str, str]] = []
         self.news: set[str] = set()
         self._news_spans: list[tuple[str, str]] = []  # the last batches/ listing's news, as key ranges
@@ -149,6 +150,14 @@ class QueueView:
         since the last listing (the first listing is the baseline): its regions are news. Their task lists are forgotten, so the next visit lists
         them again and finds the tasks the batch added; a region under a batch still running has
         its tasks listed again at every visit (`Claimer._visit`), since its batch may add more."""
+        now = self.clock.monotonic()
+        if self.batches_at is not None and now - self.batches_at > layout.BATCH_KEEP_S / 2:
+            # A batch may have started, finished and been deleted since the last listing (submit deletes
+            # done markers BATCH_KEEP_S old): no news would name the regions it added tasks to, so every
+            # cached task list is listed again at its next visit. Only a worker busy that long pays this.
+            for region in list(self.tasks):
+                self.forget(region, keep_sightings=True)
+        self.batches_at = now
         seen: dict[str, int] = {}
         running, spans = [], []
         for entry in self.store.list(layout.BATCHES):

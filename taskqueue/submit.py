@@ -105,18 +105,23 @@ def submit(
     if not tasks:
         return report
     ids = sorted((task_id for task_id, _ in tasks), key=layout.key)
-    name = layout.batch_object(hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24])
+    name = batch_name(ids)
     span = {"first": ids[0], "last": ids[-1], "tasks": str(len(ids))}
-    generation = begin_batch(store, name, span)
+    try:
+        generation = begin_batch(store, name, span)
+    except (Exception, KeyboardInterrupt) as exc:
+        exc.add_note(f"{store.url(name)} was not begun: no task of the batch was created now (a marker an earlier "
+                     f"run left running stays so: run the same submit again)")  # fmt: skip
+        raise
     marked = clock.monotonic()
     try:
         refused = _create_tasks(store, tasks, parallel, report)
         mark_regions(store, ids, parallel)
+        _finish(store, name, generation, {**span, **({"refused": str(len(refused))} if refused else {})}, clock, marked)
     except (Exception, KeyboardInterrupt) as exc:
         # Not a dead machine (that runs no handler): finish the batch, or say that it is left running.
         _give_up(store, name, generation, span, ids, parallel, clock, marked, exc)
         raise
-    _finish(store, name, generation, {**span, **({"refused": str(len(refused))} if refused else {})}, clock, marked)
     if refused:
         shown = ", ".join(store.url(layout.task_object(t)) for t in refused[:3])
         shown += f" and {len(refused) - 3} more" if len(refused) > 3 else ""
@@ -128,6 +133,13 @@ def submit(
         )
     prune_batches(store, name)
     return report
+
+
+def batch_name(task_ids: Iterable[str]) -> str:
+    """`batches/<hash>.json`, the hash made from the batch's sorted ids: the same batch submitted
+    again finds the same marker."""
+    ids = sorted(task_ids, key=layout.key)
+    return layout.batch_object(hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24])
 
 
 def _create_tasks(store: ObjectStore, tasks: list[tuple[str, bytes]], parallel: int, report: SubmitReport) -> list[str]:

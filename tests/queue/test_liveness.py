@@ -4,7 +4,6 @@ the code before its fix (the report of issue 25 says how that was shown)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from taskqueue.claims import Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, encode, new_lease_body
 from taskqueue.status import snapshot
-from taskqueue.submit import SubmitError, batch_id, begin_batch, finish_batch, submit
+from taskqueue.submit import SubmitError, batch_id, batch_name, begin_batch, finish_batch, submit
 from tests.workers import REPO
 
 
@@ -128,7 +127,7 @@ def test_running_a_refused_submit_again_finishes_the_batch_an_older_submit_left_
     store = LocalStore(tmp_path / "q")
     submit(store, b"{}", tasks("a", "b"))
     batch = [("b", json.dumps({"id": "b", "rows": 7}).encode()), *tasks("c")]
-    marker = layout.batch_object(hashlib.sha256(b"b\nc").hexdigest()[:24])
+    marker = batch_name(["b", "c"])
     store.create(marker, b"{}", metadata={"first": "b", "last": "c", "tasks": "2", "state": layout.BATCH_RUNNING})
     store.create(layout.task_object("c"), b'{"id": "c"}')  # what that submit created before it was refused
     assert running_batches(store) == [marker]
@@ -164,7 +163,7 @@ def test_finish_batch_finishes_a_dead_submits_batch_and_the_queue_drains(tmp_pat
     submit(store, b"{}", tasks("a0", "a2"))
     assert drain(store)[0] == "drained"  # swept
     ids = ["a1", "a3"]
-    marker = layout.batch_object(hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24])
+    marker = batch_name(ids)
     begin_batch(store, marker, {"first": "a1", "last": "a3", "tasks": "2"})
     store.create(layout.task_object("a1"), b'{"id": "a1"}')  # then it died: no cut, no un-sweep, no done
     blocked = snapshot(store)
