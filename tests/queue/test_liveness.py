@@ -4,6 +4,7 @@ the code before its fix (the report of issue 25 says how that was shown)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -19,9 +20,9 @@ from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, encode, new_lease_body
-from taskqueue.status import snapshot
+from taskqueue.status import render, snapshot
 from taskqueue.submit import SubmitError, batch_id, batch_name, begin_batch, finish_batch, submit
-from tests.workers import REPO
+from tests.workers import REPO, renewing
 
 
 def tasks(*ids: str) -> list[tuple[str, bytes]]:
@@ -238,3 +239,72 @@ def test_status_is_never_complete_while_a_task_submitted_before_its_last_listing
                 assert not exists_at[-1], f"submit split at its request {j} and status' {k}: complete with m2x pending"
             cases += 1
     assert cases >= 40
+
+
+# -- done batch markers are deleted, and a worker that did not see one still finds its tasks ---
+
+
+def test_a_submit_deletes_done_batch_markers_older_than_the_keep_time_and_no_other(tmp_path, monkeypatch):
+    monkeypatch.setattr(layout, "BATCH_KEEP_S", 1.0)
+    store = LocalStore(tmp_path / "q")
+    submit(store, b"{}", tasks("a"))
+    submit(store, None, tasks("b"))
+    dead = batch_name(["c"])
+    begin_batch(store, dead, {"first": "c", "last": "c", "tasks": "1"})  # a dead submit's: never deleted
+    time.sleep(1.2)
+    counted = CountingStore(store)
+    submit(counted, None, tasks("d"))
+    assert sorted(e.name for e in store.list(layout.BATCHES)) == sorted([dead, batch_name(["d"])])
+    assert counted.counts["delete batches/"] == 2 and counted.counts["list batches/"] == 1
+
+
+def test_a_worker_busy_past_half_the_keep_time_finds_tasks_whose_batch_came_and_went(tmp_path, monkeypatch):
+    """While a worker runs a long task, a batch adds a task to a region whose task list it has
+    cached, finishes, and a later submit deletes its marker: no listing of batches/ ever shows it
+    to the worker as news. Having gone over half the keep time without listing batches/, the
+    worker lists its cached regions again, and claims the task (without that rule, it left idle
+    with the task pending)."""
+    monkeypatch.setattr(layout, "BATCH_KEEP_S", 1.0)
+    monkeypatch.setattr(layout, "REGION_TASKS", 2)
+    store = LocalStore(tmp_path / "q")
+    submit(store, b"{}", tasks("a0", "a1", "z0", "z1"))  # regions [a0, a1] and [z0, z1]
+    monkeypatch.setattr(layout, "REGION_TASKS", 1000)  # no later submit cuts them (a cut is news too)
+    held = [hold(store, t, "alive", ttl_s=30.0) for t in ("a1", "z0", "z1")]
+    worker = Claimer(store, ClaimOptions(worker="w", seed=1, **FAST))
+    walk = iter(worker)
+    first = next(walk)
+    assert first.task_id == "a0"
+    with contextlib.ExitStack() as stack:
+        for lease in held:
+            stack.enter_context(renewing(lease))
+        submit(store, None, tasks("a05"))  # into the region the busy worker has cached
+        time.sleep(1.2)
+        submit(store, None, tasks("z5"))  # elsewhere; it deletes a05's done batch marker
+        assert batch_name(["a05"]) not in {e.name for e in store.list(layout.BATCHES)}
+        first.lease.complete([], time.monotonic())
+        ran = [c.task_id for c in walk if c.lease.complete([], time.monotonic())]
+    assert sorted(ran) == ["a05", "z5"] and worker.exit_reason == "idle"
+
+
+# -- status says what blocks completion ---------------------------------------------------------
+
+
+def test_status_names_what_blocks_completion_and_the_command_that_clears_it(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    submit(store, b"{}", tasks("a", "b", "c"))
+    bad = next(iter(Claimer(store, ClaimOptions(worker="w", seed=1))))
+    bad.lease.dead_letter("consumer exit 65: bad input")
+    silent = hold(store, "b" if bad.task_id != "b" else "c", "gone", ttl_s=0.1)  # a holder that died
+    begin_batch(store, batch_name(["x"]), {"first": "x", "last": "x", "tasks": "1"})  # a submit that died
+    time.sleep(0.3)
+    view = snapshot(store)
+    assert not view["complete"]
+    kinds = {b["kind"]: b for b in view["blockers"]}
+    assert set(kinds) == {"batch", "stale_lease", "dead_letter"}
+    assert kinds["batch"]["batch"] == batch_id(batch_name(["x"])) and kinds["batch"]["tasks"] == 1
+    assert f"--finish-batch {kinds['batch']['batch']}" in kinds["batch"]["clear"]
+    assert kinds["stale_lease"]["task"] == silent.task_id and "spawn.py" in kinds["stale_lease"]["clear"]
+    assert kinds["dead_letter"]["task"] == bad.task_id and "new id" in kinds["dead_letter"]["clear"]
+    text = render(view)
+    assert text.count("blocked ") == 3 and f"tools/submit.py {store.root_url} --finish-batch" in text
+    assert json.loads(json.dumps(view))["blockers"] == view["blockers"]  # --json carries them
