@@ -344,6 +344,7 @@ class World:
         self.submits_starting: dict[str, list[str]] = {}  # submitter -> its ids, before its first write
         self.submits_in_progress: dict[str, list[str]] = {}  # submitter -> its ids, from its first write on
         self.waiting_log: list[tuple[str, float, float]] = []  # (worker, from, to): alive without a task
+        self.batch_writers: set[str] = set()  # actors that wrote a batch marker (a submit that began its batch)
         self._spawned = 0
         self.trace = hashlib.sha256()
 
@@ -356,6 +357,8 @@ class World:
         if actor is not None and actor.name in self.submits_starting:
             # Its first write is where a submit starts to exist for the workers: no protocol can see it sooner.
             self.submits_in_progress[actor.name] = self.submits_starting.pop(actor.name)
+        if name.startswith(layout.BATCHES) and actor is not None:
+            self.batch_writers.add(actor.name)
         if name.startswith(layout.TASKS):
             task_id = layout.id_from_object(name, layout.TASKS)
             if task_id is not None:
@@ -491,9 +494,10 @@ class World:
         return entry is not None and entry.metadata.get("state") != layout.BATCH_DONE
 
     def _check_batch_finished(self, marker: str, name: str, exc: BaseException) -> None:
-        """Invariant 7: a submit that failed, and could still write, leaves no batch running. One whose
-        store refused the finishing writes too says so in a note (and is run again)."""
-        if self._running(marker) and not getattr(exc, "__notes__", None):
+        """Invariant 7: a submit that failed after it began its batch, and could still write, leaves no
+        batch running. One whose store refused the finishing writes too says so in a note (and is run
+        again); one that failed before it began its batch has nothing to finish."""
+        if name in self.batch_writers and self._running(marker) and not getattr(exc, "__notes__", None):
             self.violation(7, f"{name} failed ({exc!r}) and left its batch {marker} running without a word")
 
     def _resubmit_refused(self, batch: list[tuple[str, bytes]], name: str) -> None:

@@ -89,29 +89,19 @@ def submit(
     """
     clock = clock or Clock()
     report = SubmitReport()
-    if job is not None:
-        try:
-            store.create(layout.JOB, job)
-            report.job = "created"
-        except PreconditionFailed:
-            if json.loads(store.read(layout.JOB).data) != json.loads(job):
-                raise SubmitError(
-                    f"{store.url(layout.JOB)} already exists with different content: "
-                    "submit a changed job to a new queue prefix"
-                ) from None
-            report.job = "existing"
-
     tasks = list(tasks)
-    if not tasks:
-        return report
     ids = sorted((task_id for task_id, _ in tasks), key=layout.key)
     name = batch_name(ids)
-    span = {"first": ids[0], "last": ids[-1], "tasks": str(len(ids))}
+    span = {"first": ids[0], "last": ids[-1], "tasks": str(len(ids))} if ids else {}
     try:
+        _create_job(store, job, report)
+        if not tasks:
+            return report
         generation = begin_batch(store, name, span)
     except (Exception, KeyboardInterrupt) as exc:
-        exc.add_note(f"{store.url(name)} was not begun: no task of the batch was created now (a marker an earlier "
-                     f"run left running stays so: run the same submit again)")  # fmt: skip
+        if tasks and not isinstance(exc, SubmitError):
+            exc.add_note(f"{store.url(name)} was not begun, and no task of it created now (if an earlier run of "
+                         f"this submit left it running, it stays so: run the submit again)")  # fmt: skip
         raise
     marked = clock.monotonic()
     try:
@@ -133,6 +123,21 @@ def submit(
         )
     prune_batches(store, name)
     return report
+
+
+def _create_job(store: ObjectStore, job: bytes | None, report: SubmitReport) -> None:
+    if job is None:
+        return
+    try:
+        store.create(layout.JOB, job)
+        report.job = "created"
+    except PreconditionFailed:
+        if json.loads(store.read(layout.JOB).data) != json.loads(job):
+            raise SubmitError(
+                f"{store.url(layout.JOB)} already exists with different content: "
+                "submit a changed job to a new queue prefix"
+            ) from None
+        report.job = "existing"
 
 
 def batch_name(task_ids: Iterable[str]) -> str:
