@@ -34,6 +34,7 @@ SWEPT_REFRESH_S = 30.0  # swept/ is re-listed when older than this, so moves and
 MAX_LOADED_REGIONS = 8  # the view is a cache: the least recently loaded region is forgotten first
 EXPLORE = 0.25  # a waiting worker's polls that look at a region it is not watching (two requests, not one)
 MIN_RUN = 16  # after a collision, a run of work shorter than this in the same region is not worth staying for
+MAX_SIGHTINGS = 100_000  # lease sightings kept for regions out of the cache (about 10 MB); the oldest go first
 
 
 POLL_CAP_S = 60.0
@@ -213,6 +214,9 @@ class QueueView:
                 swept[region] = entry.metadata.get("end") or None
         self.swept = swept
         self.swept_at = self.clock.monotonic()
+        cached = {t for ids in self.tasks.values() for t in ids}
+        for task_id in [t for t in self.leases if t not in cached and self.is_swept(self.region_of(t))]:
+            del self.leases[task_id]  # a finished region's: nothing there to judge any more
 
     def extend_map(self) -> bool:
         """List one more page of splits; False when the map was already complete."""
@@ -319,29 +323,24 @@ class QueueView:
         must not restart the TTL-long watch that tells an expired lease from a live one (a batch
         whose submitter died stays running, and would otherwise restart it on every poll).
 
-        Without it (the cache is full), the region's finished tasks are dropped, and so are the
-        leases seen renewing (their holders are alive); a lease never seen renewing stays in view
-        until its watch has run a whole TTL and more: it may be a dead holder's, and a worker must
-        not leave `idle` beside it (`unjudged`), nor start its watch again when it comes back."""
+        Without it (the cache is full), the region's finished tasks are dropped, but not its lease
+        sightings: a lease seen at one generation since `first_seen` is judged the same whenever the
+        region comes back, and a worker must not leave `idle` beside a lease it has not judged
+        (`unjudged`). Had the cache dropped them, a waiting worker with more open regions than it
+        caches would see some lease for the first time at every look, and never leave. Sightings go
+        when their region is swept (`scan_swept`), or past MAX_SIGHTINGS, the oldest first."""
         self.loaded.pop(region, None)
         for task_id in self.tasks.pop(region, []):
             self.manifests.pop(task_id, None)
             self.sizes.pop(task_id, None)
             if not keep_sightings:
                 self.finished.discard(task_id)
-                sighting = self.leases.get(task_id)
-                if sighting is not None and (sighting.renewed or not math.isfinite(sighting.ttl_s)):
-                    del self.leases[task_id]
-        if not keep_sightings:
-            self._drop_old_sightings()
-
-    def _drop_old_sightings(self) -> None:
-        """Leases of regions no longer cached whose watch ended over a TTL ago: only a visit of
-        their region, which lists them again, can use them now."""
-        now = self.clock.monotonic()
-        cached = {t for ids in self.tasks.values() for t in ids}
-        for task_id in [t for t, s in self.leases.items() if t not in cached and now - s.first_seen > 2 * s.ttl_s]:
-            del self.leases[task_id]
+        if len(self.leases) > MAX_SIGHTINGS:
+            cached = {t for ids in self.tasks.values() for t in ids}
+            for task_id in sorted((t for t in self.leases if t not in cached), key=lambda t: self.leases[t].first_seen):
+                del self.leases[task_id]
+                if len(self.leases) <= MAX_SIGHTINGS:
+                    break
 
     def region_finished(self, region: str) -> bool:
         return all(t in self.finished for t in self.tasks.get(region, ()))

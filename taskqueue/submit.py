@@ -113,13 +113,13 @@ def submit(
         _give_up(store, name, generation, span, ids, parallel, clock, marked, exc)
         raise
     if refused:
-        shown = ", ".join(store.url(layout.task_object(t)) for t in refused[:3])
-        shown += f" and {len(refused) - 3} more" if len(refused) > 3 else ""
+        urls = [store.url(layout.task_object(t)) for t in refused]
+        what = (f"{urls[0]} already exists" if len(urls) == 1 else
+                f"{len(urls)} tasks already exist ({', '.join(urls[:3])}{', ...' if len(urls) > 3 else ''})")  # fmt: skip
         raise SubmitError(
-            f"{shown} already exist(s) with a different manifest. "
-            f"Tasks are immutable: give each changed task a new id and submit it. The batch's other "
-            f"{len(tasks) - len(refused)} tasks are submitted ({report.created} created now) and its "
-            f"batch marker is finished."
+            f"{what} with a different manifest: tasks are immutable, give the changed task a new id and submit "
+            f"it. The batch's other {len(tasks) - len(refused)} tasks are submitted ({report.created} created "
+            f"now) and its batch marker is finished."
         )
     prune_batches(store, name)
     return report

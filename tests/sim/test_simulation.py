@@ -1,4 +1,4 @@
-"""The deterministic simulation (bench/sim_seeds.py) in CI: 500 seeds, each checked against every invariant.
+"""The deterministic simulation (bench/sim_seeds.py) in CI: 400 seeds, each checked against every invariant.
 
 Each seed builds a small world (a few workers, tens of tasks, regions of 8) with faults, kills,
 stops, late and refused submissions and skewed clocks, runs the production claim loop, lease, submit,
@@ -6,9 +6,11 @@ status and worker core in it, and checks the invariants listed in bench/sim_seed
 names the command that replays it. The seeds are split in chunks so that `make test` spreads them
 over its workers.
 
-Two ranges: seeds 0 to 199, the same on every run, and 300 seeds from a start that moves with the
+Two ranges: seeds 0 to 199, the same on every run, and 200 seeds from a start that moves with the
 commit (`bench.sim_seeds.moving_start`: `git rev-parse HEAD` hashed, or the sources hashed outside a
 git checkout), so that every CI run explores seeds no earlier run has. The test ids name the range.
+(A seed costs about 1.2 times what it did before issue 25, with status looks and submit re-runs:
+400 seeds take about the time 500 took.)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tests.workers import REPO
 CHUNK = 100
 FIXED = range(0, 200, CHUNK)
 MOVING, ORIGIN = moving_start()
-CHUNKS = [*FIXED, *range(MOVING, MOVING + 300, CHUNK)]
+CHUNKS = [*FIXED, *range(MOVING, MOVING + 200, CHUNK)]
 
 
 @pytest.fixture(autouse=True)
