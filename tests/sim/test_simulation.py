@@ -9,8 +9,8 @@ over its workers.
 Two ranges: seeds 0 to 199, the same on every run, and 200 seeds from a start that moves with the
 commit (`bench.sim_seeds.moving_start`: `git rev-parse HEAD` hashed, or the sources hashed outside a
 git checkout), so that every CI run explores seeds no earlier run has. The test ids name the range.
-(A seed costs about 1.2 times what it did before issue 25, with status looks and submit re-runs:
-400 seeds take about the time 500 took.)
+(A seed costs about 1.15 times what it did before issue 25, with status looks, submit re-runs and
+slow tasks: 400 seeds take about the time 500 took.)
 """
 
 from __future__ import annotations
