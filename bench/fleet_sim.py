@@ -154,6 +154,23 @@ class Actor:
             self.scheduler._turn_over.release()
 
 
+class InlineExecutor:
+    """`submit`'s thread pool, run inline (here and in bench/sim_seeds.py): in the simulation only one
+    thread may act for an actor."""
+
+    def __init__(self, max_workers: int | None = None) -> None:
+        pass
+
+    def __enter__(self) -> "InlineExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def map(self, fn, *iterables):
+        return [fn(*args) for args in zip(*iterables)]
+
+
 class SimLock:
     """A lock for actors: a waiter gives the turn away until it is free (a real lock held across a
     request would stop the whole simulation, since only one actor runs at a time)."""
@@ -692,8 +709,6 @@ class Fleet:
     def _submitter(self) -> None:
         """The late batches: one at half the ideal makespan, one once the fleet waits at the end
         (the first tasks all claimed: every worker that finishes now finds nothing)."""
-        from bench.sim_seeds import InlineExecutor  # submit's pool, inline: one thread acts per actor
-
         ideal = sum(self.duration.values()) / self.o.workers
         self.scheduler.sleep(ideal / 2)
         for k, batch in enumerate(self.late):

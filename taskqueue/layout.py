@@ -15,8 +15,13 @@ SPLITS = "splits/"
 SWEPT = "swept/"
 BATCHES = "batches/"
 #: A batch marker's `state`: `running` from before `submit` creates the batch's first task until
-#: every task of it exists and no swept marker covers one; then `done`.
+#: every task of it exists (or the submit gave up) and no swept marker covers one; then `done`.
 BATCH_RUNNING, BATCH_DONE = "running", "done"
+#: A `done` batch marker is deleted by the next `submit` once its last write is this much older
+#: than that submit's own marker (both times the store's): every worker that lists `batches/` at
+#: least every BATCH_KEEP_S / 2 has seen it by then, and one that did not forgets its cached task
+#: lists instead (docs/PROTOCOL.md, "Batches").
+BATCH_KEEP_S = 600.0
 
 #: Tasks per region: `submit` cuts every region it added tasks to at every REGION_TASKS-th id, so one
 #: listing page (at most 1000 entries) covers a region's tasks whatever the batch sizes.

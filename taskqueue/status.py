@@ -17,9 +17,12 @@ import datetime as dt
 import json
 import math
 import random
+import shlex
 import statistics
+import time
 
 from objectstore import ObjectStore, StoreError
+from objectstore.base import Entry
 from objectstore.counting import CountingStore
 from taskqueue import layout
 from taskqueue.lease import FINISHED, HELD, RELEASED, sum_metadata_counters
@@ -28,6 +31,8 @@ from taskqueue.slice import SLICES
 RATE_WINDOW_S = 600.0  # throughput is measured over the last ten minutes of done markers
 MAX_REASONS = 20  # dead letters read (one GET each) for their reason and first line
 CURVE_POINTS = 60  # points of the completion curve
+SNAPSHOT_TRIES = 3  # a snapshot is taken again when a batch changed while it listed (`complete` stays false after)
+MAX_BLOCKERS = 20  # blockers of one kind named in the view (their count is given in full)
 
 
 @dataclasses.dataclass
@@ -58,10 +63,15 @@ def _regions(store: ObjectStore) -> tuple[list[str], dict[str, dict]]:
     return splits, swept
 
 
-def _running_batches(store: ObjectStore) -> list[tuple[str, str]]:
+def _batches(store: ObjectStore) -> dict[str, Entry]:
+    """The batch markers written by `submit` (one request per thousand), by name."""
+    return {e.name: e for e in store.list(layout.BATCHES) if e.metadata.get("first") and e.metadata.get("last")}
+
+
+def _running(batches: dict[str, Entry]) -> list[tuple[str, str]]:
     """The first and last ids of the batches whose submit has not finished."""
-    return [(e.metadata["first"], e.metadata["last"]) for e in store.list(layout.BATCHES)
-            if e.metadata.get("state") != layout.BATCH_DONE and e.metadata.get("first") and e.metadata.get("last")]  # fmt: skip
+    return sorted((e.metadata["first"], e.metadata["last"]) for e in batches.values()
+                  if e.metadata.get("state") != layout.BATCH_DONE)  # fmt: skip
 
 
 def _region_of(splits: list[str], split_keys: list[str], task_id: str) -> str:
@@ -94,16 +104,55 @@ def snapshot(
     With `history` (the status page's completion curve), the done markers of swept regions are
     listed too, once per region for a `cache` (they never change): one request per region, about
     one per 1000 finished tasks. Without it the curve starts at the swept regions' count.
+
+    `complete` is never premature, however submits interleave with the listings: `batches/` is
+    listed before everything else and again after, and the queue is complete only if both
+    listings are the same, with no batch running, and every task counted has a marker. A submit
+    creates tasks only while its batch marker is `running`, so any task created while this
+    snapshot listed shows as a batch new, changed or running in one of the two listings; a swept
+    marker is removed only by a running submit (docs/PROTOCOL.md, "Status"). When a batch changed
+    in between, the snapshot is taken again (up to SNAPSHOT_TRIES times), since its counts may be
+    off too; `blockers` says what keeps the queue from completing, and what clears it.
     """
     now = now or dt.datetime.now(dt.timezone.utc)
     counted = CountingStore(store)
+    for _ in range(SNAPSHOT_TRIES):
+        started = time.monotonic()
+        before = _batches(counted)
+        view = _listed(counted, _running(before), now, sample, seed, cache, history)
+        after = _batches(counted)
+        # Done markers older than BATCH_KEEP_S are deleted by submits: a snapshot that took half that
+        # long might have missed a batch that came and went (layout.BATCH_KEEP_S).
+        steady = {n: e.generation for n, e in before.items()} == {n: e.generation for n, e in after.items()} and (
+            time.monotonic() - started < layout.BATCH_KEEP_S / 2
+        )
+        if steady:
+            break
+    submitting = _running(after)
+    view["submitting"] = [first for first, _ in submitting]
+    view["complete"] = view["complete"] and steady and not submitting
+    view["blockers"] = blockers(view, [e for e in after.values() if e.metadata.get("state") != layout.BATCH_DONE], now)
+    view["requests"] = counted.requests
+    view["requests_by_kind"] = dict(sorted(counted.counts.items()))
+    return view
+
+
+def _listed(
+    counted: CountingStore,
+    running: list[tuple[str, str]],
+    now: dt.datetime,
+    sample: int | None,
+    seed: int | None,
+    cache: RegionCache | None,
+    history: bool,
+) -> dict:
+    """The view from the listings of the regions, given the batches running before them; its
+    `complete` says only that every task counted has a marker (`snapshot` adds the batches)."""
     splits, swept_markers = _regions(counted)
     ends = {r: (splits[i + 1] if i + 1 < len(splits) else None) for i, r in enumerate(splits)}
 
     # A region a running batch meets is listed, whatever its swept marker says: the batch may be
     # adding tasks there (docs/PROTOCOL.md, "Batches").
-    running = _running_batches(counted)
-
     def is_swept(region: str) -> bool:
         if region not in swept_markers or not swept_markers[region].get("confirmed"):
             return False  # (an unconfirmed marker may still be withdrawn by its sweeper)
@@ -229,11 +278,8 @@ def snapshot(
         rate_low = max(0.0, counted_recent - margin) / span
         rate_high = (counted_recent + margin) / span
     reasons_for = sorted(every_failed)[:MAX_REASONS]
-    # Listed after the regions, like a worker's drained check: a batch still running may be adding
-    # tasks that the listings above did not see (docs/PROTOCOL.md, "Batches").
-    submitting = sorted(first for first, _ in _running_batches(counted))
-    view = {
-        "queue": store.root_url,
+    return {
+        "queue": counted.root_url,
         "estimate": len(listed) < len(open_regions),
         "total": total,
         "pending": pending,
@@ -259,14 +305,66 @@ def snapshot(
             [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
         ).items())),
         # From markers only: swept regions count their done markers and dead letters (the sweep listed
-        # them), open ones are listed; a running batch may still add tasks.
-        "complete": total > 0 and not submitting and (not open_regions or (listed is open_regions and remaining == 0)),
-        "submitting": submitting,
+        # them), open ones are listed; `snapshot` adds the batches.
+        "complete": total > 0 and (not open_regions or (listed is open_regions and remaining == 0)),
         "regions": {"total": len(splits), "swept": len(swept), "open": len(open_regions), "listed": len(listed)},
     }
-    view["requests"] = counted.requests
-    view["requests_by_kind"] = dict(sorted(counted.counts.items()))
-    return view
+
+
+def blockers(view: dict, running: list[Entry], now: dt.datetime) -> list[dict]:
+    """What keeps the queue from completing, each with the command that clears it.
+
+    - a batch still `running`: a submit in progress, or one that died (it leaves its batch running;
+      every other failure finishes it). Running that submit again finishes it; so does
+      `tools/submit.py --finish-batch` once the submit will never run again.
+    - a stale lease: held by a worker silent for over its TTL. Any running worker takes it over
+      within its polls; none does if none is left, so the command starts one.
+    - a dead letter: the queue completes with it, the job's outputs do not. Tasks and their
+      outcomes are immutable: the task runs again under a new id, once its cause is fixed.
+    """
+    queue = shlex.quote(view["queue"])
+    found: list[dict] = []
+    for entry in sorted(running, key=lambda e: e.updated)[:MAX_BLOCKERS]:
+        batch = entry.name[len(layout.BATCHES) :].removesuffix(".json")
+        found.append({
+            "kind": "batch", "batch": batch, "first": entry.metadata["first"], "last": entry.metadata["last"],
+            "tasks": int(entry.metadata["tasks"]) if entry.metadata.get("tasks", "").isdigit() else None,
+            "running_s": round(max(0.0, (now - entry.updated).total_seconds()), 1),
+            "clear": f"wait for its submit, or run that submit again; if it will never run again: "
+                     f"python tools/submit.py {queue} --finish-batch {batch}",
+        })  # fmt: skip
+    for stale in view["stale_leases"][:MAX_BLOCKERS]:
+        found.append({
+            "kind": "stale_lease", **stale,
+            "clear": f"any running worker takes it over; with none left, start one: "
+                     f"python spawn.py {queue} --consumer 'python consume.py'",
+        })  # fmt: skip
+    for task_id, reason in list(view["failed_reasons"].items())[:MAX_BLOCKERS]:
+        found.append({
+            "kind": "dead_letter", "task": task_id, "reason": reason,
+            "clear": f"fix the cause, then submit the task again under a new id: python tools/submit.py {queue} "
+                     f"--tasks FILE (tasks and their outcomes are immutable)",
+        })  # fmt: skip
+    return found
+
+
+def render_blockers(view: dict) -> list[str]:
+    """The text view's section on what blocks completion: one line per kind, its command once."""
+    kinds: dict[str, list[dict]] = collections.defaultdict(list)
+    for blocker in view.get("blockers", []):
+        kinds[blocker["kind"]].append(blocker)
+    lines = []
+    if kinds["batch"]:
+        names = ", ".join(f"{b['batch']} ({b['first']}..{b['last']}, {duration_text(b['running_s'])})" for b in kinds["batch"])
+        lines.append(f"blocked {len(kinds['batch'])} batch(es) running: {names}")
+        lines.append(f"        {kinds['batch'][0]['clear']}")
+    if kinds["stale_lease"]:
+        lines.append(f"blocked {view['stale']} stale lease(s): " + ", ".join(b["task"] for b in kinds["stale_lease"]))
+        lines.append(f"        {kinds['stale_lease'][0]['clear']}")
+    if kinds["dead_letter"]:
+        lines.append(f"blocked {view['failed']} dead letter(s): " + ", ".join(b["task"] for b in kinds["dead_letter"]))
+        lines.append(f"        {kinds['dead_letter'][0]['clear']}")
+    return lines
 
 
 def _seconds(entry) -> float | None:
@@ -403,8 +501,7 @@ def render(view: dict) -> str:
     for task_id, reason in view["failed_reasons"].items():
         detail = view["failed_details"].get(task_id)
         lines.append(f"failed  {task_id}: {reason}" + (f" | {detail}" if detail else ""))
-    if view.get("submitting"):
-        lines.append(f"submit  {len(view['submitting'])} batch(es) still running (a submit that died: run it again)")
+    lines += render_blockers(view)
     if view["complete"]:
         lines.append("complete: every task has a done or failed marker")
     regions = view["regions"]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import dataclasses
+import datetime as dt
 import hashlib
 import json
+import logging
 import pathlib
 import threading
 from collections.abc import Iterable
@@ -14,6 +16,8 @@ from collections.abc import Iterable
 from objectstore import NotFound, ObjectStore, PreconditionFailed
 from taskqueue import layout
 from taskqueue.clock import Clock
+
+log = logging.getLogger(__name__)
 
 
 class SubmitError(ValueError):
@@ -71,68 +75,218 @@ def submit(
     """Create the job and the tasks, inside a batch marker (docs/PROTOCOL.md, "Batches").
 
     The marker is `running` before the first task is created and `done` only once every task
-    exists, the regions are cut and no swept marker covers one of them: while it runs, no worker
-    takes a region it covers for swept, nor the queue for drained. A submit that dies halfway
-    leaves its batch `running` (workers then run what it created, and leave `idle`, never
-    `drained`); running the same submit again finishes it, because the batch's name is made from
-    its ids.
+    exists (or this run gave up), the regions are cut and no swept marker covers one of them:
+    while it runs, no worker takes a region it covers for swept, nor the queue for drained, and
+    status does not call the queue complete.
+
+    A submit that fails finishes its own batch before it raises, so its marker never blocks
+    drain and completion: a task that exists with another manifest (SubmitError, after every
+    other task is created), a store error, Ctrl-C or SIGTERM (`tools/submit.py`). Only a submit
+    whose machine dies (or whose store stays down) leaves its batch `running`; running the same
+    submit again (the batch's name is made from its ids) takes the marker over and finishes it,
+    and `finish_batch` finishes one whose submit will never run again. A finished submit deletes
+    the `done` markers older than BATCH_KEEP_S, so `batches/` holds only recent batches.
     """
     clock = clock or Clock()
     report = SubmitReport()
-    if job is not None:
-        try:
-            store.create(layout.JOB, job)
-            report.job = "created"
-        except PreconditionFailed:
-            if json.loads(store.read(layout.JOB).data) != json.loads(job):
-                raise SubmitError(
-                    f"{store.url(layout.JOB)} already exists with different content: "
-                    "submit a changed job to a new queue prefix"
-                ) from None
-            report.job = "existing"
-
     tasks = list(tasks)
-    if not tasks:
-        return report
     ids = sorted((task_id for task_id, _ in tasks), key=layout.key)
-    name = layout.batch_object(hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24])
-    span = {"first": ids[0], "last": ids[-1], "tasks": str(len(ids))}
+    name = batch_name(ids)
+    span = {"first": ids[0], "last": ids[-1], "tasks": str(len(ids))} if ids else {}
     try:
-        generation = store.create(name, b"{}", metadata={**span, "state": layout.BATCH_RUNNING})
-    except PreconditionFailed:
-        generation = store.read(name).generation  # the same batch submitted before: finish it
+        _create_job(store, job, report)
+        if not tasks:
+            return report
+        generation = begin_batch(store, name, span)
+    except (Exception, KeyboardInterrupt) as exc:
+        if tasks and not isinstance(exc, SubmitError):
+            exc.add_note(f"{store.url(name)} was not begun, and no task of it created now (if an earlier run of "
+                         f"this submit left it running, it stays so: run the submit again)")  # fmt: skip
+        raise
     marked = clock.monotonic()
+    try:
+        refused = _create_tasks(store, tasks, parallel, report)
+        mark_regions(store, ids, parallel)
+        _finish(store, name, generation, {**span, **({"refused": str(len(refused))} if refused else {})}, clock, marked)
+    except (Exception, KeyboardInterrupt) as exc:
+        # Not a dead machine (that runs no handler): finish the batch, or say that it is left running.
+        _give_up(store, name, generation, span, ids, parallel, clock, marked, exc)
+        raise
+    if refused:
+        urls = [store.url(layout.task_object(t)) for t in refused]
+        what = (f"{urls[0]} already exists" if len(urls) == 1 else
+                f"{len(urls)} tasks already exist ({', '.join(urls[:3])}{', ...' if len(urls) > 3 else ''})")  # fmt: skip
+        raise SubmitError(
+            f"{what} with a different manifest: tasks are immutable, give the changed task a new id and submit "
+            f"it. The batch's other {len(tasks) - len(refused)} tasks are submitted ({report.created} created "
+            f"now) and its batch marker is finished."
+        )
+    prune_batches(store, name)
+    return report
 
-    def create(task: tuple[str, bytes]) -> bool:
+
+def _create_job(store: ObjectStore, job: bytes | None, report: SubmitReport) -> None:
+    if job is None:
+        return
+    try:
+        store.create(layout.JOB, job)
+        report.job = "created"
+    except PreconditionFailed:
+        if json.loads(store.read(layout.JOB).data) != json.loads(job):
+            raise SubmitError(
+                f"{store.url(layout.JOB)} already exists with different content: "
+                "submit a changed job to a new queue prefix"
+            ) from None
+        report.job = "existing"
+
+
+def batch_name(task_ids: Iterable[str]) -> str:
+    """`batches/<hash>.json`, the hash made from the batch's sorted ids: the same batch submitted
+    again finds the same marker."""
+    ids = sorted(task_ids, key=layout.key)
+    return layout.batch_object(hashlib.sha256("\n".join(ids).encode()).hexdigest()[:24])
+
+
+def _create_tasks(store: ObjectStore, tasks: list[tuple[str, bytes]], parallel: int, report: SubmitReport) -> list[str]:
+    """Create every task that does not exist; the ids that exist with another manifest, in key order.
+
+    Every create is tried, whatever the others do, so a refused task costs the batch nothing else."""
+
+    def create(task: tuple[str, bytes]) -> str | None:
         task_id, data = task
         copy = {"manifest": data.decode()} if len(data) <= layout.MANIFEST_METADATA_BYTES else None
         try:
             store.create(layout.task_object(task_id), data, metadata=copy)
-            return True
+            return "created"
         except PreconditionFailed:
             if json.loads(store.read(layout.task_object(task_id)).data) != json.loads(data):
-                raise SubmitError(
-                    f"{store.url(layout.task_object(task_id))} already exists with a different manifest: "
-                    "tasks are immutable, give the changed task a new id"
-                ) from None
-            return False
+                return "refused"
+            return "existing"
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-        for created in pool.map(create, tasks):
-            if created:
-                report.created += 1
-            else:
-                report.existing += 1
-    mark_regions(store, ids, parallel)
+        outcomes = list(pool.map(create, tasks))
+    report.created += outcomes.count("created")
+    report.existing += outcomes.count("existing")
+    return sorted((t for (t, _), o in zip(tasks, outcomes) if o == "refused"), key=layout.key)
+
+
+def begin_batch(store: ObjectStore, name: str, span: dict[str, str]) -> int:
+    """The batch marker, `running`: created, or rewritten when a run of the same batch made it
+    before (finished or not). Returns its generation: finishing it is this run's job from now on
+    (a run that rewrote it after us takes that job over, and our final write then gets a 412)."""
+    metadata = {**span, "state": layout.BATCH_RUNNING}
+    while True:
+        try:
+            return store.create(name, b"{}", metadata=metadata)
+        except PreconditionFailed:
+            pass
+        try:
+            # Running again even if it was done: this run may create tasks an earlier one did not.
+            return store.write(name, b"{}", if_generation=store.read(name).generation, metadata=metadata)
+        except (NotFound, PreconditionFailed):
+            continue  # deleted (an old done batch) or rewritten in between: look again
+
+
+def _finish(store: ObjectStore, name: str, generation: int, metadata: dict[str, str], clock: Clock, marked: float) -> None:
+    """Rewrite the marker `done`, conditional on this run's `running` write."""
     # A small batch finishes within a second of its `running` write; GCS allows about one write per
     # second to an object (https://cloud.google.com/storage/quotas#objects), and the 429's backoff
     # would keep the batch `running`, its tasks out of waiting workers' sight, for several seconds.
     clock.wait(threading.Event(), store.same_object_write_gap_s - (clock.monotonic() - marked))
     try:
-        store.write(name, b"{}", if_generation=generation, metadata={**span, "state": layout.BATCH_DONE})
-    except PreconditionFailed:
-        pass  # another run of the same batch finished it
-    return report
+        store.write(name, b"{}", if_generation=generation, metadata={**metadata, "state": layout.BATCH_DONE})
+    except (PreconditionFailed, NotFound):
+        log.info("event=batch_taken_over batch=%s", name)  # a later run of the same batch finishes it
+
+
+def _give_up(
+    store: ObjectStore,
+    name: str,
+    generation: int,
+    span: dict[str, str],
+    ids: list[str],
+    parallel: int,
+    clock: Clock,
+    marked: float,
+    cause: BaseException,
+) -> None:
+    """After a failure: cut and un-sweep over every id of the batch (some may exist now), then
+    finish the marker, so that nothing waits for a submit that has stopped. If the store refuses
+    that too, the batch stays `running`, and the cause gets a note saying how to finish it."""
+    try:
+        mark_regions(store, ids, parallel)
+        _finish(store, name, generation, {**span, "gave_up": type(cause).__name__}, clock, marked)
+        log.warning("event=batch_finished_after_failure batch=%s error=%r", name, cause)
+    except Exception as exc:  # noqa: BLE001 - the cause is raised all the same, with this as its note
+        log.error("event=batch_left_running batch=%s error=%r", name, exc)
+        cause.add_note(
+            f"{store.url(name)} is left running ({exc}): run the same submit again, or, once it will never run "
+            f"again, finish its batch: tools/submit.py {store.root_url} --finish-batch {batch_id(name)}"
+        )
+
+
+def batch_id(name: str) -> str:
+    """`batches/<id>.json` -> `<id>`."""
+    return name[len(layout.BATCHES) :].removesuffix(".json")
+
+
+def prune_batches(store: ObjectStore, name: str) -> int:
+    """Delete the `done` batch markers whose last write is BATCH_KEEP_S older than this submit's own
+    marker `name` (both times are the store's, so no client clock matters); how many went.
+
+    Each delete is conditional on the generation listed: a marker a re-run made `running` again
+    stays. A failure here costs nothing but a longer `batches/` listing until the next submit."""
+    try:
+        entries = list(store.list(layout.BATCHES))
+        own = next((e for e in entries if e.name == name), None)
+        if own is None:
+            return 0
+        cutoff = own.updated - dt.timedelta(seconds=layout.BATCH_KEEP_S)
+        pruned = 0
+        for entry in entries:
+            if entry.metadata.get("state") == layout.BATCH_DONE and entry.updated < cutoff:
+                try:
+                    store.delete(entry.name, if_generation=entry.generation)
+                    pruned += 1
+                except (NotFound, PreconditionFailed):
+                    pass  # another submit pruned it, or a re-run made it running again
+    except Exception as exc:  # noqa: BLE001 - housekeeping (a submitter may lack delete permission): the submit stands
+        log.warning("event=batch_prune_failed error=%r", exc)
+        return 0
+    if pruned:
+        log.info("event=batches_pruned count=%d", pruned)
+    return pruned
+
+
+def finish_batch(store: ObjectStore, batch: str, parallel: int = 16) -> str:
+    """Finish a `running` batch whose submit will never run again (its machine died); what was done.
+
+    Every task in the batch's key range (its own, and any other batch's there) gets its region cut
+    and un-swept, as its submit would have done, then the marker is rewritten `done`, conditional
+    on the generation read. A submit still running would lose nothing but its protection: a worker
+    could leave `drained` before its last tasks exist. So this is for a batch status has shown
+    running long after its submit ended."""
+    name = batch if batch.startswith(layout.BATCHES) else layout.batch_object(batch)
+    page = store.list_page(layout.BATCHES, start_offset=name, page_size=1)
+    entry = next((e for e in page.entries if e.name == name), None)
+    if entry is None:
+        raise SubmitError(f"{store.url(name)} does not exist: `tools/status.py {store.root_url}` lists the running batches")
+    if entry.metadata.get("state") == layout.BATCH_DONE:
+        return f"event=batch_already_done batch={batch_id(name)}"
+    first, last = entry.metadata.get("first"), entry.metadata.get("last")
+    if not first or not last:
+        raise SubmitError(f"{store.url(name)} has no 'first'/'last' metadata: it was not written by submit")
+    ids = [t for t in (layout.id_from_object(e.name, layout.TASKS) for e in store.list(
+        layout.TASKS, start_offset=layout.TASKS + layout.key(first), end_offset=layout.TASKS + layout.key(last))) if t]  # fmt: skip
+    mark_regions(store, ids + [last], parallel)
+    try:
+        store.write(name, b"{}", if_generation=entry.generation, metadata={**entry.metadata, "state": layout.BATCH_DONE,
+                                                                            "finished_by": "finish_batch"})  # fmt: skip
+    except (PreconditionFailed, NotFound):
+        raise SubmitError(
+            f"{store.url(name)} changed while it was being finished: a submit of it is running again; leave it to finish"
+        ) from None
+    return f"event=batch_finished batch={batch_id(name)} tasks_in_range={len(ids)}"
 
 
 def mark_regions(store: ObjectStore, task_ids: list[str], parallel: int = 16) -> None:

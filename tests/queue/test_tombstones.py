@@ -3,6 +3,7 @@ check, a takeover checks for a marker its dead holder may have left, and a tombs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -13,8 +14,9 @@ from objectstore.counting import CountingStore
 from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions
 from taskqueue.clock import Clock
-from taskqueue.lease import DEAD, DONE, LeaseLost, encode, new_lease_body
+from taskqueue.lease import DEAD, DONE, HeldLease, LeaseLost, encode, new_lease_body
 from tests.queue.conftest import submit_tasks
+from tests.workers import renewing
 
 
 def options(worker: str = "w") -> ClaimOptions:
@@ -84,23 +86,28 @@ def test_a_waiting_worker_watches_its_regions_with_one_request_and_still_explore
     listing each) and now and then one it does not (tasks and leases)."""
     from objectstore.local import LocalStore
 
-    store = CountingStore(LocalStore(tmp_path / "q"))
+    local = LocalStore(tmp_path / "q")
+    store = CountingStore(local)
     ids = [f"t{k:02d}" for k in range(30)]
     submit_tasks(store.root_url, [{"id": t} for t in ids])
+    busy = []
     for k, task_id in enumerate(ids):
         if k % 3 == 0 and k:
             store.create(layout.split_object(task_id), b"{}")  # regions of three, as submit cuts them by a thousand
         if k % 3 == 2:
-            data, metadata = encode(new_lease_body(task_id, "busy-vm", 3600, Clock()))
+            body = new_lease_body(task_id, "busy-vm", 3600, Clock())
+            data, metadata = encode(body)
+            busy.append(HeldLease(local, body, local.create(layout.lease_object(task_id), data, metadata=metadata), Clock()))
         else:
             data, metadata = encode({**new_lease_body(task_id, "gone-vm", 60, Clock()), "state": DONE})
-        store.create(layout.lease_object(task_id), data, metadata=metadata)
+            store.create(layout.lease_object(task_id), data, metadata=metadata)
     before = dict(store.counts)
-    # A TTL of 0.5 s: past the idle timeout it polls on for at most one TTL while the busy leases (which
-    # never renew here) are not yet judged.
     waiting = Claimer(store, ClaimOptions(worker="w", lease_ttl_s=0.5, idle_timeout_s=1.5, poll_min_s=0.01,
                                           poll_max_s=0.02, seed=3))  # fmt: skip
-    assert list(waiting) == [] and waiting.exit_reason == "idle"
+    with contextlib.ExitStack() as live:  # the busy workers renew (uncounted): the waiting one sees them alive
+        for lease in busy:
+            live.enter_context(renewing(lease))
+        assert list(waiting) == [] and waiting.exit_reason == "idle"
     polls = {k: store.counts[k] - before.get(k, 0) for k in ("list tasks/", "list leases/")}
     assert polls["list leases/"] > 2 * polls["list tasks/"]  # most polls re-list a watched region only
     assert set(waiting.view.tasks) | set(waiting.view.swept) <= set(waiting.view.splits)
