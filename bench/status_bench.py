@@ -40,7 +40,8 @@ def build(tasks: int, n_machines: int, swept_share: float) -> SimStore:
             done = r < n_swept or k % 2 == 0
             holder = f"vm-{(r * layout.REGION_TASKS + k) % n_machines:04d}"
             if k % 1000 == 7:
-                store._store(layout.failed_object(task_id), json.dumps({"reason": "consumer exit 65: bad input"}).encode(), None)
+                reason = "consumer exit 65: bad input"  # listed too, as taskqueue.lease.marker_of writes it
+                store._store(layout.failed_object(task_id), json.dumps({"reason": reason}).encode(), {"reason": reason})
                 store._store(layout.lease_object(task_id), b"{}", {"state": "dead", "worker": holder, "ttl_s": "120"})
             elif done:
                 at = now - dt.timedelta(seconds=(tasks - r * layout.REGION_TASKS - k) * 0.2)

@@ -192,10 +192,12 @@ def snapshot(
     listed_set = set(listed)
     split_keys = [layout.key(r) if r else "" for r in splits]
     every_failed = set()  # for the reasons shown, whichever region; counts come from markers or listed regions
+    listed_reasons: collections.Counter[str | None] = collections.Counter()  # every dead letter's, by its metadata
     for entry in counted.list(layout.FAILED):
         task_id = layout.id_from_object(entry.name, layout.FAILED)
         if task_id:
             every_failed.add(task_id)
+            listed_reasons[entry.metadata.get("reason")] += 1
             if _region_of(splits, split_keys, task_id) in listed_set:
                 failed.add(task_id)
     # Counts of the listed open regions, scaled up to every open region when only a sample was listed.
@@ -256,6 +258,8 @@ def snapshot(
         "curve": _curve(sorted(done_times.values()), sorted(t for t, _ in swept_done), now, scale,
                         0 if history else round(swept_tasks - swept_failed)),
         **_reasons(counted, reasons_for),
+        # Every dead letter by reason, from the listing (those written before it listed the reason are left out).
+        "failed_by_reason": dict(sorted((r, n) for r, n in listed_reasons.items() if r is not None)),
         # Exact for swept and listed regions; an estimate counts only what it listed.
         "counters": dict(sorted(sum_metadata_counters(
             [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
@@ -471,27 +475,32 @@ def holders_text(view: dict, max_chars: int | None) -> str:
     return text
 
 
-def dead_letter_lines(view: dict, max_groups: int | None) -> list[str]:
-    """Dead letters grouped by reason, each with its first task and precise line; the count of
-    those whose reason was not read (MAX_REASONS reads) comes first, so no group looks complete
-    when it may not be."""
-    groups: dict[str, list[str]] = {}
+def dead_letter_groups(view: dict) -> tuple[list[tuple[str, int, list[str]]], int]:
+    """Dead letters grouped by reason: [(reason, count, [tasks read with it])], most first, and how
+    many have a reason neither listed nor read. Counts come from the listing (`failed_by_reason`);
+    dead letters older than that metadata are counted from the MAX_REASONS read."""
+    counts = dict(view.get("failed_by_reason") or {})
+    read: dict[str, list[str]] = {}
     for task_id, reason in view["failed_reasons"].items():
-        groups.setdefault(reason, []).append(task_id)
-    if not groups:
-        return []
-    read = len(view["failed_reasons"])
+        read.setdefault(reason, []).append(task_id)
+    for reason, tasks in read.items():
+        counts.setdefault(reason, 0)
+        counts[reason] = max(counts[reason], len(tasks))
+    groups = sorted(((r, n, read.get(r, [])) for r, n in counts.items()), key=lambda g: (-g[1], g[0]))
+    return groups, max(0, view["failed"] - sum(counts.values()))
+
+
+def dead_letter_lines(view: dict, max_groups: int | None) -> list[str]:
+    """`failed  x100 consumer exit 65: bad input | t7: <its first line>`, a line per reason."""
+    groups, unknown = dead_letter_groups(view)
     lines = []
-    if view["failed"] > read:
-        lines.append(f"failed  {view['failed']} dead letters; the reasons of {read} read, {view['failed'] - read} not read:")
-    ordered = sorted(groups.items(), key=lambda g: (-len(g[1]), g[0]))
-    shown = ordered if max_groups is None else ordered[:max_groups]
-    for reason, tasks in shown:
-        detail = view["failed_details"].get(tasks[0])
-        others = f" and {len(tasks) - 1} more" if len(tasks) > 1 else ""
-        lines.append(f"failed  {tasks[0]}{others}: {reason}" + (f" | {detail}" if detail else ""))
-    if len(shown) < len(ordered):
-        lines.append(f"failed  ... {len(ordered) - len(shown)} more reasons (--machines shows every reason read)")
+    for reason, count, tasks in groups if max_groups is None else groups[:max_groups]:
+        example = f" | {tasks[0]}: {view['failed_details'].get(tasks[0]) or '(no message)'}" if tasks else ""
+        lines.append(f"failed  x{count} {reason}{example}")
+    if max_groups is not None and len(groups) > max_groups:
+        lines.append(f"failed  ... {len(groups) - max_groups} more reasons (--machines lists them all)")
+    if unknown:
+        lines.append(f"failed  x{unknown} reason not read (older dead letters; {MAX_REASONS} are read per view)")
     return lines
 
 

@@ -25,7 +25,7 @@ import re
 import warnings
 from collections.abc import Mapping
 
-from taskqueue.status import duration_text
+from taskqueue.status import dead_letter_groups, duration_text
 
 #: Below this width the page is one column and the charts are the phone drawings.
 NARROW_PX = 700
@@ -444,20 +444,18 @@ def _failures(page: _Page, view: Mapping, fleet: Mapping) -> None:
                 page.add(f"<details class='log-tail'><summary>log tail of <code>{html.escape(name)}</code></summary>"
                          f"<pre>{html.escape(tails[name])}</pre></details>")  # fmt: skip
     if view["failed"]:
-        unread = view["failed"] - len(reasons)
+        groups, unknown = dead_letter_groups(view)
         page.add(f"<h3>{page.value('failed')} dead letter{'s' if view['failed'] != 1 else ''}</h3>")
-        if unread > 0:
-            page.add(f"<p class='muted'>The reasons of {len(reasons):,} are read (one request each); "
-                     f"{unread:,} more are not read, so the counts below are of those read.</p>")  # fmt: skip
-        groups: dict[str, list[str]] = collections.defaultdict(list)
-        for task_id, reason in reasons.items():
-            groups[reason].append(task_id)
-        for reason, tasks in sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])):
-            of = f" of the {len(reasons):,} read" if unread > 0 else ""
+        if unknown:
+            page.add(f"<p class='muted'>{unknown:,} of them are older than the reason in the listing and were not "
+                     f"among the {len(reasons):,} read: their reasons are not known here.</p>")  # fmt: skip
+        for k, (reason, count, tasks) in enumerate(groups):
             rows = [f"<tr><td class='id'><code>{html.escape(t)}</code></td><td>{html.escape(view['failed_details'].get(t) or '')}</td></tr>"
                     for t in tasks]  # fmt: skip
-            page.add(f"<p><b>{html.escape(reason)}</b>: {len(tasks):,}{of}</p>"
-                     + _table(f"dead-letters-{len(page.parts)}", ["task", "first line"], rows).replace("<table ", "<table class='dead-letters' "))  # fmt: skip
+            shown = f" (the first lines of {len(tasks):,} read)" if 0 < len(tasks) < count else ""
+            page.add(f"<p><b>{html.escape(reason)}</b>: {count:,}{shown}</p>")
+            if rows:
+                page.add(_table(f"dead-letters-{k}", ["task", "first line"], rows).replace("<table ", "<table class='dead-letters' "))
 
 
 def _counters(page: _Page, view: Mapping) -> None:

@@ -136,7 +136,7 @@ def test_cost_waste_and_eta_equal_the_hand_figures_in_json_text_and_html(tmp_pat
     assert "waste   $1.56, 0.41 machine-hours (1480s" in text
     assert "finish  $1.89 more ($1.14 to $5.67) at $11.35/h" in text
     assert "eta 10m00s (6m00s to 30m00s; 4 machines up: 7m00s)" in text
-    assert f"failed  t10: consumer exit 65: bad input | {BAD_ROW}" in text
+    assert f"failed  x1 consumer exit 65: bad input | t10: {BAD_ROW}" in text
     assert "m1  straggler on t11 for 8m20s" in text  # 500 s, over 3 x the 140 s median
 
     page_file = tmp_path / "status.html"
