@@ -91,7 +91,10 @@ figure{{margin:0;min-width:0}}figure svg{{display:block;width:100%;height:auto}}
 .half svg{{max-width:720px}}
 .phone{{display:none}}
 @media (max-width:{NARROW_PX}px){{body{{padding:8px 12px 24px}}.phone{{display:block}}.screen{{display:none}}
-h1{{font-size:20px}}.card .v{{font-size:19px}}}}
+h1{{font-size:20px}}.card .v{{font-size:19px}}
+table.stack,table.stack tbody,table.stack tr{{display:block}}table.stack thead{{display:none}}
+table.stack tr{{border-bottom:1px solid var(--line);padding:5px 0}}
+table.stack td{{display:inline;border:0;padding:0 10px 0 0}}table.stack td:first-child{{font-weight:600}}}}
 details{{margin:4px 0}}summary{{cursor:pointer}}
 pre{{white-space:pre-wrap;overflow-wrap:anywhere;background:var(--panel);border:1px solid var(--line);border-radius:4px;
 padding:8px;margin:4px 0;font-size:12.5px;max-height:24em;overflow:auto}}
@@ -212,6 +215,7 @@ def completion_chart(view: Mapping) -> str | None:
         return None
     plt = _matplotlib()
     import matplotlib.dates as mdates
+    import matplotlib.ticker as mticker
 
     start = dt.datetime.fromisoformat(curve["start"])
     times = [start + dt.timedelta(seconds=s) for s, _ in curve["points"]]
@@ -224,6 +228,8 @@ def completion_chart(view: Mapping) -> str | None:
         ax.plot(times, done, color=_PLACEHOLDER["s-working"], lw=2.2, label="done")
         ax.axhline(view["total"], color=_PLACEHOLDER["muted"], ls="--", lw=1.2, label=f"total {view['total']:,}")
         ax.set_ylim(0, max(view["total"], 1) * 1.08)
+        ax.yaxis.set_major_formatter(mticker.StrMethodFormatter("{x:,.0f}"))
+        ax.yaxis.get_major_locator().set_params(integer=True)
         ax.grid(axis="y", lw=0.6)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a span AutoDateLocator has no interval for
@@ -289,9 +295,15 @@ def _states_list(page: _Page, path: str, by_state: Mapping[str, int]) -> str:
     return f"<ul class='states'>{items}</ul>"
 
 
-def _table(table_id: str, head: list[str], rows: list[str], numeric: set[int] = frozenset()) -> str:
+def _table(table_id: str, head: list[str], rows: list[str], numeric: set[int] = frozenset(), stack: bool = False,
+           cls: str = "") -> str:
+    """A table that scrolls inside itself when it is wider than the page; `stack`: on a phone each
+    row is a line of text instead (for rows of names and sentences rather than figures)."""
     cells = "".join(f"<th{' class=n' if k in numeric else ''}>{h}</th>" for k, h in enumerate(head))
-    return f"<div class='scroll'><table id='{table_id}'><thead><tr>{cells}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
+    classes = " ".join(c for c in (cls, "stack" if stack else "") if c)
+    attr = f" class='{classes}'" if classes else ""
+    return (f"<div class='scroll'><table id='{table_id}'{attr}><thead><tr>{cells}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>")  # fmt: skip
 
 
 def _progress(page: _Page, view: Mapping) -> None:
@@ -353,7 +365,7 @@ def _machines(page: _Page, view: Mapping, fleet: Mapping) -> None:
                 f"<td class='n'>{page.value(f'fleet.by_type.{k}.machines')}</td>"
                 f"<td>{html.escape(', '.join(f'{s} {n:,}' for s, n in g['by_state'].items()))}</td></tr>"
                 for k, g in enumerate(fleet["by_type"])]  # fmt: skip
-        page.add(_table("machines-by-type", ["type", "provisioning", "machines", "states"], rows, {2}))
+        page.add(_table("machines-by-type", ["type", "provisioning", "machines", "states"], rows, {2}, stack=True))
     page.add(f"<p class='muted'>A worker missing its beat for {fleet['silent_after_s']:.0f} s is silent and for "
              f"{fleet['lost_after_s']:.0f} s lost (boot records: {fleet['boot_lost_after_s'] / 60:.0f} min); "
              "neither counts as up, burns money here, or carries the ETA.</p>")  # fmt: skip
@@ -374,14 +386,14 @@ def _attention(page: _Page, fleet: Mapping) -> None:
         rows = [f"<tr><td class='id'><code>{html.escape(a['machine'])}</code></td><td>{html.escape(a['condition'])}</td>"
                 f"<td class='id'>{html.escape(a['machine_type'] or '?')}</td><td>{html.escape(attention_line(a))}</td></tr>"
                 for a in attention[:PAGE_ROWS]]  # fmt: skip
-        page.add(_table("attention", ["machine", "condition", "type", "what"], rows))
+        page.add(_table("attention", ["machine", "condition", "type", "what"], rows, stack=True))
         if len(attention) > PAGE_ROWS:
             page.add(f"<p class='muted'>{len(attention) - PAGE_ROWS:,} more not shown: "
                      "<code>tools/status.py QUEUE --machines</code> lists them all.</p>")  # fmt: skip
     if stale:
         rows = [f"<tr><td class='id'><code>{html.escape(s['task'])}</code></td><td>{html.escape(s['worker'])}</td>"
                 f"<td class='n'>{s['silent_s']:,.0f} s</td></tr>" for s in stale[:PAGE_ROWS]]  # fmt: skip
-        page.add("<h3>Stale leases</h3>" + _table("stale-leases", ["task", "held by", "silent"], rows, {2}))
+        page.add("<h3>Stale leases</h3>" + _table("stale-leases", ["task", "held by", "silent"], rows, {2}, stack=True))
 
 
 def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
@@ -455,7 +467,7 @@ def _failures(page: _Page, view: Mapping, fleet: Mapping) -> None:
             shown = f" (the first lines of {len(tasks):,} read)" if 0 < len(tasks) < count else ""
             page.add(f"<p><b>{html.escape(reason)}</b>: {count:,}{shown}</p>")
             if rows:
-                page.add(_table(f"dead-letters-{k}", ["task", "first line"], rows).replace("<table ", "<table class='dead-letters' "))
+                page.add(_table(f"dead-letters-{k}", ["task", "first line"], rows, stack=True, cls="dead-letters"))
 
 
 def _counters(page: _Page, view: Mapping) -> None:
