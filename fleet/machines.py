@@ -102,7 +102,8 @@ def _iso(at: dt.datetime) -> str:
     return at.isoformat(timespec="seconds")
 
 
-def _parse_time(text: object) -> dt.datetime | None:
+def parse_time(text: object) -> dt.datetime | None:
+    """A record's ISO 8601 time (`at`, `since`, `boot_at`), UTC when it names no zone; None if it is not one."""
     try:
         at = dt.datetime.fromisoformat(str(text))
     except ValueError:
@@ -184,7 +185,7 @@ class MachineRecorder:
             return
         spent = previous.get("spent") if isinstance(previous.get("spent"), dict) else {}
         self._spent = {k: float(v) for k, v in spent.items() if isinstance(v, (int, float)) and k in STATES}
-        since = _parse_time(previous.get("since"))
+        since = parse_time(previous.get("since"))
         if previous.get("state") in STATES and since is not None:
             # A worker restarted after a final state finds the machine still up: that gap was idle.
             state = previous["state"] if previous["state"] not in FINAL_STATES else "idle"

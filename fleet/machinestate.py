@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping
 
-from fleet.machines import DEFAULT_BEAT_S, FINAL_STATES, PREFIX, SPENT_PREFIX
+from fleet.machines import DEFAULT_BEAT_S, FINAL_STATES, PREFIX, SPENT_PREFIX, parse_time
 
 #: Machines up: the record is fresh and says so.
 UP = ("booting", "installing", "working", "idle")
@@ -42,14 +42,6 @@ LOST_AFTER_BEATS = 3
 BOOT_STUCK_S = 1800.0
 
 
-def _parse_time(text: object) -> dt.datetime | None:
-    try:
-        at = dt.datetime.fromisoformat(str(text))
-    except ValueError:
-        return None
-    return at if at.tzinfo else at.replace(tzinfo=dt.timezone.utc)
-
-
 def _beat(text: str | None) -> float:
     try:
         beat = float(text) if text else DEFAULT_BEAT_S
@@ -62,7 +54,7 @@ def read_row(entry, now: dt.datetime) -> dict:
     """One listed record (`machines/<name>.json` with its custom metadata) as status reads it."""
     meta = dict(entry.metadata)
     spent = {key[len(SPENT_PREFIX) :]: int(v) for key, v in meta.items() if key.startswith(SPENT_PREFIX) and v.isdigit()}
-    at = _parse_time(meta["at"]) if "at" in meta else None
+    at = parse_time(meta["at"]) if "at" in meta else None
     updated = entry.updated if entry.updated.tzinfo else entry.updated.replace(tzinfo=dt.timezone.utc)
     return {
         "machine": entry.name[len(PREFIX) : -len(".json")],
@@ -76,7 +68,7 @@ def read_row(entry, now: dt.datetime) -> dict:
         "host": meta.get("host"),
         "beat_s": _beat(meta.get("beat_s")),
         "at": at,
-        "since": _parse_time(meta["since"]) if "since" in meta else None,
+        "since": parse_time(meta["since"]) if "since" in meta else None,
         "spent": spent,
         # The machine's own last write when it says (a report `--now` some other time reads right), else the store's.
         "age_s": round(max(0.0, (now - (at or updated)).total_seconds()), 1),

@@ -410,7 +410,9 @@ def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
              + (f"<span class='warn'>{waste_html}</span>" if waste > 0 else waste_html)
              + f". Burning ${page.value('fleet.cost.burn_per_hour', digits=2)}/h now.</p>")  # fmt: skip
     if view["complete"]:
-        pass
+        up = view["fleet"].get("workers_up", 0)
+        still_up = f"; <span class='warn'>{up:,} machine{'s' if up != 1 else ''} still up</span>" if up else ""
+        page.add(f"<p>The queue is complete{still_up}.</p>")
     elif finish.get("dollars") is not None:
         high = finish["dollars_range"][1]
         page.add(f"<p>To finish: <b>${page.value('finish.dollars', digits=2)}</b> (range "
