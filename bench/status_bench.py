@@ -6,7 +6,7 @@ The queue lives in bench/fleet_sim.py's SimStore (GCS's listing pages of 1000, i
 start/end offsets), filled directly: `--tasks` tasks in regions of 1000 (a split per region), the
 first `--swept` of the regions finished and swept, the rest half done, a lease on every unfinished
 task of the open regions held by one of `--machines` machines, a machine record per machine (with
-the cost fields), and one dead letter per 1000 tasks. It then times `tools/status.py`'s view (as
+the cost fields; a few failed, silent, lost or straggling), and one dead letter per 1000 tasks. It then times `tools/status.py`'s view (as
 --json prints it), the same with --history (the page's completion curve lists swept regions' done
 markers too), and the page's rendering. It prints figures; it asserts nothing.
 """
@@ -40,7 +40,8 @@ def build(tasks: int, n_machines: int, swept_share: float) -> SimStore:
             done = r < n_swept or k % 2 == 0
             holder = f"vm-{(r * layout.REGION_TASKS + k) % n_machines:04d}"
             if k % 1000 == 7:
-                store._store(layout.failed_object(task_id), json.dumps({"reason": "consumer exit 65: bad input"}).encode(), None)
+                reason = "consumer exit 65: bad input"  # listed too, as taskqueue.lease.marker_of writes it
+                store._store(layout.failed_object(task_id), json.dumps({"reason": reason}).encode(), {"reason": reason})
                 store._store(layout.lease_object(task_id), b"{}", {"state": "dead", "worker": holder, "ttl_s": "120"})
             elif done:
                 at = now - dt.timedelta(seconds=(tasks - r * layout.REGION_TASKS - k) * 0.2)
@@ -52,13 +53,25 @@ def build(tasks: int, n_machines: int, swept_share: float) -> SimStore:
                 store._store(layout.lease_object(task_id), b"{}", meta)
         if r < n_swept:
             failed = sum(1 for k in range(len(region)) if k % 1000 == 7)
-            meta = {"end": end or "", "tasks": str(len(region)), "failed": str(failed)}
+            meta = {"end": end or "", "tasks": str(len(region)), "failed": str(failed), "confirmed": "1"}
             store._store(layout.swept_object(region[0] if r else layout.HEAD), b"{}", meta)
     for m in range(n_machines):
-        body = machines.make_record(f"vm-{m:04d}", "working", at=now, since=(now - dt.timedelta(seconds=30)).isoformat(),
+        # Most machines work; 1 in 100 failed its boot, 1 in 200 is silent (missed a beat), 1 in 200
+        # lost (silent for 10 minutes) and 1 in 100 a straggler (on one task for an hour).
+        state, at, since, fields = "working", now, now - dt.timedelta(seconds=30), {"task": f"t{m:07d}"}
+        if m % 100 == 3:
+            state, fields = "failed", {"reason": "install_failed: exit 1 at line 300",
+                                       "log_tail": "ERROR: No matching distribution found for jax[tpu]\n" * 5}  # fmt: skip
+        elif m % 200 == 5:
+            at = now - dt.timedelta(seconds=120)
+        elif m % 200 == 7:
+            at = now - dt.timedelta(seconds=600)
+        elif m % 100 == 11:
+            since = now - dt.timedelta(hours=1)
+        body = machines.make_record(f"vm-{m:04d}", state, at=at, since=since.isoformat(), beat_s=60.0,
                                     spent={"booting": 60, "installing": 240, "working": 20000, "idle": 30},
-                                    machine_type="v5litepod-8", provisioning="spot", task=f"t{m:07d}")  # fmt: skip
-        store._store(machines.record_object(body["machine"]), b"{}", machines.listed_metadata(body))
+                                    machine_type="v5litepod-8", provisioning="spot", **fields)  # fmt: skip
+        store._store(machines.record_object(body["machine"]), json.dumps(body).encode(), machines.listed_metadata(body))
     return store
 
 

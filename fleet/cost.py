@@ -1,8 +1,8 @@
 """What a fleet has cost so far, and will cost to finish: machine records priced from fleet/prices.json.
 
 Machine-seconds come from the machine records' listing alone (fleet/machines.py: `spent` per
-state, plus the current spell from `since` to now, or to the last record of a machine that went
-silent or ended). They are split by priced type (`machine_type`), provisioning model (spot,
+state, plus the current spell from `since` to now while the machine is up, else to its last
+record: fleet/machinestate.py decides which, for the counts, the burn rate and the ETA alike). They are split by priced type (`machine_type`), provisioning model (spot,
 standard) and state:
 
 - `booting`, `installing`, `working`, `idle`: the machine's own spells; `deleting` and `exited`
@@ -25,7 +25,7 @@ import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Mapping
 
-from fleet.machines import FINAL_STATES, spell_end
+from fleet.machinestate import UP, classify, counted_until, is_worker
 from fleet.pricing import PriceError, PriceTable
 
 STATES = ("booting", "installing", "working", "idle", "failed")
@@ -41,11 +41,11 @@ class _Group:
     machines: int = 0
 
 
-def machine_seconds(row: Mapping, now: dt.datetime, silent_after_s: float) -> dict[str, float]:
+def machine_seconds(row: Mapping, now: dt.datetime) -> dict[str, float]:
     """One machine's seconds per cost state (STATES), from its listed record `row`."""
     seconds = dict.fromkeys(STATES, 0.0)
     spent = dict(row["spent"])
-    end = spell_end(row, now, silent_after_s)
+    end = counted_until(row, now)
     if end is not None:
         spent[row["state"]] = spent.get(row["state"], 0) + max(0.0, (end - row["since"]).total_seconds())
     for state, s in spent.items():
@@ -62,19 +62,25 @@ def _money(value: float) -> float:
     return round(value, 4)
 
 
-def fleet_cost(rows: Iterable[Mapping], prices: PriceTable, now: dt.datetime, silent_after_s: float) -> dict:
-    """Cost so far, by (machine type, provisioning model) and state, in seconds and dollars."""
+def _per_hour(prices: PriceTable, machine_type: str, provisioning: str) -> float:
+    price = prices.machine_price(machine_type)
+    return price.spot_per_hour if provisioning == SPOT else price.on_demand_per_hour
+
+
+def fleet_cost(rows: Iterable[Mapping], prices: PriceTable, now: dt.datetime) -> dict:
+    """Cost so far, by (machine type, provisioning model) and state, in seconds and dollars; the
+    burn rate is the price of the machines up now (fleet.machinestate.UP)."""
     groups: dict[tuple[str, str], _Group] = {}
     unpriced: dict[str, float] = {}
     burn_per_hour = 0.0
     for row in rows:
-        if row.get("host") not in (None, "0") or row["since"] is None:
+        if not is_worker(row) or row["since"] is None:
             continue
         machine_type = row["machine_type"] or "unknown"
         provisioning = row["provisioning"] or "standard"
-        seconds = machine_seconds(row, now, silent_after_s)
+        seconds = machine_seconds(row, now)
         try:
-            accelerator = prices.accelerator(machine_type)
+            per_hour = _per_hour(prices, machine_type, provisioning)
         except PriceError:
             unpriced[machine_type] = unpriced.get(machine_type, 0.0) + sum(seconds.values())
             continue
@@ -82,15 +88,13 @@ def fleet_cost(rows: Iterable[Mapping], prices: PriceTable, now: dt.datetime, si
         group.machines += 1
         for state, s in seconds.items():
             group.seconds[state] += s
-        per_hour = accelerator.spot_per_hour if provisioning == SPOT else accelerator.on_demand_per_hour
-        if row["state"] not in FINAL_STATES and spell_end(row, now, silent_after_s) == now:
+        if classify(row) in UP:
             burn_per_hour += per_hour  # up now: it goes on costing this much per hour
     by_type = []
     totals_s = dict.fromkeys(STATES, 0.0)
     totals_d = dict.fromkeys(STATES, 0.0)
     for (machine_type, provisioning), group in sorted(groups.items()):
-        accelerator = prices.accelerator(machine_type)
-        per_hour = accelerator.spot_per_hour if provisioning == SPOT else accelerator.on_demand_per_hour
+        per_hour = _per_hour(prices, machine_type, provisioning)
         dollars = {state: s * per_hour / 3600 for state, s in group.seconds.items()}
         for state in STATES:
             totals_s[state] += group.seconds[state]

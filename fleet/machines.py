@@ -6,8 +6,9 @@ Contract (docs/PROTOCOL.md, "Machine records"):
   exists, so no precondition is needed. `startup/startup.sh` writes the early states (booting,
   installing, and failed when the boot fails); the worker writes the rest (working, idle,
   deleting, failed) through the `on_state` hook that spawn.py injects into the queue's spawner.
-- While the worker runs it is rewritten every `beat_s` seconds (the beat), so a record older than
-  a few beats belongs to a machine that went silent. The first state and the final ones (failed,
+- While the worker runs it is rewritten every `beat_s` seconds (the beat, written in the record),
+  so a record that misses its beat belongs to a machine that went silent (fleet/machinestate.py
+  reads it so). The first state and the final ones (failed,
   deleting, exited) are written at once; a change between `working` and `idle` (a new task
   included) is written by the next beat, so a fleet of back-to-back tasks writes one record per
   machine-minute, not two per task plus the beats. The time accounting stays exact: spells are
@@ -26,7 +27,7 @@ Body fields: `machine` (name), `state` (one of STATES), `at` (UTC, ISO 8601), `c
 it runs), `accelerator` (cpu | gpu | tpu), `zone`, `machine_type` (the priced type: a TPU
 accelerator type such as v5litepod-8, else the GCE machine type), `provisioning` (spot |
 standard), `host` (a TPU VM's worker number; 0 speaks for the slice), `boot_at` (kernel boot,
-UTC), `since`, `spent` ({state: seconds}), and as the state needs: `task`, `reason`, `log_tail`,
+UTC), `since`, `spent` ({state: seconds}), `beat_s` (the worker's beat), and as the state needs: `task`, `reason`, `log_tail`,
 `worker`. `role` and `hosts` are reserved for TPU slices (leader/follower, host count).
 """
 
@@ -55,12 +56,10 @@ FINAL_STATES = ("failed", "deleting", "exited")
 #: Fields repeated as custom metadata so that a listing alone serves `status`; `spent` is listed
 #: as one `spent_<state>` key per state (gcloud's --custom-metadata cannot carry commas).
 LISTED_FIELDS = ("state", "task", "reason", "accelerator", "code", "role", "at", "since", "boot_at", "machine_type",
-                 "provisioning", "host")  # fmt: skip
+                 "provisioning", "host", "beat_s")  # fmt: skip
 SPENT_PREFIX = "spent_"
 METADATA_VALUE_MAX = 512
 DEFAULT_BEAT_S = 60.0
-#: A record not refreshed for this many beats is reported as silent.
-SILENT_BEATS = 3
 
 
 class MachineRecordError(ValueError):
@@ -103,7 +102,8 @@ def _iso(at: dt.datetime) -> str:
     return at.isoformat(timespec="seconds")
 
 
-def _parse_time(text: object) -> dt.datetime | None:
+def parse_time(text: object) -> dt.datetime | None:
+    """A record's ISO 8601 time (`at`, `since`, `boot_at`), UTC when it names no zone; None if it is not one."""
     try:
         at = dt.datetime.fromisoformat(str(text))
     except ValueError:
@@ -152,7 +152,8 @@ class MachineRecorder:
         self.beat_s = beat_s
         self.now = now
         self.wait = wait or (lambda stop, seconds: stop.wait(seconds))
-        self.base_fields = dict(base_fields)
+        # Status reads a record that missed this beat as a machine gone silent (fleet/machinestate.py).
+        self.base_fields = {"beat_s": beat_s, **base_fields}
         self._lock = lock or threading.Lock()
         self._body: dict | None = None
         self._stop = threading.Event()
@@ -184,7 +185,7 @@ class MachineRecorder:
             return
         spent = previous.get("spent") if isinstance(previous.get("spent"), dict) else {}
         self._spent = {k: float(v) for k, v in spent.items() if isinstance(v, (int, float)) and k in STATES}
-        since = _parse_time(previous.get("since"))
+        since = parse_time(previous.get("since"))
         if previous.get("state") in STATES and since is not None:
             # A worker restarted after a final state finds the machine still up: that gap was idle.
             state = previous["state"] if previous["state"] not in FINAL_STATES else "idle"
@@ -249,131 +250,6 @@ class MachineRecorder:
             self._body = {**self._body, "at": _iso(self.now())}
             self.writes["beat"] += 1
             self._write(self._body)
-
-
-# ---- the fleet section of status -------------------------------------------------------------
-
-#: A working machine whose task has run this many times the median task's seconds is a straggler.
-STRAGGLER_FACTOR = 3.0
-#: A machine booting or installing for longer than this is making no progress. Boot records are not
-#: refreshed (startup.sh writes on changes only), so after this long without a word the machine's
-#: time is also counted only up to its last record: it is presumed gone.
-BOOT_STUCK_S = 1800.0
-
-
-def _age_s(entry_updated: dt.datetime, now: dt.datetime) -> float:
-    updated = entry_updated if entry_updated.tzinfo else entry_updated.replace(tzinfo=dt.timezone.utc)
-    return max(0.0, (now - updated).total_seconds())
-
-
-def _row(entry, now: dt.datetime) -> dict:
-    meta = dict(entry.metadata)
-    spent = {}
-    for key, value in meta.items():
-        if key.startswith(SPENT_PREFIX) and value.isdigit():
-            spent[key[len(SPENT_PREFIX) :]] = int(value)
-    at = _parse_time(meta["at"]) if "at" in meta else None
-    return {
-        "machine": entry.name[len(PREFIX) : -len(".json")],
-        "state": meta.get("state", "unknown"),
-        "task": meta.get("task"),
-        "reason": meta.get("reason"),
-        "accelerator": meta.get("accelerator"),
-        "code": meta.get("code"),
-        "machine_type": meta.get("machine_type"),
-        "provisioning": meta.get("provisioning"),
-        "host": meta.get("host"),
-        "at": at,
-        "since": _parse_time(meta["since"]) if "since" in meta else None,
-        "spent": spent,
-        # The machine's own last write when it says (a report `--now` some other time reads right), else the store's.
-        "age_s": round(_age_s(at or entry.updated, now), 1),
-    }
-
-
-def spell_end(row: Mapping, now: dt.datetime, silent_after_s: float) -> dt.datetime | None:
-    """Until when the current spell of a machine counts: now while it is alive; its last record when
-    it went silent (preempted, deleted under it) or reached a final state (the final write is its
-    last sign of life). None when the record carries no times (written before they existed)."""
-    if row["since"] is None:
-        return None
-    last = row["at"] or row["since"]
-    if row["state"] in FINAL_STATES:
-        return last
-    quiet_limit = BOOT_STUCK_S if row["state"] in ("booting", "installing") else silent_after_s
-    return now if (now - last).total_seconds() <= quiet_limit else last
-
-
-def fleet_snapshot(
-    store: ObjectStore,
-    now: dt.datetime | None = None,
-    beat_s: float = DEFAULT_BEAT_S,
-    prices=None,
-    median_task_s: float | None = None,
-) -> dict:
-    """The fleet from one listing of `machines/`: counts by state, failures grouped by reason,
-    machines silent for more than SILENT_BEATS beats, the task each working machine is on,
-    stragglers (on one task more than STRAGGLER_FACTOR x `median_task_s`), machines making no
-    progress, and with `prices` (a fleet.pricing.PriceTable) the cost so far (fleet/cost.py)."""
-    from fleet import cost  # (fleet.cost imports this module)
-
-    now = now or _now()
-    rows = [_row(entry, now) for entry in store.list(PREFIX) if entry.name.endswith(".json")]
-    by_state = collections.Counter(m["state"] for m in rows)
-    failures: dict[str, list[str]] = collections.defaultdict(list)
-    for m in rows:
-        if m["state"] == "failed":
-            failures[m["reason"] or "unknown"].append(m["machine"])
-    silent_after = SILENT_BEATS * beat_s
-    silent = sorted(m["machine"] for m in rows if m["state"] not in FINAL_STATES and m["age_s"] > silent_after)
-    stragglers, no_progress = [], []
-    workers_up = 0  # machines up that work or will (a slice counts once, by its worker 0)
-    for m in sorted(rows, key=lambda m: m["machine"]):
-        end = spell_end(m, now, silent_after)
-        spell_s = (end - m["since"]).total_seconds() if end is not None else None
-        up = end == now if end is not None else m["machine"] not in silent
-        if up and m["state"] in ("booting", "installing", "working", "idle") and m["host"] in (None, "0"):
-            workers_up += 1
-        if m["machine"] in silent or spell_s is None:
-            continue
-        if m["state"] == "working" and median_task_s and spell_s > STRAGGLER_FACTOR * median_task_s:
-            stragglers.append({"machine": m["machine"], "task": m["task"], "held_s": round(spell_s, 1),
-                               "median_task_s": round(median_task_s, 1)})  # fmt: skip
-        elif m["state"] in ("booting", "installing") and spell_s > BOOT_STUCK_S:
-            no_progress.append({"machine": m["machine"], "state": m["state"], "for_s": round(spell_s, 1)})
-    view = {
-        "machines": len(rows),
-        "by_state": dict(sorted(by_state.items())),
-        "failures": {reason: sorted(names) for reason, names in sorted(failures.items())},
-        "silent": silent,
-        "silent_after_s": silent_after,
-        "working": {m["machine"]: m["task"] for m in sorted(rows, key=lambda m: m["machine"]) if m["state"] == "working"},
-        "stragglers": stragglers,
-        "no_progress": no_progress,
-        "workers_up": workers_up,
-    }
-    if prices is not None:
-        view["cost"] = cost.fleet_cost(rows, prices, now, silent_after)
-    return view
-
-
-def render_fleet(view: Mapping) -> str:
-    if not view["machines"]:
-        return "fleet: no machine records (machines/ is empty)"
-    states = "  ".join(f"{state}={count}" for state, count in view["by_state"].items())
-    lines = [f"fleet: {view['machines']} machines  {states}"]
-    for reason, names in view["failures"].items():
-        shown = ", ".join(names[:5]) + (f" (+{len(names) - 5})" if len(names) > 5 else "")
-        lines.append(f"  failed x{len(names)}: {reason}  [{shown}]")
-    if view["silent"]:
-        lines.append(f"  silent > {view['silent_after_s']:.0f}s: {', '.join(view['silent'])}")
-    for machine, task in view["working"].items():
-        lines.append(f"  {machine}: working on {task}")
-    for s in view.get("stragglers", []):
-        lines.append(f"  straggler {s['machine']}: {s['task']} for {s['held_s']:.0f}s (median task {s['median_task_s']:.0f}s)")
-    for s in view.get("no_progress", []):
-        lines.append(f"  no progress {s['machine']}: {s['state']} for {s['for_s']:.0f}s")
-    return "\n".join(lines)
 
 
 def machine_name(metadata) -> str:

@@ -11,7 +11,9 @@ TPU accelerator types are `<prefix>-<N>`. For v4 and v5p, N counts TensorCores (
 4 chips; for v5e (`v5litepod-N`) and v6e, N counts chips (https://cloud.google.com/tpu/docs/v4,
 https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e). TPUs are priced per chip-hour
 (https://cloud.google.com/tpu/pricing). A GPU machine type (`a3-highgpu-8g`) comes with its GPUs attached
-(https://cloud.google.com/compute/docs/gpus) and is priced per machine-hour here.
+(https://cloud.google.com/compute/docs/gpus) and is priced per machine-hour here. A machine type without an
+accelerator (`n2-standard-8`, a CPU worker) is priced per machine-hour too (`cpu_machines`: a machine record's
+type, for status's cost; the planner, which needs FLOPs, does not take it).
 
 Nothing here imports the extraction code: the planner (tools/plan.py) joins prices to FLOPs.
 """
@@ -47,6 +49,15 @@ class Accelerator:
 
 
 @dataclasses.dataclass(frozen=True)
+class MachinePrice:
+    """What one machine of a priced type costs per hour: a TPU slice, a GPU or a CPU machine type."""
+
+    name: str
+    on_demand_per_hour: float
+    spot_per_hour: float
+
+
+@dataclasses.dataclass(frozen=True)
 class StoragePrices:
     location: str  # "region" or "multi-region"
     standard_per_gib_month: float
@@ -63,6 +74,7 @@ class PriceTable:
     tpu: Mapping[str, Mapping[str, Any]]
     gpu_machines: Mapping[str, Mapping[str, Any]]
     storage: Mapping[str, StoragePrices]
+    cpu_machines: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def known_accelerators(self) -> list[str]:
         """Examples of valid names: each TPU family's single-host type, then every GPU machine type."""
@@ -110,6 +122,20 @@ class PriceTable:
             on_demand_per_hour=chips * f["on_demand_per_chip_hour"],
             spot_per_hour=chips * f["spot_per_chip_hour"],
         )
+
+    def machine_price(self, name: str) -> MachinePrice:
+        """The hourly prices of any priced machine type: a CPU machine type, else an accelerator
+        (`accelerator`'s rules and errors)."""
+        if name in self.cpu_machines:
+            m = self.cpu_machines[name]
+            return MachinePrice(name, m["on_demand_per_hour"], m["spot_per_hour"])
+        try:
+            machine = self.accelerator(name)
+        except PriceError as exc:
+            if not self.cpu_machines:
+                raise
+            raise PriceError(f"{exc}; CPU machine types priced: {', '.join(self.cpu_machines)}") from None
+        return MachinePrice(name, machine.on_demand_per_hour, machine.spot_per_hour)
 
     def storage_prices(self, location: str) -> StoragePrices:
         if location not in self.storage:
@@ -177,6 +203,15 @@ def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
                 for key in ("peak_bf16_tflops_per_gpu", "on_demand_per_hour", "spot_per_hour")
             },
         }
+    cpus: dict[str, dict[str, Any]] = {}
+    for machine, spec in (_section(raw, "cpu_machines", source) if "cpu_machines" in raw else {}).items():
+        where = f"{source}: cpu_machines.{machine}"
+        if not isinstance(spec, Mapping):
+            raise PriceError(f"{where}: must be an object")
+        cpus[machine] = {
+            "vcpus": _count(f"{where}.vcpus", spec.get("vcpus")),
+            **{key: _number(f"{where}.{key}", spec.get(key)) for key in ("memory_gib", "on_demand_per_hour", "spot_per_hour")},
+        }
     storage = {}
     for location, spec in _section(raw, "storage", source).items():
         where = f"{source}: storage.{location}"
@@ -197,6 +232,7 @@ def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
         tpu=tpu,
         gpu_machines=gpus,
         storage=storage,
+        cpu_machines=cpus,
     )
 
 

@@ -103,6 +103,10 @@ def compact(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
+#: How much of a dead letter's reason its custom metadata carries.
+REASON_METADATA_CHARS = 200
+
+
 def marker_of(tombstone: dict) -> tuple[str, bytes, dict[str, str] | None]:
     """The done marker or dead letter a tombstone stands for: name, body and custom metadata.
 
@@ -112,7 +116,9 @@ def marker_of(tombstone: dict) -> tuple[str, bytes, dict[str, str] | None]:
     task_id = tombstone["task"]
     if tombstone["state"] == DEAD:
         letter = {k: tombstone.get(k) for k in ("task", "reason", "errors", "worker", "fencing_token", "failed_at")}
-        return layout.failed_object(task_id), json.dumps(letter, indent=1).encode(), None
+        # The reason in the metadata too: status counts dead letters by reason from the listing alone.
+        reason = {"reason": str(letter["reason"])[:REASON_METADATA_CHARS]} if letter.get("reason") else None
+        return layout.failed_object(task_id), json.dumps(letter, indent=1).encode(), reason
     marker = {"task": task_id, "fencing_token": tombstone.get("fencing_token"), "worker": tombstone.get("worker"),
               "attempt": tombstone.get("attempt"), "outputs": tombstone.get("progress", []),
               "claimed_at": tombstone.get("claimed_at"), "completed_at": tombstone.get("completed_at"),

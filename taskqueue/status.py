@@ -241,10 +241,12 @@ def _listed(
     listed_set = set(listed)
     split_keys = [layout.key(r) if r else "" for r in splits]
     every_failed = set()  # for the reasons shown, whichever region; counts come from markers or listed regions
+    listed_reasons: collections.Counter[str | None] = collections.Counter()  # every dead letter's, by its metadata
     for entry in counted.list(layout.FAILED):
         task_id = layout.id_from_object(entry.name, layout.FAILED)
         if task_id:
             every_failed.add(task_id)
+            listed_reasons[entry.metadata.get("reason")] += 1
             if _region_of(splits, split_keys, task_id) in listed_set:
                 failed.add(task_id)
     # Counts of the listed open regions, scaled up to every open region when only a sample was listed.
@@ -296,10 +298,14 @@ def _listed(
         "eta_range_s": _eta_range(remaining, rate_low, rate_high),
         "recent_done": n_recent,
         "rate_window_s": RATE_WINDOW_S,
+        # Where the rate's span begins (the first completion in the window): the fleet's size is averaged over it.
+        "rate_since": min(recent + recent_swept).isoformat(timespec="seconds") if rate else None,
         "median_task_s": round(statistics.median(task_seconds), 3) if task_seconds else None,
         "curve": _curve(sorted(done_times.values()), sorted(t for t, _ in swept_done), now, scale,
                         0 if history else round(swept_tasks - swept_failed)),
         **_reasons(counted, reasons_for),
+        # Every dead letter by reason, from the listing (those written before it listed the reason are left out).
+        "failed_by_reason": dict(sorted((r, n) for r, n in listed_reasons.items() if r is not None)),
         # Exact for swept and listed regions; an estimate counts only what it listed.
         "counters": dict(sorted(sum_metadata_counters(
             [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
@@ -348,21 +354,27 @@ def blockers(view: dict, running: list[Entry], now: dt.datetime) -> list[dict]:
     return found
 
 
-def render_blockers(view: dict) -> list[str]:
-    """The text view's section on what blocks completion: one line per kind, its command once."""
+def render_blockers(view: dict, limit: int | None = None) -> list[str]:
+    """The text view's section on what blocks completion: one line per kind, its command once; at most
+    `limit` names per kind (a thousand dead letters must not fill the screen)."""
+
+    def names(blockers: list[dict], name) -> str:
+        shown = ", ".join(name(b) for b in blockers[:limit])
+        return shown + (f", ... {len(blockers) - limit} more" if limit is not None and len(blockers) > limit else "")
+
     kinds: dict[str, list[dict]] = collections.defaultdict(list)
     for blocker in view.get("blockers", []):
         kinds[blocker["kind"]].append(blocker)
     lines = []
     if kinds["batch"]:
-        names = ", ".join(f"{b['batch']} ({b['first']}..{b['last']}, {duration_text(b['running_s'])})" for b in kinds["batch"])
-        lines.append(f"blocked {len(kinds['batch'])} batch(es) running: {names}")
+        running = names(kinds["batch"], lambda b: f"{b['batch']} ({b['first']}..{b['last']}, {duration_text(b['running_s'])})")
+        lines.append(f"blocked {len(kinds['batch'])} batch(es) running: {running}")
         lines.append(f"        {kinds['batch'][0]['clear']}")
     if kinds["stale_lease"]:
-        lines.append(f"blocked {view['stale']} stale lease(s): " + ", ".join(b["task"] for b in kinds["stale_lease"]))
+        lines.append(f"blocked {view['stale']} stale lease(s): " + names(kinds["stale_lease"], lambda b: b["task"]))
         lines.append(f"        {kinds['stale_lease'][0]['clear']}")
     if kinds["dead_letter"]:
-        lines.append(f"blocked {view['failed']} dead letter(s): " + ", ".join(b["task"] for b in kinds["dead_letter"]))
+        lines.append(f"blocked {view['failed']} dead letter(s): " + names(kinds["dead_letter"], lambda b: b["task"]))
         lines.append(f"        {kinds['dead_letter'][0]['clear']}")
     return lines
 
@@ -389,20 +401,42 @@ def _completed_at(entry) -> dt.datetime:
     return entry.updated
 
 
-def with_fleet_size(view: dict, workers_up: int | None) -> dict:
-    """Add the fleet's side of the ETA to `view`: with W machines up and R tasks remaining, the
-    remaining work takes about ceil(R / W) waves of the median task (`eta_fleet_s`), and the ETA's
-    range is widened to hold that too. With no machine up and tasks remaining nothing will finish:
-    the ETA is then unknown (None). `workers_up` None (no machine records, e.g. local workers)
-    leaves the view as it is."""
+#: The fleet has changed size when the machines up now differ from the recent average by at least
+#: this share of it, and by one machine at least: the ETA then scales the recent rate to the fleet now up.
+FLEET_CHANGE = 0.1
+#: Below this average the machine records cannot account for the recent completions (local
+#: workers, a fleet that has just started): the rate is left as measured.
+MIN_RECENT_WORKERS = 0.5
+
+
+def with_fleet_size(view: dict, workers_up: int | None, workers_recent: float | None = None) -> dict:
+    """Add the fleet's side of the ETA to `view`.
+
+    The recent rate was measured while `workers_recent` machines worked on average (since
+    `rate_since`). When the machines up now (`workers_up`) differ from that (fleet.machinestate:
+    preempted, lost or new machines), the rate is scaled to the fleet now up, so the headline ETA
+    and its range are those of this fleet; `fleet_changed` says so, with the ETA the old rate gave.
+    With W machines up and R tasks remaining, the remaining work also takes about ceil(R / W)
+    waves of the median task (`eta_fleet_s`), and the ETA's range is widened to hold that too.
+    With no machine up and tasks remaining nothing will finish: the ETA is then unknown (None).
+    `workers_up` None (no machine records, e.g. local workers) leaves the view as it is."""
     remaining = view["total"] - view["done"] - view["failed"]
     view["workers_up"] = workers_up
+    view["workers_recent"] = workers_recent
     view["eta_fleet_s"] = None
+    view["fleet_changed"] = None
     if workers_up is None or remaining <= 0:
         return view
     if workers_up == 0:
         view["eta_s"] = view["eta_range_s"] = None
         return view
+    if (workers_recent is not None and workers_recent >= MIN_RECENT_WORKERS and view["eta_s"]
+            and abs(workers_up - workers_recent) >= max(1.0, FLEET_CHANGE * workers_recent)):  # fmt: skip
+        factor = workers_recent / workers_up  # an ETA is inversely proportional to the rate
+        view["fleet_changed"] = {"from": workers_recent, "to": workers_up, "eta_at_recent_rate_s": view["eta_s"]}
+        view["eta_s"] = round(view["eta_s"] * factor, 1)
+        if view["eta_range_s"] is not None:
+            view["eta_range_s"] = [None if e is None else round(e * factor, 1) for e in view["eta_range_s"]]
     if view["median_task_s"] is not None:
         fleet_eta = round(math.ceil(remaining / workers_up) * view["median_task_s"], 1)
         view["eta_fleet_s"] = fleet_eta
@@ -469,7 +503,15 @@ def first_line(letter: dict) -> str | None:
     return lines[-1][:500] if lines else None
 
 
-def render(view: dict) -> str:
+#: Lines or items of one kind in the default text view; `full` lifts the caps.
+TEXT_ITEMS = 10
+#: Characters of the holders line in the default text view.
+HOLDERS_CHARS = 160
+
+
+def render(view: dict, full: bool = False) -> str:
+    """The text view. It fits a screen at any queue size: holders, stale leases and dead letters
+    are capped (TEXT_ITEMS, HOLDERS_CHARS), saying how many more there are; `full` lists all."""
     total = view["total"] or 1
     approx = "~" if view["estimate"] else ""
     lines = [
@@ -478,30 +520,18 @@ def render(view: dict) -> str:
         f"{view['pending']} pending, {view['leased']} leased, {view['stale']} stale, {view['failed']} failed",
     ]
     if view["tasks_per_s"]:
-        eta, span = view["eta_s"], view.get("eta_range_s")
-        between = ""
-        if span:
-            between = f" ({duration_text(span[0])} to {duration_text(span[1])}"
-            if view.get("eta_fleet_s") is not None:
-                between += f"; {view['workers_up']} machines up: {duration_text(view['eta_fleet_s'])}"
-            between += ")"
-        lines.append(
-            f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min over the last {view['recent_done']} done, "
-            f"eta {duration_text(eta) if eta is not None else '?'}{between}"
-        )
+        lines.append(eta_text(view))
     if view["counters"]:
         lines.append("counted " + ", ".join(f"{name}={n}" for name, n in view["counters"].items()))
     if view["holders"]:
-        hosts = view.get("slice_hosts", {})
-        lines.append("holders " + ", ".join(
-            f"{w} ({hosts[w]} hosts)={n}" if w in hosts else f"{w}={n}" for w, n in view["holders"].items()
-        ))  # fmt: skip
-    for stale in view["stale_leases"]:
-        lines.append(f"stale   {stale['task']} held by {stale['worker']}, silent {stale['silent_s']:.0f}s")
-    for task_id, reason in view["failed_reasons"].items():
-        detail = view["failed_details"].get(task_id)
-        lines.append(f"failed  {task_id}: {reason}" + (f" | {detail}" if detail else ""))
-    lines += render_blockers(view)
+        lines.append(holders_text(view, None if full else HOLDERS_CHARS))
+    stale = view["stale_leases"] if full else view["stale_leases"][:TEXT_ITEMS]
+    for lease in stale:
+        lines.append(f"stale   {lease['task']} held by {lease['worker']}, silent {lease['silent_s']:.0f}s")
+    if len(stale) < len(view["stale_leases"]):
+        lines.append(f"stale   ... {len(view['stale_leases']) - len(stale)} more (--machines lists them all)")
+    lines += dead_letter_lines(view, None if full else TEXT_ITEMS)
+    lines += render_blockers(view, None if full else TEXT_ITEMS)
     if view["complete"]:
         lines.append("complete: every task has a done or failed marker")
     regions = view["regions"]
@@ -512,6 +542,69 @@ def render(view: dict) -> str:
     )
     lines.append(f"cost    {view['requests']} requests ({how}; {regions['swept']} of {regions['total']} regions swept)")
     return "\n".join(lines)
+
+
+def eta_text(view: dict) -> str:
+    """The rate and ETA line; it says when the ETA is that of a fleet other than the one the rate was measured with."""
+    eta, span = view["eta_s"], view.get("eta_range_s")
+    between = ""
+    if span:
+        between = f" ({duration_text(span[0])} to {duration_text(span[1])}"
+        if view.get("eta_fleet_s") is not None:
+            between += f"; {view['workers_up']} machines up: {duration_text(view['eta_fleet_s'])}"
+        between += ")"
+    text = (f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min over the last {view['recent_done']} done, "
+            f"eta {duration_text(eta) if eta is not None else '?'}{between}")  # fmt: skip
+    changed = view.get("fleet_changed")
+    if changed:
+        text += (f"\n        at the {changed['to']} machines up now; the rate was measured with {changed['from']:g} "
+                 f"on average (at that rate: {duration_text(changed['eta_at_recent_rate_s'])})")  # fmt: skip
+    return text
+
+
+def holders_text(view: dict, max_chars: int | None) -> str:
+    """`holders W workers hold L leases: a=3, b=2, ... (+N more)`, at most `max_chars` long (None: all)."""
+    hosts = view.get("slice_hosts", {})
+    items = [f"{w} ({hosts[w]} hosts)={n}" if w in hosts else f"{w}={n}" for w, n in view["holders"].items()]
+    head = f"holders {len(items)} workers hold {sum(view['holders'].values())} leases: "
+    text, shown = head, 0
+    for item in items:
+        rest = len(items) - shown - 1
+        tail = f" (+{rest} more, --machines lists all)" if rest else ""
+        if max_chars is not None and len(text) + len(item) + 2 + len(tail) > max_chars and shown:
+            return text + f" (+{len(items) - shown} more, --machines lists all)"
+        text += (", " if shown else "") + item
+        shown += 1
+    return text
+
+
+def dead_letter_groups(view: dict) -> tuple[list[tuple[str, int, list[str]]], int]:
+    """Dead letters grouped by reason: [(reason, count, [tasks read with it])], most first, and how
+    many have a reason neither listed nor read. Counts come from the listing (`failed_by_reason`);
+    dead letters older than that metadata are counted from the MAX_REASONS read."""
+    counts = dict(view.get("failed_by_reason") or {})
+    read: dict[str, list[str]] = {}
+    for task_id, reason in view["failed_reasons"].items():
+        read.setdefault(reason, []).append(task_id)
+    for reason, tasks in read.items():
+        counts.setdefault(reason, 0)
+        counts[reason] = max(counts[reason], len(tasks))
+    groups = sorted(((r, n, read.get(r, [])) for r, n in counts.items()), key=lambda g: (-g[1], g[0]))
+    return groups, max(0, view["failed"] - sum(counts.values()))
+
+
+def dead_letter_lines(view: dict, max_groups: int | None) -> list[str]:
+    """`failed  x100 consumer exit 65: bad input | t7: <its first line>`, a line per reason."""
+    groups, unknown = dead_letter_groups(view)
+    lines = []
+    for reason, count, tasks in groups if max_groups is None else groups[:max_groups]:
+        example = f" | {tasks[0]}: {view['failed_details'].get(tasks[0]) or '(no message)'}" if tasks else ""
+        lines.append(f"failed  x{count} {reason}{example}")
+    if max_groups is not None and len(groups) > max_groups:
+        lines.append(f"failed  ... {len(groups) - max_groups} more reasons (--machines lists them all)")
+    if unknown:
+        lines.append(f"failed  x{unknown} reason not read (older dead letters; {MAX_REASONS} are read per view)")
+    return lines
 
 
 def duration_text(seconds: float | None) -> str:

@@ -4,6 +4,15 @@ It holds no script, no font and no link: charts are SVG that matplotlib draws he
 paths), styles are inline, so the file opens offline, from a disk or from the bucket's
 authenticated object URL. Every figure on it is a value of the view, marked `data-key="<path>"`
 (a dotted path into the JSON), so a test can hold the page to `--json`.
+
+It reads on any screen and in either colour scheme:
+
+- one column below NARROW_PX, tables that scroll inside themselves, text that wraps;
+- each chart is drawn twice, for a phone and for a wide screen, and CSS shows the one that fits,
+  so its text is as large as the page's on both (a chart scaled down to a phone is unreadable);
+- colours are CSS custom properties with a `prefers-color-scheme: dark` set. The charts are drawn
+  with placeholder colours that are then replaced by `var(--ink)`, `var(--s-working)`, ..., so
+  one drawing follows the page's scheme.
 """
 
 from __future__ import annotations
@@ -12,24 +21,83 @@ import collections
 import datetime as dt
 import html
 import io
+import re
+import warnings
 from collections.abc import Mapping
 
-from taskqueue.status import duration_text
+from taskqueue.status import dead_letter_groups, duration_text
 
-STATE_COLOURS = {"booting": "#9ecae1", "installing": "#4292c6", "working": "#31a354", "idle": "#fdae6b",
-                 "failed": "#de2d26", "deleting": "#969696", "exited": "#636363"}  # fmt: skip
+#: Below this width the page is one column and the charts are the phone drawings.
+NARROW_PX = 700
+#: Rows of a machine table on the page; the rest are counted (tools/status.py --machines lists them).
+PAGE_ROWS = 100
+#: Names listed per machine failure reason.
+NAMES_PER_REASON = 20
+
+#: The roles the page colours, light and dark. Text colours keep a contrast of 4.5:1 or more with
+#: the page and panel backgrounds in both schemes (WCAG 2.x, AA); state colours fill bars.
+PALETTE = {
+    "bg": ("#ffffff", "#0d1117"),
+    "panel": ("#f3f5f7", "#161b22"),
+    "ink": ("#1b1f24", "#e6edf3"),
+    "muted": ("#57606a", "#9da7b3"),
+    "line": ("#d0d7de", "#30363d"),
+    "warn": ("#b42318", "#ff7b72"),
+    "accent": ("#1a7f37", "#3fb950"),
+    "s-booting": ("#6baed6", "#79b8e8"),
+    "s-installing": ("#2171b5", "#4a9be0"),
+    "s-working": ("#2ca02c", "#3fb950"),
+    "s-idle": ("#f28e2b", "#f2a35e"),
+    "s-silent": ("#b07aa1", "#d2a8ff"),
+    "s-lost": ("#7f3c8d", "#b083f0"),
+    "s-failed": ("#d62728", "#ff6b6b"),
+    "s-preempted": ("#8c564b", "#c69c8d"),
+    "s-deleting": ("#969696", "#8b949e"),
+    "s-exited": ("#636363", "#6e7681"),
+    "s-unknown": ("#bbbbbb", "#484f58"),
+}
+#: Placeholder colours the charts are drawn in, one per role, replaced by `var(--role)` afterwards.
+_PLACEHOLDER = {role: f"#0102{k + 16:02x}" for k, role in enumerate(PALETTE)}
 COST_STATES = ("booting", "installing", "working", "idle", "failed")
 
-STYLE = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px auto;max-width:1100px;color:#222;padding:0 16px}
-h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:22px 0 8px;border-bottom:1px solid #ddd;padding-bottom:3px}
-.sub{color:#666;margin-bottom:14px}.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(170px,1fr));gap:10px}
-.card{border:1px solid #ddd;border-radius:6px;padding:8px 12px}.card .v{font-size:22px;font-weight:600}
-.card .l{color:#666;font-size:12px}table{border-collapse:collapse;width:100%;margin:6px 0}
-td,th{border-bottom:1px solid #eee;padding:3px 8px;text-align:left;vertical-align:top}th{background:#f6f6f6}
-td.n,th.n{text-align:right;font-variant-numeric:tabular-nums}.bar{height:14px;background:#eee;border-radius:7px;overflow:hidden}
-.bar span{display:block;height:100%;background:#31a354}.charts{display:grid;grid-template-columns:1fr 1fr;gap:16px}
-figure{margin:0}figure svg{width:100%;height:auto}.warn{color:#b30000}.muted{color:#777}code{font-size:12px}
+
+def _style() -> str:
+    light = ";".join(f"--{role}:{light}" for role, (light, _) in PALETTE.items())
+    dark = ";".join(f"--{role}:{dark}" for role, (_, dark) in PALETTE.items())
+    return f"""
+:root{{color-scheme:light dark;{light}}}
+@media (prefers-color-scheme:dark){{:root{{{dark}}}}}
+html{{background:var(--bg);color:var(--ink)}}
+body{{font:15px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:1180px;padding:12px 20px 32px}}
+h1{{font-size:22px;margin:8px 0 2px}}h2{{font-size:18px;margin:26px 0 8px;border-bottom:1px solid var(--line);padding-bottom:3px}}
+h3{{font-size:15px;margin:14px 0 4px}}p{{margin:6px 0}}
+.sub,.muted{{color:var(--muted)}}.warn{{color:var(--warn)}}b.warn,.warn b{{font-weight:600}}
+code{{font-size:13px;overflow-wrap:anywhere}}
+.bar{{height:14px;background:var(--line);border-radius:7px;overflow:hidden;margin:4px 0 10px}}
+.bar span{{display:block;height:100%;background:var(--accent)}}
+.cards{{display:grid;grid-template-columns:repeat(auto-fit,minmax(110px,1fr));gap:8px}}
+.card{{border:1px solid var(--line);border-radius:6px;padding:6px 10px;background:var(--panel)}}
+.card .v{{font-size:22px;font-weight:600;font-variant-numeric:tabular-nums}}.card .l{{color:var(--muted);font-size:13px}}
+.states{{display:flex;flex-wrap:wrap;gap:6px 14px;padding:0;margin:6px 0;list-style:none}}
+.states li::before{{content:"";display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px;background:var(--c)}}
+.scroll{{overflow-x:auto;max-width:100%}}
+table{{border-collapse:collapse;width:100%;margin:6px 0}}
+td,th{{border-bottom:1px solid var(--line);padding:4px 8px;text-align:left;vertical-align:top}}
+th{{background:var(--panel);font-weight:600}}
+td.n,th.n{{text-align:right;font-variant-numeric:tabular-nums}}td.n,th,td.id{{white-space:nowrap}}
+.charts{{display:grid;grid-template-columns:1fr;gap:18px;margin-top:14px}}
+@media (min-width:1000px){{.charts{{grid-template-columns:1fr 1fr}}.charts .full{{grid-column:1/-1}}}}
+figure{{margin:0;min-width:0}}figure svg{{display:block;width:100%;height:auto}}
+.half svg{{max-width:720px}}
+.phone{{display:none}}
+@media (max-width:{NARROW_PX}px){{body{{padding:8px 12px 24px}}.phone{{display:block}}.screen{{display:none}}
+h1{{font-size:20px}}.card .v{{font-size:19px}}
+table.stack,table.stack tbody,table.stack tr{{display:block}}table.stack thead{{display:none}}
+table.stack tr{{border-bottom:1px solid var(--line);padding:5px 0}}
+table.stack td{{display:inline;border:0;padding:0 10px 0 0}}table.stack td:first-child{{font-weight:600}}}}
+details{{margin:4px 0}}summary{{cursor:pointer}}
+pre{{white-space:pre-wrap;overflow-wrap:anywhere;background:var(--panel);border:1px solid var(--line);border-radius:4px;
+padding:8px;margin:4px 0;font-size:12.5px;max-height:24em;overflow:auto}}
 """
 
 
@@ -63,17 +131,14 @@ class _Page:
         return f'<{tag}{attr} data-key="{html.escape(path)}" data-value="{html.escape(str(raw))}">{html.escape(shown)}</{tag}>'
 
 
-def _svg(fig) -> str:
-    import matplotlib.pyplot as plt
+# ---- charts ------------------------------------------------------------------------------------
 
-    out = io.StringIO()
-    fig.savefig(out, format="svg", bbox_inches="tight", metadata={"Date": None})
-    plt.close(fig)
-    text = out.getvalue()
-    return text[text.index("<svg") :]
+#: (width, height per unit) in inches of a chart drawn for a phone (about 370 px wide) and for a wide
+#: screen; text is 10 pt in both, so it shows at about 13 px on a phone and 14 px on a wide screen.
+PHONE_IN, SCREEN_FULL_IN, SCREEN_HALF_IN = 3.9, 10.5, 5.4
 
 
-def _figure():
+def _matplotlib():
     try:
         import matplotlib
     except ImportError as exc:
@@ -82,187 +147,361 @@ def _figure():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    ink = _PLACEHOLDER["ink"]
     # Glyphs as paths (no font needed to view it) and stable ids (a re-render of one view is identical).
-    matplotlib.rcParams.update({"svg.fonttype": "path", "svg.hashsalt": "status", "font.size": 9})
-    return plt.subplots(figsize=(5.2, 2.8))
+    matplotlib.rcParams.update({
+        "svg.fonttype": "path", "svg.hashsalt": "status", "font.size": 10, "text.color": ink, "axes.labelcolor": ink,
+        "axes.edgecolor": _PLACEHOLDER["muted"], "xtick.color": ink, "ytick.color": ink, "axes.titlesize": 11,
+        "axes.titleweight": "bold", "grid.color": _PLACEHOLDER["line"], "axes.spines.top": False, "axes.spines.right": False,
+    })  # fmt: skip
+    return plt
+
+
+def _svg(fig, scope: str, title: str) -> str:
+    """The figure as inline SVG: placeholder colours become CSS variables, ids get `scope` as a
+    prefix (several drawings share one page), and its size follows its container."""
+    import matplotlib.pyplot as plt
+
+    out = io.StringIO()
+    fig.savefig(out, format="svg", bbox_inches="tight", transparent=True, metadata={"Date": None})
+    plt.close(fig)
+    text = out.getvalue()
+    text = text[text.index("<svg") :]
+    text = re.sub(r"<metadata>.*?</metadata>\s*", "", text, flags=re.S)
+    for role, colour in _PLACEHOLDER.items():
+        text = text.replace(colour, f"var(--{role})")
+    ids = set(re.findall(r'\bid="([^"]+)"', text))
+    text = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{scope}-{m.group(1)}"', text)
+    text = re.sub(r'(href="#|url\(#)([^")]+)', lambda m: m.group(1) + (f"{scope}-{m.group(2)}" if m.group(2) in ids else m.group(2)), text)
+    # width/height in pt would fix its size; the viewBox keeps its shape at any width.
+    text = re.sub(r'<svg ([^>]*?)width="[^"]*" height="[^"]*"', r'<svg \1role="img" aria-label="' + html.escape(title) + '"', text, count=1)
+    return text
+
+
+def _both(name: str, draw, title: str, half: bool = False) -> str:
+    """A figure holding the chart drawn for a phone and for a wide screen; CSS shows one."""
+    wide = SCREEN_HALF_IN if half else SCREEN_FULL_IN
+    return (f"<figure class='chart{' half' if half else ' full'}' id='chart-{name}'>"
+            f"<div class='phone'>{_svg(draw(PHONE_IN, True), f'{name}-phone', title)}</div>"
+            f"<div class='screen'>{_svg(draw(wide, False), f'{name}-screen', title)}</div></figure>")  # fmt: skip
+
+
+def _time_ticks(span_s: float):
+    """A formatter for a UTC time axis: `HH:MM` (`HH:MM:SS` over a few minutes), with the date
+    (`Nov 24`) on the first tick and wherever the day changes."""
+    import matplotlib.dates as mdates
+    import matplotlib.ticker as mticker
+
+    clock = "%H:%M:%S" if span_s < 300 else "%H:%M"
+
+    class TimeTicks(mticker.Formatter):
+        def __call__(self, x, pos=None):
+            return self.format_ticks([x])[0]
+
+        def format_ticks(self, values):
+            labels, day = [], None
+            for value in values:
+                at = mdates.num2date(value, tz=dt.timezone.utc)
+                labels.append(at.strftime(clock if at.date() == day else f"%b %d\n{clock}"))
+                day = at.date()
+            return labels
+
+    return TimeTicks()
 
 
 def completion_chart(view: Mapping) -> str | None:
     curve = view.get("curve")
     if not curve:
         return None
-    fig, ax = _figure()
+    plt = _matplotlib()
+    import matplotlib.dates as mdates
+    import matplotlib.ticker as mticker
+
     start = dt.datetime.fromisoformat(curve["start"])
     times = [start + dt.timedelta(seconds=s) for s, _ in curve["points"]]
-    ax.plot(times, [n for _, n in curve["points"]], color="#31a354", lw=2, label="done")
-    ax.axhline(view["total"], color="#888", ls="--", lw=1, label=f"total {view['total']:,}")
-    ax.set_ylim(0, max(view["total"], 1) * 1.05)
-    ax.set_ylabel("tasks done")
-    ax.set_title("Completion curve (UTC)")
-    ax.legend(loc="upper left", frameon=False)
-    fig.autofmt_xdate()
-    return _svg(fig)
+    done = [n for _, n in curve["points"]]
+    span_s = curve["points"][-1][0] if curve["points"] else 0.0
+    title = "Tasks done over time"
+
+    def draw(width: float, phone: bool):
+        fig, ax = plt.subplots(figsize=(width, 2.9 if phone else 3.1))
+        ax.plot(times, done, color=_PLACEHOLDER["s-working"], lw=2.2, label="done")
+        ax.axhline(view["total"], color=_PLACEHOLDER["muted"], ls="--", lw=1.2, label=f"total {view['total']:,}")
+        ax.set_ylim(0, max(view["total"], 1) * 1.08)
+        ax.yaxis.set_major_formatter(mticker.StrMethodFormatter("{x:,.0f}"))
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.grid(axis="y", lw=0.6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a span AutoDateLocator has no interval for
+            ax.xaxis.set_major_locator(mdates.AutoDateLocator(minticks=3 if phone else 6, maxticks=5 if phone else 12))
+        ax.xaxis.set_major_formatter(_time_ticks(span_s))
+        end = times[-1] if times else start
+        ax.set_xlabel(f"UTC, {start:%Y-%m-%d %H:%M} to {end:%Y-%m-%d %H:%M}")
+        ax.set_ylabel("tasks done")
+        ax.set_title(title, loc="left")
+        ax.legend(loc="lower right", frameon=False)
+        return fig
+
+    return _both("completion", draw, title)
+
+
+def _hbars(labels: list[str], values: list[float], colours: list[str], texts: list[str], title: str, xlabel: str,
+           name: str, integer: bool = False):
+    plt = _matplotlib()
+
+    def draw(width: float, phone: bool):
+        fig, ax = plt.subplots(figsize=(width, 0.9 + 0.36 * max(len(labels), 2)))
+        ax.barh(labels, values, color=colours, height=0.66)
+        top = max(values) if values and max(values) > 0 else 1
+        for y, text in enumerate(texts):
+            ax.text(values[y] + top * 0.01, y, f" {text}", va="center")
+        ax.set_xlim(0, top * (1.32 if phone else 1.2))
+        if integer:
+            ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.invert_yaxis()
+        ax.set_xlabel(xlabel)
+        ax.set_title(title, loc="left")
+        ax.grid(axis="x", lw=0.6)
+        ax.set_axisbelow(True)
+        return fig
+
+    return _both(name, draw, title, half=True)
 
 
 def machines_chart(fleet: Mapping) -> str | None:
-    if not fleet.get("machines"):
+    by_state = fleet.get("by_state") or {}
+    if not by_state:
         return None
-    fig, ax = _figure()
-    states = list(fleet["by_state"])
-    counts = [fleet["by_state"][s] for s in states]
-    ax.barh(states, counts, color=[STATE_COLOURS.get(s, "#999") for s in states])
-    for y, n in enumerate(counts):
-        ax.text(n, y, f" {n}", va="center")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("machines")
-    ax.set_title("Machines by state")
-    ax.invert_yaxis()
-    return _svg(fig)
+    states = list(by_state)
+    counts = [by_state[s] for s in states]
+    return _hbars(states, counts, [_PLACEHOLDER.get(f"s-{s}", _PLACEHOLDER["s-unknown"]) for s in states],
+                  [f"{n:,}" for n in counts], "Machines by state", "machines", "machines", integer=True)  # fmt: skip
 
 
 def cost_chart(cost: Mapping) -> str | None:
     if not cost["total_seconds"]:
         return None
-    fig, ax = _figure()
     dollars = [cost["dollars"][s] for s in COST_STATES]
-    ax.bar(COST_STATES, dollars, color=[STATE_COLOURS[s] for s in COST_STATES])
-    for x, d in enumerate(dollars):
-        ax.text(x, d, f"${d:,.2f}", ha="center", va="bottom")
-    ax.margins(y=0.15)  # room for the labels above the bars
-    ax.set_ylabel("US dollars")
-    ax.set_title("Cost so far by machine state")
-    return _svg(fig)
+    return _hbars(list(COST_STATES), dollars, [_PLACEHOLDER[f"s-{s}"] for s in COST_STATES],
+                  [f"${d:,.2f}" for d in dollars], "Cost so far by machine state", "US dollars", "cost")  # fmt: skip
 
 
-def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
-    """The page for `view` (tools/status.py's --json object: the queue's snapshot with `fleet` and `finish`)."""
-    generated = generated or dt.datetime.now(dt.timezone.utc)
-    page = _Page(view)
+# ---- sections ----------------------------------------------------------------------------------
+
+
+def _states_list(page: _Page, path: str, by_state: Mapping[str, int]) -> str:
+    items = "".join(f"<li style='--c:var(--s-{html.escape(s)})'>{html.escape(s)} {page.value(f'{path}.{s}')}</li>"
+                    for s in by_state)  # fmt: skip
+    return f"<ul class='states'>{items}</ul>"
+
+
+def _table(table_id: str, head: list[str], rows: list[str], numeric: set[int] = frozenset(), stack: bool = False,
+           cls: str = "") -> str:
+    """A table that scrolls inside itself when it is wider than the page; `stack`: on a phone each
+    row is a line of text instead (for rows of names and sentences rather than figures)."""
+    cells = "".join(f"<th{' class=n' if k in numeric else ''}>{h}</th>" for k, h in enumerate(head))
+    classes = " ".join(c for c in (cls, "stack" if stack else "") if c)
+    attr = f" class='{classes}'" if classes else ""
+    return (f"<div class='scroll'><table id='{table_id}'{attr}><thead><tr>{cells}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>")  # fmt: skip
+
+
+def _progress(page: _Page, view: Mapping) -> None:
     total = view["total"] or 1
     pct = 100 * view["done"] / total
-    page.add(f"<h1>Queue status</h1><div class='sub'><code>{html.escape(view['queue'])}</code> &middot; "
-             f"{'estimate' if view['estimate'] else 'exact'} &middot; as of {generated.isoformat(timespec='seconds')} "
-             f"&middot; {page.value('requests')} requests</div>")  # fmt: skip
-
-    # Progress and ETA
     page.add("<h2>Progress</h2>")
-    page.add(f"<div class='bar'><span style='width:{pct:.2f}%'></span></div>")
+    page.add(f"<div class='bar' role='img' aria-label='{pct:.1f}% done'><span style='width:{pct:.2f}%'></span></div>")
     cards = [("done", "done"), ("total", "total"), ("pending", "pending"), ("leased", "leased"), ("stale", "stale"),
              ("failed", "failed")]  # fmt: skip
-    page.add("<div class='grid' style='margin-top:10px'>" + "".join(
+    page.add("<div class='cards'>" + "".join(
         f"<div class='card'><div class='v'>{page.value(k)}</div><div class='l'>{label}</div></div>" for k, label in cards
     ) + "</div>")  # fmt: skip
-    eta = view.get("eta_s")
-    span = view.get("eta_range_s")
+    page.add(f"<p>{_eta_html(page, view)}</p>")
     rate = view.get("tasks_per_s")
-    eta_html = page.value("eta_s", duration_text(eta) if eta is not None else "?")
-    if view["complete"]:
-        eta_html = "complete"
-    elif span:
-        eta_html += (f" (range {page.value('eta_range_s.0', duration_text(span[0]))} to "
-                     f"{page.value('eta_range_s.1', duration_text(span[1]))})")  # fmt: skip
-    if view.get("eta_fleet_s") is not None and not view["complete"]:
-        eta_html += (f"; {page.value('workers_up')} machines up need about "
-                     f"{page.value('eta_fleet_s', duration_text(view['eta_fleet_s']))}")  # fmt: skip
-    elif view.get("workers_up") == 0 and not view["complete"]:
-        eta_html = "<span class='warn'>never: no machine is up</span>"
-    rate_html = page.value("tasks_per_s", f"{rate * 60:,.1f} tasks/min") if rate else "no recent completions"
     median = view.get("median_task_s")
-    page.add(f"<p>ETA <b>{eta_html}</b> &middot; rate {rate_html} over the last "
-             f"{page.value('recent_done')} completions ({view['rate_window_s'] / 60:.0f} min window)"
+    rate_html = page.value("tasks_per_s", f"{rate * 60:,.1f} tasks/min") if rate else "no recent completions"
+    page.add(f"<p class='muted'>Rate {rate_html} over the last {page.value('recent_done')} completions "
+             f"({view['rate_window_s'] / 60:.0f} min window)"
              + (f" &middot; median task {page.value('median_task_s', duration_text(median))}" if median is not None else "")
              + f" &middot; {pct:.1f}% done</p>")  # fmt: skip
 
-    fleet = view.get("fleet") or {}
-    cost = fleet.get("cost")
-    charts = [("chart-completion", completion_chart(view)), ("chart-machines", machines_chart(fleet)),
-              ("chart-cost", cost_chart(cost) if cost else None)]  # fmt: skip
-    drawn = [(name, chart) for name, chart in charts if chart]
-    if drawn:
-        page.add("<div class='charts'>" + "".join(f"<figure class='chart' id='{n}'>{c}</figure>" for n, c in drawn) + "</div>")
 
-    # Cost
-    if cost:
-        finish = view.get("finish") or {}
-        page.add("<h2>Cost</h2>")
-        page.add(f"<p>So far <b>${page.value('fleet.cost.total_dollars', digits=2)}</b> over "
-                 f"{page.value('fleet.cost.total_seconds', digits=0)} machine-seconds; "
-                 f"<span class='warn'>waste ${page.value('fleet.cost.waste_dollars', digits=2)}</span> "
-                 f"({page.value('fleet.cost.waste_seconds', digits=0)} s of boot, install, idle and failed boots). "
-                 f"Burning ${page.value('fleet.cost.burn_per_hour', digits=2)}/h now.</p>")  # fmt: skip
-        if finish.get("dollars") is not None:
-            low, high = finish["dollars_range"]
-            page.add(f"<p>To finish: <b>${page.value('finish.dollars', digits=2)}</b> (range "
-                     f"${page.value('finish.dollars_range.0', digits=2)} to "
-                     + (f"${page.value('finish.dollars_range.1', digits=2)}" if high is not None else "unbounded")
-                     + f"), projected total ${page.value('finish.projected_total_dollars', digits=2)}; "
-                     f"${page.value('finish.dollars_per_task', digits=4)} per finished task so far.</p>")  # fmt: skip
-        else:
-            page.add("<p>To finish: unknown until tasks complete at a measurable rate.</p>")
-        rows = "".join(
-            f"<tr><td>{s}</td><td class='n'>{page.value(f'fleet.cost.seconds.{s}', digits=0)}</td>"
-            f"<td class='n'>${page.value(f'fleet.cost.dollars.{s}', digits=2)}</td></tr>" for s in COST_STATES
-        )
-        page.add(f"<table id='cost-by-state'><tr><th>state</th><th class='n'>machine-seconds</th><th class='n'>dollars</th></tr>{rows}</table>")
-        rows = "".join(
-            f"<tr><td>{html.escape(g['machine_type'])}</td><td>{html.escape(g['provisioning'])}</td>"
-            f"<td class='n'>{g['machines']}</td><td class='n'>${g['per_hour']:,.2f}</td>"
-            f"<td class='n'>${sum(g['dollars'].values()):,.2f}</td></tr>" for g in cost["by_type"]
-        )
-        page.add("<table id='cost-by-type'><tr><th>type</th><th>provisioning</th><th class='n'>machines</th>"
-                 f"<th class='n'>per hour</th><th class='n'>so far</th></tr>{rows}</table>")  # fmt: skip
-        for machine_type, seconds in cost["unpriced_seconds"].items():
-            page.add(f"<p class='muted'>{html.escape(machine_type)}: {seconds:,.0f} machine-seconds, not in the price table.</p>")
-        page.add(f"<p class='muted'>List prices of {html.escape(cost['prices']['as_of'])}. Not included: "
-                 f"{html.escape(cost['not_included'])}.</p>")  # fmt: skip
+def _eta_html(page: _Page, view: Mapping) -> str:
+    if view["complete"]:
+        return "ETA <b>complete</b>: every task has a done or failed marker"
+    if view.get("workers_up") == 0:
+        return "ETA <b class='warn'>never: no machine is up</b>"
+    eta, span = view.get("eta_s"), view.get("eta_range_s")
+    text = "ETA <b>" + page.value("eta_s", duration_text(eta) if eta is not None else "unknown") + "</b>"
+    if span:
+        text += (f" (range {page.value('eta_range_s.0', duration_text(span[0]))} to "
+                 f"{page.value('eta_range_s.1', duration_text(span[1]))})")  # fmt: skip
+    if view.get("workers_up") is not None:
+        text += f" with the {page.value('workers_up')} machines up now"
+        changed = view.get("fleet_changed")
+        if changed:
+            before = page.value("fleet_changed.from", f"{changed['from']:g}")
+            old_eta = page.value("fleet_changed.eta_at_recent_rate_s", duration_text(changed["eta_at_recent_rate_s"]))
+            text += (f"; <span class='warn'>the fleet changed: the rate was measured with {before} machines on "
+                     f"average</span> (at that rate: {old_eta})")  # fmt: skip
+        if view.get("eta_fleet_s") is not None:
+            text += f"; {page.value('eta_fleet_s', duration_text(view['eta_fleet_s']))} in waves of the median task"
+    return text
 
-    # Stragglers and machines without progress
-    page.add("<h2>Stragglers</h2>")
-    stragglers = fleet.get("stragglers") or []
-    stuck = fleet.get("no_progress") or []
-    silent = fleet.get("silent") or []
-    if not (stragglers or stuck or silent or view.get("stale_leases")):
-        page.add("<p class='muted'>None.</p>")
-    if stragglers:
-        rows = "".join(f"<tr><td>{html.escape(s['machine'])}</td><td>{html.escape(str(s['task']))}</td>"
-                       f"<td class='n'>{duration_text(s['held_s'])}</td></tr>" for s in stragglers)  # fmt: skip
-        page.add(f"<table id='stragglers'><tr><th>machine</th><th>task</th><th class='n'>held</th></tr>{rows}</table>")
-    for s in stuck:
-        page.add(f"<p>No progress: <code>{html.escape(s['machine'])}</code> {s['state']} for {duration_text(s['for_s'])}</p>")
-    if silent:
-        page.add(f"<p>Silent for more than {fleet['silent_after_s']:.0f} s: {html.escape(', '.join(silent))}</p>")
-    for s in view.get("stale_leases") or []:
-        page.add(f"<p>Stale lease: {html.escape(s['task'])} held by {html.escape(s['worker'])}, silent {s['silent_s']:.0f} s</p>")
 
-    # Failures grouped by reason
+def _machines(page: _Page, view: Mapping, fleet: Mapping) -> None:
+    page.add("<h2>Machines</h2>")
+    if not fleet.get("machines"):
+        page.add("<p class='muted'>No machine records yet: machines write <code>machines/&lt;name&gt;.json</code> as they boot "
+                 "and work (local workers write none).</p>")  # fmt: skip
+        return
+    cost = fleet.get("cost") or {}
+    burn = (f" &middot; burning ${page.value('fleet.cost.burn_per_hour', digits=2)}/h" if cost else "")
+    page.add(f"<p><b>{page.value('fleet.workers_up')}</b> of {page.value('fleet.machines')} machines up{burn} "
+             "<span class='muted'>(a TPU slice counts once)</span></p>")  # fmt: skip
+    page.add(_states_list(page, "fleet.by_state", fleet["by_state"]))
+    if len(fleet["by_type"]) > 1 or any(set(g["by_state"]) != set(fleet["by_state"]) for g in fleet["by_type"]):
+        rows = [f"<tr><td class='id'>{html.escape(g['machine_type'])}</td><td>{html.escape(g['provisioning'])}</td>"
+                f"<td class='n'>{page.value(f'fleet.by_type.{k}.machines')}</td>"
+                f"<td>{html.escape(', '.join(f'{s} {n:,}' for s, n in g['by_state'].items()))}</td></tr>"
+                for k, g in enumerate(fleet["by_type"])]  # fmt: skip
+        page.add(_table("machines-by-type", ["type", "provisioning", "machines", "states"], rows, {2}, stack=True))
+    page.add(f"<p class='muted'>A worker missing its beat for {fleet['silent_after_s']:.0f} s is silent and for "
+             f"{fleet['lost_after_s']:.0f} s lost (boot records: {fleet['boot_lost_after_s'] / 60:.0f} min); "
+             "neither counts as up, burns money here, or carries the ETA.</p>")  # fmt: skip
+
+
+def _attention(page: _Page, fleet: Mapping) -> None:
+    from fleet.fleetview import attention_line
+
+    page.add("<h2>Needs attention</h2>")
+    attention = fleet.get("attention") or []
+    stale = page.view.get("stale_leases") or []
+    if not attention and not stale:
+        page.add("<p class='muted'>Nothing: no machine is silent, lost, failed or straggling, and no lease is stale."
+                 if fleet.get("machines") else "<p class='muted'>No machine records yet; no stale lease.</p>")  # fmt: skip
+    if attention:
+        kinds = collections.Counter(a["condition"] for a in attention)
+        page.add("<p>" + ", ".join(f"{html.escape(k)} {n:,}" for k, n in kinds.items()) + "</p>")
+        rows = [f"<tr><td class='id'><code>{html.escape(a['machine'])}</code></td><td>{html.escape(a['condition'])}</td>"
+                f"<td class='id'>{html.escape(a['machine_type'] or '?')}</td><td>{html.escape(attention_line(a))}</td></tr>"
+                for a in attention[:PAGE_ROWS]]  # fmt: skip
+        page.add(_table("attention", ["machine", "condition", "type", "what"], rows, stack=True))
+        if len(attention) > PAGE_ROWS:
+            page.add(f"<p class='muted'>{len(attention) - PAGE_ROWS:,} more not shown: "
+                     "<code>tools/status.py QUEUE --machines</code> lists them all.</p>")  # fmt: skip
+    if stale:
+        rows = [f"<tr><td class='id'><code>{html.escape(s['task'])}</code></td><td>{html.escape(s['worker'])}</td>"
+                f"<td class='n'>{s['silent_s']:,.0f} s</td></tr>" for s in stale[:PAGE_ROWS]]  # fmt: skip
+        page.add("<h3>Stale leases</h3>" + _table("stale-leases", ["task", "held by", "silent"], rows, {2}, stack=True))
+
+
+def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
+    page.add("<h2>Cost</h2>")
+    if not cost or not view["fleet"].get("machines"):
+        page.add("<p class='muted'>No machine records yet, so no machine time to price.</p>")
+        return
+    finish = view.get("finish") or {}
+    waste = cost["waste_dollars"]
+    waste_html = (f"waste ${page.value('fleet.cost.waste_dollars', digits=2)} "
+                  f"({page.value('fleet.cost.waste_seconds', digits=0)} s of boot, install, idle and failed boots)")  # fmt: skip
+    page.add(f"<p>So far <b>${page.value('fleet.cost.total_dollars', digits=2)}</b> over "
+             f"{page.value('fleet.cost.total_seconds', digits=0)} machine-seconds; "
+             + (f"<span class='warn'>{waste_html}</span>" if waste > 0 else waste_html)
+             + f". Burning ${page.value('fleet.cost.burn_per_hour', digits=2)}/h now.</p>")  # fmt: skip
+    if view["complete"]:
+        up = view["fleet"].get("workers_up", 0)
+        still_up = f"; <span class='warn'>{up:,} machine{'s' if up != 1 else ''} still up</span>" if up else ""
+        page.add(f"<p>The queue is complete{still_up}.</p>")
+    elif finish.get("dollars") is not None:
+        high = finish["dollars_range"][1]
+        page.add(f"<p>To finish: <b>${page.value('finish.dollars', digits=2)}</b> (range "
+                 f"${page.value('finish.dollars_range.0', digits=2)} to "
+                 + (f"${page.value('finish.dollars_range.1', digits=2)}" if high is not None else "unbounded")
+                 + f"), projected total ${page.value('finish.projected_total_dollars', digits=2)}.</p>")  # fmt: skip
+    else:
+        page.add("<p>To finish: unknown until tasks complete at a measurable rate.</p>")
+    if finish.get("dollars_per_task") is not None:
+        page.add(f"<p class='muted'>${page.value('finish.dollars_per_task', digits=4)} per finished task so far.</p>")
+    if cost["total_seconds"]:
+        rows = [f"<tr><td>{s}</td><td class='n'>{page.value(f'fleet.cost.seconds.{s}', digits=0)}</td>"
+                f"<td class='n'>${page.value(f'fleet.cost.dollars.{s}', digits=2)}</td></tr>" for s in COST_STATES]  # fmt: skip
+        page.add(_table("cost-by-state", ["state", "machine-seconds", "dollars"], rows, {1, 2}))
+    if cost["by_type"]:
+        rows = [f"<tr><td class='id'>{html.escape(g['machine_type'])}</td><td>{html.escape(g['provisioning'])}</td>"
+                f"<td class='n'>{g['machines']:,}</td><td class='n'>${g['per_hour']:,.2f}</td>"
+                f"<td class='n'>${sum(g['dollars'].values()):,.2f}</td></tr>" for g in cost["by_type"]]  # fmt: skip
+        page.add(_table("cost-by-type", ["type", "provisioning", "machines", "per hour", "so far"], rows, {2, 3, 4}))
+    else:
+        page.add("<p class='muted'>No priced machine time yet.</p>")
+    for machine_type, seconds in cost["unpriced_seconds"].items():
+        page.add(f"<p class='warn'>{html.escape(machine_type)}: {seconds:,.0f} machine-seconds, not in the price table "
+                 "(fleet/prices.json): not counted.</p>")  # fmt: skip
+    page.add(f"<p class='muted'>List prices of {html.escape(cost['prices']['as_of'])}. Not included: "
+             f"{html.escape(cost['not_included'])}.</p>")  # fmt: skip
+
+
+def _failures(page: _Page, view: Mapping, fleet: Mapping) -> None:
     page.add("<h2>Failures</h2>")
-    groups: dict[str, list[str]] = collections.defaultdict(list)
-    for task_id, reason in view.get("failed_reasons", {}).items():
-        groups[reason].append(task_id)
-    if not groups and not fleet.get("failures"):
+    failures = fleet.get("failures") or {}
+    reasons = view.get("failed_reasons", {})
+    if not failures and not view["failed"]:
         page.add("<p class='muted'>None.</p>")
-    for reason, tasks in sorted(groups.items()):
-        rows = "".join(
-            f"<tr><td><code>{html.escape(t)}</code></td><td>{html.escape(view['failed_details'].get(t) or '')}</td></tr>"
-            for t in tasks
-        )
-        page.add(f"<p><b>{html.escape(reason)}</b> &times; {len(tasks)}</p><table class='dead-letters'>{rows}</table>")
-    if view["failed"] > len(view.get("failed_reasons", {})):
-        page.add(f"<p class='muted'>{view['failed'] - len(view['failed_reasons'])} more dead letters not read.</p>")
-    for reason, names in (fleet.get("failures") or {}).items():
-        page.add(f"<p>Machines failed: <b>{html.escape(reason)}</b> &times; {len(names)}: {html.escape(', '.join(names[:10]))}</p>")
+        return
+    tails = fleet.get("log_tails") or {}
+    for reason, names in failures.items():
+        listed = ", ".join(names[:NAMES_PER_REASON]) + (f" and {len(names) - NAMES_PER_REASON:,} more" if len(names) > NAMES_PER_REASON else "")
+        page.add(f"<h3>{len(names):,} machine{'s' if len(names) != 1 else ''} failed: {html.escape(reason)}</h3>"
+                 f"<p><code>{html.escape(listed)}</code></p>")  # fmt: skip
+        for name in names:
+            if name in tails:
+                page.add(f"<details class='log-tail'><summary>log tail of <code>{html.escape(name)}</code></summary>"
+                         f"<pre>{html.escape(tails[name])}</pre></details>")  # fmt: skip
+    if view["failed"]:
+        groups, unknown = dead_letter_groups(view)
+        page.add(f"<h3>{page.value('failed')} dead letter{'s' if view['failed'] != 1 else ''}</h3>")
+        if unknown:
+            page.add(f"<p class='muted'>{unknown:,} of them are older than the reason in the listing and were not "
+                     f"among the {len(reasons):,} read: their reasons are not known here.</p>")  # fmt: skip
+        for k, (reason, count, tasks) in enumerate(groups):
+            rows = [f"<tr><td class='id'><code>{html.escape(t)}</code></td><td>{html.escape(view['failed_details'].get(t) or '')}</td></tr>"
+                    for t in tasks]  # fmt: skip
+            shown = f" (the first lines of {len(tasks):,} read)" if 0 < len(tasks) < count else ""
+            page.add(f"<p><b>{html.escape(reason)}</b>: {count:,}{shown}</p>")
+            if rows:
+                page.add(_table(f"dead-letters-{k}", ["task", "first line"], rows, stack=True, cls="dead-letters"))
 
-    # Skipped rows and the other counters
-    page.add("<h2>Skipped rows</h2>")
+
+def _counters(page: _Page, view: Mapping) -> None:
     counters = view.get("counters") or {}
+    page.add("<h2>Skipped rows</h2>")
     page.add(f"<p>{page.value('counters.skipped_rows') if 'skipped_rows' in counters else '0'} rows skipped</p>")
     others = {k: v for k, v in counters.items() if k != "skipped_rows"}
     if others:
         page.add("<p class='muted'>" + ", ".join(f"{html.escape(k)}: {v:,}" for k, v in others.items()) + "</p>")
 
+
+def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
+    """The page for `view` (tools/status.py's --json object: the queue's snapshot with `fleet` and `finish`)."""
+    generated = (generated or dt.datetime.now(dt.timezone.utc)).astimezone(dt.timezone.utc)
+    page = _Page(view)
+    page.add(f"<h1>Queue status</h1><p class='sub'><code>{html.escape(view['queue'])}</code> &middot; "
+             f"{'estimate' if view['estimate'] else 'exact'} &middot; as of {generated:%Y-%m-%d %H:%M:%S} UTC "
+             f"&middot; {page.value('requests')} requests</p>")  # fmt: skip
+    _progress(page, view)
+    fleet = view.get("fleet") or {}
+    cost = fleet.get("cost")
+    charts = [completion_chart(view), machines_chart(fleet), cost_chart(cost) if cost else None]
+    if any(charts):
+        page.add("<div class='charts'>" + "".join(c for c in charts if c) + "</div>")
+    _machines(page, view, fleet)
+    _attention(page, fleet)
+    _cost(page, view, cost)
+    _failures(page, view, fleet)
+    _counters(page, view)
     body = "\n".join(page.parts)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-        f"<title>status {html.escape(view['queue'])}</title><style>{STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'><meta name='color-scheme' content='light dark'>"
+        f"<title>status {html.escape(view['queue'])}</title><style>{_style()}</style></head>\n<body>\n{body}\n</body></html>\n"
     )

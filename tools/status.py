@@ -7,7 +7,9 @@ extrapolates, labelled as an estimate; `--watch` keeps the open regions' task li
 ticks, so a tick lists only their done and failed markers and the leases.
 
 The fleet section (one listing of machines/) adds the cost so far, priced from fleet/prices.json
-(`--prices` for another copy), the waste, and the projected cost to finish. `--html FILE` writes a
+(`--prices` for another copy), the waste, and the projected cost to finish. The text view fits a
+screen at any fleet size: counts by state and type, and only the machines that need attention
+(silent, lost, failed, stragglers); `--machines` lists every machine and holder. `--html FILE` writes a
 self-contained status page; `--publish` writes it to the queue as `status.html` (text/html), and
 with `--watch` refreshes it every tick. `--now` computes the view as of another time (UTC, ISO 8601).
 """
@@ -20,7 +22,7 @@ import sys
 import time
 
 from fleet.cost import render_cost, to_finish
-from fleet.machines import fleet_snapshot, render_fleet
+from fleet.fleetview import fleet_snapshot, render_fleet
 from fleet.pricing import PriceError, load_prices
 from objectstore import StoreError, open_store
 from objectstore.counting import CountingStore
@@ -34,9 +36,13 @@ def job_view(store, prices, now: dt.datetime, sample: int | None, cache: RegionC
     `history`, the completion curve covers swept regions too (the page draws it)."""
     view = snapshot(store, now=now, sample=sample, cache=cache, history=history)
     counted = CountingStore(store)  # the machines/ listing: one request per 1000 records
-    fleet = fleet_snapshot(counted, now=now, prices=prices, median_task_s=view["median_task_s"])
+    rate_since = dt.datetime.fromisoformat(view["rate_since"]) if view.get("rate_since") else None
+    fleet = fleet_snapshot(counted, now=now, prices=prices, median_task_s=view["median_task_s"], rate_since=rate_since)
     view["fleet"] = fleet
-    with_fleet_size(view, fleet["workers_up"] if fleet["machines"] else None)
+    if fleet["machines"]:
+        with_fleet_size(view, fleet["workers_up"], fleet["workers_recent"])
+    else:
+        with_fleet_size(view, None)
     view["finish"] = to_finish(fleet["cost"], view["eta_s"], view["eta_range_s"], view["done"])
     view["requests"] += counted.requests
     for kind, n in counted.counts.items():
@@ -44,8 +50,11 @@ def job_view(store, prices, now: dt.datetime, sample: int | None, cache: RegionC
     return view
 
 
-def render_text(view: dict) -> str:
-    return "\n".join([render(view), *render_cost(view["fleet"]["cost"], view["finish"]), render_fleet(view["fleet"])])
+def render_text(view: dict, all_machines: bool = False) -> str:
+    """The text view: a screenful at any fleet size; `all_machines` lists every machine and holder."""
+    fleet = view["fleet"]
+    cost = render_cost(fleet["cost"], view["finish"]) if fleet["machines"] else []
+    return "\n".join([render(view, full=all_machines), *cost, *render_fleet(fleet, all_machines=all_machines)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history", action="store_true",
                    help="list swept regions' done markers too, for the completion curve (as --html does)")
     p.add_argument("--now", metavar="TIME", help="compute the view as of this UTC time (ISO 8601), e.g. for a report")
+    p.add_argument("--machines", action="store_true",
+                   help="list every machine, holder, stale lease and failure reason (the default view is capped at a screen)")
     args = p.parse_args(argv)
     if args.estimate is not None and args.estimate < 1:
         p.error(f"--estimate must list at least 1 region, got {args.estimate}")
@@ -93,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"status: could not publish {store.url(PAGE_OBJECT)}: {exc}", file=sys.stderr)
                     if not args.watch:
                         return 1
-        text = json.dumps(view, indent=1) if args.json else render_text(view)
+        text = json.dumps(view, indent=1) if args.json else render_text(view, all_machines=args.machines)
         if args.watch and sys.stdout.isatty():
             print("\033[H\033[2J", end="")
         print(text, flush=True)

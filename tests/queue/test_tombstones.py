@@ -102,7 +102,7 @@ def test_a_waiting_worker_watches_its_regions_with_one_request_and_still_explore
             data, metadata = encode({**new_lease_body(task_id, "gone-vm", 60, Clock()), "state": DONE})
             store.create(layout.lease_object(task_id), data, metadata=metadata)
     before = dict(store.counts)
-    waiting = Claimer(store, ClaimOptions(worker="w", lease_ttl_s=0.5, idle_timeout_s=1.5, poll_min_s=0.01,
+    waiting = Claimer(store, ClaimOptions(worker="w", lease_ttl_s=0.5, idle_timeout_s=3.0, poll_min_s=0.01,
                                           poll_max_s=0.02, seed=3))  # fmt: skip
     with contextlib.ExitStack() as live:  # the busy workers renew (uncounted): the waiting one sees them alive
         for lease in busy:

@@ -119,12 +119,16 @@ def test_cost_waste_and_eta_equal_the_hand_figures_in_json_text_and_html(tmp_pat
     assert view["eta_range_s"] == [round(x, 1) for x in ETA_RANGE] == [360.0, 1800.0]
     assert view["median_task_s"] == 140.0
     assert (view["workers_up"], view["eta_fleet_s"]) == (4, ETA_FLEET)
+    # While the rate was measured (the 540 s since the first completion of the window) m1, m2 and m4
+    # worked throughout and m5 for its last 100 s; m6's last record is older: 3.19 machines on
+    # average, within one machine of the 4 up, so the rate stands as measured.
+    assert (view["fleet"]["workers_recent"], view["fleet_changed"]) == (round((3 * 540 + 100) / 540, 2), None)
     finish = view["finish"]
     assert finish["dollars"] == round(BURN * ETA / 3600, 4) == 1.8917
     assert finish["dollars_range"] == [round(BURN * e / 3600, 4) for e in ETA_RANGE] == [1.135, 5.675]
     assert finish["dollars_per_task"] == round(TOTAL / 9, 4)
     assert view["fleet"]["stragglers"] == [{"machine": "m1", "task": "t11", "held_s": 500.0, "median_task_s": 140.0}]
-    assert view["fleet"]["silent"] == ["m6"]
+    assert (view["fleet"]["silent"], view["fleet"]["lost"]) == ([], ["m6"])  # 1000 s without a record: lost
     assert view["failed_details"] == {"t10": BAD_ROW}
 
     text = status(url)
@@ -132,8 +136,8 @@ def test_cost_waste_and_eta_equal_the_hand_figures_in_json_text_and_html(tmp_pat
     assert "waste   $1.56, 0.41 machine-hours (1480s" in text
     assert "finish  $1.89 more ($1.14 to $5.67) at $11.35/h" in text
     assert "eta 10m00s (6m00s to 30m00s; 4 machines up: 7m00s)" in text
-    assert f"failed  t10: consumer exit 65: bad input | {BAD_ROW}" in text
-    assert "straggler m1: t11 for 500s (median task 140s)" in text
+    assert f"failed  x1 consumer exit 65: bad input | t10: {BAD_ROW}" in text
+    assert "m1  straggler on t11 for 8m20s" in text  # 500 s, over 3 x the 140 s median
 
     page_file = tmp_path / "status.html"
     status(url, "--html", str(page_file))
@@ -150,7 +154,7 @@ def test_cost_waste_and_eta_equal_the_hand_figures_in_json_text_and_html(tmp_pat
     # Self-contained: nothing fetched (no script, stylesheet link, image source or CSS import).
     for fetch in ("<script", "<link", "src=", "@import", "url(http", "href=\"http"):
         assert fetch not in page
-    assert page.count("<svg") == 3
+    assert page.count("<svg") == 6  # three charts, each drawn for a phone and for a wide screen
 
 
 @pytest.mark.parametrize("where", ["local", "gcs"])

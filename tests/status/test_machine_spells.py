@@ -11,6 +11,7 @@ import pytest
 
 from fleet import machines
 from fleet.cost import machine_seconds
+from fleet.machinestate import read_row
 from objectstore import open_store
 
 
@@ -29,8 +30,8 @@ def test_worker_carries_on_this_boots_spells_and_starts_afresh_after_another_boo
     assert body["spent"]["booting"] == 100 and 299 <= body["spent"]["installing"] <= 302
     [entry] = store.list("machines/")
     assert entry.metadata["spent_booting"] == "100" and entry.metadata["boot_at"] == boot.isoformat()
-    row = machines._row(entry, now)
-    seconds = machine_seconds(row, now + dt.timedelta(seconds=60), silent_after_s=180)
+    row = read_row(entry, now)
+    seconds = machine_seconds(row, now + dt.timedelta(seconds=60))
     assert seconds["booting"] == 100 and 299 <= seconds["installing"] <= 302 and 59 <= seconds["working"] <= 62
 
     other = machines.MachineRecorder(store, "vm-1")
@@ -47,9 +48,9 @@ def test_failed_boot_counts_as_failed_and_a_silent_machine_stops_at_its_last_rec
     last = now - dt.timedelta(seconds=900)
     machines.write_record(store, machines.make_record("s", "working", at=last, since=(last - dt.timedelta(seconds=50)).isoformat(),
                                                       spent={"idle": 5}))  # fmt: skip
-    rows = {e.name: machines._row(e, now) for e in store.list("machines/")}
-    assert machine_seconds(rows["machines/f.json"], now, 180) == {"booting": 0, "installing": 0, "working": 0, "idle": 0, "failed": 120}
-    assert machine_seconds(rows["machines/s.json"], now, 180) == {"booting": 0, "installing": 0, "working": 50, "idle": 5, "failed": 0}
+    rows = {e.name: read_row(e, now) for e in store.list("machines/")}
+    assert machine_seconds(rows["machines/f.json"], now) == {"booting": 0, "installing": 0, "working": 0, "idle": 0, "failed": 120}
+    assert machine_seconds(rows["machines/s.json"], now) == {"booting": 0, "installing": 0, "working": 50, "idle": 5, "failed": 0}
 
 
 @pytest.mark.parametrize(
@@ -117,5 +118,5 @@ def test_back_to_back_tasks_wait_for_the_beat_and_the_seconds_stay_exact(tmp_pat
     final = json.loads(store.read("machines/vm-2.json").data)
     assert final["state"] == "exited" and final["spent"] == {"idle": 7, "working": 93}
     [entry] = store.list("machines/")
-    row = machines._row(entry, at(100))
-    assert sum(machine_seconds(row, at(100), silent_after_s=180).values()) == 100
+    row = read_row(entry, at(100))
+    assert sum(machine_seconds(row, at(100)).values()) == 100

@@ -2,19 +2,24 @@
 `make test`), driven by Selenium through /usr/bin/chromedriver, so nothing is downloaded.
 
 The queue is drained by real spawn.py workers running the queue-test consumer, like `make run`'s
-(one task dead-letters with exit 65); machine records for its two machines are written as a cloud
-fleet's would be. The page must load without console errors, show the numbers `status --json`
-prints for the same moment, and draw its charts with a non-zero size. It saves a screenshot
-(STATUS_PAGE_SCREENSHOT=docs/status-page.png refreshes the one README.md shows).
+(one task dead-letters with exit 65), then a second batch waits for machines; machine records are
+written as a cloud fleet's would be (up, silent, lost, preempted, a failed boot with its log tail).
+The page is opened as a phone (390 px, the DevTools protocol's device metrics) and as a wide screen
+(1280 px), each in the light and the dark scheme (`Emulation.setEmulatedMedia`), and must in each:
+load without console errors, never scroll sideways, follow the scheme, keep every text (chart text
+included) at a WCAG contrast of 4.5:1 or more with what is behind it, draw chart text at least 8 px
+high, and show exactly the numbers `status --json` prints for the same moment.
+STATUS_PAGE_SCREENSHOTS=1 refreshes the screenshots README.md shows (docs/status-page-*.png).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import io
 import json
 import os
-import subprocess
-import sys
+import statistics
 from pathlib import Path
 
 import pytest
@@ -23,9 +28,12 @@ from fleet import machines
 from objectstore import open_store
 from tests.queue.conftest import submit_tasks
 from tests.workers import Workers
+from tools import status as status_tool
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+LOG_TAIL = "Collecting jax[tpu]\nERROR: Could not find a version that satisfies the requirement libtpu\nexit 1 at line 300"
+SCREENS = {"phone": 390, "wide": 1280}
 
 pytestmark = pytest.mark.skipif(
     not (CHROMIUM.exists() and CHROMEDRIVER.exists()), reason="no /usr/bin/chromium: `make test` installs it (apt)"
@@ -33,14 +41,15 @@ pytestmark = pytest.mark.skipif(
 
 
 def status(url: str, now: dt.datetime, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "tools/status.py", url, "--now", now.isoformat(), *args],
-                         cwd=REPO, capture_output=True, text=True, env=env)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+    """What `tools/status.py URL --now NOW ARGS` prints (run in this process: the imports are paid once)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert status_tool.main([url, "--now", now.isoformat(), *args]) == 0
+    return out.getvalue()
 
 
-def drained_queue(url: str, logs: Path) -> None:
+def fleet_queue(url: str, logs: Path) -> None:
+    """16 tasks done and one dead letter by real workers, 8 more waiting; a fleet of six machines."""
     manifests = [{"id": f"doc-{k:03d}", "sleep": 0.05} for k in range(16)] + [{"id": "doc-bad", "exit": 65}]
     submit_tasks(url, manifests)
     logs.mkdir()
@@ -48,62 +57,160 @@ def drained_queue(url: str, logs: Path) -> None:
     workers.start("local-0", "--idle-timeout", "1")
     workers.start("local-1", "--idle-timeout", "1")
     workers.wait(timeout=60)
+    submit_tasks(url, [{"id": f"late-{k:03d}"} for k in range(8)])
     store = open_store(url)
     now = dt.datetime.now(dt.timezone.utc)
-    for name, machine_type, provisioning, spent in [
-        ("vm-a", "g2-standard-8", "spot", {"booting": 45, "installing": 150, "working": 40}),
-        ("vm-b", "g2-standard-8", "standard", {"booting": 50, "installing": 170, "working": 30, "idle": 5}),
-        ("vm-c", "g2-standard-8", "spot", {"booting": 40, "installing": 90}),
-    ]:
-        state = "failed" if name == "vm-c" else "idle"
-        body = machines.make_record(name, state, at=now, since=now.isoformat(timespec="seconds"), spent=spent,
-                                    machine_type=machine_type, provisioning=provisioning, accelerator="gpu",
-                                    reason="install_failed: exit 1 at line 300" if state == "failed" else None)  # fmt: skip
+    ago = lambda s: now - dt.timedelta(seconds=s)  # noqa: E731
+    for name, state, at, machine_type, provisioning, spent, fields in [
+        ("vm-a", "idle", now, "g2-standard-8", "spot", {"booting": 45, "installing": 150, "working": 40}, {}),
+        ("vm-b", "idle", now, "g2-standard-8", "standard", {"booting": 50, "installing": 170, "working": 30, "idle": 5}, {}),
+        ("vm-c", "failed", now, "n2-standard-8", "spot", {"booting": 40, "installing": 90},
+         {"reason": "install_failed: exit 1 at line 300", "log_tail": LOG_TAIL}),
+        ("vm-d", "working", ago(120), "g2-standard-8", "spot", {"booting": 40, "installing": 90}, {"task": "doc-003"}),
+        ("vm-e", "working", ago(900), "g2-standard-8", "spot", {"booting": 40, "installing": 90}, {"task": "doc-007"}),
+        ("vm-f", "exited", ago(30), "g2-standard-8", "spot", {"booting": 40, "installing": 90, "working": 60},
+         {"reason": "preempted"}),
+    ]:  # fmt: skip
+        body = machines.make_record(name, state, at=at, since=at.isoformat(timespec="seconds"), spent=spent, beat_s=60.0,
+                                    machine_type=machine_type, provisioning=provisioning, accelerator="gpu", **fields)  # fmt: skip
         machines.write_record(store, body)
 
 
-def test_status_page_loads_cleanly_shows_the_json_numbers_and_draws_its_charts(tmp_path: Path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-
-    url = str(tmp_path / "queue")
-    drained_queue(url, tmp_path / "logs")
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> tuple[Path, dict]:
+    """The page and the --json view of one queue at one moment."""
+    tmp = tmp_path_factory.mktemp("page")
+    url = str(tmp / "queue")
+    fleet_queue(url, tmp / "logs")
     now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
     view = json.loads(status(url, now, "--json", "--history"))  # the page lists what --history does
-    page = tmp_path / "status.html"
-    status(url, now, "--html", str(page))
+    path = tmp / "status.html"
+    status(url, now, "--html", str(path))
+    return path, view
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,1900"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
-    try:
-        driver.get(page.as_uri())
-        errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
-        assert errors == []
-        shown = {}
-        for element in driver.find_elements(By.CSS_SELECTOR, "[data-key]"):
-            shown[element.get_attribute("data-key")] = element.get_attribute("data-value")
-        assert {"done", "total", "failed", "fleet.cost.total_dollars", "fleet.cost.waste_dollars"} <= set(shown)
-        for path, value in shown.items():
-            expected = view
-            for part in path.split("."):
-                expected = expected[int(part)] if isinstance(expected, list) else expected[part]
-            assert value == str(expected), path
-        assert (shown["done"], shown["failed"], shown["total"]) == ("16", "1", "17")
-        charts = driver.find_elements(By.CSS_SELECTOR, "figure.chart svg")
-        assert len(charts) == 3
-        for chart in charts:
-            assert chart.size["width"] > 100 and chart.size["height"] > 50
-        assert "exiting with 65 as told" in driver.find_element(By.CSS_SELECTOR, "table.dead-letters").text
-        height = driver.execute_script("return document.body.scrollHeight")
-        driver.set_window_size(1200, min(max(height + 200, 800), 5000))
-        driver.save_screenshot(str(tmp_path / "status-page.png"))
-        if os.environ.get("STATUS_PAGE_SCREENSHOT"):
-            driver.save_screenshot(str(REPO / os.environ["STATUS_PAGE_SCREENSHOT"]))
-    finally:
-        driver.quit()
-    assert (tmp_path / "status-page.png").stat().st_size > 10_000
+    yield driver
+    driver.quit()
+
+
+def show(driver, uri: str, width: int, scheme: str, height: int = 900) -> None:
+    """Open `uri` as a screen `width` CSS px wide (a phone below 700: mobile viewport rules apply) in `scheme`."""
+    driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]})
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 700})  # fmt: skip
+    driver.get(uri)
+
+
+def luminance(rgb: tuple[float, float, float]) -> float:
+    """WCAG 2.x relative luminance of an sRGB colour (0-255 channels)."""
+
+    def linear(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(c) for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(a, b) -> float:
+    la, lb = sorted((luminance(a), luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+#: For every visible element with text of its own, and every visible chart's text: its colour, the
+#: colour behind it (the nearest ancestor's opaque background; a chart is transparent), what it is.
+#: Colours come back as [r, g, b, a] from the computed style, whatever syntax the browser uses.
+TEXT_COLOURS_JS = """
+const probe = document.createElement('canvas').getContext('2d');
+function rgba(css) {
+  probe.clearRect(0, 0, 1, 1); probe.fillStyle = '#000'; probe.fillStyle = css; probe.fillRect(0, 0, 1, 1);
+  const d = probe.getImageData(0, 0, 1, 1).data; return [d[0], d[1], d[2], d[3] / 255];
+}
+function behind(el) {
+  for (let e = el; e; e = e.parentElement) {
+    const c = rgba(getComputedStyle(e).backgroundColor);
+    if (c[3] > 0.99) return c;
+  }
+  return [255, 255, 255, 1];  // the canvas of a page that sets no background nor color-scheme
+}
+const seen = [];
+for (const el of document.body.querySelectorAll('*')) {
+  if (el.closest('svg') || !el.getClientRects().length) continue;
+  const own = [...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
+  if (own) seen.push([rgba(getComputedStyle(el).color), behind(el), el.tagName + ': ' + el.textContent.trim().slice(0, 40)]);
+}
+for (const g of document.querySelectorAll('svg [id*="text_"] > g')) {
+  if (!g.getClientRects().length) continue;
+  seen.push([rgba(getComputedStyle(g).fill), behind(g.closest('svg')), 'chart text in ' + g.closest('figure').id]);
+}
+return seen;
+"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("screen", ["phone", "wide"])
+def test_page_fits_the_screen_follows_the_scheme_keeps_contrast_and_shows_the_json_numbers(page, browser, screen, scheme):
+    from selenium.webdriver.common.by import By
+
+    path, view = page
+    width = SCREENS[screen]
+    show(browser, path.as_uri(), width, scheme)
+    assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")] == []
+
+    # No sideways scroll: wide tables scroll inside themselves, long names wrap.
+    assert browser.execute_script("return document.documentElement.scrollWidth") <= width
+    assert browser.execute_script("return window.innerWidth") == width
+
+    # The scheme is followed, and every text stands out from what is behind it (WCAG AA: 4.5:1).
+    seen = browser.execute_script(TEXT_COLOURS_JS)
+    assert (luminance(seen[0][1][:3]) < 0.05) == (scheme == "dark"), seen[0]
+    assert any(what.startswith("chart text") for _, _, what in seen)
+    low = [(round(contrast(fg[:3], bg[:3]), 2), what) for fg, bg, what in seen if contrast(fg[:3], bg[:3]) < 4.5]
+    assert low == []
+
+    # Each chart shows one drawing, as wide as the column, its text at least 8 px high.
+    charts = [svg for svg in browser.find_elements(By.CSS_SELECTOR, "figure.chart svg") if svg.is_displayed()]
+    assert len(charts) == 3
+    [curve_width] = browser.execute_script("""return [...document.querySelectorAll('#chart-completion svg')]
+        .filter(s => s.getClientRects().length).map(s => s.getBoundingClientRect().width)""")
+    assert curve_width >= min(width - 40, 1000)  # the time axis spans the page
+    heights = browser.execute_script("""return [...document.querySelectorAll('svg [id*="tick_"] [id*="text_"]')]
+        .filter(g => g.getClientRects().length).map(g => g.getBoundingClientRect().height)""")
+    assert heights and statistics.median(heights) >= 8, heights
+
+    # The numbers are the --json view's.
+    shown = {e.get_attribute("data-key"): e.get_attribute("data-value") for e in browser.find_elements(By.CSS_SELECTOR, "[data-key]")}
+    fleet = view["fleet"]
+    assert fleet["by_state"] == {"idle": 2, "silent": 1, "lost": 1, "failed": 1, "preempted": 1}
+    assert (view["workers_up"], fleet["workers_up"], fleet["machines"]) == (2, 2, 6)
+    expected_keys = {"done", "total", "failed", "pending", "workers_up", "fleet.workers_up", "fleet.machines",
+                     "fleet.cost.total_dollars", "fleet.cost.waste_dollars", "fleet.cost.burn_per_hour",
+                     *(f"fleet.by_state.{s}" for s in fleet["by_state"])}  # fmt: skip
+    assert expected_keys <= set(shown)
+    for key, value in shown.items():
+        expected = view
+        for part in key.split("."):
+            expected = expected[int(part)] if isinstance(expected, list) else expected[part]
+        assert value == str(expected), key
+    assert (shown["done"], shown["failed"], shown["total"]) == ("16", "1", "25")
+
+    # Failures: the dead letter's first line, the failed boot's log tail collapsed in <details>.
+    assert "exiting with 65 as told" in browser.find_element(By.CSS_SELECTOR, "table.dead-letters").text
+    tail = browser.find_element(By.CSS_SELECTOR, "details.log-tail")
+    assert tail.get_attribute("open") is None and "libtpu" in tail.find_element(By.TAG_NAME, "pre").get_attribute("textContent")
+
+    if os.environ.get("STATUS_PAGE_SCREENSHOTS"):
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        show(browser, path.as_uri(), width, scheme, height=height)
+        browser.save_screenshot(str(REPO / "docs" / f"status-page-{screen}-{scheme}.png"))

@@ -1,0 +1,78 @@
+"""Dead letters grouped by reason with true counts: the reason is in each letter's listed metadata
+(taskqueue.lease.marker_of writes it), so no group is headed by only the MAX_REASONS letters read,
+and letters written before that are counted as not read, above the groups."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import io
+import json
+from pathlib import Path
+
+from objectstore import open_store
+from taskqueue import layout
+from taskqueue.lease import DEAD, marker_of
+from taskqueue.status import MAX_REASONS
+from taskqueue.submit import submit
+from tools import status as status_tool
+
+NOW = dt.datetime(2026, 11, 24, 8, 0, 0, tzinfo=dt.timezone.utc)
+BAD_INPUT = "consumer exit 65: bad input"
+EXPIRED = "its lease expired 10 times"
+
+
+def status(url: str, *args: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert status_tool.main([url, "--now", NOW.isoformat(), *args]) == 0
+    return out.getvalue()
+
+
+def dead_letter(store, task_id: str, reason: str, listed: bool = True) -> None:
+    """The dead letter a holder (or a sweep) writes for the tombstone; `listed` False: an older one, without the metadata."""
+    error = {"attempt": 1, "exit_code": 65, "error": f"event=bad_input exit=65 error=row of {task_id} is null"}
+    name, body, metadata = marker_of({"task": task_id, "state": DEAD, "reason": reason, "errors": [error], "worker": "w"})
+    store.create(name, body, metadata=metadata if listed else None)
+
+
+def test_groups_count_every_dead_letter_by_its_listed_reason(tmp_path: Path):
+    url = str(tmp_path / "queue")
+    store = open_store(url)
+    submit(store, None, [(f"t{k:03d}", b"{}") for k in range(40)])
+    for k in range(25):
+        dead_letter(store, f"t{k:03d}", BAD_INPUT)
+    for k in range(25, 30):
+        dead_letter(store, f"t{k:03d}", EXPIRED)
+    [entry] = list(store.list(layout.failed_object("t000")))
+    assert entry.metadata == {"reason": BAD_INPUT}
+    view = json.loads(status(url, "--json"))
+    assert view["failed"] == 30 and len(view["failed_reasons"]) == MAX_REASONS == 20
+    assert view["failed_by_reason"] == {BAD_INPUT: 25, EXPIRED: 5}
+    text = status(url)
+    assert f"failed  x25 {BAD_INPUT} | t000: row of t000 is null" in text
+    assert f"failed  x5 {EXPIRED}\n" in text  # none of the 5 among the 20 read: no example line
+    assert "not read" not in text
+    page = tmp_path / "status.html"
+    status(url, "--html", str(page))
+    html = page.read_text()
+    assert f"<b>{BAD_INPUT}</b>: 25 (the first lines of 20 read)" in html
+    assert f"<b>{EXPIRED}</b>: 5</p>" in html
+
+
+def test_older_dead_letters_without_a_listed_reason_are_counted_as_not_read_above_the_groups(tmp_path: Path):
+    url = str(tmp_path / "queue")
+    store = open_store(url)
+    submit(store, None, [(f"t{k:03d}", b"{}") for k in range(40)])
+    for k in range(30):
+        dead_letter(store, f"t{k:03d}", BAD_INPUT, listed=False)
+    view = json.loads(status(url, "--json"))
+    assert (view["failed"], view["failed_by_reason"]) == (30, {})
+    text = status(url)
+    assert f"failed  x20 {BAD_INPUT} | t000: row of t000 is null" in text
+    assert "failed  x10 reason not read" in text
+    page = tmp_path / "status.html"
+    status(url, "--html", str(page))
+    html = page.read_text()
+    note, group = html.index("10 of them are older"), html.index(f"<b>{BAD_INPUT}</b>: 20</p>")
+    assert note < group
