@@ -248,14 +248,30 @@ def sync_code(
     gcloud: str | None = None,
     use_gcloud: bool | None = None,
 ) -> SyncReport | None:
-    """Mirror `source` to `dest_url`. Uses gcloud when found on PATH (unless use_gcloud=False),
+    """Mirror the checkout `source` to `dest_url`, without what a worker never needs (DEFAULT_EXCLUDES,
+    `extra_excludes`, what git ignores) and without the GENERATED directories, which upload_code
+    mirrors on their own (upload_generated). Uses gcloud when found on PATH (unless use_gcloud=False),
     returning None as gcloud reports for itself; otherwise the client sync and its report."""
+    excludes = [*DEFAULT_EXCLUDES, *extra_excludes]
+    # Generated next to the code by upload_code, from elsewhere: the mirror neither uploads nor deletes them.
+    ignored = [*git_ignored(source), *GENERATED] if source.is_dir() else []
+    return mirror(source, dest_url, excludes, ignored, client=client, gcloud=gcloud, use_gcloud=use_gcloud)
+
+
+def mirror(
+    source: Path,
+    dest_url: str,
+    excludes: Sequence[str] = (),
+    ignored: Sequence[str] = (),
+    client=None,
+    gcloud: str | None = None,
+    use_gcloud: bool | None = None,
+) -> SyncReport | None:
+    """Make `dest_url` hold exactly the files of `source` that `excludes` (globs) and `ignored`
+    (relative paths) leave in; what they match is neither uploaded nor deleted remotely."""
     split_url(dest_url)
     if not source.is_dir():
         raise CodeSyncError(f"source {str(source)!r} is not a directory")
-    excludes = [*DEFAULT_EXCLUDES, *extra_excludes]
-    # Generated next to the code by upload_code, from elsewhere: the mirror neither uploads nor deletes them.
-    ignored = [*git_ignored(source), *GENERATED]
     gcloud = gcloud or (shutil.which("gcloud") if use_gcloud is not False else None)
     if gcloud:
         argv = gcloud_argv(gcloud, source, dest_url, excludes, ignored)
@@ -464,8 +480,10 @@ def build_environment(
 
 
 def upload_generated(staging: Path, dest_url: str, client=None, use_gcloud: bool | None = None) -> None:
-    """Mirror each generated directory (locks/, wheelhouse/, uv/) to dest_url/<dir>, deleting stale objects."""
+    """Mirror each generated directory (locks/, wheelhouse/, python-mirror/, uv/) to dest_url/<dir>,
+    deleting stale objects. Whole: the checkout's exclusions are not theirs (GENERATED's `uv` names the
+    binary uv/uv too, and a wheel may be called anything)."""
     for name in GENERATED:
         directory = staging / name
         if directory.is_dir():
-            sync_code(directory, f"{dest_url.rstrip('/')}/{name}", client=client, use_gcloud=use_gcloud)
+            mirror(directory, f"{dest_url.rstrip('/')}/{name}", client=client, use_gcloud=use_gcloud)
