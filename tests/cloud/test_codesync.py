@@ -13,6 +13,7 @@ import pytest
 
 from fleet import codesync
 from tests.cloud.conftest import StubBin
+from tests.gcloudcli import require_gcloud, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,6 +115,37 @@ def test_upload_tool_uses_gcloud_rsync_when_gcloud_is_on_path(tmp_path: Path, st
     regex = codesync.exclude_regex([*codesync.DEFAULT_EXCLUDES, "data/*"], codesync.GENERATED)
     assert argv == ["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects",
                     f"--exclude={regex}", str(src), "gs://bkt/code/run1"]
+
+
+@pytest.mark.parametrize("path", ["gcloud", "client"])
+def test_upload_tool_puts_the_static_uv_binary_in_the_bucket_on_both_paths(
+        path: str, tmp_path: Path, gcs, gcs_bucket: str, gcs_client, no_gcloud_path: str):
+    """uv/uv (and uv/VERSION, locks/) reach the bucket through tools/upload_code.py itself: with the real
+    gcloud pointed at the fake server, and with the Python client. The checkout's exclusions once
+    applied to the generated uv/ folder too, and `uv` (GENERATED) matched the binary's own path."""
+    src = _tree(tmp_path / "checkout", {"spawn.py": "x\n", "setup.cfg": "[metadata]\nname = tiny\n\n[options]\n",
+                                        "pyproject.toml": ""})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "STORAGE_EMULATOR_HOST": gcs.url}
+    if path == "gcloud":
+        require_gcloud()
+        env["CLOUDSDK_CONFIG"] = str(write_config(tmp_path / "gcloud-config", storage=gcs.url))
+    else:
+        env["PATH"] = no_gcloud_path
+    result = subprocess.run(
+        [sys.executable, "tools/upload_code.py", f"gs://{gcs_bucket}/code/run1", "--source", str(src), "--lock", "cpu",
+         "--extras", ""], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"method={'gcloud' if path == 'gcloud' else 'python'}" in result.stderr
+    listing = _listing(gcs_client, gcs_bucket, "code/run1")
+    assert sorted(listing) == ["locks/cpu.txt", "pyproject.toml", "setup.cfg", "spawn.py", "uv/VERSION", "uv/uv"]
+    version = codesync.uv_version()
+    assert listing["uv/VERSION"].decode().strip() == version
+    fetched = tmp_path / "uv"
+    fetched.write_bytes(listing["uv/uv"])
+    fetched.chmod(0o755)
+    assert subprocess.run([str(fetched), "--version"], capture_output=True, text=True, check=True).stdout.split()[:2] == [
+        "uv", version]
 
 
 def test_failing_gcloud_is_reported_with_its_exit_code(tmp_path: Path, stubs: StubBin):
