@@ -1,0 +1,124 @@
+"""The first boot, rehearsed (tests/boot/rehearsal.py): a stock Debian machine with no network but the
+fake Google APIs boots the real startup.sh from its metadata and, from the bucket alone (code, uv, the
+interpreter, the wheels, all put there by the real tools/upload_code.py through the real gcloud),
+claims a task, extracts it with a tiny model, writes the done marker and leaves its group; a machine
+whose wheelhouse is broken records why and leaves its group too.
+
+Needs root (namespaces, mounts, chroot), mmdebstrap, iproute2 and gcloud (`make rehearsal-tools`);
+elsewhere it skips saying so, except under CI, where a missing piece fails it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.boot.rehearsal import BUCKET, GROUP, PROJECT, ZONE, Rehearsal, first_claim_time, release_host, report, standin_release
+from tests.fakegcs.server import Preconditions
+
+pytestmark = pytest.mark.timeout(1500)
+
+
+def _missing() -> list[str]:
+    missing = [tool for tool in ("mmdebstrap", "gcloud", "unshare", "nsenter", "ip") if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        missing.append("root")
+    return missing
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Rehearsal:
+    missing = _missing()
+    if missing:
+        message = f"the boot rehearsal needs {', '.join(missing)} (make rehearsal-tools installs the tools)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with Rehearsal(tmp_path_factory.mktemp("rehearsal"), disks=2) as rehearsal:
+        release, listing = standin_release(rehearsal.lower)
+        url, stop = release_host(release)
+        try:
+            rehearsal.upload_code("code/run1", url, listing)
+        finally:
+            stop()
+        yield rehearsal
+
+
+def _record(world: Rehearsal, job: str, name: str) -> tuple[dict, dict]:
+    [stored] = world.objects(f"jobs/{job}/machines/{name}.json").values()
+    return json.loads(stored.data), dict(stored.metadata)
+
+
+def test_a_stock_machine_boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(world: Rehearsal):
+    [task] = world.submit_job("j1")
+    world.set_machine("spawn-worker-0001", "code/run1", "j1")
+    boot = world.boot(world.disks[0], "first boot")
+    console = boot.console
+    assert boot.status == 0, console[-6000:]
+    delete = world.wait_for_delete("spawn-worker-0001", timeout=600)
+    log = world.worker_log(world.disks[0])
+    assert delete is not None, f"no deleteInstances request; worker log:\n{log[-6000:]}\nconsole:\n{console[-3000:]}"
+
+    # 1-2: metadata read, booting and installing recorded (through the real gcloud storage cp).
+    for state in ("booting", "installing"):
+        assert f"event=machine_record machine=spawn-worker-0001 state={state}" in console
+    # 3: the code came through the real gcloud from the bucket (no stub anywhere on PATH).
+    assert "event=code_sync source=gs://rehearsal-bucket/code/run1" in console
+    # 4: uv/uv from the bucket; the interpreter from the bucket's mirror; never apt or python3 -m venv.
+    assert "event=uv source=bucket version=" in console and "source=pip" not in console
+    assert "event=apt_install" not in console and "Installed Python 3.11" in console
+    # 5: the lock, from the wheelhouse, with no index.
+    assert "event=installed python=3.11 accelerator=cpu" in console
+    # 6: spawn.py claimed the task, consume.py extracted it with the tiny model, the done marker is there.
+    done = world.objects(f"jobs/j1/done/{task}.json")
+    assert done, f"no done marker; worker log:\n{log[-6000:]}"
+    marker = json.loads(next(iter(done.values())).data)
+    assert marker["shards"] and all(world.objects(s["url"].split(f"gs://{BUCKET}/", 1)[1]) for s in marker["shards"])
+    # 7: the last word: the record says deleting, and the group got deleteInstances for this VM alone.
+    record, listed = _record(world, "j1", "spawn-worker-0001")
+    assert record["state"] == "deleting" and {"booting", "installing"} <= set(record["spent"]), record
+    assert (record["machine_type"], record["provisioning"]) == ("g2-standard-8", "spot")
+    assert listed["state"] == "deleting"
+    assert delete.path == f"/compute/v1/projects/{PROJECT}/zones/{ZONE}/instanceGroupManagers/{GROUP}/deleteInstances"
+    assert delete.body == {"instances": [f"zones/{ZONE}/instances/spawn-worker-0001"]}
+
+    # Firewalled for real: the machine's uv cannot reach its default package index.
+    probe = world.ns.run(world.disks[0], ["/opt/fleet/code/uv/uv", "pip", "install", "--dry-run", "--python",
+                                          "/opt/fleet/venv/bin/python", "--no-cache", "six"],
+                         world.machine_env(), timeout=120)
+    assert probe.returncode != 0, probe.stdout + probe.stderr
+
+    boot.marks["first_claim"] = first_claim_time(world, "j1", task)
+    print(report(boot))
+
+
+def test_a_broken_wheelhouse_ends_in_a_failed_record_with_its_log_tail_and_a_delete(world: Rehearsal):
+    """The same code with a wheelhouse that lacks jaxlib: the locked install cannot finish offline."""
+    storage = world.gcs.storage
+    for name, stored in world.objects("code/run1/").items():
+        relative = name.removeprefix("code/run1/")
+        if relative.startswith("wheelhouse/cpu/jaxlib-"):
+            continue
+        storage.commit(BUCKET, f"code/broken/{relative}", stored.data, {"metadata": dict(stored.metadata)},
+                       Preconditions(), stored.content_type)
+    world.set_machine("spawn-worker-0002", "code/broken", "j1")
+    boot = world.boot(world.disks[1], "broken wheelhouse")
+    assert boot.status == 1, boot.console[-6000:]
+    record, listed = _record(world, "j1", "spawn-worker-0002")
+    assert (record["state"], record["phase"]) == ("failed", "install"), record
+    assert record["reason"].startswith("install_failed: exit ")
+    assert "jaxlib" in record["log_tail"] and listed["state"] == "failed"
+    assert world.wait_for_delete("spawn-worker-0002", timeout=60) is not None
+    # Never an idle machine: no worker was started.
+    assert not (world.ns.view(world.disks[1]) / "etc/systemd/system/spawn-worker.service").exists()
+
+
+def test_the_rehearsal_machine_has_nothing_the_boot_could_lean_on(world: Rehearsal):
+    """The stock image: no uv, no python3-venv (ensurepip), no virtualenv of ours before the boot."""
+    lower = world.lower
+    assert not list(lower.glob("usr/bin/uv*")) and not (lower / "opt/fleet").exists()
+    assert not list(lower.glob("usr/lib/python3*/ensurepip/__init__.py"))
+    assert (lower / "usr/bin/curl").exists() and list(lower.glob("usr/bin/python3.*"))
