@@ -16,6 +16,7 @@ The pieces, and where each differs from a GCE VM (docs/CLOUD.md, "The boot, rehe
   (a developer's machine, with the package index) reaches the same bucket through a second listener
   outside it;
 - the machine's own processes: a PID and mount namespace (everything in it dies with it) and a chroot;
+  its /sys/class holds only the DMI product name a Compute Engine VM's firmware reports;
 - what stands in: systemd (tests/boot/image/systemctl: a chroot has no init), the guest agent's
   startup-script runner (tests/boot/image/google-startup-script), gcloud's credentials (its
   configuration has credentials off and the endpoints overridden), the Python clients' endpoints
@@ -103,6 +104,11 @@ for disk in "$@"; do
   mount -t proc proc "$disk/merged/proc"
   mount --rbind /dev "$disk/merged/dev"
   mount --rbind /sys "$disk/merged/sys"
+  # The VM's firmware: fleet.machines.maybe_on_gce reads the DMI product name, as Google documents
+  # for detecting Compute Engine; this machine's /sys/class says otherwise (or has no DMI at all).
+  mount -t tmpfs tmpfs "$disk/merged/sys/class"
+  mkdir -p "$disk/merged/sys/class/dmi/id"
+  echo "Google Compute Engine" >"$disk/merged/sys/class/dmi/id/product_name"
   mount -t tmpfs tmpfs "$disk/merged/tmp"
   mount -t tmpfs tmpfs "$disk/merged/run"
   mount --bind /usr/lib/google-cloud-sdk "$disk/merged/usr/lib/google-cloud-sdk"
@@ -333,6 +339,7 @@ class Rehearsal:
         started = time.time()
         result = self.ns.run(disk, ["/usr/local/sbin/google-startup-script"], self.machine_env(), timeout)
         console = result.stdout + result.stderr
+        (self.workdir / f"console-{name}.log").write_text(console)
         marks = {"boot": started}
         for line in console.splitlines():
             fields = dict(field.split("=", 1) for field in line.split() if "=" in field)
@@ -370,9 +377,11 @@ def release_host(directory: Path) -> tuple[str, Callable[[], None]]:
     import functools
     import http.server
 
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
-    handler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(directory)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{server.server_address[1]}", server.shutdown
 
@@ -389,13 +398,11 @@ def standin_release(lower: Path) -> tuple[Path, Path]:
     return release, listing
 
 
-def first_claim_time(rehearsal: Rehearsal, job: str, task: str) -> float | None:
-    """When the first lease of `task` was written: its generation is microseconds since the epoch (the fake's clock)."""
-    lease = rehearsal.objects(f"jobs/{job}/leases/{task}")
-    if not lease:
-        return None
-    first = min(stored.created for stored in lease.values())
-    return first.timestamp()
+def first_claim_time(rehearsal: Rehearsal, disk: Disk) -> float | None:
+    """When the worker first claimed a task: its fencing token is the lease's generation, which the
+    fake GCS takes from the clock (microseconds since the epoch; tests/fakegcs/server.py)."""
+    found = re.search(r"event=claimed task=\S+ token=(\d+)", rehearsal.worker_log(disk))
+    return int(found.group(1)) / 1e6 if found else None
 
 
 def report(boot: Boot) -> str:
@@ -425,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                 world.set_machine("spawn-worker-0001", "code/run1", job)
                 boot = world.boot(world.disks[0], label)
                 deleted = world.wait_for_delete("spawn-worker-0001", 600) if boot.status == 0 else None
-                claim = first_claim_time(world, job, task)
+                claim = first_claim_time(world, world.disks[0])
                 if boot.status != 0 or claim is None or deleted is None:
                     print(boot.console[-4000:], world.worker_log(world.disks[0])[-4000:], sep="\n")
                     return 1

@@ -52,7 +52,11 @@ def _record(world: Rehearsal, job: str, name: str) -> tuple[dict, dict]:
     return json.loads(stored.data), dict(stored.metadata)
 
 
-def test_a_stock_machine_boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(world: Rehearsal):
+def test_a_stock_machine_boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(
+        world: Rehearsal, monkeypatch: pytest.MonkeyPatch):
+    from extract.reader import open_activations
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", world.uploader.url)  # the activations, read back from here
     [task] = world.submit_job("j1")
     world.set_machine("spawn-worker-0001", "code/run1", "j1")
     boot = world.boot(world.disks[0], "first boot")
@@ -73,10 +77,9 @@ def test_a_stock_machine_boots_from_the_bucket_alone_claims_extracts_and_leaves_
     # 5: the lock, from the wheelhouse, with no index.
     assert "event=installed python=3.11 accelerator=cpu" in console
     # 6: spawn.py claimed the task, consume.py extracted it with the tiny model, the done marker is there.
-    done = world.objects(f"jobs/j1/done/{task}.json")
-    assert done, f"no done marker; worker log:\n{log[-6000:]}"
-    marker = json.loads(next(iter(done.values())).data)
-    assert marker["shards"] and all(world.objects(s["url"].split(f"gs://{BUCKET}/", 1)[1]) for s in marker["shards"])
+    assert world.objects(f"jobs/j1/done/{task}.json"), f"no done marker; worker log:\n{log[-6000:]}"
+    acts = open_activations(f"gs://{BUCKET}/jobs/j1/done/{task}.json")
+    assert acts.num_samples == 8 and sorted(acts.layers) == [1, 2] and acts.layer(2).shape == (acts.num_tokens, 32)
     # 7: the last word: the record says deleting, and the group got deleteInstances for this VM alone.
     record, listed = _record(world, "j1", "spawn-worker-0001")
     assert record["state"] == "deleting" and {"booting", "installing"} <= set(record["spent"]), record
@@ -91,16 +94,17 @@ def test_a_stock_machine_boots_from_the_bucket_alone_claims_extracts_and_leaves_
                          world.machine_env(), timeout=120)
     assert probe.returncode != 0, probe.stdout + probe.stderr
 
-    boot.marks["first_claim"] = first_claim_time(world, "j1", task)
+    boot.marks["first_claim"] = first_claim_time(world, world.disks[0])
     print(report(boot))
 
 
 def test_a_broken_wheelhouse_ends_in_a_failed_record_with_its_log_tail_and_a_delete(world: Rehearsal):
-    """The same code with a wheelhouse that lacks jaxlib: the locked install cannot finish offline."""
+    """The same code with a wheelhouse that lacks its large wheels (jaxlib among them), as an upload cut
+    short would leave it: the locked install cannot finish offline."""
     storage = world.gcs.storage
     for name, stored in world.objects("code/run1/").items():
         relative = name.removeprefix("code/run1/")
-        if relative.startswith("wheelhouse/cpu/jaxlib-"):
+        if relative.startswith("wheelhouse/cpu/") and len(stored.data) > 1 << 20:
             continue
         storage.commit(BUCKET, f"code/broken/{relative}", stored.data, {"metadata": dict(stored.metadata)},
                        Preconditions(), stored.content_type)
@@ -110,7 +114,8 @@ def test_a_broken_wheelhouse_ends_in_a_failed_record_with_its_log_tail_and_a_del
     record, listed = _record(world, "j1", "spawn-worker-0002")
     assert (record["state"], record["phase"]) == ("failed", "install"), record
     assert record["reason"].startswith("install_failed: exit ")
-    assert "jaxlib" in record["log_tail"] and listed["state"] == "failed"
+    assert "No solution found when resolving dependencies" in record["log_tail"] and listed["state"] == "failed"
+    assert "event=gave_up attempts=4" in record["log_tail"]
     assert world.wait_for_delete("spawn-worker-0002", timeout=60) is not None
     # Never an idle machine: no worker was started.
     assert not (world.ns.view(world.disks[1]) / "etc/systemd/system/spawn-worker.service").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import sys
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -86,6 +87,11 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, fake: "FakeHTTPServer", address: tuple[str, int]):
         self.fake = fake
         super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that leaves mid-request (curl's --max-time, a process killed) is no fault of the fake.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class FakeHTTPServer(abc.ABC):
