@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
 from tests.boot.rehearsal import BUCKET, GROUP, PROJECT, ZONE, Rehearsal, first_claim_time, release_host, report, standin_release
 from tests.fakegcs.server import Preconditions
 
-pytestmark = pytest.mark.timeout(1500)
+# One machine world per module: under `pytest -n 2 --dist loadgroup` (make test) every test here runs
+# on the same worker, so the upload and the namespaces are made once.
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.xdist_group("boot_rehearsal")]
 
 
 def _missing() -> list[str]:

@@ -1,17 +1,22 @@
 """A small Google Cloud Storage JSON-API server for tests, with preconditions and fault injection.
 
 What it emulates, over plain HTTP/1.1 with keep-alive on 127.0.0.1, for the real
-`google-cloud-storage` client pointed at it through `STORAGE_EMULATOR_HOST`:
+`google-cloud-storage` client pointed at it through `STORAGE_EMULATOR_HOST`, and for the real
+`gcloud storage` pointed at it through `api_endpoint_overrides/storage` (tests/gcloudcli.py):
 
-- buckets: create (`POST /storage/v1/b`), get, list, delete (empty buckets only);
-- object inserts: `uploadType=media`, `multipart` and `resumable` (initiate, `PUT` chunks
-  with `Content-Range`, status queries with `bytes */N`, cancel), with the client's crc32c or
-  md5 checked against the bytes received;
+- buckets: create (`POST /storage/v1/b`, keeping `location`, `storageClass`, `iamConfiguration`
+  and `labels`), get, list, delete (empty buckets only), `getStorageLayout` (a flat namespace),
+  and the IAM policy (`GET`/`PUT .../iam`, a stale etag answered 412);
+- object inserts: `uploadType=media`, `multipart` (CRLF or gcloud's bare-LF body, quoted
+  boundaries) and `resumable` (initiate, also at `/resumable/upload/...`, `PUT` chunks with
+  `Content-Range`, status queries with `bytes */N`, cancel), with the client's crc32c or md5
+  checked against the bytes received; `compose` (gcloud's parallel composite uploads);
 - object reads: metadata (JSON) and media (`alt=media`, also under `/download/...`) with
   `x-goog-generation`, `x-goog-metageneration`, `x-goog-hash`, `x-goog-stored-content-length`
   and single HTTP byte ranges (206 / 416 as GCS answers them);
 - listings: `prefix`, `delimiter` (with `prefixes`), `startOffset`, `endOffset`, `maxResults`
   and `pageToken`, items being full object resources including custom `metadata`;
+  `includeFoldersAsPrefixes` and `versions` are accepted and change nothing (see PLAIN_LIST_PARAMS);
 - delete, metadata patch (merge, `null` removes a key) and update (replace), which bump the
   metageneration only;
 - the four generation preconditions with GCS's status codes: 412 when a condition fails on a
@@ -30,9 +35,10 @@ closed without an answer: the ambiguous outcome of a lost response), and added l
 Request counts per kind (`writes`, `reads`, `lists`, `deletes`, `faults_injected`) include
 attempts that were failed on purpose. Bucket calls are neither counted nor faulted.
 
-What it does not emulate: authentication and IAM, ACLs, object versioning (reading or deleting
-a `generation` other than the live one is a 404), soft delete, compose / copy / rewrite, XML
-API, signed URLs, `matchGlob`, `includeTrailingDelimiter`, folders, gzip transcoding,
+What it does not emulate: authentication and IAM checks (policies are kept, never enforced), ACLs,
+object versioning (reading or deleting a `generation` other than the live one is a 404), soft
+delete, copy / rewrite, XML API, signed URLs, `matchGlob`, `includeTrailingDelimiter`, folders
+and managed folders, gzip transcoding,
 multi-range reads, retention and holds, notifications. Those calls answer 400 with a
 message naming what is missing, never a silent success. State lives in memory only.
 """
