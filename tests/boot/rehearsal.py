@@ -229,12 +229,15 @@ class Rehearsal:
         self.timings["namespaces_s"] = time.monotonic() - started
         return self
 
-    def stop(self) -> None:
+    def stop(self, keep_disks: bool = False) -> None:
         for server in (self.metadata, self.cloud, self.gcs, self.uploader):
             if server is not None:
                 with contextlib.suppress(Exception):
                     server.stop()
         self.ns.stop()
+        if not keep_disks:  # a machine's disk is a gigabyte and more (venv, wheels, code); its console logs stay
+            for disk in self.disks:
+                shutil.rmtree(disk.path, ignore_errors=True)
 
     def __enter__(self) -> "Rehearsal":
         try:
