@@ -41,10 +41,8 @@ rehearsal-tools:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap iproute2 >/dev/null; \
 	fi
 
-# --dist loadgroup keeps each xdist_group (the boot rehearsal's tests, which share one machine world)
-# on one worker; every other test is spread as with the default.
 test: $(VENV)/.test-installed browser rehearsal-tools
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2
 
 clean:
 	rm -rf $(VENV) local-run

@@ -394,11 +394,12 @@ def standin_release(lower: Path) -> tuple[Path, Path]:
     """The stand-in interpreter archive of the root filesystem's CPython, cached beside it: (release dir, list)."""
     release = lower.parent / f"{lower.name}.python-release"
     listing = release / standin_python.TAG / "downloads.json"
-    if not listing.exists():
-        building = Path(tempfile.mkdtemp(prefix=f"{release.name}.building-", dir=lower.parent))
-        standin_python.write(lower, building / standin_python.TAG)
-        shutil.rmtree(release, ignore_errors=True)
-        building.rename(release)
+    with rootfs.locked(lower.parent):
+        if not listing.exists():
+            building = Path(tempfile.mkdtemp(prefix=f"{release.name}.building-", dir=lower.parent))
+            standin_python.write(lower, building / standin_python.TAG)
+            shutil.rmtree(release, ignore_errors=True)
+            building.rename(release)
     return release, listing
 
 

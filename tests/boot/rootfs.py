@@ -14,6 +14,8 @@ configuration, so no mirror is named here).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gcs-spawner" / "rootfs"
@@ -71,7 +74,22 @@ def ensure(cache: Path = CACHE) -> Path:
     target = cache / key(spec)
     if (target / ".complete").is_file():
         return target
+    with locked(cache):
+        if (target / ".complete").is_file():
+            return target
+        return _build(mmdebstrap, spec, target, cache)
+
+
+@contextlib.contextmanager
+def locked(cache: Path) -> Iterator[None]:
+    """One builder at a time in `cache` (two test workers, two runs): the others wait, then find its work."""
     cache.mkdir(parents=True, exist_ok=True)
+    with (cache / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build(mmdebstrap: str, spec: dict, target: Path, cache: Path) -> Path:
     building = Path(tempfile.mkdtemp(prefix=f"{target.name}.building-", dir=cache))
     argv = [mmdebstrap, "--quiet", "--mode=root", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}",
             spec["suite"], str(building), *map(str, apt_sources())]
@@ -85,13 +103,12 @@ def ensure(cache: Path = CACHE) -> Path:
         (building / "usr/bin" / tool).symlink_to(f"../lib/google-cloud-sdk/bin/{tool}")
     (building / ".recipe.json").write_text(json.dumps(spec, indent=1, sort_keys=True))
     (building / ".complete").write_text("")
-    if (target / ".complete").is_file():  # another run built it meanwhile
-        shutil.rmtree(building, ignore_errors=True)
-    else:
-        shutil.rmtree(target, ignore_errors=True)
-        building.rename(target)
-    for stale in cache.iterdir():  # older recipes
-        if stale != target and stale.is_dir() and ".building-" not in stale.name:
+    shutil.rmtree(target, ignore_errors=True)
+    building.rename(target)
+    for stale in cache.iterdir():  # older recipes, what they were built with, and interrupted builds
+        if stale.is_dir() and not stale.name.startswith(target.name):
+            shutil.rmtree(stale, ignore_errors=True)
+        elif stale.is_dir() and stale.name.startswith(f"{target.name}.building-"):
             shutil.rmtree(stale, ignore_errors=True)
     return target
 

@@ -18,9 +18,7 @@ import pytest
 from tests.boot.rehearsal import BUCKET, GROUP, PROJECT, ZONE, Rehearsal, first_claim_time, release_host, report, standin_release
 from tests.fakegcs.server import Preconditions
 
-# One machine world per module: under `pytest -n 2 --dist loadgroup` (make test) every test here runs
-# on the same worker, so the upload and the namespaces are made once.
-pytestmark = [pytest.mark.timeout(1500), pytest.mark.xdist_group("boot_rehearsal")]
+pytestmark = pytest.mark.timeout(1800)
 
 
 def _missing() -> list[str]:
@@ -30,15 +28,17 @@ def _missing() -> list[str]:
     return missing
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Rehearsal:
+@pytest.fixture
+def world(tmp_path) -> Rehearsal:
+    """One machine world (namespaces, fakes, the upload) for the one test below: pytest-xdist may hand
+    tests of a module to different workers, so the costly set-up is never shared between tests."""
     missing = _missing()
     if missing:
         message = f"the boot rehearsal needs {', '.join(missing)} (make rehearsal-tools installs the tools)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    with Rehearsal(tmp_path_factory.mktemp("rehearsal"), disks=2) as rehearsal:
+    with Rehearsal(tmp_path, disks=2) as rehearsal:
         release, listing = standin_release(rehearsal.lower)
         url, stop = release_host(release)
         try:
@@ -53,8 +53,15 @@ def _record(world: Rehearsal, job: str, name: str) -> tuple[dict, dict]:
     return json.loads(stored.data), dict(stored.metadata)
 
 
-def test_a_stock_machine_boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(
+def test_a_stock_machine_boots_from_the_bucket_alone_and_a_broken_wheelhouse_ends_failed_never_idle(
         world: Rehearsal, monkeypatch: pytest.MonkeyPatch):
+    _stock_image_has_nothing_the_boot_could_lean_on(world)
+    _boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(world, monkeypatch)
+    _broken_wheelhouse_ends_in_a_failed_record_with_its_log_tail_and_a_delete(world)
+
+
+def _boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(world: Rehearsal,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from extract.reader import open_activations
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", world.uploader.url)  # the activations, read back from here
@@ -99,7 +106,7 @@ def test_a_stock_machine_boots_from_the_bucket_alone_claims_extracts_and_leaves_
     print(report(boot))
 
 
-def test_a_broken_wheelhouse_ends_in_a_failed_record_with_its_log_tail_and_a_delete(world: Rehearsal):
+def _broken_wheelhouse_ends_in_a_failed_record_with_its_log_tail_and_a_delete(world: Rehearsal) -> None:
     """The same code with a wheelhouse that lacks its large wheels (jaxlib among them), as an upload cut
     short would leave it: the locked install cannot finish offline."""
     storage = world.gcs.storage
@@ -122,7 +129,7 @@ def test_a_broken_wheelhouse_ends_in_a_failed_record_with_its_log_tail_and_a_del
     assert not (world.ns.view(world.disks[1]) / "etc/systemd/system/spawn-worker.service").exists()
 
 
-def test_the_rehearsal_machine_has_nothing_the_boot_could_lean_on(world: Rehearsal):
+def _stock_image_has_nothing_the_boot_could_lean_on(world: Rehearsal) -> None:
     """The stock image: no uv, no python3-venv (ensurepip), no virtualenv of ours before the boot."""
     lower = world.lower
     assert not list(lower.glob("usr/bin/uv*")) and not (lower / "opt/fleet").exists()
