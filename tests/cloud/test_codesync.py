@@ -1,5 +1,6 @@
-"""tools/upload_code.py and fleet.codesync: the Python sync against the fake GCS server, and the
-gcloud path through a stub gcloud that records its argv."""
+"""tools/upload_code.py and fleet.codesync: the Python sync against the fake GCS server, the gcloud
+path through a stub gcloud that records its argv and through the real gcloud against the fake
+server, and the interpreter mirror through the real uv."""
 
 from __future__ import annotations
 
