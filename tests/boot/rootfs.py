@@ -9,6 +9,12 @@ python3-venv and no virtualenv of the project. The Google Cloud CLI is not insta
 rehearsal bind-mounts this machine's (`/usr/lib/google-cloud-sdk`), and the recipe adds the
 `/usr/bin/gcloud` link a package would. The packages come from this machine's apt sources (its own
 configuration, so no mirror is named here).
+
+The cache lives outside the clone (CI clones afresh): $XDG_CACHE_HOME/gcs-spawner/rootfs/KEY, else
+~/.cache/gcs-spawner/rootfs/KEY. KEY hashes the recipe: the release, variant, packages and apt
+sources, and the text of the files that build what is cached (this file, and
+tests/boot/standin_python.py for the interpreter archive cached beside it), so that editing any of
+them builds afresh; a new build removes the older ones.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +37,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gcs-sp
 PACKAGES = ("ca-certificates", "curl", "python3")
 VARIANT = "minbase"
 SDK = Path("/usr/lib/google-cloud-sdk")
+BUILDERS = (Path(__file__), Path(__file__).with_name("standin_python.py"))  # their text is part of the key
 
 
 class RootfsError(Exception):
@@ -56,7 +64,8 @@ def apt_sources() -> list[Path]:
 
 def recipe() -> dict:
     return {"suite": host_release(), "variant": VARIANT, "packages": list(PACKAGES),
-            "sources": {str(p): p.read_text() for p in apt_sources()}, "format": 2}
+            "sources": {str(p): p.read_text() for p in apt_sources()},
+            "builders": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in BUILDERS}}
 
 
 def key(spec: dict) -> str:
@@ -91,6 +100,7 @@ def locked(cache: Path) -> Iterator[None]:
 
 def _build(mmdebstrap: str, spec: dict, target: Path, cache: Path) -> Path:
     building = Path(tempfile.mkdtemp(prefix=f"{target.name}.building-", dir=cache))
+    started = time.monotonic()
     argv = [mmdebstrap, "--quiet", "--mode=root", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}",
             spec["suite"], str(building), *map(str, apt_sources())]
     result = subprocess.run(argv, capture_output=True, text=True)
@@ -105,6 +115,7 @@ def _build(mmdebstrap: str, spec: dict, target: Path, cache: Path) -> Path:
     (building / ".complete").write_text("")
     shutil.rmtree(target, ignore_errors=True)
     building.rename(target)
+    print(f"event=rootfs_built path={target} seconds={time.monotonic() - started:.1f}", file=sys.stderr)
     for stale in cache.iterdir():  # older recipes, what they were built with, and interrupted builds
         if stale.is_dir() and not stale.name.startswith(target.name):
             shutil.rmtree(stale, ignore_errors=True)
