@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: run test clean browser
+.PHONY: run test clean browser rehearsal-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,19 @@ browser:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	fi
 
-test: $(VENV)/.test-installed browser
+# The boot rehearsal (tests/boot) builds a Debian root filesystem with mmdebstrap (cached under
+# ~/.cache/gcs-spawner/rootfs, keyed on its recipe) and boots it in namespaces of its own (iproute2
+# brings up its loopback). The Google Cloud CLI it runs is the machine's own. Where the tools cannot
+# be installed (no root, no apt), the rehearsal skips and says why, except in CI (.ci/run).
+rehearsal-tools:
+	@if ! command -v mmdebstrap >/dev/null || ! command -v ip >/dev/null; then \
+		echo "installing mmdebstrap and iproute2 from the distribution's packages"; \
+		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap iproute2 >/dev/null; } || \
+		echo "could not install mmdebstrap and iproute2: the boot rehearsal (tests/boot) will skip"; \
+	fi
+
+test: $(VENV)/.test-installed browser rehearsal-tools
 	$(PY) -m pytest -n 2
 
 clean:

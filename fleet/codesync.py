@@ -248,14 +248,30 @@ def sync_code(
     gcloud: str | None = None,
     use_gcloud: bool | None = None,
 ) -> SyncReport | None:
-    """Mirror `source` to `dest_url`. Uses gcloud when found on PATH (unless use_gcloud=False),
+    """Mirror the checkout `source` to `dest_url`, without what a worker never needs (DEFAULT_EXCLUDES,
+    `extra_excludes`, what git ignores) and without the GENERATED directories, which upload_code
+    mirrors on their own (upload_generated). Uses gcloud when found on PATH (unless use_gcloud=False),
     returning None as gcloud reports for itself; otherwise the client sync and its report."""
+    excludes = [*DEFAULT_EXCLUDES, *extra_excludes]
+    # Generated next to the code by upload_code, from elsewhere: the mirror neither uploads nor deletes them.
+    ignored = [*git_ignored(source), *GENERATED] if source.is_dir() else []
+    return mirror(source, dest_url, excludes, ignored, client=client, gcloud=gcloud, use_gcloud=use_gcloud)
+
+
+def mirror(
+    source: Path,
+    dest_url: str,
+    excludes: Sequence[str] = (),
+    ignored: Sequence[str] = (),
+    client=None,
+    gcloud: str | None = None,
+    use_gcloud: bool | None = None,
+) -> SyncReport | None:
+    """Make `dest_url` hold exactly the files of `source` that `excludes` (globs) and `ignored`
+    (relative paths) leave in; what they match is neither uploaded nor deleted remotely."""
     split_url(dest_url)
     if not source.is_dir():
         raise CodeSyncError(f"source {str(source)!r} is not a directory")
-    excludes = [*DEFAULT_EXCLUDES, *extra_excludes]
-    # Generated next to the code by upload_code, from elsewhere: the mirror neither uploads nor deletes them.
-    ignored = [*git_ignored(source), *GENERATED]
     gcloud = gcloud or (shutil.which("gcloud") if use_gcloud is not False else None)
     if gcloud:
         argv = gcloud_argv(gcloud, source, dest_url, excludes, ignored)
@@ -431,6 +447,67 @@ def stage_uv(staging: Path, version: str, python_version: str = "3.11", index_ar
     return dest
 
 
+#: The interpreter the machines provision (startup.sh: `uv python install`, `uv venv --managed-python`):
+#: a python-build-standalone CPython for x86_64 Linux with glibc, as uv lists its downloads.
+MACHINE_PYTHON = {"implementation": "cpython", "os": "linux", "arch": "x86_64", "libc": "gnu", "variant": "default"}
+
+
+def stage_python_mirror(staging: Path, python_version: str, uv: Sequence[str]) -> Path:
+    """`python-mirror/TAG/FILE` under `staging`: the archive that `uv` (the machines' uv) downloads for
+    CPython `python_version` on the machines, laid out as uv reads a `file://` UV_PYTHON_INSTALL_MIRROR.
+
+    uv replaces its download prefix with the mirror and keeps `TAG/FILE`; for a file:// mirror it
+    percent-decodes the path, so `cpython-3.11.14%2B20251031-...` must be saved as `cpython-3.11.14+...`
+    (where `curl -LO` would keep the `%2B`). The archive comes from wherever this uv downloads it
+    (its default, or the UV_PYTHON_INSTALL_MIRROR and UV_PYTHON_DOWNLOADS_JSON_URL of this environment:
+    uv's own settings, https://docs.astral.sh/uv/reference/environment/). A downloads list given by
+    UV_PYTHON_DOWNLOADS_JSON_URL goes into the mirror as downloads.json, which startup.sh hands to uv.
+    The mirror is then checked the way a machine uses it: `uv python install` from it into a scratch
+    directory, which also checks the archive against uv's sha256."""
+    import json
+    import tempfile
+    import urllib.parse
+    import urllib.request
+
+    listing = _run([*uv, "python", "list", python_version, "--only-downloads", "--show-urls", "--all-platforms",
+                    "--output-format", "json"], "python_downloads")
+    found = [entry for entry in json.loads(listing)
+             if all(entry.get(key) == value for key, value in MACHINE_PYTHON.items()) and entry.get("url")]
+    if not found:
+        raise CodeSyncError(f"uv lists no CPython {python_version} download for x86_64 Linux (glibc); "
+                            f"check --python or the downloads list (UV_PYTHON_DOWNLOADS_JSON_URL)")
+    entry = max(found, key=lambda e: tuple(e["version_parts"].get(k, 0) for k in ("major", "minor", "patch")))
+    relative = urllib.parse.unquote("/".join(entry["url"].split("/")[-2:]))  # TAG/FILE, as uv decodes it
+    mirror = staging / "python-mirror"
+    archive = mirror / relative
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    log.info("event=python_download version=%s url=%s", entry["version"], entry["url"])
+    try:
+        with urllib.request.urlopen(entry["url"], timeout=300) as response, archive.open("wb") as out:
+            shutil.copyfileobj(response, out, 1 << 20)
+    except OSError as err:
+        raise CodeSyncError(f"could not download {entry['url']} ({err}); set UV_PYTHON_INSTALL_MIRROR to a mirror "
+                            f"this machine reaches, or make the python mirror on a machine that reaches it") from err
+    downloads_json = os.environ.get("UV_PYTHON_DOWNLOADS_JSON_URL")
+    if downloads_json:
+        with urllib.request.urlopen(downloads_json if "://" in downloads_json else Path(downloads_json).resolve().as_uri(),
+                                    timeout=60) as response:
+            (mirror / "downloads.json").write_bytes(response.read())
+    with tempfile.TemporaryDirectory(prefix="python-mirror-check-") as scratch:
+        env = {**os.environ, "UV_PYTHON_INSTALL_MIRROR": mirror.resolve().as_uri(),
+               "UV_PYTHON_INSTALL_DIR": scratch, "UV_CACHE_DIR": f"{scratch}/cache"}
+        if downloads_json:
+            env["UV_PYTHON_DOWNLOADS_JSON_URL"] = (mirror / "downloads.json").resolve().as_uri()
+        check = subprocess.run([*uv, "python", "install", "--no-bin", entry["version"]], env=env,
+                               capture_output=True, text=True, check=False)
+        if check.returncode != 0:
+            raise CodeSyncError(f"uv could not install CPython {entry['version']} from the mirror {mirror}: "
+                                f"{check.stderr.strip()[-1000:]}")
+    log.info("event=python_mirrored version=%s archive=python-mirror/%s bytes=%d", entry["version"], relative,
+             archive.stat().st_size)
+    return mirror
+
+
 def build_environment(
     source: Path,
     staging: Path,
@@ -441,11 +518,12 @@ def build_environment(
     index_args: Sequence[str] = (),
     glibc: tuple[int, int] = MACHINE_GLIBC,
     uv: str | None = None,
+    python_mirror: bool = False,
 ) -> list[Path]:
     """locks/<lock>.txt (and wheelhouse/<lock>/) under `staging`, to upload next to the code, plus
-    uv/ (the static uv binary, version `uv`) when `uv` is given. Each lock is resolved for the
-    machines' glibc and checked to have a wheel they accept for every pin, so that a fleet never
-    finds out at boot."""
+    uv/ (the static uv binary, version `uv`) when `uv` is given, and python-mirror/ (the fleet's
+    CPython, as that uv downloads it) when `python_mirror`. Each lock is resolved for the machines'
+    glibc and checked to have a wheel they accept for every pin, so that a fleet never finds out at boot."""
     made = []
     for name in locks:
         if name not in LOCKS:
@@ -460,12 +538,17 @@ def build_environment(
                                             platforms=pip_platforms(glibc), index_args=index_args))
     if uv:
         made.append(stage_uv(staging, uv, python_version, index_args))
+    if python_mirror:
+        machines_uv = [str(staging / "uv" / "uv")] if uv else uv_command()
+        made.append(stage_python_mirror(staging, python_version, machines_uv))
     return made
 
 
 def upload_generated(staging: Path, dest_url: str, client=None, use_gcloud: bool | None = None) -> None:
-    """Mirror each generated directory (locks/, wheelhouse/, uv/) to dest_url/<dir>, deleting stale objects."""
+    """Mirror each generated directory (locks/, wheelhouse/, python-mirror/, uv/) to dest_url/<dir>,
+    deleting stale objects. Whole: the checkout's exclusions are not theirs (GENERATED's `uv` names the
+    binary uv/uv too, and a wheel may be called anything)."""
     for name in GENERATED:
         directory = staging / name
         if directory.is_dir():
-            sync_code(directory, f"{dest_url.rstrip('/')}/{name}", client=client, use_gcloud=use_gcloud)
+            mirror(directory, f"{dest_url.rstrip('/')}/{name}", client=client, use_gcloud=use_gcloud)

@@ -478,6 +478,11 @@ boot() {
   # Firewalled fleets: the interpreter archive mirrored into the bucket next to the code
   # (docs/CLOUD.md, "Firewalled fleets"; https://docs.astral.sh/uv/reference/environment/).
   if [[ -d "${code}/python-mirror" ]]; then export UV_PYTHON_INSTALL_MIRROR="file://${code}/python-mirror"; fi
+  # A downloads list of its own, for builds uv does not list (tools/upload_code.py copies the one it
+  # was given by UV_PYTHON_DOWNLOADS_JSON_URL).
+  if [[ -f "${code}/python-mirror/downloads.json" ]]; then
+    export UV_PYTHON_DOWNLOADS_JSON_URL="file://${code}/python-mirror/downloads.json"
+  fi
   local venv_stamp="python=${python}"
   if [[ -f "${ROOT}${STATE_DIR}/venv.stamp" && "$(cat "${ROOT}${STATE_DIR}/venv.stamp")" != "$venv_stamp" ]]; then
     log "event=venv_replaced reason=interpreter_changed python=${python}"

@@ -1,7 +1,7 @@
 """Mirror this checkout to a bucket prefix, which the machines sync their code from at boot, with
 the lock files (and, for firewalled fleets, the wheels) they install from.
 
-    python tools/upload_code.py gs://B/code/NAME [--exclude 'data/*' ...] [--wheelhouse]
+    python tools/upload_code.py gs://B/code/NAME [--exclude 'data/*' ...] [--wheelhouse] [--python-mirror]
 
 Skips .git, virtualenvs, caches and whatever git ignores; deletes objects whose files are gone.
 Uses `gcloud storage rsync` when gcloud is installed, else google-cloud-storage with crc32c
@@ -9,7 +9,9 @@ comparison. Then compiles locks/<lock>.txt (cpu, cuda12, tpu) with `uv pip compi
 Python on the machines' glibc (--glibc, default 2.35: Ubuntu 22.04), checks that every pin has a
 wheel those machines accept, and uploads them next to the code, with uv/uv: the static uv binary the
 machines run (the version that runs here, or --uv-version). --wheelhouse also downloads every
-locked wheel into wheelhouse/<lock>/, so that machines install with no index at all.
+locked wheel into wheelhouse/<lock>/, so that machines install with no index at all, and
+--python-mirror the fleet's CPython into python-mirror/ (uv's mirror layout), so that they need no
+download of the interpreter either.
 """
 
 import argparse
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--glibc", default="{}.{}".format(*codesync.MACHINE_GLIBC),
                         help="the machines' glibc (default %(default)s, Ubuntu 22.04's); locks take wheels up to it")
     parser.add_argument("--uv-version", help="the uv the machines run (default: the version of this uv)")
+    parser.add_argument("--python-mirror", action="store_true",
+                        help="also upload the fleet's CPython archive as that uv downloads it (firewalled fleets)")
     args = parser.parse_args()
     glibc = tuple(int(part) for part in args.glibc.split(".") if part.isdigit())
     if len(glibc) != 2 or args.glibc.count(".") != 1:
@@ -49,7 +53,7 @@ def main() -> None:
             codesync.build_environment(
                 args.source, Path(staging), args.python, extras=extras,
                 locks=args.lock or tuple(codesync.LOCKS), wheelhouse=args.wheelhouse,
-                glibc=glibc, uv=args.uv_version or codesync.uv_version(),
+                glibc=glibc, uv=args.uv_version or codesync.uv_version(), python_mirror=args.python_mirror,
             )
             codesync.upload_generated(Path(staging), args.dest, use_gcloud=use_gcloud)
     except codesync.CodeSyncError as err:

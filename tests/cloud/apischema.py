@@ -187,8 +187,10 @@ def _integer(schema: dict, value: Any, field: str) -> None:
 
 
 def _query_scalar(value: str) -> Any:
-    if value in ("true", "false"):
-        return value == "true"
+    # Google's front ends read a boolean query parameter without regard to case: gcloud (apitools)
+    # sends Python's `True`, and its `--force` deletes work against the real APIs.
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
     return value
 
 

@@ -10,8 +10,14 @@ TPU nodes, queued resources) so that later calls see them, and every request is 
 a Compute Operation with status DONE (so `ExtendedOperation.result()` does not poll) and a
 google.longrunning Operation with done=true and its response packed as an Any. The operation
 GET endpoints the clients would poll answer DONE as well. Errors use each API's JSON error shape,
-so the clients raise the matching google.api_core exception. Unknown calls answer 501 naming the
-call, never a silent success.
+so the clients raise the matching google.api_core exception. Unknown calls answer 400 naming the
+call (not 5xx, which clients retry), never a silent success.
+
+It also answers the `gcloud compute` commands docs/CLOUD.md shows, through gcloud's
+`api_endpoint_overrides/compute` and `.../tpu` (tests/gcloudcli.py): `regions describe`, `routers
+create` and `routers nats create` (routers insert, get and patch), `networks subnets update
+--enable-private-ip-google-access` (subnetworks.setPrivateIpGoogleAccess), and the TPU listings
+(`tpus tpu-vm list`, `tpus queued-resources list`).
 """
 
 from __future__ import annotations
@@ -143,7 +149,7 @@ class FakeCloud(FakeHTTPServer):
 
     @staticmethod
     def _unsupported(request: Request) -> _ApiError:
-        return _ApiError(501, f"the fake does not emulate {request.method} {request.path}")
+        return _ApiError(400, f"the fake does not emulate {request.method} {request.path}")
 
     # -- Compute Engine
 
@@ -181,9 +187,10 @@ class FakeCloud(FakeHTTPServer):
             served = self._compute_reads(method, scope, rest)
             if served is not None:
                 return served
-            if re.fullmatch(r"operations/[^/]+", rest) and method == "GET":
+            if (re.fullmatch(r"operations/[^/]+", rest) and method == "GET") or (
+                    re.fullmatch(r"operations/[^/]+/wait", rest) and method == "POST"):  # gcloud waits with .../wait
                 return Response.json(200, {"kind": "compute#operation", "name": rest.split("/")[1], "status": "DONE"})
-            if rest in ("instanceTemplates", "instanceGroupManagers") and method == "POST":
+            if rest in ("instanceTemplates", "instanceGroupManagers", "routers") and method == "POST":
                 target = f"{scope}/{rest}/{body['name']}"
                 if target in self.resources:
                     raise _ApiError(409, f"The resource '{target}' already exists")
@@ -192,7 +199,8 @@ class FakeCloud(FakeHTTPServer):
                     resource["targetSize"] = int(body.get("targetSize", 0))
                 self.resources[target] = resource
                 return self._compute_operation("insert", target, scope)
-            item = re.fullmatch(r"(instanceTemplates|instanceGroupManagers|instances)/([^/]+)(?:/(\w+))?", rest)
+            item = re.fullmatch(r"(instanceTemplates|instanceGroupManagers|instances|routers|subnetworks)/([^/]+)(?:/(\w+))?",
+                                rest)
             if not item:
                 raise self._unsupported(request)
             collection, name, verb = item.groups()
@@ -204,6 +212,14 @@ class FakeCloud(FakeHTTPServer):
             if verb is None and method == "DELETE":
                 del self.resources[target]
                 return self._compute_operation("delete", target, scope)
+            if collection == "routers" and method == "PATCH" and verb is None:
+                # routers.patch: the fields sent replace the router's (`gcloud compute routers nats create`
+                # sends the router with its nats list grown by one).
+                self.resources[target] = {**self.resources[target], **body}
+                return self._compute_operation("patch", target, scope)
+            if collection == "subnetworks" and method == "POST" and verb == "setPrivateIpGoogleAccess":
+                self.resources[target]["privateIpGoogleAccess"] = bool(body.get("privateIpGoogleAccess"))
+                return self._compute_operation("setPrivateIpGoogleAccess", target, scope)
             if collection == "instanceGroupManagers" and method == "POST" and verb == "resize":
                 self.resources[target]["targetSize"] = int(request.query["size"])
                 return self._compute_operation("compute.instanceGroupManagers.resize", target, scope)
@@ -265,7 +281,7 @@ class FakeCloud(FakeHTTPServer):
             if method == "DELETE":
                 if collection == "queuedResources":
                     owned = [k for k, v in self.resources.items() if v.get("queuedResource") == target]
-                    if owned and query.get("force") != "true":
+                    if owned and query.get("force", "").lower() != "true":
                         raise _ApiError(400, f"{target} has nodes {owned}; delete them first or pass force=true")
                     for node_name in owned:
                         del self.resources[node_name]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import sys
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -83,9 +84,14 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, fake: "FakeHTTPServer"):
+    def __init__(self, fake: "FakeHTTPServer", address: tuple[str, int]):
         self.fake = fake
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(address, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that leaves mid-request (curl's --max-time, a process killed) is no fault of the fake.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class FakeHTTPServer(abc.ABC):
@@ -100,8 +106,10 @@ class FakeHTTPServer(abc.ABC):
     def handle(self, request: Request) -> Response:
         """Answer one request; each fake defines its own API."""
 
-    def start(self):
-        self._server = _Server(self)
+    def start(self, address: tuple[str, int] = ("127.0.0.1", 0)):
+        """Serve on `address` (default: a free port on 127.0.0.1; the boot rehearsal's metadata
+        server takes the metadata server's own, 169.254.169.254:80)."""
+        self._server = _Server(self, address)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
         return self

@@ -1,8 +1,10 @@
-"""tools/upload_code.py and fleet.codesync: the Python sync against the fake GCS server, and the
-gcloud path through a stub gcloud that records its argv."""
+"""tools/upload_code.py and fleet.codesync: the Python sync against the fake GCS server, the gcloud
+path through a stub gcloud that records its argv and through the real gcloud against the fake
+server, and the interpreter mirror through the real uv."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 
 from fleet import codesync
 from tests.cloud.conftest import StubBin
+from tests.gcloudcli import require_gcloud, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,6 +117,37 @@ def test_upload_tool_uses_gcloud_rsync_when_gcloud_is_on_path(tmp_path: Path, st
     regex = codesync.exclude_regex([*codesync.DEFAULT_EXCLUDES, "data/*"], codesync.GENERATED)
     assert argv == ["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects",
                     f"--exclude={regex}", str(src), "gs://bkt/code/run1"]
+
+
+@pytest.mark.parametrize("path", ["gcloud", "client"])
+def test_upload_tool_puts_the_static_uv_binary_in_the_bucket_on_both_paths(
+        path: str, tmp_path: Path, gcs, gcs_bucket: str, gcs_client, no_gcloud_path: str):
+    """uv/uv (and uv/VERSION, locks/) reach the bucket through tools/upload_code.py itself: with the real
+    gcloud pointed at the fake server, and with the Python client. The checkout's exclusions once
+    applied to the generated uv/ folder too, and `uv` (GENERATED) matched the binary's own path."""
+    src = _tree(tmp_path / "checkout", {"spawn.py": "x\n", "setup.cfg": "[metadata]\nname = tiny\n\n[options]\n",
+                                        "pyproject.toml": ""})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "STORAGE_EMULATOR_HOST": gcs.url}
+    if path == "gcloud":
+        require_gcloud()
+        env["CLOUDSDK_CONFIG"] = str(write_config(tmp_path / "gcloud-config", storage=gcs.url))
+    else:
+        env["PATH"] = no_gcloud_path
+    result = subprocess.run(
+        [sys.executable, "tools/upload_code.py", f"gs://{gcs_bucket}/code/run1", "--source", str(src), "--lock", "cpu",
+         "--extras", ""], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"method={'gcloud' if path == 'gcloud' else 'python'}" in result.stderr
+    listing = _listing(gcs_client, gcs_bucket, "code/run1")
+    assert sorted(listing) == ["locks/cpu.txt", "pyproject.toml", "setup.cfg", "spawn.py", "uv/VERSION", "uv/uv"]
+    version = codesync.uv_version()
+    assert listing["uv/VERSION"].decode().strip() == version
+    fetched = tmp_path / "uv"
+    fetched.write_bytes(listing["uv/uv"])
+    fetched.chmod(0o755)
+    assert subprocess.run([str(fetched), "--version"], capture_output=True, text=True, check=True).stdout.split()[:2] == [
+        "uv", version]
 
 
 def test_failing_gcloud_is_reported_with_its_exit_code(tmp_path: Path, stubs: StubBin):
@@ -287,3 +321,42 @@ def test_upload_stages_the_static_uv_binary_of_the_pinned_version(tmp_path: Path
     assert not _elf_interpreter(binary.read_bytes()), "uv/uv needs a dynamic loader; the machines' glibc would matter"
     out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=True, env={"PATH": ""})
     assert out.stdout.split()[:2] == ["uv", version]
+
+
+def test_python_mirror_is_laid_out_as_uv_reads_it_and_installs_from_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """upload_code's --python-mirror, end to end through the real uv: the archive uv lists for the fleet's
+    CPython is downloaded from wherever uv is told to download (here a local server standing in for the
+    release host, with a stand-in archive: tests/boot/standin_python.py) into TAG/FILE with `%2B` decoded,
+    and uv installs from that file:// mirror (stage_python_mirror checks it so). The same archive saved
+    under the URL's own name, as `curl -LO` saves it, is not found."""
+    import functools
+    import http.server
+    import threading
+
+    from tests.boot import standin_python
+
+    if not list(Path("/usr/bin").glob("python3.1[1-9]")):
+        pytest.skip("needs the distribution's python3.11+ (/usr/bin) to build the stand-in archive")
+    release = tmp_path / "release"
+    archive, listing, version = standin_python.write(Path("/"), release / standin_python.TAG)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(release))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("UV_PYTHON_INSTALL_MIRROR", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("UV_PYTHON_DOWNLOADS_JSON_URL", listing.as_uri())
+        mirror = codesync.stage_python_mirror(tmp_path / "staging", version.rsplit(".", 1)[0], codesync.uv_command())
+    finally:
+        server.shutdown()
+    saved = mirror / standin_python.TAG / standin_python.archive_name(version)
+    assert "+" in saved.name and saved.read_bytes() == archive.read_bytes()
+    assert json.loads((mirror / "downloads.json").read_text()) == json.loads(listing.read_text())
+
+    # The machine's side with the name `curl -LO` gives: uv looks for the decoded name and fails.
+    saved.rename(saved.with_name(saved.name.replace("+", "%2B")))
+    env = {**os.environ, "UV_PYTHON_INSTALL_MIRROR": mirror.as_uri(), "UV_PYTHON_INSTALL_DIR": str(tmp_path / "py"),
+           "UV_PYTHON_DOWNLOADS_JSON_URL": (mirror / "downloads.json").as_uri(), "UV_CACHE_DIR": str(tmp_path / "c")}
+    curl_named = subprocess.run([*codesync.uv_command(), "python", "install", "--no-bin", version], env=env,
+                                capture_output=True, text=True)
+    assert curl_named.returncode != 0 and "No such file" in curl_named.stderr + curl_named.stdout

@@ -1,17 +1,22 @@
 """A small Google Cloud Storage JSON-API server for tests, with preconditions and fault injection.
 
 What it emulates, over plain HTTP/1.1 with keep-alive on 127.0.0.1, for the real
-`google-cloud-storage` client pointed at it through `STORAGE_EMULATOR_HOST`:
+`google-cloud-storage` client pointed at it through `STORAGE_EMULATOR_HOST`, and for the real
+`gcloud storage` pointed at it through `api_endpoint_overrides/storage` (tests/gcloudcli.py):
 
-- buckets: create (`POST /storage/v1/b`), get, list, delete (empty buckets only);
-- object inserts: `uploadType=media`, `multipart` and `resumable` (initiate, `PUT` chunks
-  with `Content-Range`, status queries with `bytes */N`, cancel), with the client's crc32c or
-  md5 checked against the bytes received;
+- buckets: create (`POST /storage/v1/b`, keeping `location`, `storageClass`, `iamConfiguration`
+  and `labels`), get, list, delete (empty buckets only), `getStorageLayout` (a flat namespace),
+  and the IAM policy (`GET`/`PUT .../iam`, a stale etag answered 412);
+- object inserts: `uploadType=media`, `multipart` (CRLF or gcloud's bare-LF body, quoted
+  boundaries) and `resumable` (initiate, also at `/resumable/upload/...`, `PUT` chunks with
+  `Content-Range`, status queries with `bytes */N`, cancel), with the client's crc32c or md5
+  checked against the bytes received; `compose` (gcloud's parallel composite uploads);
 - object reads: metadata (JSON) and media (`alt=media`, also under `/download/...`) with
   `x-goog-generation`, `x-goog-metageneration`, `x-goog-hash`, `x-goog-stored-content-length`
   and single HTTP byte ranges (206 / 416 as GCS answers them);
 - listings: `prefix`, `delimiter` (with `prefixes`), `startOffset`, `endOffset`, `maxResults`
   and `pageToken`, items being full object resources including custom `metadata`;
+  `includeFoldersAsPrefixes` and `versions` are accepted and change nothing (see PLAIN_LIST_PARAMS);
 - delete, metadata patch (merge, `null` removes a key) and update (replace), which bump the
   metageneration only;
 - the four generation preconditions with GCS's status codes: 412 when a condition fails on a
@@ -30,10 +35,11 @@ closed without an answer: the ambiguous outcome of a lost response), and added l
 Request counts per kind (`writes`, `reads`, `lists`, `deletes`, `faults_injected`) include
 attempts that were failed on purpose. Bucket calls are neither counted nor faulted.
 
-What it does not emulate: authentication and IAM, ACLs, object versioning (reading or deleting
-a `generation` other than the live one is a 404), soft delete, compose / copy / rewrite, XML
-API, signed URLs, `matchGlob`, `includeTrailingDelimiter`, folders, gzip transcoding,
-multi-range reads, retention and holds, notifications. Those calls answer 400 or 501 with a
+What it does not emulate: authentication and IAM checks (policies are kept, never enforced), ACLs,
+object versioning (reading or deleting a `generation` other than the live one is a 404), soft
+delete, copy / rewrite, XML API, signed URLs, `matchGlob`, `includeTrailingDelimiter`, folders
+and managed folders, gzip transcoding,
+multi-range reads, retention and holds, notifications. Those calls answer 400 with a
 message naming what is missing, never a silent success. State lives in memory only.
 """
 
@@ -77,8 +83,16 @@ READ_ONLY_FIELDS = frozenset(
     "kind id selfLink mediaLink name bucket generation metageneration size md5Hash crc32c etag "
     "timeCreated updated timeStorageClassUpdated storageClass".split()
 )
-UNEMULATED_LIST_PARAMS = (
-    "matchglob", "includetrailingdelimiter", "includefoldersasprefixes", "softdeleted", "versions")
+# What a bucket insert may set here (`gcloud storage buckets create --location --uniform-bucket-level-access`
+# sends location and iamConfiguration); anything else is refused by name.
+BUCKET_INSERT_FIELDS = frozenset({"location", "storageClass", "iamConfiguration", "labels"})
+UNEMULATED_LIST_PARAMS = ("matchglob", "includetrailingdelimiter", "softdeleted")
+# Listing parameters whose answer on these buckets is the plain listing
+# (https://cloud.google.com/storage/docs/json_api/v1/objects/list): includeFoldersAsPrefixes adds
+# folders and managed folders to the prefixes, and these buckets have a flat namespace and none;
+# versions=true adds noncurrent generations, and these buckets never keep any (versioning off: a
+# write or delete ends the old generation). gcloud sends both (`storage ls`, `storage rm -r`).
+PLAIN_LIST_PARAMS = ("includefoldersasprefixes", "versions")
 
 
 class FakeGCSError(Exception):
@@ -128,6 +142,9 @@ class StoredObject:
     md5: str
     metadata: Mapping[str, str]
     fields: Mapping[str, str]  # contentType and the other WRITABLE_FIELDS that are set
+    # A composed object's source count; GCS gives such objects a crc32c and no md5Hash
+    # (https://cloud.google.com/storage/docs/composite-objects).
+    component_count: int | None = None
 
     def resource(self, base_url: str) -> dict[str, Any]:
         quoted = urllib.parse.quote(self.name, safe="")
@@ -143,13 +160,16 @@ class StoredObject:
             "metageneration": str(self.metageneration),
             "storageClass": "STANDARD",
             "size": str(len(self.data)),
-            "md5Hash": self.md5,
             "crc32c": self.crc32c,
             "etag": self.etag,
             "timeCreated": _rfc3339(self.created),
             "updated": _rfc3339(self.updated),
             "timeStorageClassUpdated": _rfc3339(self.created),
         }
+        if self.component_count is None:
+            body["md5Hash"] = self.md5
+        else:
+            body["componentCount"] = self.component_count
         body.update(self.fields)
         if self.metadata:  # GCS omits the key when an object has no custom metadata
             body["metadata"] = dict(self.metadata)
@@ -170,6 +190,16 @@ class Bucket:
     created: dt.datetime
     objects: dict[str, StoredObject] = dataclasses.field(default_factory=dict)
     names: list[str] = dataclasses.field(default_factory=list)  # sorted, for listings
+    location: str = "US"
+    # What buckets.insert set beside name and location (iamConfiguration, storageClass, labels).
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The bucket's IAM policy (buckets.getIamPolicy / setIamPolicy); its version counts the writes.
+    bindings: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    policy_version: int = 1
+
+    def policy(self) -> dict[str, Any]:
+        return {"kind": "storage#policy", "resourceId": f"projects/_/buckets/{self.name}", "version": 1,
+                "bindings": self.bindings, "etag": base64.b64encode(f"policy-{self.policy_version}".encode()).decode()}
 
     def resource(self, base_url: str) -> dict[str, Any]:
         return {
@@ -179,9 +209,11 @@ class Bucket:
             "selfLink": f"{base_url}/storage/v1/b/{self.name}",
             "projectNumber": "0",
             "metageneration": "1",
-            "location": "US",
+            "location": self.location,
+            "locationType": "region" if "-" in self.location else "multi-region",
             "storageClass": "STANDARD",
             "etag": "CAE=",
+            **self.settings,
             "timeCreated": _rfc3339(self.created),
             "updated": _rfc3339(self.created),
         }
@@ -420,13 +452,28 @@ class Storage:
             raise ApiError(404, "notFound", f"The specified bucket does not exist: {name}")
         return bucket
 
-    def create_bucket(self, name: str) -> Bucket:
+    def create_bucket(self, name: str, location: str = "US", settings: Mapping[str, Any] | None = None) -> Bucket:
         if not BUCKET_NAME_RE.match(name):
             raise ApiError(400, "invalid", f"Invalid bucket name: {name!r} (use 3-63 of a-z, 0-9, '-', '_', '.')")
         with self.lock:
             if name in self.buckets:
                 raise ApiError(409, "conflict", f"The requested bucket name {name} is already taken.")
-            bucket = self.buckets[name] = Bucket(name, _now())
+            bucket = self.buckets[name] = Bucket(name, _now(), location=location.upper(), settings=dict(settings or {}))
+            return bucket
+
+    def set_policy(self, name: str, policy: Mapping[str, Any]) -> Bucket:
+        """buckets.setIamPolicy: replace the bindings; a stale etag is a 412, as on GCS."""
+        bindings = policy.get("bindings", [])
+        if not isinstance(bindings, list) or not all(
+                isinstance(b, dict) and isinstance(b.get("role"), str) and isinstance(b.get("members"), list)
+                for b in bindings):
+            raise ApiError(400, "invalid", f"IAM policy of bucket {name}: bindings must be a list of {{role, members}}")
+        with self.lock:
+            bucket = self._bucket(name)
+            if policy.get("etag") not in (None, bucket.policy()["etag"]):
+                raise ApiError(412, "conditionNotMet", f"IAM policy of bucket {name} changed since it was read (etag)")
+            bucket.bindings = [dict(b) for b in bindings]
+            bucket.policy_version += 1
             return bucket
 
     def get_bucket(self, name: str) -> Bucket:
@@ -461,6 +508,42 @@ class Storage:
             moment = _now()
             stored = StoredObject(bucket_name, name, data, self._next_generation(), 1, moment, moment, crc, md5,
                                   metadata, fields)
+            if current is None:
+                bisect.insort(bucket.names, name)
+            bucket.objects[name] = stored
+            return stored
+
+    def compose(self, bucket_name: str, name: str, sources: list[Any], resource: Mapping[str, Any],
+                pre: Preconditions) -> StoredObject:
+        """objects.compose (https://cloud.google.com/storage/docs/json_api/v1/objects/compose): the
+        sources' bytes in order, at most 32 of them, each at its live generation (or the one named,
+        with its own ifGenerationMatch), as a new generation of `name` with a crc32c and no md5Hash."""
+        if not isinstance(sources, list) or not 1 <= len(sources) <= 32:
+            raise ApiError(400, "invalid", f"compose of {name}: sourceObjects must list 1 to 32 objects")
+        _check_object_name(name)
+        _check_metadata_field(resource, name)
+        fields = _writable_fields(resource, name)
+        metadata = {k: str(v) for k, v in (resource.get("metadata") or {}).items() if v is not None}
+        with self.lock:
+            bucket = self._bucket(bucket_name)
+            parts = []
+            for source in sources:
+                if not isinstance(source, dict) or not isinstance(source.get("name"), str):
+                    raise ApiError(400, "invalid", f"compose of {name}: each source needs a string 'name'")
+                wanted = source.get("generation")
+                stored = self._live(bucket_name, source["name"], int(wanted) if wanted is not None else None)
+                match = (source.get("objectPreconditions") or {}).get("ifGenerationMatch")
+                if match is not None and int(match) != stored.generation:
+                    raise ApiError(412, "conditionNotMet", f"compose source {source['name']} is at generation "
+                                   f"{stored.generation}, not {match}")
+                parts.append(stored)
+            data = b"".join(part.data for part in parts)
+            current = bucket.objects.get(name)
+            pre.check_write(current, f"gs://{bucket_name}/{name}")
+            moment = _now()
+            count = sum(part.component_count or 1 for part in parts)
+            stored = StoredObject(bucket_name, name, data, self._next_generation(), 1, moment, moment,
+                                  crc32c_b64(data), "", metadata, fields, component_count=count)
             if current is None:
                 bisect.insort(bucket.names, name)
             bucket.objects[name] = stored
@@ -720,6 +803,9 @@ class _Handler(BaseHTTPRequestHandler):
             rest = segments[3:]
         elif path.startswith(("/upload/storage/v1/b", "/download/storage/v1/b")):
             rest = segments[4:]
+        elif path.startswith("/resumable/upload/storage/v1/b"):
+            # The discovery document's resumable path (`mediaUpload.protocols.resumable`), which gcloud uses.
+            path, rest = path.removeprefix("/resumable"), segments[5:]
         else:
             raise ApiError(404, "notFound", f"no such endpoint on the GCS test server: {method} {path}")
         # rest: ['b'] | ['b', bucket] | ['b', bucket, 'o'] | ['b', bucket, 'o', quoted-name...]
@@ -728,8 +814,17 @@ class _Handler(BaseHTTPRequestHandler):
         if len(rest) <= 2:
             return self._bucket_call(method, rest[1] if len(rest) == 2 else None, body)
         bucket = rest[1]
+        if rest[2:] == ["iam"] and path.startswith("/storage/"):
+            return self._bucket_iam(method, bucket, body)
+        if rest[2:] == ["storageLayout"] and method == "GET":
+            # buckets.getStorageLayout, which `gcloud storage rm -r` asks first: a flat namespace here
+            # (https://cloud.google.com/storage/docs/json_api/v1/buckets/getStorageLayout).
+            found = self.server.fake.storage.get_bucket(bucket).resource(self._base_url())
+            return self._send_json(200, {"kind": "storage#storageLayout", "bucket": bucket,
+                                         "location": found["location"], "locationType": found["locationType"],
+                                         "hierarchicalNamespace": {"enabled": False}})
         if rest[2] != "o":
-            raise ApiError(501, "notImplemented", f"bucket sub-resource {rest[2]!r} is not emulated ({method} {path})")
+            raise ApiError(400, "invalid", f"bucket sub-resource {rest[2]!r} is not emulated by this test server ({method} {path})")
         name = urllib.parse.unquote("/".join(rest[3:])) if len(rest) > 3 else None
         if path.startswith("/upload/"):
             return self._upload(method, bucket, query, body)
@@ -739,11 +834,14 @@ class _Handler(BaseHTTPRequestHandler):
             return self._object_get(bucket, name, query, media=True)
         if name is None:
             if method != "GET":
-                raise ApiError(501, "notImplemented", f"{method} on /o without an upload is not emulated; "
+                raise ApiError(400, "invalid", f"{method} on /o without an upload is not emulated; "
                                "inserts go to /upload/storage/v1")
             return self._list(bucket, query)
-        if "/" in name and name.rsplit("/", 1)[1] in ("compose", "copyTo", "rewriteTo") and method == "POST":
-            raise ApiError(501, "notImplemented", f"{name.rsplit('/', 1)[1]} is not emulated by this test server")
+        if "/" in name and name.rsplit("/", 1)[1] == "compose" and method == "POST":
+            return self._compose(bucket, name.rsplit("/", 1)[0], query, body)
+        copy = re.search(r"/(copyTo|rewriteTo)/b/", name)
+        if copy and method == "POST":
+            raise ApiError(400, "invalid", f"{copy.group(1)} (a copy inside the store) is not emulated by this test server")
         if method == "GET":
             return self._object_get(bucket, name, query, media=query.get("alt") == "media")
         if method == "DELETE":
@@ -770,10 +868,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _bucket_call(self, method: str, bucket: str | None, body: bytes) -> None:
         storage, base = self.server.fake.storage, self._base_url()
         if bucket is None and method == "POST":
-            name = self._json_body(body).get("name")
+            request = self._json_body(body)
+            name = request.pop("name", None)
             if not isinstance(name, str):
                 raise ApiError(400, "required", "bucket insert needs a JSON body with a string 'name'")
-            return self._send_json(200, storage.create_bucket(name).resource(base))
+            unknown = sorted(set(request) - BUCKET_INSERT_FIELDS)
+            if unknown:
+                raise ApiError(400, "invalid", f"bucket insert field(s) {', '.join(unknown)} are not emulated by this "
+                               f"test server (it keeps {', '.join(sorted(BUCKET_INSERT_FIELDS))})")
+            location = request.pop("location", "US")
+            return self._send_json(200, storage.create_bucket(name, location, request).resource(base))
         if bucket is None and method == "GET":
             with storage.lock:
                 buckets = sorted(storage.buckets.values(), key=lambda b: b.name)
@@ -783,7 +887,15 @@ class _Handler(BaseHTTPRequestHandler):
         if bucket is not None and method == "DELETE":
             storage.delete_bucket(bucket)
             return self._send(204, b"", {})
-        raise ApiError(501, "notImplemented", f"{method} on buckets is not emulated by this test server")
+        raise ApiError(400, "invalid", f"{method} on buckets is not emulated by this test server")
+
+    def _bucket_iam(self, method: str, bucket: str, body: bytes) -> None:
+        storage = self.server.fake.storage
+        if method == "GET":
+            return self._send_json(200, storage.get_bucket(bucket).policy())
+        if method == "PUT":
+            return self._send_json(200, storage.set_policy(bucket, self._json_body(body)).policy())
+        raise ApiError(400, "invalid", f"{method} on the IAM policy of bucket {bucket} is not emulated")
 
     def _object_get(self, bucket: str, name: str, query: dict[str, str], media: bool) -> None:
         def handle() -> None:
@@ -804,7 +916,7 @@ class _Handler(BaseHTTPRequestHandler):
             "Accept-Ranges": "bytes",
             "x-goog-generation": str(stored.generation),
             "x-goog-metageneration": str(stored.metageneration),
-            "x-goog-hash": f"crc32c={stored.crc32c},md5={stored.md5}",
+            "x-goog-hash": f"crc32c={stored.crc32c}" + (f",md5={stored.md5}" if stored.component_count is None else ""),
             "x-goog-stored-content-length": str(size),
             "x-goog-stored-content-encoding": "identity",
             "x-goog-storage-class": "STANDARD",
@@ -837,11 +949,24 @@ class _Handler(BaseHTTPRequestHandler):
         self._maybe_drop(method, WRITE, name)
         self._send_json(200, stored.resource(self._base_url()))
 
+    def _compose(self, bucket: str, name: str, query: dict[str, str], body: bytes) -> None:
+        request = self._json_body(body)
+
+        def handle() -> None:
+            stored = self.server.fake.storage.compose(bucket, name, request.get("sourceObjects"),
+                                                      request.get("destination") or {}, Preconditions.from_query(query))
+            self._maybe_drop("POST", WRITE, name)
+            self._send_json(200, stored.resource(self._base_url()))
+        self._guarded("POST", WRITE, name, handle)
+
     def _list(self, bucket: str, query: dict[str, str]) -> None:
         for key in UNEMULATED_LIST_PARAMS:
             if query.get(key, "false").lower() not in ("", "false"):
                 raise ApiError(400, "invalid",
                                f"list parameter {key}={query[key]!r} is not emulated by this test server")
+        for key in PLAIN_LIST_PARAMS:
+            if query.get(key, "false").lower() not in ("", "false", "true"):
+                raise ApiError(400, "invalid", f"list parameter {key}={query[key]!r} must be true or false")
         prefix = query.get("prefix", "")
 
         def handle() -> None:
@@ -986,29 +1111,46 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, Any], bytes, str | None]:
-    """Split a multipart/related upload into (JSON resource, media bytes, media content type)."""
-    match = re.search(r'boundary="?([^";]+)"?', content_type)
+    """Split a multipart/related upload into (JSON resource, media bytes, media content type).
+
+    Read as RFC 2046 reads it, and as leniently as GCS does: the boundary may be quoted with double
+    or single quotes (gcloud's Python email generator writes `boundary='===...=='`), and lines may
+    end in CRLF or in a bare LF (gcloud's body has LF only). The line break before each delimiter
+    belongs to the delimiter, so the media keeps every byte it was sent with."""
+    match = re.search(r"""boundary=(?:"([^"]+)"|'([^']+)'|([^;\s]+))""", content_type)
     if not content_type.startswith("multipart/related") or match is None:
         raise ApiError(400, "invalid",
                        f"multipart upload needs Content-Type multipart/related with a boundary, got {content_type!r}")
-    separator = b"--" + match.group(1).encode()
-    parts = body.split(separator)
-    # ['', part1, part2, '--' + trailing]; each part is CRLF headers CRLF CRLF payload CRLF
-    if len(parts) < 4 or not parts[3].startswith(b"--"):
-        raise ApiError(400, "invalid", "multipart upload body must hold exactly a JSON part and a media part")
+    delimiter = b"--" + next(g for g in match.groups() if g).encode()
+    first = body.find(delimiter)
+    if first < 0:
+        raise ApiError(400, "invalid", "multipart upload body holds no boundary delimiter")
+    # One line-break style for the whole body, read off the first delimiter line; splitting on that
+    # exact sequence keeps a media part that ends in a bare CR or LF whole.
+    eol = b"\r\n" if body[first + len(delimiter):].startswith(b"\r\n") else b"\n"
+    parts = (eol + body[first:]).split(eol + delimiter)
+    # ['', JSON part, media part, '--' + epilogue]
+    if len(parts) != 4 or not parts[3].startswith(b"--"):
+        raise ApiError(400, "invalid", f"multipart upload body must hold exactly a JSON part and a media part, "
+                       f"found {max(0, len(parts) - 2)} parts")
 
     def split_part(part: bytes) -> tuple[dict[str, str], bytes]:
-        head, sep, payload = part.partition(b"\r\n\r\n")
-        if not sep or not payload.endswith(b"\r\n"):
-            raise ApiError(400, "invalid", "malformed multipart part (headers, blank line, payload, CRLF expected)")
+        head, sep, payload = part.removeprefix(eol).partition(eol + eol)
+        if not part.startswith(eol) or not sep:
+            raise ApiError(400, "invalid", "malformed multipart part (delimiter line, headers, blank line, payload expected)")
         headers = {}
-        for line in head.decode("latin-1").strip().split("\r\n"):
+        for line in head.decode("latin-1").split(eol.decode()):
             key, _, value = line.partition(":")
             headers[key.strip().lower()] = value.strip()
-        return headers, payload[:-2]
+        return headers, payload
 
     _, json_part = split_part(parts[1])
     media_headers, media = split_part(parts[2])
+    encoding = media_headers.get("content-transfer-encoding", "binary").lower()
+    if encoding == "base64":
+        media = base64.b64decode(media)
+    elif encoding not in ("binary", "8bit", "7bit"):
+        raise ApiError(400, "invalid", f"multipart media part: Content-Transfer-Encoding {encoding!r} is not emulated")
     try:
         resource = json.loads(json_part)
     except ValueError as error:
