@@ -48,6 +48,7 @@ import collections
 import dataclasses
 import hashlib
 import math
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -207,6 +208,7 @@ class ActivationLoader:
         self._futures: dict[tuple[int, int], Future[_ShardRows]] = {}
         self._orders: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
+        self._batches = _ReusedArrays((batch_size, *self._row_shape), self._raw)
         self._reset(epoch=0)
 
     # -- public API ---------------------------------------------------------------------------------------------
@@ -471,7 +473,7 @@ class ActivationLoader:
     def _fill_batch(self) -> tuple[np.ndarray, np.ndarray | None, int]:
         """A batch assembled in place: (rows [batch_size, layers, d], token ids, how many rows were filled). Each row
         is copied once into it: from its buffer slot, or straight from its shard when there is no shuffle."""
-        batch = np.empty((self.batch_size, *self._row_shape), dtype=self._raw)
+        batch = self._batches.take()
         records = _records(batch)
         tokens = np.empty(self.batch_size, dtype=np.int32) if self.return_token_ids else None
         count = 0
@@ -597,6 +599,34 @@ class ActivationLoader:
         if not self.return_token_ids:
             return out
         return out, _to_framework(tokens, self.output, self.device)
+
+
+class _ReusedArrays:
+    """Arrays of one shape for batches, each reused once nobody else holds it.
+
+    A fresh array of a batch's size (29 MB at the 7B width) costs the kernel a pass zeroing its pages, about as much
+    as copying the rows into it. Whether anyone else still holds an array is its reference count: a view of it (the
+    batch handed out is one), a torch tensor made by torch.from_numpy, a JAX array aliasing it, a buffer export,
+    each holds a reference. So an array comes back only when every batch made from it is gone; a caller that keeps
+    batches (a list of them) simply gets new arrays."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, keep: int = 3):
+        self.shape, self.dtype, self.keep = shape, dtype, keep
+        self._arrays: list[np.ndarray] = []
+        self._alone = _references([object()], 0)  # an object only a list holds, counted the same way
+
+    def take(self) -> np.ndarray:
+        for i in range(len(self._arrays)):
+            if _references(self._arrays, i) == self._alone:
+                return self._arrays[i]
+        array = np.empty(self.shape, dtype=self.dtype)
+        if len(self._arrays) < self.keep:  # the loop holds one, the loader hands out the next: 3 cover a loop
+            self._arrays.append(array)
+        return array
+
+
+def _references(items: list[Any], i: int) -> int:
+    return sys.getrefcount(items[i])
 
 
 def _records(rows: np.ndarray) -> np.ndarray:
