@@ -45,6 +45,7 @@ the position after the last batch returned.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -194,8 +195,9 @@ class ActivationLoader:
             raise LoaderConfigError(f"layers {list(chosen)}: {missing or 'none'} not in the shards, which hold layers "
                                     f"{list(available)}")  # fmt: skip
         self.layers = tuple(int(layer) for layer in chosen)
-        self.hidden_size = first.hidden_size
-        self.stored_dtype = first.layer(self.layers[0]).dtype
+        with _naming(self.shards[0].url):
+            self.hidden_size = first.hidden_size
+            self.stored_dtype = first.layer(self.layers[0]).dtype
         # Rows are moved as raw unsigned integers of the same width: numpy copies those at memory speed, while a
         # fancy-index assignment of ml_dtypes' bfloat16 takes a per-element path about 20 times slower.
         self._raw = np.dtype(f"u{self.stored_dtype.itemsize}")
@@ -391,11 +393,8 @@ class ActivationLoader:
     def _fetch(self, shard: int, every_rank: bool = False) -> _ShardRows:
         """This rank's rows (or every rank's) of the selected layers of one shard, and the rows the filters keep.
         Every error names the shard."""
-        url = self.shards[shard].url
-        try:
+        with _naming(self.shards[shard].url):
             return self._fetch_rows(shard, every_rank)
-        except ShardFormatError as exc:
-            raise ActivationsError(f"shard {url}: {exc}") from exc
 
     def _fetch_in_turn(self, shards: Sequence[int], every_rank: bool = False) -> Iterator[_ShardRows]:
         """The shards' rows in order, `readahead + 1` fetched at once (as the stream reads them), each dropped by the
@@ -599,6 +598,15 @@ class ActivationLoader:
         if not self.return_token_ids:
             return out
         return out, _to_framework(tokens, self.output, self.device)
+
+
+@contextlib.contextmanager
+def _naming(url: str) -> Iterator[None]:
+    """A shard's format errors (which know the header, not where it came from) as errors that name the shard."""
+    try:
+        yield
+    except ShardFormatError as exc:
+        raise ActivationsError(f"shard {url}: {exc}") from exc
 
 
 class _ReusedArrays:
