@@ -39,7 +39,15 @@ when consumed. A local shard's mapped rows are the page cache's pages, which the
 process's own memory.
 
 Batches are assembled in the caller's thread (numpy's gathers release the GIL), so `state_dict()` always describes
-the position after the last batch returned.
+the position after the last batch returned. A batch is assembled in place: each row is copied once into it (from
+its buffer slot, or from its shard without the shuffle), rows move as opaque records (one memcpy each), and the
+array is one an earlier batch used once nothing holds that batch any more (`_ReusedArrays`), so the kernel does
+not zero fresh pages for every batch.
+
+Resume: a `state_dict()` lists, for every row in the buffer, the shard and row it came from; `load_state_dict()`
+reads those shards back (`readahead + 1` at a time) and puts each row in its slot. The rows of one shard come in
+slot order, not row order, so nothing here assumes a shard's picked rows are sorted: `_copy_rows` checks for a run
+of consecutive rows before it copies one (tests/activations/test_loader_resume.py resumes from every checkpoint).
 """
 
 from __future__ import annotations
@@ -618,7 +626,7 @@ class _ReusedArrays:
     each holds a reference. So an array comes back only when every batch made from it is gone; a caller that keeps
     batches (a list of them) simply gets new arrays."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, keep: int = 3):
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, keep: int = 2):
         self.shape, self.dtype, self.keep = shape, dtype, keep
         self._arrays: list[np.ndarray] = []
         self._alone = _references([object()], 0)  # an object only a list holds, counted the same way
@@ -628,7 +636,7 @@ class _ReusedArrays:
             if _references(self._arrays, i) == self._alone:
                 return self._arrays[i]
         array = np.empty(self.shape, dtype=self.dtype)
-        if len(self._arrays) < self.keep:  # the loop holds one, the loader hands out the next: 3 cover a loop
+        if len(self._arrays) < self.keep:  # a loop holds the last batch while it asks for the next: 2 cover it
             self._arrays.append(array)
         return array
 
