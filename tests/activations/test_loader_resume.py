@@ -136,6 +136,19 @@ def write_shards(directory: pathlib.Path, shard_tokens: list[int], documents: li
         first += n
 
 
+def kept_numbers(shard_tokens: list[int], documents: list[list[int]], options: dict) -> np.ndarray:
+    """The running numbers of the tokens one rank keeps in an epoch: its rows of each shard, less the first
+    `drop_first` positions of every document."""
+    kept, first = [], 0
+    rank, world_size = options["rank"], options["world_size"]
+    for n, lengths in zip(shard_tokens, documents):
+        positions = np.concatenate([np.zeros(0, np.int64), *[np.arange(length) for length in lengths]])
+        rows = np.arange(n * rank // world_size, n * (rank + 1) // world_size)
+        kept.append(first + rows[positions[rows] >= options["drop_first"]])
+        first += n
+    return np.sort(np.concatenate(kept))
+
+
 @st.composite
 def documents_of(draw, n: int) -> list[int]:
     """Document lengths that add up to n (empty documents included)."""
@@ -177,8 +190,15 @@ def test_resume_at_random_checkpoints_of_random_jobs_is_exact(job, data):
             return ActivationLoader(directory, dtype="bfloat16", return_token_ids=True, threads=1, **options)
 
         batches, states = run_with_states(make)
-        for activations, token_ids in batches:  # each row with its own token id
-            assert np.array_equal(token_ids, (activations.reshape(len(token_ids), -1, HIDDEN)[:, 0, 0] * 7 % 1000))
+        numbers = [a.reshape(len(t), -1, HIDDEN)[:, 0, 0].astype(np.int64) for a, t in batches]
+        for (_, token_ids), number in zip(batches, numbers):  # each row with its own token id
+            assert np.array_equal(token_ids, number * 7 % 1000)
+        if not options["drop_last"]:  # each epoch gives this rank's kept tokens once
+            expected = kept_numbers(shard_tokens, documents, options)
+            stream = np.concatenate([np.zeros(0, np.int64), *numbers])
+            assert len(stream) == options["epochs"] * len(expected)
+            for epoch in np.split(stream, options["epochs"]):
+                assert np.array_equal(np.sort(epoch), expected)
         checkpoints = data.draw(st.lists(st.integers(0, len(batches)), min_size=1, max_size=3, unique=True))
         for checkpoint in checkpoints:
             assert_resumes_exactly(make, batches, states[checkpoint], checkpoint)
