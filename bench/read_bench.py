@@ -102,7 +102,9 @@ def measure(source: str | list[str], epochs: int, **options) -> tuple[float, flo
     return tokens / seconds, payload / seconds, payload / max(cpu, 1e-9)
 
 
-def numpy_reference(paths: list[str], layer: int, batch_size: int, capacity: int, seed: int, epochs: int | None) -> Iterator[np.ndarray]:
+def numpy_reference(
+    paths: list[str], layer: int, batch_size: int, capacity: int, seed: int, epochs: int | None
+) -> Iterator[np.ndarray]:
     """The loader's shuffle (docs/TRAINING.md, "Mixing") written plainly in numpy on one thread: batches of one layer
     of local shards as raw 16-bit words, the same rows in the same order as `ActivationLoader(paths, layers=layer,
     batch_size=..., shuffle_tokens=capacity, seed=..., epochs=..., dtype="bfloat16")` gives for rank 0 of 1 without
@@ -200,7 +202,8 @@ def print_side_by_side(results: list[tuple[float, ...]], compared: int, capacity
 
     ratios = [ours_cpu / theirs_cpu for _, ours_cpu, _, theirs_cpu in results]
     print(f"loader against numpy_reference: tmpfs, shuffle on, {capacity}-token buffer, steady state, windows of "
-          f"{epochs} epochs alternating; the reference emitted the loader's first {compared} batches exactly")  # fmt: skip
+          f"{epochs} epochs alternating; the reference emitted the loader's first {compared} batches "
+          "exactly")  # fmt: skip
     print(f"{'window':>6s} {'loader GB/s':>12s} {'GB per CPU-s':>13s} {'numpy GB/s':>11s} {'GB per CPU-s':>13s} "
           f"{'ratio per CPU-s':>16s}")  # fmt: skip
     for repeat, (ours, ours_cpu, theirs, theirs_cpu) in enumerate(results):

@@ -279,4 +279,5 @@ def test_batches_the_caller_keeps_are_never_overwritten_and_dropped_ones_are_reu
     import torch
 
     tensors = list(make(output="torch"))
-    assert all(np.array_equal(t.view(torch.int16).numpy().view(np.uint16), c.view(np.uint16)) for t, c in zip(tensors, copies))
+    assert all(np.array_equal(t.view(torch.int16).numpy().view(np.uint16), c.view(np.uint16))
+               for t, c in zip(tensors, copies, strict=True))  # fmt: skip
