@@ -1,9 +1,15 @@
-"""The training loader's throughput, beside the shard writer's ceiling on the same shape.
+"""The training loader's throughput, beside a plain-numpy reference of its buffer algorithm and the shard writer's
+ceiling on the same shape.
 
 Writes shards of the Qwen2.5-7B shape (layers 15-18 x d=3584, bf16, ~9,000 tokens and ~256 MB a shard, with the
 statistics and tensors the real writer stores) to tmpfs (/dev/shm), local disk and the test GCS server (tests/fakegcs
 in its own process), then reads one layer back with `ActivationLoader` and prints, side by side:
 
+- the loader against `numpy_reference`, the same buffer algorithm in plain numpy on one thread (each shard's layer
+  mapped with np.memmap, rows gathered with np.take into the batch and scattered with fancy assignment), from
+  tmpfs with the shuffle on, in steady state: GB/s and GB delivered per CPU-second of each, and their ratio, over
+  alternating windows in this one process. The reference is first checked to emit exactly the loader's batches
+  (the bench stops otherwise);
 - tokens/s and GB/s of activations delivered (bf16 payload, one layer), shuffle on (a 2^15-token buffer by default,
   smaller than the data so that most steps are steady-state swaps) and off, from each place, and GB delivered per
   CPU-second of the process (what one free core delivers, whatever else the machine runs);
@@ -17,19 +23,26 @@ Local disk is read through the page cache: the shards were just written, so the 
 cached files, not the device's speed (dropping the cache would disturb other users of the machine).
 
     .venv/bin/python bench/read_bench.py                    # 6 shards (1.5 GB) per place
+    .venv/bin/python bench/read_bench.py --reference-only   # the loader against the numpy reference alone
     .venv/bin/python bench/read_bench.py --shards 2 --skip-gcs --skip-writer
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+
+# OpenBLAS's idle threads spin for a while after each matrix product (the shard statistics are matrix products);
+# their CPU time would be counted against whichever figure is measured next.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pathlib
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -89,6 +102,118 @@ def measure(source: str | list[str], epochs: int, **options) -> tuple[float, flo
     return tokens / seconds, payload / seconds, payload / max(cpu, 1e-9)
 
 
+def numpy_reference(
+    paths: list[str], layer: int, batch_size: int, capacity: int, seed: int, epochs: int | None
+) -> Iterator[np.ndarray]:
+    """The loader's shuffle (docs/TRAINING.md, "Mixing") written plainly in numpy on one thread: batches of one layer
+    of local shards as raw 16-bit words, the same rows in the same order as `ActivationLoader(paths, layers=layer,
+    batch_size=..., shuffle_tokens=capacity, seed=..., epochs=..., dtype="bfloat16")` gives for rank 0 of 1 without
+    filters. Each shard's layer is mapped (np.memmap: its rows are copied once, from the page cache); the buffer
+    fills from the stream, then each step draws as many distinct slots as it takes rows from the current shard,
+    gathers what they hold into the batch (np.take into place) and scatters the new rows there (fancy assignment);
+    at the end of an epoch the buffer leaves in one random permutation."""
+    where = []  # per shard: (byte offset of the layer's rows, rows, width), from the safetensors header
+    for path in paths:
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            entry = json.loads(handle.read(size))[layer_key(layer)]
+        where.append((8 + size + entry["data_offsets"][0], *entry["shape"]))
+    width = where[0][2]
+    buffer = np.empty((capacity, width), np.uint16)
+    for epoch in itertools.count() if epochs is None else range(epochs):
+        order = np.random.default_rng([seed, epoch, 0]).permutation(len(paths))
+        rng = np.random.default_rng([seed, epoch, 0, 1])  # (seed, epoch, rank, 1), as the loader seeds its buffer
+        filled, batch, at = 0, np.empty((batch_size, width), np.uint16), 0
+        for k in order:
+            offset, n, _ = where[k]
+            rows = np.memmap(paths[k], dtype=np.uint16, mode="r", offset=offset, shape=(n, width)) if n else []
+            j = 0
+            while j < n:
+                if filled < capacity:
+                    m = min(capacity - filled, n - j)
+                    buffer[filled : filled + m] = rows[j : j + m]
+                    filled += m
+                else:
+                    m = min(batch_size - at, n - j)
+                    slots = rng.choice(capacity, m, replace=False)
+                    np.take(buffer, slots, axis=0, out=batch[at : at + m], mode="clip")  # "raise" buffers `out`
+                    buffer[slots] = rows[j : j + m]
+                    at += m
+                    if at == batch_size:
+                        yield batch
+                        batch, at = np.empty((batch_size, width), np.uint16), 0
+                j += m
+        drain, gone = rng.permutation(filled), 0
+        while gone < filled:  # its first rows complete the batch in progress
+            m = min(batch_size - at, filled - gone)
+            np.take(buffer, drain[gone : gone + m], axis=0, out=batch[at : at + m], mode="clip")
+            at, gone = at + m, gone + m
+            if at == batch_size or gone == filled:
+                yield batch[:at]
+                batch, at = np.empty((batch_size, width), np.uint16), 0
+
+
+def side_by_side(paths: list[str], capacity: int, epochs: int, repeats: int) -> tuple[list[tuple[float, ...]], int]:
+    """The loader and `numpy_reference` in this one process, in steady state: both run without end, and windows of
+    `epochs` epochs (fill, steady swaps and drain in their real proportions) are timed from each in turn, the order
+    alternating. First, two epochs of both in lockstep, compared batch by batch: the reference must emit exactly the
+    loader's rows (the bench stops otherwise). That also touches each one's buffer once: a fresh 235 MB array's
+    first touch costs the kernel about 0.5 s here (zeroing its pages), which a training run pays once.
+
+    Returns ((loader GB/s, loader GB per CPU-s, reference GB/s, reference GB per CPU-s) per repeat, batches
+    compared). CPU time is the process's, every thread of it: the loader's fetching threads count."""
+    loader = ActivationLoader(paths, layers=16, batch_size=4096, shuffle_tokens=capacity, seed=0, epochs=None,
+                              dtype="bfloat16")  # fmt: skip
+    reference = numpy_reference(paths, 16, 4096, capacity, seed=0, epochs=None)
+    tokens = sum(int(np.prod(header_shape(path, 16)[:1])) for path in paths)
+    per_epoch = -(-tokens // 4096)  # the last batch of an epoch is short
+    compared = 2 * per_epoch
+    for k in range(compared):
+        if not np.array_equal(next(loader).view(np.uint16), next(reference)):
+            raise SystemExit(f"numpy_reference differs from the loader at batch {k}: fix the reference first")
+
+    def window(batches: Iterator[np.ndarray]) -> tuple[float, float]:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        rows = sum(next(batches).shape[0] for _ in range(epochs * per_epoch))
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        payload = rows * HIDDEN * BF16.itemsize / 1e9
+        return payload / seconds, payload / max(cpu, 1e-9)
+
+    results = []
+    with loader:
+        for repeat in range(repeats):
+            if repeat % 2 == 0:
+                ours, theirs = window(loader), window(reference)
+            else:
+                theirs, ours = window(reference), window(loader)
+            results.append((*ours, *theirs))
+    return results, compared
+
+
+def header_shape(path: str, layer: int) -> list[int]:
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        return json.loads(handle.read(size))[layer_key(layer)]["shape"]
+
+
+def print_side_by_side(results: list[tuple[float, ...]], compared: int, capacity: int, epochs: int) -> None:
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    ratios = [ours_cpu / theirs_cpu for _, ours_cpu, _, theirs_cpu in results]
+    print(f"loader against numpy_reference: tmpfs, shuffle on, {capacity}-token buffer, steady state, windows of "
+          f"{epochs} epochs alternating; the reference emitted the loader's first {compared} batches "
+          "exactly")  # fmt: skip
+    print(f"{'window':>6s} {'loader GB/s':>12s} {'GB per CPU-s':>13s} {'numpy GB/s':>11s} {'GB per CPU-s':>13s} "
+          f"{'ratio per CPU-s':>16s}")  # fmt: skip
+    for repeat, (ours, ours_cpu, theirs, theirs_cpu) in enumerate(results):
+        print(f"{repeat:6d} {ours:12.2f} {ours_cpu:13.2f} {theirs:11.2f} {theirs_cpu:13.2f} "
+              f"{ours_cpu / theirs_cpu:15.2f}x")  # fmt: skip
+    print(f"median: loader {median([r[0] for r in results]):.2f} GB/s, {median([r[1] for r in results]):.2f} GB per "
+          f"CPU-s; numpy {median([r[2] for r in results]):.2f} GB/s, {median([r[3] for r in results]):.2f} GB per "
+          f"CPU-s; ratio per CPU-s {median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
+
+
 def writer_ceiling(docs: int) -> tuple[float, float]:
     """(tokens/s, GB/s of 4 layers) of ShardWriter alone on ready batches, to a null store."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -130,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-gcs", action="store_true")
     parser.add_argument("--skip-writer", action="store_true")
     parser.add_argument("--writer-docs", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=10, help="timed windows of the loader and of numpy_reference")
+    parser.add_argument("--reference-epochs", type=int, default=2, help="epochs per timed window")
+    parser.add_argument("--reference-only", action="store_true", help="only the loader against numpy_reference")
     args = parser.parse_args(argv)
     cores = os.cpu_count() or 1
     shuffle_on = {"shuffle_tokens": args.shuffle_tokens}
@@ -138,13 +266,19 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[tuple[str, str, float, float, float]] = []
     local_scaling: list[tuple[int, float, float, float]] = []
     scaling: list[tuple[int, int, float, float, float]] = []
-    load_before = os.getloadavg()[0]
     shm = pathlib.Path(tempfile.mkdtemp(prefix="read-bench-", dir="/dev/shm"))
     disk = pathlib.Path(args.disk_dir or tempfile.mkdtemp(prefix="read-bench-disk-"))
     try:
         shm_paths = [str(p) for p in make_shards(shm, args.shards, args.tokens, seed=0)]
-        disk_paths = [str(p) for p in make_shards(disk, args.shards, args.tokens, seed=0)]
         shard_mb = os.path.getsize(shm_paths[0]) / 1e6
+        load_before = os.getloadavg()[0]
+        versus, compared = side_by_side(shm_paths, args.shuffle_tokens, args.reference_epochs, args.repeats)
+        if args.reference_only:
+            print(f"shape: layer 16 of {args.shards} shards of {args.tokens} tokens x d={HIDDEN} bf16 on tmpfs, batch "
+                  f"4096; cores={cores}; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+            print_side_by_side(versus, compared, args.shuffle_tokens, args.reference_epochs)
+            return
+        disk_paths = [str(p) for p in make_shards(disk, args.shards, args.tokens, seed=0)]
         for place, paths in (("tmpfs", shm_paths), ("local disk", disk_paths)):
             rows.append((place, "on", *measure(paths, args.epochs, **shuffle_on)))
             rows.append((place, "off", *measure(paths, args.epochs, **shuffle_off)))
@@ -177,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
           f"tokens ({shard_mb:.0f} MB) per place; the loader reads layer 16 ({HIDDEN * 2} B/token), batch 4096, "
           f"{args.epochs} epochs per figure; cores={cores}; load average {load_before:.1f} before, {load_after:.1f} "
           "after")  # fmt: skip
+    print()
+    print_side_by_side(versus, compared, args.shuffle_tokens, args.reference_epochs)
     print()
     print(f"{'source':16s} {'shuffle':>7s} {'tokens/s':>10s} {'GB/s':>6s} {'GB per CPU-s':>13s}")
     for place, shuffle, tokens_s, gb_s, gb_cpu in rows:

@@ -257,3 +257,27 @@ def test_memory_bound_counts_read_ahead_buffer_and_batches(written):
     row = HIDDEN * 2
     assert loader.memory_bound_bytes() >= 4 * biggest * row + 64 * row + 8 * HIDDEN * 4
     assert isinstance(LayerStats.zeros(HIDDEN).to_json()["sum"], list)
+
+
+def test_batches_the_caller_keeps_are_never_overwritten_and_dropped_ones_are_reused(written):
+    def make(**options):
+        return ActivationLoader(str(written.root), layers=1, batch_size=8, shuffle_tokens=32, seed=5, dtype="bfloat16",
+                                **options)  # fmt: skip
+
+    kept = list(make())  # every batch held at once: each its own memory
+    assert len({batch.__array_interface__["data"][0] for batch in kept}) == len(kept)
+    copies = [np.array(batch) for batch in make()]
+    assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(kept, copies, strict=True))
+    # A loop that drops each batch before the next but one gets the same two arrays back, with the same rows.
+    addresses, rows = set(), []
+    for batch in make():
+        addresses.add(batch.__array_interface__["data"][0])
+        rows.append(Written.row_key(batch))
+    assert len(addresses) == 2
+    assert all(np.array_equal(a, Written.row_key(b)) for a, b in zip(rows, kept, strict=True))
+    # torch.from_numpy holds the array, so a tensor the caller keeps is not written over either.
+    import torch
+
+    tensors = list(make(output="torch"))
+    assert all(np.array_equal(t.view(torch.int16).numpy().view(np.uint16), c.view(np.uint16))
+               for t, c in zip(tensors, copies, strict=True))  # fmt: skip
