@@ -66,6 +66,14 @@ class DeviceMemoryError(BadInput):
     """A step does not fit the device's memory: the job's `batch_size` or `max_seq_len` must shrink (exit 65)."""
 
 
+def size(nbytes: float) -> str:
+    """Bytes for people: GiB, MiB or KiB."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def hbm_bytes(name: str) -> int | None:
     """A chip's HBM from its `device_kind` or price-table family; None for unlisted ones."""
     for pattern, size in HBM_BYTES:
@@ -101,8 +109,8 @@ class StepMemory:
 
     def describe(self) -> str:
         return (
-            f"{self.total / GIB:.2f} GiB (weights {self.weights / GIB:.2f}, activations {self.activations / GIB:.2f}, "
-            f"attention {self.attention / GIB:.2f}, kept outputs {self.outputs / GIB:.2f})"
+            f"{size(self.total)} (weights {size(self.weights)}, activations {size(self.activations)}, "
+            f"attention {size(self.attention)}, kept outputs {size(self.outputs)})"
         )
 
 
@@ -201,8 +209,8 @@ def check_fits(
     fixed = estimate.weights
     if fixed > limit:
         raise DeviceMemoryError(
-            f"the weights of {step['depth']} layers need {fixed / GIB:.2f} GiB per device, more than the "
-            f"{limit / GIB:.2f} GiB planned of {device}'s {memory / GIB:.2f} GiB: split them over a model axis "
+            f"the weights of {step['depth']} layers need {size(fixed)} per device, more than the "
+            f"{size(limit)} planned of {device}'s {size(memory)}: split them over a model axis "
             "(mesh='data=1,model=N') or request shallower layers"
         )
     # Bytes beyond the weights grow with rows (linearly) and with seq_len; a measured need scales them up.
@@ -223,10 +231,10 @@ def check_fits(
         hints.append(f"batch_size {fit_rows * data_axis} or less (a multiple of the data axis, {data_axis})")
     if low:
         hints.append(f"max_seq_len {low} or less at batch_size {batch_size}")
-    figure = f"{need / GIB:.2f} GiB (the compiled program's own figure)" if need is not None else estimate.describe()
+    figure = f"{size(need)} (the compiled program's own figure)" if need is not None else estimate.describe()
     raise DeviceMemoryError(
         f"batch_size={batch_size} at max_seq_len={max_seq_len} does not fit {device}: one step needs {figure} per "
-        f"device, and {limit / GIB:.2f} GiB of its {memory / GIB:.2f} GiB are planned for. Use "
+        f"device, and {size(limit)} of its {size(memory)} are planned for. Use "
         + (" or ".join(hints) if hints else "a smaller batch_size and max_seq_len")
     )
 
