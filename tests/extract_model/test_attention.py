@@ -185,3 +185,21 @@ def test_float32_programs_multiply_at_highest_precision_and_others_at_the_defaul
     assert len(dots) >= 7 * qwen2_untied.num_hidden_layers  # q, k, v, o, gate, up, down per layer (and attention)
     highest = ["operand_precision={highest,highest}" in line for line in dots]
     assert all(highest) if dtype == "float32" else not any(highest), dots
+
+
+def test_splash_runs_per_device_on_a_mesh_that_splits_rows_and_heads(qwen2_untied):
+    """Splash is a Mosaic call XLA cannot partition: under jax.shard_map each device takes its rows and heads."""
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(1, VOCAB, (4, 40)).astype(np.int32)
+    segments = np.where(np.arange(40) < 25, 1, 2).astype(np.int32)[None].repeat(4, 0)
+    positions = np.where(np.arange(40) < 25, np.arange(40), np.arange(40) - 25).astype(np.int32)[None].repeat(4, 0)
+    args = dict(batch_size=4, max_seq_len=40, compute_dtype="float32", out_dtype="float32")
+    oracle = Engine(str(qwen2_untied.path), [1, -1], devices=jax.devices()[:1], **args)
+    assert jax.device_count() >= 4, "XLA_FLAGS=--xla_force_host_platform_device_count=4 (tests/conftest.py)"
+    sharded = Engine(
+        str(qwen2_untied.path), [1, -1], mesh="data=2,model=2", attention=A.SPLASH, devices=jax.devices()[:4], **args
+    )  # fmt: skip
+    assert sharded._binding.heads_split and dict(sharded.mesh.shape) == {"data": 2, "model": 2}
+    expected = oracle.forward(tokens, segments, positions)
+    for layer, value in sharded.forward(tokens, segments, positions).items():
+        np.testing.assert_allclose(np.asarray(value), np.asarray(expected[layer]), atol=1e-5, rtol=0)
