@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from extract.errors import BadInput
+from extract.sharding import DATA, MODEL
 
 # Stands in for -inf in masked attention logits: exp() underflows to exactly 0 and no row is ever all-masked
 # (a token always sees itself), so no NaN can appear.
@@ -256,8 +257,6 @@ def splash(
     mesh = binding.mesh
     if mesh is None or mesh.size == 1:
         return per_device(q, k, v, segment_ids)
-    from extract.sharding import DATA, MODEL
-
     heads = MODEL if binding.heads_split else None
     qkv = P(DATA, None, heads, None)
     rows = P(DATA, None)
