@@ -29,14 +29,16 @@ from extract import data
 from extract.batching import Prefetcher, Tokenizer, batches_for_slice, shard_token_limit, window_start
 from extract.errors import BadInput
 from extract.job import Job, ResumeState, Task
+from extract.memory import IN_FLIGHT_STEPS
 from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype
 
 log = logging.getLogger(__name__)
 
 #: Batches tokenised ahead of the device.
 PREFETCH_BATCHES = 4
-#: Batches dispatched to the device but not yet copied back; bounds device memory held by results.
-INFLIGHT_BATCHES = 2
+#: Batches dispatched to the device but not yet copied back; bounds device memory held by results (the memory
+#: model counts them: extract.memory.HELD_STEPS).
+INFLIGHT_BATCHES = IN_FLIGHT_STEPS
 
 
 class Stopped(BaseException):
@@ -289,6 +291,11 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 except Exception as secondary:  # already failing: log a different second failure, raise the first
                     if secondary is not failure:
                         log.warning("event=writer_abort_failed error=%r", secondary)
+                # An out-of-memory surfaces where the step's results are awaited (here, or in the writer's copy):
+                # name the knob to turn instead of XLA's trace.
+                named = engine.memory_error(failure)
+                if named is not None and named is not failure:
+                    raise named from failure
                 raise
     finally:
         if batches is not None:

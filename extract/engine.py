@@ -1,13 +1,21 @@
 """The extraction engine: one loaded, sharded Qwen model and a compiled forward per bucket length.
 
 The data pipeline hands it right-padded token batches and gets back the requested hidden states as device arrays,
-dispatched asynchronously; it decides when to block (when it copies a batch to the host for writing).
+dispatched asynchronously, their copies to the host already started; it decides when to block (when it takes a
+batch's host copy for writing).
+
+Decided once, at construction, and logged: the mesh, the attention kernel (`extract.attention.choose_kernel`) and
+whether a step fits the device's memory (`extract.memory`; a step that does not is a `DeviceMemoryError` naming
+`batch_size` and `max_seq_len`, before any weight is read). Each compiled program is checked again against the
+memory with XLA's own figure, and an out-of-memory at run time becomes the same error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import pathlib
 import re
 import tempfile
@@ -20,6 +28,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from extract import attention
+from extract import memory as mem
 from extract import sharding as shd
 from extract.config import QwenConfig
 from extract.errors import BadInput
@@ -29,6 +39,8 @@ from extract.weights import Checkpoint, load_state, resolve_model_dir
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+#: Overrides the memory one device may use, in bytes (a device shared with another program; tests).
+DEVICE_MEMORY_ENV = "EXTRACT_DEVICE_MEMORY"
 
 # Dense bf16 peak FLOP/s per device, from the vendors' spec sheets (without structured sparsity). Matched against
 # `device.device_kind` in order, so more specific names come first.
@@ -115,11 +127,15 @@ class Engine:
         out_dtype: str = "bfloat16",
         mesh: str | None = None,
         devices: Sequence[jax.Device] | None = None,
+        attention: str = "auto",
+        device_memory: int | None = None,
     ):
         """`devices` defaults to every device of the program (every host's, on a slice); tests pass a subset to
-        get a single-device reference."""
+        get a single-device reference. `attention` is `auto` (the decision in `extract.attention.choose_kernel`)
+        or a kernel name. `device_memory` (bytes per device) overrides what the runtime reports (or
+        $EXTRACT_DEVICE_MEMORY)."""
         started = time.monotonic()
-        self._configure(batch_size, max_seq_len, compute_dtype, out_dtype)
+        self._configure(batch_size, max_seq_len, compute_dtype, out_dtype, attention, device_memory)
         from_store = isinstance(model, str) and model.startswith("gs://")
         # A gs:// checkpoint's weights are read where they lie (parallel ranged reads); only its small files are cached.
         self.model_dir = resolve_model_dir(model, weights=not from_store)
@@ -143,11 +159,13 @@ class Engine:
         mesh: str | None = None,
         devices: Sequence[jax.Device] | None = None,
         seed: int = 0,
+        attention: str = "auto",
+        device_memory: int | None = None,
     ) -> Engine:
         """An engine whose weights are drawn on the devices (for benchmarks of models too large to write to disk)."""
         started = time.monotonic()
         engine = cls.__new__(cls)
-        engine._configure(batch_size, max_seq_len, compute_dtype, out_dtype)
+        engine._configure(batch_size, max_seq_len, compute_dtype, out_dtype, attention, device_memory)
         engine.config = config
         engine.model_dir = pathlib.Path(tempfile.mkdtemp(prefix="random-qwen-"))
         (engine.model_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
@@ -158,12 +176,21 @@ class Engine:
 
     # -- construction ----------------------------------------------------------------------------------------------
 
-    def _configure(self, batch_size, max_seq_len, compute_dtype, out_dtype) -> None:
+    def _configure(self, batch_size, max_seq_len, compute_dtype, out_dtype, attention_kernel, device_memory) -> None:
         self.batch_size = _positive_int("batch_size", batch_size)
         self.max_seq_len = _positive_int("max_seq_len", max_seq_len)
         self.compute_dtype, self.out_dtype = compute_dtype, out_dtype
         self._compute_dtype = _dtype("compute_dtype", compute_dtype)
         self._out_dtype = _dtype("out_dtype", out_dtype)
+        if not isinstance(attention_kernel, str):
+            raise BadInput(f"attention={attention_kernel!r} must be 'auto' or one of {', '.join(attention.KERNELS)}")
+        self._requested_attention = attention_kernel
+        if device_memory is None and os.environ.get(DEVICE_MEMORY_ENV):
+            raw = os.environ[DEVICE_MEMORY_ENV]
+            if not raw.isdigit():
+                raise BadInput(f"${DEVICE_MEMORY_ENV}={raw!r} must be a number of bytes")
+            device_memory = int(raw)
+        self._memory_override = None if device_memory is None else _positive_int("device_memory", device_memory)
         self._programs: dict[int, jax.stages.Compiled] = {}
         self.compiled_programs = 0
 
@@ -174,6 +201,8 @@ class Engine:
         devices = list(devices) if devices is not None else shd.default_devices()
         if not devices:
             raise BadInput("devices is empty: the engine needs at least one device")
+        self.attention = self._choose_attention(devices[0])
+        self.device_memory, self._memory_source = self._usable_memory(devices[0])
         if mesh is not None:
             if not isinstance(mesh, str):
                 raise BadInput(f"mesh={mesh!r} must be a string such as 'data=2,model=2', or unset")
@@ -182,7 +211,7 @@ class Engine:
             shape = shd.choose_mesh_shape(
                 self.config,
                 len(devices),
-                shd.device_memory_bytes(devices[0]),
+                self.device_memory,
                 num_layers=self.num_computed_layers,
                 batch_size=self.batch_size,
                 seq_len=self.max_seq_len,
@@ -197,6 +226,11 @@ class Engine:
             )
         self.mesh = shd.make_mesh(shape, devices)
         self._rules = shd.ShardingRules.for_config(self.config, shape[1])
+        self._check_memory(shape)
+        heads_split = shd.MODEL in tuple(self._rules.q_proj) and shd.MODEL in tuple(self._rules.kv_proj)
+        self._binding = attention.Binding(
+            self.attention.kernel, self.mesh, heads_split, interpret=devices[0].platform != "tpu"
+        )
         self._token_sharding = NamedSharding(self.mesh, self._rules.tokens)
         self._hidden_sharding = NamedSharding(self.mesh, self._rules.activations)
         config, depth, dtype, mesh_, rules = (
@@ -204,6 +238,89 @@ class Engine:
         )  # fmt: skip
         abstract = nnx.eval_shape(lambda: QwenModel(config, depth, dtype, nnx.Rngs(0), mesh_, rules))
         self._graphdef, self._abstract_state = nnx.split(abstract)
+
+    def _choose_attention(self, device: jax.Device) -> attention.Choice:
+        """The attention kernel, decided once for the model and the devices, and logged once."""
+        capability = getattr(device, "compute_capability", None)  # "9.0" on an H100; absent off CUDA
+        choice = attention.choose_kernel(
+            device.platform,
+            self._compute_dtype,
+            self.config.head_dim,
+            # Gemma 2's logit soft-cap, under transformers' (and config.json's) name; Qwen has none.
+            softcap=getattr(self.config, "attn_logit_softcapping", None),
+            requested=self._requested_attention,
+            hopper=capability is None or float(capability) >= 9.0,
+        )
+        log.info(
+            "event=attention kernel=%s platform=%s compute_dtype=%s head_dim=%d reason=%r",
+            choice.kernel, device.platform, self.compute_dtype, self.config.head_dim, choice.reason,
+        )  # fmt: skip
+        return choice
+
+    def _usable_memory(self, device: jax.Device) -> tuple[int | None, str]:
+        """Bytes one device may use, and where the figure comes from: the override, the runtime, or the cited
+        table of HBM per chip (`extract.memory.HBM_BYTES`); None on CPU, whose memory counts as ample."""
+        if self._memory_override is not None:
+            return self._memory_override, "override"
+        reported = shd.device_memory_bytes(device)
+        if reported is not None:
+            return reported, "memory_stats"
+        if device.platform == "cpu":
+            return None, "unknown"
+        table = mem.usable_bytes(device.device_kind, device.platform)
+        return table, "table" if table is not None else "unknown"
+
+    def _step_shape(self, model_axis: int) -> dict:
+        """`extract.memory.step_memory`'s arguments for this engine, but rows and seq_len."""
+        return dict(
+            config=self.config,
+            depth=self.num_computed_layers,
+            kept=len(self.layers),
+            compute_bytes=jnp.dtype(self._compute_dtype).itemsize,
+            out_bytes=jnp.dtype(self._out_dtype).itemsize,
+            kernel=self.attention.kernel,
+            # Packed rows add the same-document mask; the engine learns of packing only at its first batch, so it
+            # plans for it (a few percent at most).
+            packed=True,
+            model_axis=model_axis,
+        )
+
+    def _device_name(self) -> str:
+        device = self.mesh.devices.flat[0]
+        return f"{device.device_kind} ({device.platform}, memory from {self._memory_source})"
+
+    def _check_memory(self, shape: tuple[int, int]) -> None:
+        """Refuse, before any weight is read, a batch whose step does not fit one device (DeviceMemoryError)."""
+        estimate = mem.check_fits(
+            self.device_memory, self._device_name(), batch_size=self.batch_size, data_axis=shape[0],
+            max_seq_len=self.max_seq_len, **self._step_shape(shape[1]),
+        )  # fmt: skip
+        log.info(
+            "event=memory_plan device_memory=%s source=%s step=%r",
+            self.device_memory, self._memory_source, estimate.describe(),
+        )  # fmt: skip
+
+    def memory_error(self, failure: BaseException) -> mem.DeviceMemoryError | None:
+        """The knob to turn for an out-of-memory raised by XLA (at compile or run time); None for other errors."""
+        if isinstance(failure, mem.DeviceMemoryError):
+            return failure
+        if not isinstance(failure, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in str(failure):
+            return None
+        data, model = self.mesh.shape[shd.DATA], self.mesh.shape[shd.MODEL]
+        step = mem.step_memory(
+            rows=self.batch_size // data, seq_len=self.max_seq_len, **self._step_shape(model)
+        )  # fmt: skip
+        first_line = str(failure).strip().splitlines()[0][:300]
+        return mem.DeviceMemoryError(
+            f"out of device memory on {self._device_name()} at batch_size={self.batch_size}, "
+            f"max_seq_len={self.max_seq_len} (estimated step {step.describe()}; XLA: {first_line}): lower batch_size "
+            "or max_seq_len"
+        )
+
+    def _raise_named(self, failure: BaseException) -> None:
+        named = self.memory_error(failure)
+        if named is not None and named is not failure:
+            raise named from failure
 
     def _param_shardings(self) -> dict:
         shardings: dict = {}
@@ -253,19 +370,51 @@ class Engine:
 
         tokens = jax.ShapeDtypeStruct((self.batch_size, seq_len), jnp.int32, sharding=self._token_sharding)
         out_shardings = {index: self._hidden_sharding for index in keep}
-        if packed:
-            jitted = jax.jit(forward_packed, out_shardings=out_shardings)
-            program = jitted.lower(self._state, tokens, tokens, tokens).compile()
-        else:
-            program = jax.jit(forward, out_shardings=out_shardings).lower(self._state, tokens).compile()
+        inputs = (tokens, tokens, tokens) if packed else (tokens,)
+        jitted = jax.jit(forward_packed if packed else forward, out_shardings=out_shardings)
+        # The kernel and the matmul precision are fixed in the program when it is traced, here.
+        with attention.use(self._binding), self.matmul_precision():
+            lowered = jitted.lower(self._state, *inputs)
+        try:
+            program = lowered.compile()
+        except jax.errors.JaxRuntimeError as failure:  # a TPU compile reports an over-sized program itself
+            self._raise_named(failure)
+            raise
+        need = self._compiled_need(program)
         self._programs[key] = program
         self.compiled_programs += 1
         log.info(
-            "event=compile seq_len=%d batch_size=%d layers=%s mesh=%s packed=%s seconds=%.2f programs=%d",
+            "event=compile seq_len=%d batch_size=%d layers=%s mesh=%s packed=%s attention=%s device_bytes=%s "
+            "seconds=%.2f programs=%d",
             seq_len, self.batch_size, ",".join(map(str, keep)), shd.mesh_summary(self.mesh), packed,
-            time.monotonic() - started, self.compiled_programs,
+            self.attention.kernel, need, time.monotonic() - started, self.compiled_programs,
         )  # fmt: skip
         return program
+
+    def matmul_precision(self) -> contextlib.AbstractContextManager:
+        """HIGHEST for float32 compute: at default precision TPUs multiply float32 in bf16 passes and recent GPUs
+        in TF32, which would cost float32 jobs their parity with transformers. Other dtypes keep the default."""
+        if self._compute_dtype == jnp.float32:
+            return jax.default_matmul_precision("highest")
+        return contextlib.nullcontext()
+
+    def _compiled_need(self, program: jax.stages.Compiled) -> int | None:
+        """XLA's bytes per device for one step (arguments, outputs, scratch), plus the outputs of earlier steps the
+        writer may still hold; a DeviceMemoryError if that exceeds the device's memory."""
+        try:
+            stats = program.memory_analysis()
+        except (NotImplementedError, RuntimeError):  # not every backend reports it
+            return None
+        if stats is None:
+            return None
+        step = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+        need = int(step - stats.alias_size_in_bytes + mem.HELD_STEPS * stats.output_size_in_bytes)
+        data, model = self.mesh.shape[shd.DATA], self.mesh.shape[shd.MODEL]
+        mem.check_fits(
+            self.device_memory, self._device_name(), batch_size=self.batch_size, data_axis=data,
+            max_seq_len=self.max_seq_len, need=need, **self._step_shape(model),
+        )  # fmt: skip
+        return need
 
     def forward(
         self, token_ids: np.ndarray, segment_ids: np.ndarray | None = None, positions: np.ndarray | None = None
@@ -298,9 +447,18 @@ class Engine:
             raise ValueError(f"packed rows need segment_ids and positions of token_ids' shape {token_ids.shape}")
         program = self._program(seq_len, packed)
         put = lambda a: jax.device_put(np.asarray(a).astype(np.int32, copy=False), self._token_sharding)  # noqa: E731
-        if packed:
-            return program(self._state, put(token_ids), put(segment_ids), put(positions))
-        return program(self._state, put(token_ids))
+        inputs = (token_ids, segment_ids, positions) if packed else (token_ids,)
+        try:
+            hidden = program(self._state, *map(put, inputs))
+        except jax.errors.JaxRuntimeError as failure:
+            self._raise_named(failure)
+            raise
+        for array in hidden.values():
+            # Start the device-to-host copy now, so it overlaps the next step instead of following it. Arrays
+            # spread over several hosts (a slice) are copied per shard by their writers.
+            if array.is_fully_addressable:
+                array.copy_to_host_async()
+        return hidden
 
     # -- accounting ------------------------------------------------------------------------------------------------
 

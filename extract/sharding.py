@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from extract import memory
 from extract.config import QwenConfig
 from extract.errors import BadInput
 
@@ -27,7 +28,7 @@ DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 
 #: Fraction of a device's memory the automatic choice may plan for; XLA needs the rest for scratch and fragmentation.
-MEMORY_HEADROOM = 0.8
+MEMORY_HEADROOM = memory.HEADROOM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,38 +137,12 @@ def replica_bytes(
     num_outputs: int,
     model_axis_size: int = 1,
 ) -> int:
-    """Estimated device memory for one replica: weights of the computed layers plus one micro-batch's activations.
-
-    The activation term is the peak inside one layer (residual stream, q/k/v, the float32 attention scores and
-    probabilities, the MLP intermediate) plus the hidden states being returned, counted twice because the caller
-    may hold one batch's outputs while the next is computed.
-    """
-    rules = ShardingRules.for_config(config, model_axis_size)
-    m = model_axis_size
-
-    def share(spec: P) -> int:
-        return m if MODEL in tuple(spec) else 1
-
-    d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
-    n, k = config.num_attention_heads, config.num_key_value_heads
-    per_layer = (
-        d * n * h / share(rules.q_proj)
-        + 2 * d * k * h / share(rules.kv_proj)
-        + n * h * d / share(rules.o_proj)
-        + 2 * d * f / share(rules.mlp_in)
-        + f * d / share(rules.mlp_out)
-        + (n + 2 * k) * h  # biases, norms: small either way
-        + 2 * d
-    )
-    weights = (config.vocab_size * d / share(rules.embedding) + num_layers * per_layer + d) * compute_bytes
-    tokens = batch_per_replica * seq_len
-    heads_here = n / share(rules.q_proj)
-    layer_peak = (
-        tokens * (4 * d + (heads_here + 2 * k) * h + 3 * f / share(rules.mlp_in)) * compute_bytes
-        + 2 * batch_per_replica * heads_here * seq_len * seq_len * 4
-    )
-    outputs = 2 * num_outputs * tokens * d * out_bytes
-    return int(weights + layer_peak + outputs)
+    """Estimated device memory for one replica: weights of the computed layers plus one micro-batch's step
+    (`extract.memory.step_memory`, with the materialised attention: the largest working set of the kernels)."""
+    return memory.step_memory(
+        config, depth=num_layers, kept=num_outputs, rows=batch_per_replica, seq_len=seq_len,
+        compute_bytes=compute_bytes, out_bytes=out_bytes, model_axis=model_axis_size,
+    ).total  # fmt: skip
 
 
 def choose_mesh_shape(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import logging
@@ -337,7 +338,9 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     if out.total > args.warn_output_tb * TB:
         fits_warning = costmodel.suggest_token_sample(args.warn_output_tb * TB, job, config.hidden_size, len(layers),
                                                       tokens, task_rows, header)  # fmt: skip
-    plan["warnings"] = warnings(plan, args, job, config, tokens, layers, prices, fits_warning)
+    plan["memory"] = memory_plan(job, config, layers, machine, prices)
+    plan["warnings"] = (warnings(plan, args, job, config, tokens, layers, prices, fits_warning)
+                        + memory_warnings(plan["memory"]))  # fmt: skip
     return plan
 
 
@@ -378,6 +381,69 @@ def budget_figures(budget: float, job: Job, config, layers, tokens, task_rows, h
         rows_if_unsampled=int(tokens.rows * min(1.0, budget / unsampled.total)),
     )
     return figures
+
+
+def memory_plan(job: Job, config, layers, machine: pricing.Accelerator, prices: pricing.PriceTable) -> dict:
+    """What one step of the job needs per chip, and the largest batch_size that fits (extract/memory.py).
+
+    The chip's memory comes from the cited HBM table (the engine asks the runtime instead), the attention kernel from
+    the engine's own decision for that platform and dtype. Chips form a pure data-parallel mesh when one replica
+    fits a chip, else the smallest model axis that fits, as the engine chooses.
+    """
+    import jax.numpy as jnp  # only here: the rest of the plan does not need JAX
+
+    from extract import attention, memory
+
+    platform = "tpu" if machine.family in prices.tpu else "gpu"
+    usable = memory.usable_bytes(machine.family, platform)
+    kernel = attention.choose_kernel(
+        platform, jnp.dtype(job.compute_dtype_name), config.head_dim,
+        softcap=getattr(config, "attn_logit_softcapping", None),
+    ).kernel  # fmt: skip
+    shape = dict(
+        config=config, depth=max(layers), kept=len(layers), compute_bytes=jnp.dtype(job.compute_dtype_name).itemsize,
+        out_bytes=jnp.dtype(job.out_dtype_name).itemsize, kernel=kernel, packed=job.packing,
+    )  # fmt: skip
+    axes = [m for m in range(1, machine.chips + 1) if machine.chips % m == 0]
+    model_axis = axes[0]
+    if usable is not None:  # the smallest model axis whose weights and one row fit
+        fitting = [m for m in axes if memory.rows_that_fit(usable, seq_len=job.max_seq_len, model_axis=m, **shape)]
+        model_axis = fitting[0] if fitting else axes[-1]
+    data_axis = machine.chips // model_axis
+    step = memory.step_memory(
+        rows=max(1, job.batch_size // data_axis), seq_len=job.max_seq_len, model_axis=model_axis, **shape
+    )  # fmt: skip
+    rows = None if usable is None else memory.rows_that_fit(usable, seq_len=job.max_seq_len, model_axis=model_axis,
+                                                             **shape)  # fmt: skip
+    return {
+        "chip": machine.family,
+        "usable_bytes_per_chip": usable,
+        "source": "HBM per chip (extract/memory.py) x what the JAX client allocates of it" if usable else "unknown",
+        "attention": kernel,
+        "mesh": {"data": data_axis, "model": model_axis},
+        "batch_size": job.batch_size,
+        "step_bytes_per_chip": step.total,
+        "step": dataclasses.asdict(step),
+        "max_batch_size": None if rows is None else rows * data_axis,
+        "max_tokens_per_step": None if rows is None else rows * data_axis * job.max_seq_len,
+        "fits": None if usable is None else step.total <= memory.HEADROOM * usable,
+        "headroom": memory.HEADROOM,
+    }
+
+
+def memory_warnings(plan_memory: dict) -> list[str]:
+    m = plan_memory
+    if m["fits"] is None:
+        return [f"device memory of {m['chip']} unknown: batch_size {m['batch_size']} is not checked against it"]
+    if not m["fits"]:
+        fit = m["max_batch_size"]
+        remedy = f"use batch_size {fit} or less" if fit else "use a smaller max_seq_len, or a larger chip"
+        return [
+            f"batch_size {m['batch_size']} does not fit {m['chip']}: a step needs {_si(m['step_bytes_per_chip'], 'B')} "
+            f"per chip, over {m['headroom']:.0%} of its {_si(m['usable_bytes_per_chip'], 'B')}; the engine refuses it "
+            f"(exit 65): {remedy}"
+        ]
+    return []
 
 
 def warnings(plan, args, job, config, tokens, layers, prices, fits_warning: float | None = None) -> list[str]:
@@ -455,6 +521,17 @@ def _si(value: float, unit: str) -> str:
     return f"{value:,.0f} {unit}"
 
 
+def _memory_line(m: dict) -> str:
+    mesh = f"mesh data={m['mesh']['data']},model={m['mesh']['model']}"
+    if m["usable_bytes_per_chip"] is None:
+        return f"  memory      {m['chip']}: unknown; {m['attention']} attention, {mesh}"
+    return (
+        f"  memory      {_si(m['step_bytes_per_chip'], 'B')} a chip for a step of batch_size {m['batch_size']} of "
+        f"{_si(m['usable_bytes_per_chip'], 'B')} usable ({m['attention']} attention, {mesh}); up to batch_size "
+        f"{m['max_batch_size']} fits ({m['max_tokens_per_step']:,} tokens a step)"
+    )
+
+
 def render(plan: dict) -> str:
     t, c, a, tm = plan["tokens"], plan["compute"], plan["accelerator"], plan["time"]
     o, s, ops, tk = plan["output"], plan["storage"], plan["operations"], plan["tasks"]
@@ -487,6 +564,7 @@ def render(plan: dict) -> str:
         f"  operations  {ops['class_a_total']:,} Class A ({_n(ops['per_task'])}/task: "
         + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in ops["class_a"].items())
         + f") = {_n(ops['dollars'])} $",
+        _memory_line(plan["memory"]),
         f"  tasks       {tk['count']:,} tasks ({tk['from']}), ~{_n(tk['mean_minutes'])} min each",
         f"  recommend   --rows-per-task {tk['recommended_rows_per_task']}: ~{_n(tk['recommended_task_minutes'])} min a "
         f"task on {a['name']} (target {tk['target_minutes']:g} min)",

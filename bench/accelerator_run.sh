@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The accelerator measurement of docs/PERFORMANCE.md in one command, on a GPU (or TPU) host: the devices JAX sees,
+# parity with transformers there (bench/parity_bench.py), then bench/extract_bench.py --accelerator (Qwen2.5-7B
+# shape, layers 15-18, packed 2,048-token rows, the engine's attention kernel beside the materialised one).
+# Figures go to stdout and to $OUT (or /tmp/accelerator-run). Python packages the host lacks travel as wheels in
+# .whl/ (bench/device_wheels.sh fetches them) and are installed under /tmp/site first. Arguments go to
+# extract_bench.py; $PARITY_ARGS to parity_bench.py (both default to the full shapes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/accelerator-run}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+date -u +"date %Y-%m-%dT%H:%M:%SZ" | tee "$out/devices.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$out/devices.txt" || true
+python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__, jax.devices())' 2>&1 | tee -a "$out/devices.txt"
+# torch and JAX share the GPU in the parity run: JAX must not take 75% of it up front.
+read -r -a parity_args <<< "${PARITY_ARGS:-}"
+XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/parity_bench.py "${parity_args[@]}" 2>&1 | tee "$out/parity.txt"
+python3 bench/extract_bench.py --accelerator --skip-cpu --json "$@" 2>&1 | tee "$out/extract_bench.txt"
