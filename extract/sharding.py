@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.errors import BadInput
 
 log = logging.getLogger(__name__)
@@ -44,10 +44,10 @@ class ShardingRules:
     mlp_out: P  # [F, D] down projection
     replicated: P  # norm scales, output bias
     tokens: P  # [B, T]
-    activations: P  # [B, T, D], also every returned hidden state
+    activations: P  # [B, T, D], also every returned output ([B, T, F] for the MLP's hidden activations)
 
     @classmethod
-    def for_config(cls, config: QwenConfig, model_axis_size: int) -> ShardingRules:
+    def for_config(cls, config: ModelConfig, model_axis_size: int) -> ShardingRules:
         def split_if_divides(size: int) -> str | None:
             return MODEL if model_axis_size > 1 and size % model_axis_size == 0 else None
 
@@ -127,20 +127,21 @@ def device_memory_bytes(device: jax.Device) -> int | None:
 
 
 def replica_bytes(
-    config: QwenConfig,
+    config: ModelConfig,
     num_layers: int,
     batch_per_replica: int,
     seq_len: int,
     compute_bytes: int,
     out_bytes: int,
-    num_outputs: int,
+    num_outputs: float,
     model_axis_size: int = 1,
 ) -> int:
     """Estimated device memory for one replica: weights of the computed layers plus one micro-batch's activations.
 
     The activation term is the peak inside one layer (residual stream, q/k/v, the float32 attention scores and
-    probabilities, the MLP intermediate) plus the hidden states being returned, counted twice because the caller
-    may hold one batch's outputs while the next is computed.
+    probabilities, the MLP intermediate) plus the outputs being returned, counted twice because the caller
+    may hold one batch's outputs while the next is computed. `num_outputs` counts them in units of `hidden_size`
+    values per token (an MLP's hidden activations count intermediate_size / hidden_size).
     """
     rules = ShardingRules.for_config(config, model_axis_size)
     m = model_axis_size
@@ -157,7 +158,7 @@ def replica_bytes(
         + 2 * d * f / share(rules.mlp_in)
         + f * d / share(rules.mlp_out)
         + (n + 2 * k) * h  # biases, norms: small either way
-        + 2 * d
+        + (4 if config.sandwich_norms else 2) * d  # the layer's norms
     )
     weights = (config.vocab_size * d / share(rules.embedding) + num_layers * per_layer + d) * compute_bytes
     tokens = batch_per_replica * seq_len
@@ -171,7 +172,7 @@ def replica_bytes(
 
 
 def choose_mesh_shape(
-    config: QwenConfig,
+    config: ModelConfig,
     device_count: int,
     device_memory: int | None,
     *,
@@ -180,7 +181,7 @@ def choose_mesh_shape(
     seq_len: int,
     compute_bytes: int,
     out_bytes: int,
-    num_outputs: int,
+    num_outputs: float,
 ) -> tuple[int, int]:
     """(data, model) for the automatic policy described in the module docstring.
 
