@@ -107,7 +107,7 @@ def normalize_sites(sites: dict[str, Sequence[int]] | None, num_hidden_layers: i
 
 class Outputs(dict):
     """{output: [batch_size, T, width]} as `Engine.forward` returns it (outputs are hidden-state indices and hook
-    points), and `nonfinite`: int32 [outputs, batch_size, T], per output (in `Engine.outputs` order) and token, how
+    points), and `nonfinite`: int32 [batch_size, T, outputs], per token and output (in `Engine.outputs` order), how
     many of its values are inf or NaN once cast to the output dtype. The writer skips (or fails on) such samples."""
 
     nonfinite: jax.Array | None = None
@@ -303,7 +303,7 @@ class Engine:
             # device, where it costs one pass over data already in memory: B*T*outputs counts come back, not values.
             out = {output: kept[output].astype(out_dtype) for output in keep}
             counts = [jnp.sum(~jnp.isfinite(out[output]), axis=-1, dtype=jnp.int32) for output in keep]
-            return out, jnp.stack(counts)
+            return out, jnp.stack(counts, axis=-1)
 
         def forward(state, token_ids):
             return cast(nnx.merge(graphdef, state)(token_ids, keep))
@@ -312,8 +312,7 @@ class Engine:
             return cast(nnx.merge(graphdef, state)(token_ids, keep, segment_ids, positions))
 
         tokens = jax.ShapeDtypeStruct((self.batch_size, seq_len), jnp.int32, sharding=self._token_sharding)
-        counts_sharding = NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, shd.DATA, None))
-        out_shardings = ({output: self._hidden_sharding for output in keep}, counts_sharding)
+        out_shardings = ({output: self._hidden_sharding for output in keep}, self._hidden_sharding)
         if packed:
             jitted = jax.jit(forward_packed, out_shardings=out_shardings)
             program = jitted.lower(self._state, tokens, tokens, tokens).compile()
