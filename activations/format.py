@@ -99,6 +99,19 @@ class HookPoint:
     def __str__(self) -> str:
         return self.key
 
+    # Ordered with hidden-state indices (`output_order`), so that outputs sort and key a pytree's dicts together.
+    def __lt__(self, other: object) -> bool:
+        return output_order(self) < output_order(other) if isinstance(other, (int, HookPoint)) else NotImplemented
+
+    def __gt__(self, other: object) -> bool:
+        return output_order(self) > output_order(other) if isinstance(other, (int, HookPoint)) else NotImplemented
+
+    def __le__(self, other: object) -> bool:
+        return self == other or self < other
+
+    def __ge__(self, other: object) -> bool:
+        return self == other or self > other
+
 
 #: What a shard holds one tensor of: a hidden-state index (int) or a hook point.
 Output = int | HookPoint

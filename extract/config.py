@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from activations.format import SITES, HookPoint, Output, output_order
 from extract.errors import BadInput
 from extract.rope import Rope, read_layer_type_ropes, read_rope
 
@@ -56,6 +57,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                         use_bidirectional_attention=False),
 }  # fmt: skip
 
+#: Families whose config class types num_key_value_heads `int | None` and reads a null as num_attention_heads
+#: (Mistral's and Gemma's refuse a null).
+NULLABLE_KV_HEADS = ("qwen2", "qwen3", "llama")
 #: transformers' ACT2FN names -> the activation the MLP applies to its gate.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 #: Gemma 3's default local/global pattern: five sliding layers, then a global one (`sliding_window_pattern`).
@@ -110,6 +114,23 @@ class ModelConfig:
             return self.sliding_rope
         return self.rope
 
+    def width(self, output: Output) -> int:
+        """Values per token of one output: intermediate_size for the MLP's hidden activations, else hidden_size."""
+        if isinstance(output, HookPoint) and output.site == "mlp_hidden":
+            return self.intermediate_size
+        return self.hidden_size
+
+    def depth_for(self, outputs: Sequence[Output]) -> int:
+        """Decoder layers to compute for `outputs`: hidden state i needs i (the final-norm index all of them), a hook
+        point in layer l needs l + 1, except `resid_pre`, which is the input of layer l."""
+        depth = 0
+        for output in outputs:
+            if isinstance(output, HookPoint):
+                depth = max(depth, output.layer + (output.site != "resid_pre"))
+            else:
+                depth = max(depth, output)
+        return min(depth, self.num_hidden_layers)
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
         """Validate a transformers config dict; every problem is a BadInput naming the field and `source`."""
@@ -124,7 +145,7 @@ class ModelConfig:
             )
         fields = _Fields(raw, DEFAULTS[model_type], source, model_type)
         hidden, heads = fields.positive("hidden_size"), fields.positive("num_attention_heads")
-        kv_heads = fields.positive("num_key_value_heads", null_means=heads)
+        kv_heads = fields.positive("num_key_value_heads", null_means=heads if model_type in NULLABLE_KV_HEADS else None)
         if heads % kv_heads:
             raise BadInput(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -387,3 +408,31 @@ def _checked_windows(f: _Fields, sliding: list[bool], window: Any) -> tuple[int 
             "(null means no window)"
         )
     return tuple(window if slides else None for slides in sliding)
+
+
+# -- what a job keeps --------------------------------------------------------------------------------------------
+
+
+def normalize_sites(sites: Mapping[str, Sequence[int]] | None, num_hidden_layers: int) -> tuple[HookPoint, ...]:
+    """{site: [decoder layers from 0; negatives count back, -1 the last]} -> sorted, de-duplicated hook points."""
+    if sites is None:
+        return ()
+    if not isinstance(sites, Mapping):
+        raise BadInput(f"sites={sites!r} must map site names to layer lists, e.g. {{\"mlp_out\": [3, 7]}}")
+    points = set()
+    for site, layers in sites.items():
+        if site not in SITES:
+            raise BadInput(f"sites: {site!r} is not a hook site; use one of {', '.join(SITES)}")
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+            raise BadInput(f"sites.{site}: {layers!r} must be a non-empty list of decoder layers, e.g. [3, 7]")
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise BadInput(f"sites.{site}: {layer!r} is not an integer layer")
+            if not -num_hidden_layers <= layer < num_hidden_layers:
+                raise BadInput(
+                    f"sites.{site}: layer {layer} is out of range for a model with num_hidden_layers="
+                    f"{num_hidden_layers}: use 0..{num_hidden_layers - 1} (decoder layers, from 0) or "
+                    f"-{num_hidden_layers}..-1"
+                )
+            points.add(HookPoint(site, layer % num_hidden_layers))
+    return tuple(sorted(points, key=output_order))

@@ -21,11 +21,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from activations.format import SITES, HookPoint, Output, output_key, output_order
+from activations.format import Output, output_key
 from extract import sharding as shd
-from extract.config import ModelConfig
+from extract.config import ModelConfig, normalize_sites
 from extract.errors import BadInput
-from extract.model import DecoderModel, depth_for
+from extract.model import DecoderModel
 from extract.weights import Checkpoint, load_state, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -78,31 +78,6 @@ def normalize_layers(layers: Sequence[int], num_hidden_layers: int, *, allow_emp
     if not normalized and not allow_empty:
         raise BadInput("layers is empty: request at least one hidden-state index")
     return tuple(sorted(normalized))
-
-
-def normalize_sites(sites: dict[str, Sequence[int]] | None, num_hidden_layers: int) -> tuple[HookPoint, ...]:
-    """{site: [decoder layers from 0; negatives count back, -1 the last]} -> sorted, de-duplicated hook points."""
-    if sites is None:
-        return ()
-    if not isinstance(sites, dict):
-        raise BadInput(f"sites={sites!r} must map site names to layer lists, e.g. {{\"mlp_out\": [3, 7]}}")
-    points = set()
-    for site, layers in sites.items():
-        if site not in SITES:
-            raise BadInput(f"sites: {site!r} is not a hook site; use one of {', '.join(SITES)}")
-        if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
-            raise BadInput(f"sites.{site}: {layers!r} must be a non-empty list of decoder layers, e.g. [3, 7]")
-        for layer in layers:
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-                raise BadInput(f"sites.{site}: {layer!r} is not an integer layer")
-            if not -num_hidden_layers <= layer < num_hidden_layers:
-                raise BadInput(
-                    f"sites.{site}: layer {layer} is out of range for a model with num_hidden_layers="
-                    f"{num_hidden_layers}: use 0..{num_hidden_layers - 1} (decoder layers, from 0) or "
-                    f"-{num_hidden_layers}..-1"
-                )
-            points.add(HookPoint(site, int(layer) % num_hidden_layers))
-    return tuple(sorted(points, key=output_order))
 
 
 class Outputs(dict):
@@ -215,7 +190,7 @@ class Engine:
         points = normalize_sites(sites, self.config.num_hidden_layers)
         self.layers = normalize_layers(layers, self.config.num_hidden_layers, allow_empty=bool(points))
         self.outputs = (*self.layers, *points)
-        self.num_computed_layers = depth_for(self.outputs, self.config.num_hidden_layers)
+        self.num_computed_layers = self.config.depth_for(self.outputs)
         devices = list(devices) if devices is not None else shd.default_devices()
         if not devices:
             raise BadInput("devices is empty: the engine needs at least one device")
@@ -279,10 +254,8 @@ class Engine:
         )  # fmt: skip
 
     def width(self, output: Output) -> int:
-        """Values per token of one output: intermediate_size for the MLP's hidden activations, else hidden_size."""
-        if isinstance(output, HookPoint) and output.site == "mlp_hidden":
-            return self.config.intermediate_size
-        return self.config.hidden_size
+        """Values per token of one output (`ModelConfig.width`)."""
+        return self.config.width(output)
 
     def outputs_summary(self) -> str:
         """The outputs by tensor name, for log lines: `layer_1,layer_4,mlp_out_2`."""
@@ -299,10 +272,11 @@ class Engine:
         graphdef, keep, out_dtype = self._graphdef, self.outputs, self._out_dtype
 
         def cast(kept: dict) -> tuple[dict, jax.Array]:
+            # Keyed by tensor name: a pytree's dict keys are sorted, and ints and hook points do not compare.
+            out = {output_key(output): kept[output].astype(out_dtype) for output in keep}
             # Count what the cast to the output dtype makes non-finite (fp16 overflows at 65504), here on the
             # device, where it costs one pass over data already in memory: B*T*outputs counts come back, not values.
-            out = {output: kept[output].astype(out_dtype) for output in keep}
-            counts = [jnp.sum(~jnp.isfinite(out[output]), axis=-1, dtype=jnp.int32) for output in keep]
+            counts = [jnp.sum(~jnp.isfinite(out[output_key(output)]), axis=-1, dtype=jnp.int32) for output in keep]
             return out, jnp.stack(counts, axis=-1)
 
         def forward(state, token_ids):
@@ -312,7 +286,7 @@ class Engine:
             return cast(nnx.merge(graphdef, state)(token_ids, keep, segment_ids, positions))
 
         tokens = jax.ShapeDtypeStruct((self.batch_size, seq_len), jnp.int32, sharding=self._token_sharding)
-        out_shardings = ({output: self._hidden_sharding for output in keep}, self._hidden_sharding)
+        out_shardings = ({output_key(output): self._hidden_sharding for output in keep}, self._hidden_sharding)
         if packed:
             jitted = jax.jit(forward_packed, out_shardings=out_shardings)
             program = jitted.lower(self._state, tokens, tokens, tokens).compile()
@@ -363,7 +337,7 @@ class Engine:
             values, nonfinite = program(self._state, put(token_ids), put(segment_ids), put(positions))
         else:
             values, nonfinite = program(self._state, put(token_ids))
-        outputs = Outputs(values)
+        outputs = Outputs((output, values[output_key(output)]) for output in self.outputs)
         outputs.nonfinite = nonfinite
         return outputs
 

@@ -207,18 +207,6 @@ class DecoderLayer(nnx.Module):
         return sites
 
 
-def depth_for(outputs: Sequence[Output], num_hidden_layers: int) -> int:
-    """Decoder layers to build for `outputs`: hidden state i needs i layers (the final-norm index all of them), a
-    hook point in layer l needs l + 1, except `resid_pre`, which is the input of layer l."""
-    depth = 0
-    for output in outputs:
-        if isinstance(output, HookPoint):
-            depth = max(depth, output.layer + (output.site != "resid_pre"))
-        else:
-            depth = max(depth, output)
-    return min(depth, num_hidden_layers)
-
-
 class DecoderModel(nnx.Module):
     """Embedding, the first `num_layers` decoder layers, and the final norm only when `num_layers` is the full stack.
 

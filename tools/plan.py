@@ -28,6 +28,7 @@ import pathlib
 import sys
 import tempfile
 
+from activations.format import output_key, sites_of
 from extract import costmodel
 from extract.errors import EX_DATAERR, BadInput, exit_for_failure
 from extract.job import Job, Task, load_job
@@ -197,8 +198,9 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     storage = prices.storage_prices(args.storage)
     job = load_job(args.job)
     config, config_source, model_dir = costmodel.model_config(job, args.model_config, workdir)
-    layers = costmodel.computed_layers(job.layers, config.num_hidden_layers)
-    depth = max(layers)
+    outputs = costmodel.job_outputs(job, config)
+    layers = [output for output in outputs if isinstance(output, int)]
+    depth = config.depth_for(outputs)
     tasks = _tasks(args.tasks) if args.tasks else None
     tokens, rows_source = estimate_tokens(job, args, tasks, model_dir)
 
@@ -215,7 +217,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
 
     # Output.
     header = costmodel.shard_header_bytes(job, tasks[0] if tasks else None)
-    out = costmodel.output_bytes(job, config.hidden_size, len(layers), tokens, task_rows, header)
+    out = costmodel.output_bytes(job, costmodel.values_per_token(config, outputs), tokens, task_rows, header)
     # A typical full shard: shard_size rows, or fewer where shard_bytes cuts it first (extract.batching.ShardBounds).
     full_shard_rows = costmodel.rows_per_shard(job, tokens.tokens_per_row, out.bytes_per_token)
     shard_rows = min(full_shard_rows, rows_per_task)
@@ -251,6 +253,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
         "model": {"name": job.model, "config": config_source, "model_type": config.model_type,
                   "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers},
         "layers": list(layers),
+        "sites": sites_of(outputs),
         "layers_computed": depth,
         "tokens": {
             "rows": tokens.rows,
@@ -322,21 +325,23 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
         },
         "prices": {"file": prices.source, "as_of": prices.as_of, "sources": dict(prices.sources)},
     }
-    plan["warnings"] = warnings(plan, args, job, config, tokens, layers, prices)
+    plan["warnings"] = warnings(plan, args, job, config, tokens, outputs, prices)
     return plan
 
 
-def warnings(plan, args, job, config, tokens, layers, prices) -> list[str]:
+def warnings(plan, args, job, config, tokens, outputs, prices) -> list[str]:
     out = []
     total = plan["output"]["bytes"]
     limit = args.warn_output_tb * TB
     if total > limit:
-        per_layer = tokens.tokens * config.hidden_size * costmodel.DTYPE_BYTES[job.dtype]
+        per_output = tokens.tokens * config.hidden_size * costmodel.DTYPE_BYTES[job.dtype]
         keep_rows = int(tokens.rows * limit / total)
         lines = [
             f"OUTPUT TOO LARGE: {total / TB:,.1f} TB, above --warn-output-tb {args.warn_output_tb:g} TB "
             f"({plan['storage']['dollars_per_month']:,.0f} $/month to keep). To shrink it:",
-            f"  - fewer layers: each of the {len(layers)} layers is {per_layer / TB:,.1f} TB",
+            f"  - fewer layers or sites: each of the {len(outputs)} ({', '.join(map(output_key, outputs))}) is "
+            f"{per_output / TB:,.1f} TB" + (" (mlp_hidden: intermediate/hidden times that)" if any(
+                config.width(o) != config.hidden_size for o in outputs) else ""),
             f"  - fewer rows: about {keep_rows:,} of {tokens.rows:,} rows fit under the threshold",
         ]
         for shorter in (512, 256, 128):
@@ -405,7 +410,8 @@ def render(plan: dict) -> str:
         f"plan for {plan['job']}",
         f"  model       {plan['model']['name']} ({plan['model']['model_type']}, hidden {plan['model']['hidden_size']}, "
         f"{plan['model']['num_hidden_layers']} layers; config: {plan['model']['config']})",
-        f"  layers      {plan['layers']}: {plan['layers_computed']} decoder layers computed",
+        f"  layers      {plan['layers']}" + (f", sites {plan['sites']}" if plan["sites"] else "")
+        + f": {plan['layers_computed']} decoder layers computed",
         f"  rows        {t['rows']:,} ({t['rows_source']})",
         f"  tokens      {t['rows']:,} rows x {t['tokens_per_row']:,.1f} tokens/row = {_si(t['tokens'], 'tokens')}"
         f"  ({t['source']})",
