@@ -7,11 +7,17 @@ A shard is a standard safetensors file (docs/EXTRACTION.md, "Output shards"):
 | `stats.layer_<L>.sum`         | F64          | `[hidden]`          | per-dimension sum over the shard's tokens        |
 | `stats.layer_<L>.sum_sq`      | F64          | `[hidden]`          | per-dimension sum of squares                     |
 | `stats.layer_<L>.norm_sum`    | F64          | `[]`                | sum of the tokens' L2 norms                      |
-| `layer_<L>`                   | BF16/F16/F32 | `[n_tokens, hidden]`| one per layer; L is the non-negative index       |
+| `layer_<L>`                   | BF16/F16/F32 | `[n_tokens, hidden]`| one per hidden state; L is the non-negative index|
+| `<site>_<l>`                  | BF16/F16/F32 | `[n_tokens, width]` | one per hook point, e.g. `mlp_out_3` (below)     |
 | `token_ids`                   | I32          | `[n_tokens]`        |                                                  |
 | `sample_ids`                  | I64          | `[n_samples]`       | global sample ids                                |
 | `offsets`                     | I64          | `[n_samples + 1]`   | sample k is rows `offsets[k]:offsets[k+1]`       |
 | `positions`                   | I32          | `[n_tokens]`        | sampled shards only: each token's position in its document |
+
+Hidden states (transformers' `output_hidden_states` index, an `int` everywhere) are stored as `layer_<L>`, as they
+always were. A hook point (`HookPoint(site, layer)`: one site of decoder layer `layer`, counted from 0) is stored as
+`<site>_<layer>`; its statistics as `stats.<site>_<layer>.*`. The sites are SITES (docs/EXTRACTION.md, "Hook sites");
+`mlp_hidden` is `intermediate_size` wide, every other site `hidden_size`.
 
 The statistics come first in the data section, so one ranged read after the header fetches all of them; they are
 computed from the stored values (after the cast to the output dtype), so they describe exactly what a reader gets.
@@ -77,19 +83,101 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+#: What a job can keep of each decoder layer, in the order the layer computes them (docs/EXTRACTION.md, "Hook
+#: sites", maps them to TransformerLens's hook names):
+#: the residual stream entering the layer; what attention adds to it (after Gemma's post-attention norm); the
+#: residual between attention and MLP; the MLP's input (after its norm, weight applied); the MLP's hidden
+#: activations (act(gate) * up, `intermediate_size` wide); what the MLP adds (after Gemma's post-MLP norm); the
+#: residual stream leaving the layer (never final-normed).
+SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_out", "resid_post")
+#: The site name of hidden states (plain ints) where a site must be named, e.g. the loader's `site=`.
+HIDDEN = "hidden"
+
+
+@dataclasses.dataclass(frozen=True)
+class HookPoint:
+    """One site of one decoder layer, counted from 0 (transformers' `model.layers[l]`, TransformerLens's
+    `blocks.{l}`). Stored as the tensor `<site>_<layer>`, e.g. `mlp_out_3`."""
+
+    site: str
+    layer: int
+
+    def __post_init__(self) -> None:
+        if self.site not in SITES:
+            raise ValueError(f"site {self.site!r} is not one of {', '.join(SITES)}")
+        if isinstance(self.layer, bool) or not isinstance(self.layer, (int, np.integer)):
+            raise ValueError(f"layer {self.layer!r} of site {self.site} must be an integer")
+        object.__setattr__(self, "layer", int(self.layer))
+
+    @property
+    def key(self) -> str:
+        return f"{self.site}_{self.layer}"
+
+    def __str__(self) -> str:
+        return self.key
+
+    # Ordered with hidden-state indices (`output_order`), so that outputs sort and key a pytree's dicts together.
+    def __lt__(self, other: object) -> bool:
+        return output_order(self) < output_order(other) if isinstance(other, (int, HookPoint)) else NotImplemented
+
+    def __gt__(self, other: object) -> bool:
+        return output_order(self) > output_order(other) if isinstance(other, (int, HookPoint)) else NotImplemented
+
+    def __le__(self, other: object) -> bool:
+        return self == other or self < other
+
+    def __ge__(self, other: object) -> bool:
+        return self == other or self > other
+
+
+#: What a shard holds one tensor of: a hidden-state index (int) or a hook point.
+Output = int | HookPoint
+
+
+def output_key(output: Output) -> str:
+    """The tensor name of a hidden state (`layer_<L>`) or a hook point (`<site>_<l>`)."""
+    return output.key if isinstance(output, HookPoint) else layer_key(output)
+
+
+def output_of_key(name: str) -> Output | None:
+    """The output a tensor name stores, or None for any other tensor (token_ids, stats., ...)."""
+    head, _, tail = name.rpartition("_")
+    if not tail.isdigit():
+        return None
+    if head == "layer":
+        return int(tail)
+    return HookPoint(head, int(tail)) if head in SITES else None
+
+
+def output_order(output: Output) -> tuple[int, int, int]:
+    """Hidden states first, by index; then hook points by layer, and within a layer in SITES order."""
+    if isinstance(output, HookPoint):
+        return (1, output.layer, SITES.index(output.site))
+    return (0, int(output), 0)
+
+
+def sites_of(outputs: Sequence[Output]) -> dict[str, list[int]]:
+    """{site: [layers]} of the hook points among `outputs` (the shards' `sites` metadata)."""
+    sites: dict[str, list[int]] = {}
+    for output in sorted(outputs, key=output_order):
+        if isinstance(output, HookPoint):
+            sites.setdefault(output.site, []).append(output.layer)
+    return sites
+
+
 def layer_key(layer: int) -> str:
     return f"layer_{layer}"
 
 
-def stats_keys(layer: int) -> tuple[str, str, str]:
-    """Names of a layer's (sum, sum of squares, norm sum) tensors."""
-    base = f"stats.{layer_key(layer)}"
+def stats_keys(output: Output) -> tuple[str, str, str]:
+    """Names of an output's (sum, sum of squares, norm sum) tensors."""
+    base = f"stats.{output_key(output)}"
     return f"{base}.sum", f"{base}.sum_sq", f"{base}.norm_sum"
 
 
-def scale_key(layer: int) -> str:
-    """The per-token scale of an fp8 layer."""
-    return f"scale.{layer_key(layer)}"
+def scale_key(output: Output) -> str:
+    """The per-token scale of an fp8 output (`scale.layer_<L>`, `scale.<site>_<l>`)."""
+    return f"scale.{output_key(output)}"
 
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -264,7 +352,13 @@ class ShardHeader:
 
     @property
     def layers(self) -> tuple[int, ...]:
+        """The hidden-state indices the shard holds."""
         return parse_layers(self.metadata, self.tensors)
+
+    @property
+    def outputs(self) -> tuple[Output, ...]:
+        """Every hidden state and hook point the shard holds, in storage order."""
+        return parse_outputs(self.metadata, self.tensors)
 
     @property
     def num_tokens(self) -> int:
@@ -276,7 +370,16 @@ class ShardHeader:
 
     @property
     def hidden_size(self) -> int:
-        return self.tensor(layer_key(self.layers[0])).shape[1]
+        if "hidden_size" in self.metadata:
+            return int(self.metadata["hidden_size"])
+        return self.output(self.outputs[0]).shape[1]
+
+    def output(self, output: Output) -> TensorSpec:
+        """The tensor of one hidden state (int) or hook point; an error listing what the shard holds otherwise."""
+        if output not in self.outputs:
+            held = ", ".join(output_key(o) for o in self.outputs)
+            raise ShardFormatError(f"{output_key(output)} was not extracted; this shard holds {held}")
+        return self.tensor(output_key(output))
 
     def layer(self, layer: int) -> TensorSpec:
         if layer not in self.layers:
@@ -288,20 +391,20 @@ class ShardHeader:
         """True when the shard stores only some positions and says which (`positions`)."""
         return POSITIONS in self.tensors
 
-    def scale(self, layer: int) -> TensorSpec | None:
-        """An fp8 layer's per-token scale; None for a layer stored in bf16, fp16 or fp32."""
-        return self.tensors.get(scale_key(layer))
+    def scale(self, output: Output) -> TensorSpec | None:
+        """An fp8 output's per-token scale; None for one stored in bf16, fp16 or fp32."""
+        return self.tensors.get(scale_key(output))
 
     def has_stats(self) -> bool:
-        return all(key in self.tensors for layer in self.layers for key in stats_keys(layer))
+        return all(key in self.tensors for output in self.outputs for key in stats_keys(output))
 
     def stats_range(self) -> tuple[int, int]:
-        """The byte range holding every layer's statistics (they are stored together, first)."""
-        specs = [self.tensor(key) for layer in self.layers for key in stats_keys(layer)]
+        """The byte range holding every output's statistics (they are stored together, first)."""
+        specs = [self.tensor(key) for output in self.outputs for key in stats_keys(output)]
         return min(s.start for s in specs), max(s.end for s in specs)
 
 
-_JSON_METADATA = ("layers", "job", "task_manifest", "tokenization", "sampling")
+_JSON_METADATA = ("layers", "sites", "job", "task_manifest", "tokenization", "sampling")
 _INT_METADATA = (
     "attempt", "hidden_size", "max_seq_len", "num_hidden_layers", "sample_start", "sample_end", "samples", "tokens",
 )  # fmt: skip
@@ -320,9 +423,19 @@ def parse_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
 
 
 def parse_layers(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> tuple[int, ...]:
+    """Hidden-state indices: the `layers` metadata, else (older shards) the `layer_<L>` tensors' names."""
     if "layers" in metadata:
         return tuple(int(x) for x in metadata["layers"])
-    return tuple(sorted(int(name[len("layer_") :]) for name in tensors if name.startswith("layer_")))
+    return tuple(sorted(o for o in map(output_of_key, tensors) if isinstance(o, int)))
+
+
+def parse_outputs(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> tuple[Output, ...]:
+    """Hidden states (`layers`) then hook points (the `sites` metadata, {site: [layers]}, else the tensors' names)."""
+    if "sites" in metadata:
+        points = [HookPoint(site, layer) for site, layers in metadata["sites"].items() for layer in layers]
+    else:
+        points = [o for o in map(output_of_key, tensors) if isinstance(o, HookPoint)]
+    return (*parse_layers(metadata, tensors), *sorted(points, key=output_order))
 
 
 def document_positions(offsets: np.ndarray) -> np.ndarray:
@@ -402,14 +515,14 @@ class LayerStats:
     def mean_norm(self) -> float:
         return self.norm_sum / max(self.tokens, 1)
 
-    def tensors(self, layer: int) -> dict[str, np.ndarray]:
+    def tensors(self, output: Output) -> dict[str, np.ndarray]:
         """As the shard stores them."""
-        names = stats_keys(layer)
+        names = stats_keys(output)
         return {names[0]: self.sum, names[1]: self.sum_sq, names[2]: np.array(self.norm_sum, dtype=np.float64)}
 
     @classmethod
-    def from_tensors(cls, layer: int, tensors: Mapping[str, np.ndarray], tokens: int) -> "LayerStats":
-        names = stats_keys(layer)
+    def from_tensors(cls, output: Output, tensors: Mapping[str, np.ndarray], tokens: int) -> "LayerStats":
+        names = stats_keys(output)
         return cls(tokens, np.array(tensors[names[0]], np.float64), np.array(tensors[names[1]], np.float64),
                    float(tensors[names[2]]))  # fmt: skip
 

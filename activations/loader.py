@@ -6,6 +6,7 @@
                               drop_token_ids=[151643], output="torch", dtype="float32", normalize="mean_norm")
     for batch in loader:             # torch.float32 [4096, 3584]
         ...
+    ActivationLoader("gs://B/jobs/J", site="mlp_out", layers=[3, 7])   # a hook site: [batch, 2, d]
     state = loader.state_dict()      # JSON-able; load_state_dict(state) resumes to exactly the same stream
 
 What it does, in order:
@@ -14,7 +15,10 @@ What it does, in order:
    `shuffle=False`). Every rank uses the same permutation and reads rows [n·r/W, n·(r+1)/W) of every shard's n
    tokens, so each token is read by exactly one rank per epoch and ranks' token counts differ by under one per
    shard (before token filters).
-3. **Ranged reads.** Per shard: the header (one ranged read), then only the selected layers' rows of this rank (and
+   What is read: `layers`, hidden-state indices (as the job's `layers`), or with `site=` that site's decoder layers
+   (as the job's `sites`); or hook points (`HookPoint`) and indices mixed in `layers`, e.g. a transcoder's
+   `[HookPoint("mlp_in", 3), HookPoint("mlp_out", 3)]`: each row then holds them all, of one token.
+3. **Ranged reads.** Per shard: the header (one ranged read), then only the selected outputs' rows of this rank (and
    `token_ids`/`offsets` when a filter or `return_token_ids` needs them). gs://: cut into parts of `part_bytes`
    read in parallel by `threads` I/O threads, the object store's ranged GETs, each part copied once from the
    response into the shard's array. Local files: the rows' byte range is mapped (mmap, populated by the fetching
@@ -67,9 +71,20 @@ from typing import Any
 
 import numpy as np
 
-from activations.format import POSITIONS, LayerStats, ShardFormatError, ShardHeader, as_float32, numpy_dtype
+from activations.format import (
+    HIDDEN,
+    POSITIONS,
+    HookPoint,
+    LayerStats,
+    Output,
+    ShardFormatError,
+    ShardHeader,
+    as_float32,
+    numpy_dtype,
+    output_key,
+)
 from activations.io import ActivationsError, ByteReader, RangeCache, is_remote
-from activations.reader import ShardRef, queue_index_url, read_header, read_index, resolve_shards, sum_stats
+from activations.reader import ShardRef, as_output, queue_index_url, read_header, read_index, resolve_shards, sum_stats
 
 STATE_FORMAT = "activations-loader/v1"
 NORMALIZATIONS = (None, "mean_norm", "standardize")
@@ -146,7 +161,8 @@ class ActivationLoader:
         self,
         source: str | Sequence[str],
         *,
-        layers: int | Sequence[int] | None = None,
+        layers: int | Output | Sequence[Output] | None = None,
+        site: str = HIDDEN,
         batch_size: int = 4096,
         shuffle: bool = True,
         shuffle_tokens: int = 1 << 16,
@@ -206,25 +222,25 @@ class ActivationLoader:
         if not self.shards:
             raise ActivationsError(f"{source}: no shards found")
         first = read_header(self.shards[0].url, self._reader)
-        available = first.layers
-        chosen = available if layers is None else (layers,) if isinstance(layers, int) else tuple(layers)
-        missing = [layer for layer in chosen if layer not in available]
-        if missing or not chosen:
-            raise LoaderConfigError(f"layers {list(chosen)}: {missing or 'none'} not in the shards, which hold layers "
-                                    f"{list(available)}")  # fmt: skip
-        self.layers = tuple(int(layer) for layer in chosen)
         with _naming(self.shards[0].url):
-            self.hidden_size = first.hidden_size
-            self.stored_dtype = first.layer(self.layers[0]).dtype
+            self.outputs = _selected(first, layers, site)
+            # The selection's layer numbers (hidden-state indices, or the hook points' decoder layers).
+            self.layers = tuple(o.layer if isinstance(o, HookPoint) else o for o in self.outputs)
+            widths = {first.output(o).shape[1] for o in self.outputs}
+            if len(widths) > 1:
+                raise LoaderConfigError(f"layers {[output_key(o) for o in self.outputs]} differ in width ({sorted(widths)}); "
+                                        "a batch row holds outputs of one width: load them separately")  # fmt: skip
+            self.hidden_size = widths.pop()  # d of a batch row: hidden_size, or intermediate_size for mlp_hidden
+            self.stored_dtype = first.output(self.outputs[0]).dtype
         # Rows are moved as raw unsigned integers of the same width: numpy copies those at memory speed, while a
         # fancy-index assignment of ml_dtypes' bfloat16 takes a per-element path about 20 times slower.
         self._raw = np.dtype(f"u{self.stored_dtype.itemsize}")
-        self._row_shape = (len(self.layers), self.hidden_size)
+        self._row_shape = (len(self.outputs), self.hidden_size)
         # fp8 shards: a row travels as its d bytes of e4m3 followed by the 4 bytes of its float32 scale (`_fp8_rows`),
         # so that the buffer moves it like any other row; `_decode` multiplies them out.
-        self._scaled = first.scale(self.layers[0]) is not None
+        self._scaled = first.scale(self.outputs[0]) is not None
         if self._scaled:
-            self._row_shape = (len(self.layers), self.hidden_size + 4)
+            self._row_shape = (len(self.outputs), self.hidden_size + 4)
         self._first_tokens = first.num_tokens
         self._norm = self._normalisation(stats) if normalize else None
 
@@ -334,7 +350,7 @@ class ActivationLoader:
     # -- epochs and the stream ----------------------------------------------------------------------------------
 
     def _fingerprint(self) -> str:
-        described = repr((self.seed, self.rank, self.world_size, self.layers, self.capacity, self.shuffle,
+        described = repr((self.seed, self.rank, self.world_size, self.outputs, self.capacity, self.shuffle,
                           self.batch_size, self.filter, [ref.url for ref in self.shards]))  # fmt: skip
         return hashlib.sha256(described.encode()).hexdigest()[:16]
 
@@ -439,11 +455,11 @@ class ActivationLoader:
         data: list[np.ndarray] = []
         reads: list[Future[None]] = []
         joins: list[Callable[[], None]] = []
-        for layer in self.layers:
-            start, end = header.layer(layer).rows(lo, hi)
+        for output in self.outputs:
+            start, end = header.output(output).rows(lo, hi)
             if self._scaled:
                 data.append(np.empty((hi - lo, self.hidden_size + 4), dtype=np.uint8))
-                layer_reads, join = self._fp8_rows(ref.url, header, layer, lo, hi, data[-1])
+                layer_reads, join = self._fp8_rows(ref.url, header, output, lo, hi, data[-1])
                 reads += layer_reads
                 joins.append(join)
             elif is_remote(ref.url):
@@ -472,17 +488,17 @@ class ActivationLoader:
         return _ShardRows(ref.url, shard, lo, data, token_ids, self.filter.kept(lo, hi, token_ids, offsets, positions))
 
     def _fp8_rows(
-        self, url: str, header: ShardHeader, layer: int, lo: int, hi: int, out: np.ndarray
+        self, url: str, header: ShardHeader, output: Output, lo: int, hi: int, out: np.ndarray
     ) -> tuple[list[Future[None]], Callable[[], None]]:
-        """Reads of an fp8 layer's rows [lo, hi) and their scales, and what puts them into `out` [hi - lo, d + 4]
+        """Reads of an fp8 output's rows [lo, hi) and their scales, and what puts them into `out` [hi - lo, d + 4]
         (uint8: each row's d bytes of e4m3, then its scale's 4 bytes) once they are done."""
-        spec = header.scale(layer)
+        spec = header.scale(output)
         if spec is None:
-            raise ActivationsError(f"shard {url}: layer {layer} has no per-token scale, unlike the first shard's; read "
-                                   "shards of one job together")  # fmt: skip
+            raise ActivationsError(f"shard {url}: {output_key(output)} has no per-token scale, unlike the first "
+                                   "shard's; read shards of one job together")  # fmt: skip
         values = np.empty((hi - lo, self.hidden_size), dtype=np.uint8)
         scales = np.empty(hi - lo, dtype=np.float32)
-        reads = self._read_rows(url, header.layer(layer).rows(lo, hi)[0], values)
+        reads = self._read_rows(url, header.output(output).rows(lo, hi)[0], values)
         reads += self._read_rows(url, spec.rows(lo, hi)[0], scales)
 
         def join() -> None:
@@ -509,12 +525,12 @@ class ActivationLoader:
         ]
 
     def _check_matches(self, ref: ShardRef, header: ShardHeader) -> None:
-        for layer in self.layers:
-            spec = header.layer(layer)
+        for output in self.outputs:
+            spec = header.output(output)
             if spec.shape[0] != header.num_tokens:
-                raise ShardFormatError(f"layer {layer} has {spec.shape[0]} rows, token_ids {header.num_tokens}")
+                raise ShardFormatError(f"{output_key(output)} has {spec.shape[0]} rows, token_ids {header.num_tokens}")
             if spec.shape[1:] != (self.hidden_size,) or spec.dtype != self.stored_dtype:
-                raise ActivationsError(f"shard {ref.url}: layer {layer} is {spec.dtype} {list(spec.shape)}, unlike "
+                raise ActivationsError(f"shard {ref.url}: {output_key(output)} is {spec.dtype} {list(spec.shape)}, unlike "
                                        f"the first shard's {self.stored_dtype} [n, {self.hidden_size}]; read shards of "
                                        "one job together")  # fmt: skip
 
@@ -596,16 +612,16 @@ class ActivationLoader:
 
     # -- output -------------------------------------------------------------------------------------------------
 
-    def _normalisation(self, stats: dict[int, LayerStats] | None) -> tuple[np.ndarray, np.ndarray]:
-        """(shift [layers, d], scale [layers, d]) such that the output is (x - shift) * scale."""
+    def _normalisation(self, stats: dict[Output, LayerStats] | None) -> tuple[np.ndarray, np.ndarray]:
+        """(shift [outputs, d], scale [outputs, d]) such that the output is (x - shift) * scale."""
         stats = stats or self.stats()
-        missing = [layer for layer in self.layers if layer not in stats]
+        missing = [output_key(o) for o in self.outputs if o not in stats]
         if missing:
-            raise LoaderConfigError(f"normalize={self.normalize!r}: no statistics for layers {missing}")
-        shift = np.zeros((len(self.layers), self.hidden_size), np.float32)
-        scale = np.ones((len(self.layers), self.hidden_size), np.float32)
-        for i, layer in enumerate(self.layers):
-            layer_stats = stats[layer]
+            raise LoaderConfigError(f"normalize={self.normalize!r}: no statistics for {missing}")
+        shift = np.zeros((len(self.outputs), self.hidden_size), np.float32)
+        scale = np.ones((len(self.outputs), self.hidden_size), np.float32)
+        for i, output in enumerate(self.outputs):
+            layer_stats = stats[output]
             if self.normalize == "mean_norm":
                 scale[i] = math.sqrt(self.hidden_size) / max(layer_stats.mean_norm, 1e-12)
             else:
@@ -613,19 +629,20 @@ class ActivationLoader:
                 scale[i] = 1.0 / np.maximum(layer_stats.std, 1e-6)
         return shift, scale
 
-    def stats(self) -> dict[int, LayerStats]:
-        """Statistics of every stored token of each layer: the job index's when tools/merge.py wrote them (a
-        queue source), else summed from the shards' own (two small ranged reads per shard)."""
+    def stats(self) -> dict[Output, LayerStats]:
+        """Statistics of every stored token of each selected output (keyed by hidden-state index or hook point): the
+        job index's when tools/merge.py wrote them (a queue source), else summed from the shards' own (two small
+        ranged reads per shard)."""
         source = self.source if isinstance(self.source, str) else None
         index_url = queue_index_url(source, self._client) if source else None
         if index_url is not None:
             recorded = read_index(index_url, self._client).get("stats") or {}
-            if all(f"layer_{layer}" in recorded for layer in self.layers):
-                return {layer: LayerStats.from_json(recorded[f"layer_{layer}"], f"index {index_url} stats")
-                        for layer in self.layers}  # fmt: skip
+            if all(output_key(o) in recorded for o in self.outputs):
+                return {o: LayerStats.from_json(recorded[output_key(o)], f"index {index_url} stats")
+                        for o in self.outputs}  # fmt: skip
         return sum_stats(self.shards, self._reader)
 
-    def kept_stats(self, shards: int | None = None) -> dict[int, LayerStats]:
+    def kept_stats(self, shards: int | None = None) -> dict[Output, LayerStats]:
         """Statistics of the rows the token filters keep, to pass as `stats=` to a loader with the same filters.
 
         The stored statistics cover every token. A filter that drops tokens unlike the rest changes the mean norm:
@@ -637,10 +654,10 @@ class ActivationLoader:
             picks = list(range(count))
         else:
             picks = sorted({round(x) for x in np.linspace(0, count - 1, max(1, shards))})
-        totals = {layer: LayerStats.zeros(self.hidden_size) for layer in self.layers}
+        totals = {output: LayerStats.zeros(self.hidden_size) for output in self.outputs}
         for rows in self._fetch_in_turn(picks, every_rank=True):
-            for i, layer in enumerate(self.layers):
-                totals[layer].add(LayerStats.of(self._decode(rows.data[i][rows.kept])))
+            for i, output in enumerate(self.outputs):
+                totals[output].add(LayerStats.of(self._decode(rows.data[i][rows.kept])))
         return totals
 
     def _convert(self, rows: np.ndarray, tokens: np.ndarray | None) -> Any:
@@ -653,7 +670,7 @@ class ActivationLoader:
                     wide = wide - shift
                 wide = wide * scale
             rows = wide.astype(self.dtype, copy=False)
-        if len(self.layers) == 1:
+        if len(self.outputs) == 1:
             rows = rows[:, 0]
         out = _to_framework(rows, self.output, self.device)
         if not self.return_token_ids:
@@ -727,6 +744,22 @@ def _copy_rows(target: np.ndarray, at: np.ndarray | slice, source: np.ndarray, p
         np.take(source, picked, out=target[at], mode="clip")  # `picked` is valid: see _emit for the mode
     else:
         target[at] = source[picked]
+
+
+def _selected(header: ShardHeader, layers: int | Output | Sequence[Output] | None, site: str) -> tuple[Output, ...]:
+    """The outputs `layers` and `site` select (every one of `site` when `layers` is None), each checked to be in the
+    shards."""
+    if layers is None:
+        chosen = [o for o in header.outputs if (isinstance(o, int) if site == HIDDEN else getattr(o, "site", "") == site)]
+    else:
+        given = [layers] if isinstance(layers, (int, HookPoint)) else list(layers)
+        chosen = [o if isinstance(o, HookPoint) else as_output(o, site) for o in given]
+    missing = [output_key(o) for o in chosen if o not in header.outputs]
+    if missing or not chosen:
+        held = ", ".join(map(output_key, header.outputs))
+        raise LoaderConfigError(f"layers {[output_key(o) for o in chosen]} at site={site!r}: {missing or 'none'} not "
+                                f"in the shards, which hold {held}")  # fmt: skip
+    return tuple(chosen)
 
 
 def _ends(array: np.ndarray) -> str:

@@ -3,10 +3,13 @@
     from activations import open_activations
 
     acts = open_activations("gs://bucket/jobs/j1/done/t000012.json")
-    acts.layers                      # (12, 24)
+    acts.layers                      # (12, 24): hidden-state indices
+    acts.sites                       # {"mlp_out": (3,)}: hook sites and their decoder layers, if the job kept any
     for s in acts.samples():         # in slice order
         s.sample_id, s.token_ids, s.layers[12]   # numpy: int64, int32 [n], bfloat16 [n, hidden]
+        s.outputs[HookPoint("mlp_out", 3)]       # every output, hook points included
     acts.layer(12)                   # every token of every shard, concatenated: [num_tokens, hidden]
+    acts.layer(3, site="mlp_out")    # the same for a hook point
 
 Sources (`resolve_shards`): a job's queue (`index.json` when tools/merge.py wrote one, else every done marker under
 `done/`), one done marker or index, a directory or gs:// prefix of shards, one `.safetensors`, or a list of these.
@@ -28,8 +31,11 @@ import numpy as np
 
 from activations.format import (
     HEAD_BYTES,
+    HIDDEN,
     POSITIONS,
+    HookPoint,
     LayerStats,
+    Output,
     ShardFormatError,
     ShardHeader,
     crc32c_b64,
@@ -37,10 +43,11 @@ from activations.format import (
     dequantize,
     document_positions,
     header_length,
-    layer_key,
-    parse_layers,
+    output_key,
     parse_metadata,
+    parse_outputs,
     scale_key,
+    sites_of,
 )
 from activations.io import ActivationsError, ByteReader, exists, join, list_objects, read_object
 
@@ -62,12 +69,23 @@ class ShardRef:
     tokens: int | None = None
 
 
+def as_output(layer: int, site: str = HIDDEN) -> Output:
+    """What `layer` names at `site`: a hidden-state index (site "hidden"), else a hook point."""
+    if site == HIDDEN:
+        return int(layer)
+    try:
+        return HookPoint(site, layer)
+    except ValueError as exc:
+        raise ActivationsError(f"site={site!r}: {exc}; or {HIDDEN!r} for hidden states") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class SampleActivations:
     sample_id: int
     token_ids: np.ndarray  # int32 [n_tokens]
-    layers: Mapping[int, np.ndarray]  # layer -> [n_tokens, hidden]
+    layers: Mapping[int, np.ndarray]  # hidden-state index -> [n_tokens, hidden]
     positions: np.ndarray  # int32 [n_tokens]: each token's position in the document (a sampled job stores some)
+    outputs: Mapping[Output, np.ndarray] = dataclasses.field(default_factory=dict)  # also hook points
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,23 +114,28 @@ class Shard:
         from the offsets, as every position is then stored."""
         return self.tensors[POSITIONS] if POSITIONS in self.tensors else document_positions(self.offsets)
 
-    def layer(self, layer: int) -> np.ndarray:
-        """[n_tokens, hidden] as stored (bf16, fp16, fp32), or float32 for an fp8 layer (values times their scale)."""
-        scale = self.tensors.get(scale_key(layer))
-        values = self.tensors[layer_key(layer)]
+    def output(self, output: Output) -> np.ndarray:
+        """[n_tokens, hidden] as stored (bf16, fp16, fp32), or float32 for fp8 (values times their scale)."""
+        scale = self.tensors.get(scale_key(output))
+        values = self.tensors[output_key(output)]
         return values if scale is None else dequantize(values, scale)
 
+    def layer(self, layer: int, site: str = HIDDEN) -> np.ndarray:
+        return self.output(as_output(layer, site))
+
     def samples(self) -> Iterator[SampleActivations]:
-        layers = parse_layers(self.metadata, self.tensors)
+        outputs = parse_outputs(self.metadata, self.tensors)
         offsets, positions = self.offsets, self.positions
-        arrays = {layer: self.layer(layer) for layer in layers}
+        arrays = {output: self.output(output) for output in outputs}
         for k, sample_id in enumerate(self.sample_ids):
             lo, hi = int(offsets[k]), int(offsets[k + 1])
+            values = {output: arrays[output][lo:hi] for output in outputs}
             yield SampleActivations(
                 sample_id=int(sample_id),
                 token_ids=self.token_ids[lo:hi],
-                layers={layer: arrays[layer][lo:hi] for layer in layers},
+                layers={output: value for output, value in values.items() if isinstance(output, int)},
                 positions=positions[lo:hi],
+                outputs=values,
             )
 
 
@@ -203,8 +226,8 @@ def read_header(url: str, reader: ByteReader) -> ShardHeader:
         raise ActivationsError(f"shard {url}: {exc}") from exc
 
 
-def read_stats(url: str, header: ShardHeader, reader: ByteReader) -> dict[int, LayerStats]:
-    """A shard's per-layer statistics: one ranged read of the stats tensors."""
+def read_stats(url: str, header: ShardHeader, reader: ByteReader) -> dict[Output, LayerStats]:
+    """A shard's statistics per output (hidden-state index or hook point): one ranged read of the stats tensors."""
     if not header.has_stats():
         raise MissingStats(f"shard {url}: holds no normalisation statistics (written before they existed); "
                                "re-extract it, or train without normalisation")  # fmt: skip
@@ -214,16 +237,16 @@ def read_stats(url: str, header: ShardHeader, reader: ByteReader) -> dict[int, L
     for name, spec in header.tensors.items():
         if name.startswith("stats."):
             tensors[name] = block[spec.start - start : spec.end - start].view(spec.dtype).reshape(spec.shape)
-    return {layer: LayerStats.from_tensors(layer, tensors, header.num_tokens) for layer in header.layers}
+    return {output: LayerStats.from_tensors(output, tensors, header.num_tokens) for output in header.outputs}
 
 
-def sum_stats(refs: Sequence[ShardRef], reader: ByteReader, parallel: int = 16) -> dict[int, LayerStats]:
-    """Statistics of every layer over all `refs`: two small ranged reads per shard (header, stats)."""
+def sum_stats(refs: Sequence[ShardRef], reader: ByteReader, parallel: int = 16) -> dict[Output, LayerStats]:
+    """Statistics of every output over all `refs`: two small ranged reads per shard (header, stats)."""
 
-    def of(ref: ShardRef) -> dict[int, LayerStats]:
+    def of(ref: ShardRef) -> dict[Output, LayerStats]:
         return read_stats(ref.url, read_header(ref.url, reader), reader)
 
-    totals: dict[int, LayerStats] = {}
+    totals: dict[Output, LayerStats] = {}
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         for per_layer in pool.map(of, refs):
             for layer, stats in per_layer.items():
@@ -273,7 +296,18 @@ class Activations:
 
     @property
     def layers(self) -> tuple[int, ...]:
+        """The hidden-state indices the shards hold."""
         return self._all_headers()[0].layers
+
+    @property
+    def outputs(self) -> tuple[Output, ...]:
+        """Every hidden state and hook point the shards hold."""
+        return self._all_headers()[0].outputs
+
+    @property
+    def sites(self) -> dict[str, tuple[int, ...]]:
+        """{site: decoder layers} of the hook points the shards hold; empty for shards of hidden states only."""
+        return {site: tuple(layers) for site, layers in sites_of(self.outputs).items()}
 
     @property
     def num_samples(self) -> int:
@@ -287,8 +321,9 @@ class Activations:
     def hidden_size(self) -> int:
         return self._all_headers()[0].hidden_size
 
-    def stats(self) -> dict[int, LayerStats]:
-        """Normalisation statistics of every layer over all shards, from the statistics the writer stored."""
+    def stats(self) -> dict[Output, LayerStats]:
+        """Normalisation statistics of every output over all shards, from the statistics the writer stored: keyed by
+        hidden-state index (int) and hook point."""
         return sum_stats(self.shards, ByteReader(self._client))
 
     def iter_shards(self) -> Iterator[Shard]:
@@ -300,11 +335,14 @@ class Activations:
         for shard in self.iter_shards():
             yield from shard.samples()
 
-    def layer(self, layer: int) -> np.ndarray:
-        """All tokens' activations at `layer`, shards concatenated: [num_tokens, hidden]."""
-        if layer not in self.layers:
-            raise ActivationsError(f"layer {layer} was not extracted; these shards hold layers {list(self.layers)}")
-        return np.concatenate([shard.layer(layer) for shard in self.iter_shards()], axis=0)
+    def layer(self, layer: int, site: str = HIDDEN) -> np.ndarray:
+        """All tokens' activations at hidden state `layer` (or at `site` of decoder layer `layer`), shards
+        concatenated: [num_tokens, width]."""
+        output = as_output(layer, site)
+        if output not in self.outputs:
+            held = ", ".join(map(output_key, self.outputs))
+            raise ActivationsError(f"{output_key(output)} was not extracted; these shards hold {held}")
+        return np.concatenate([shard.tensors[output_key(output)] for shard in self.iter_shards()], axis=0)
 
     def token_ids(self) -> np.ndarray:
         return np.concatenate([shard.token_ids for shard in self.iter_shards()])

@@ -1,9 +1,11 @@
 """SAELens: a data provider for its trainer, and its cached-activations layout as an export.
 
-Hook names. Our layer index is transformers' hidden-state index (docs/MODEL.md): 0 is the embeddings, i in
-1..n-1 the output of block i counted from 1, n (num_hidden_layers) the final norm's output. TransformerLens counts
-blocks from 0, so index i (1 <= i < n) is `blocks.{i-1}.hook_resid_post`, 0 is `blocks.0.hook_resid_pre`, and n is
-`ln_final.hook_normalized` (the final norm's output, which no block's resid_post equals).
+Hook names. A hidden-state index is transformers' (docs/MODEL.md): 0 is the embeddings, i in 1..n-1 the output of
+block i counted from 1, n (num_hidden_layers) the final norm's output. TransformerLens counts blocks from 0, so index
+i (1 <= i < n) is `blocks.{i-1}.hook_resid_post`, 0 is `blocks.0.hook_resid_pre`, and n is
+`ln_final.hook_normalized` (the final norm's output, which no block's resid_post equals). A hook site of decoder
+layer l (counted from 0, as TransformerLens's blocks) is `blocks.{l}.<HOOKS[site]>` (docs/EXTRACTION.md, "Hook
+sites", says where a value differs from TransformerLens's: `mlp_in` is the norm's output with its weight applied).
 
 Trainer. SAELens trains from any iterator of [batch, d_in] tensors (`SAETrainer(cfg, sae, data_provider=...)`,
 sae_lens/training/sae_trainer.py), so the provider is the loader with torch output. SAELens's own
@@ -27,12 +29,32 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
+from activations.format import HIDDEN, SITES
 from activations.io import ActivationsError
 from activations.loader import ActivationLoader, LoaderConfigError
 
+#: TransformerLens's hook of each site, within `blocks.{l}`.
+HOOKS = {
+    "resid_pre": "hook_resid_pre",
+    "attn_out": "hook_attn_out",
+    "resid_mid": "hook_resid_mid",
+    "mlp_in": "ln2.hook_normalized",
+    "mlp_hidden": "mlp.hook_post",
+    "mlp_out": "hook_mlp_out",
+    "resid_post": "hook_resid_post",
+}
+assert tuple(HOOKS) == SITES
 
-def hook_name(layer: int, num_hidden_layers: int) -> str:
-    """TransformerLens's hook for our hidden-state index `layer` (see the module docstring)."""
+
+def hook_name(layer: int, num_hidden_layers: int, site: str = HIDDEN) -> str:
+    """TransformerLens's hook for hidden-state index `layer`, or for `site` of decoder layer `layer` (see the
+    module docstring)."""
+    if site != HIDDEN:
+        if site not in HOOKS:
+            raise LoaderConfigError(f"site {site!r} is not one of {', '.join((HIDDEN, *SITES))}")
+        if not 0 <= layer < num_hidden_layers:
+            raise LoaderConfigError(f"layer {layer} is not a decoder layer of a {num_hidden_layers}-layer model")
+        return f"blocks.{layer}.{HOOKS[site]}"
     if not 0 <= layer <= num_hidden_layers:
         raise LoaderConfigError(f"layer {layer} is not a hidden-state index of a {num_hidden_layers}-layer model")
     if layer == 0:
@@ -56,16 +78,17 @@ def data_provider(loader: ActivationLoader) -> Iterator[Any]:
 
 def export_cached_activations(
     source: str, directory: str | pathlib.Path, *, layer: int, context_size: int, dtype: str = "float32",
-    rows_per_write: int = 256, client: Any = None,
+    rows_per_write: int = 256, client: Any = None, site: str = HIDDEN,
 ) -> dict[str, Any]:  # fmt: skip
-    """Write SAELens's cached-activations layout for one layer; returns a summary (hook, rows, tokens)."""
+    """Write SAELens's cached-activations layout for one hidden state (or one hook site's `layer`); returns a
+    summary (hook, rows, tokens)."""
     import datasets
     import numpy as np
 
     if dtype not in ("float32", "float16"):
         raise LoaderConfigError(f"dtype {dtype!r}: SAELens's Array2D cache holds float32 or float16")
-    loader = ActivationLoader(source, layers=layer, batch_size=context_size, shuffle=False, drop_last=True,
-                              return_token_ids=True, dtype=dtype, client=client)  # fmt: skip
+    loader = ActivationLoader(source, layers=layer, site=site, batch_size=context_size, shuffle=False,
+                              drop_last=True, return_token_ids=True, dtype=dtype, client=client)  # fmt: skip
     reference = loader.shards[0].url
     from activations.reader import read_header
 
@@ -73,7 +96,7 @@ def export_cached_activations(
     metadata = header.metadata
     if "num_hidden_layers" not in metadata:
         raise ActivationsError(f"shard {reference}: metadata has no num_hidden_layers; cannot name the hook")
-    hook = hook_name(layer, int(metadata["num_hidden_layers"]))
+    hook = hook_name(layer, int(metadata["num_hidden_layers"]), site)
     features = datasets.Features({
         hook: datasets.Array2D(shape=(context_size, loader.hidden_size), dtype=dtype),
         "token_ids": datasets.Sequence(datasets.Value("int32"), length=context_size),

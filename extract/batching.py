@@ -52,6 +52,8 @@ class TokenizedSample:
     position: int  # within the task's slice
     sample_id: int  # global, see extract.job
     token_ids: np.ndarray  # int32 [n_tokens], no padding
+    url: str = ""  # where the row came from (a skipped row's record names it)
+    row: int = -1
 
     @property
     def n_tokens(self) -> int:
@@ -356,7 +358,7 @@ def batches_for_slice(
             if isinstance(ids, BadRow):
                 skipped.append(dataclasses.replace(doc, bad=ids))
             else:
-                samples.append(TokenizedSample(doc.position, doc.sample_id, ids))
+                samples.append(TokenizedSample(doc.position, doc.sample_id, ids, doc.url, doc.row))
         skipped += [d for d in window_docs if d.bad is not None]
         skipped.sort(key=lambda d: d.position)
         if skipped and on_bad_row == "fail":
@@ -365,6 +367,11 @@ def batches_for_slice(
             yield from pack_window(samples, batch_size, buckets, tokenizer.pad_id, skipped)
         else:
             yield from make_batches(samples, batch_size, buckets, tokenizer.pad_id, skipped)
+    # Run the reader past the slice's last row: its checks on the slice as a whole (a JSON slice in which no row has
+    # the text field) run when it ends, and with the task's last file nothing else would make it end.
+    extra = next(docs, None)
+    if extra is not None:
+        raise ValueError(f"the data holds position {extra.position} past the slice's end {end}")
 
 
 class _End:

@@ -30,7 +30,7 @@ from extract.batching import Prefetcher, Tokenizer, batches_for_slice, shard_tok
 from extract.errors import BadInput
 from extract.job import Job, ResumeState, Task
 from extract.memory import IN_FLIGHT_STEPS
-from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype
+from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype, sites_of
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def load_engine(job: Job) -> Any:
         compute_dtype=job.compute_dtype_name,
         out_dtype=job.engine_out_dtype_name,
         mesh=job.mesh,
+        sites=job.sites,
     )
 
 
@@ -187,6 +188,7 @@ def shard_metadata(inputs: RunInputs, engine: Any) -> dict[str, str]:
         "num_hidden_layers": str(engine.config.num_hidden_layers),
         "hidden_size": str(engine.config.hidden_size),
         "layers": json.dumps(list(engine.layers)),
+        **({"sites": json.dumps(sites_of(engine.outputs))} if sites_of(engine.outputs) else {}),
         "dtype": job.dtype,
         "compute_dtype": job.compute_dtype,
         "max_seq_len": str(job.max_seq_len),
@@ -215,16 +217,17 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     engine = engine if engine is not None else load_engine(job)
     tokenizer = load_tokenizer(engine, job)
     log.info(
-        "event=model_ready model=%s model_type=%s layers=%s batch_size=%d buckets=%s seconds=%.1f",
-        job.model, engine.config.model_type, ",".join(map(str, engine.layers)), engine.batch_size,
+        "event=model_ready model=%s model_type=%s outputs=%s batch_size=%d buckets=%s seconds=%.1f",
+        job.model, engine.config.model_type, engine.outputs_summary(), engine.batch_size,
         ",".join(map(str, job.buckets)), time.monotonic() - loaded_at,
     )  # fmt: skip
 
     store = objectstore.open_store(inputs.output_url)
     out_dtype = numpy_dtype(job.out_dtype_name)
-    # A token costs its hidden state at every layer plus its token id (the writer's layout).
-    bytes_per_token = len(engine.layers) * engine.config.hidden_size * out_dtype.itemsize + 4
-    bytes_per_token += 4 * len(engine.layers) if job.dtype == "fp8" else 0  # a float32 scale per token and layer
+    # A token costs each output's values plus its token id (the writer's layout).
+    widths = {output: engine.width(output) for output in engine.outputs}
+    bytes_per_token = sum(widths.values()) * out_dtype.itemsize + 4
+    bytes_per_token += 4 * len(widths) if job.dtype == "fp8" else 0  # a float32 scale per token and output
     bytes_per_token += 4 if job.sampling.active else 0  # and its position in its document (a sampled job's shards)
     shard_tokens = shard_token_limit(job.shard_bytes, bytes_per_token)
     progress = ProgressLog(inputs.progress_path)
@@ -234,7 +237,9 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
         with stop.deferred():
             writer = ShardWriter(
                 store=store,
-                layers=engine.layers,
+                layers=engine.outputs,
+                widths=widths,
+                on_bad_row=job.on_bad_row,
                 out_dtype=out_dtype,
                 start=start,
                 end=end,

@@ -2,7 +2,7 @@
 
 Every figure follows from the job file, the model's `config.json` and the data, by formulas written out here:
 
-- **FLOPs** per sample of `n` tokens, to the deepest requested hidden state, counted as `Engine.flops_per_token`
+- **FLOPs** per sample of `n` tokens, to the deepest layer the job's outputs need, counted as `Engine.flops_per_token`
   counts them (docs/MODEL.md, "Tokens, FLOPs and MFU"): `n * flops_per_token(n)` with, per computed layer,
   projections `2 (D·N·H + 2·D·K·H + N·H·D + 3·D·F)` and attention `4·N·H·n`. Over many samples that is
   `depth * (P * sum(n) + 4·N·H * sum(n²))`, so a job needs the sum of lengths and the sum of squared lengths.
@@ -10,8 +10,8 @@ Every figure follows from the job file, the model's `config.json` and the data, 
   tokenising a sample of rows with the checkpoint's tokenizer exactly as the consumer does (truncated to
   `max_seq_len`). Without a sample, a given mean tokens-per-row is used for both sums (sum(n²) = rows · mean²,
   which undercounts attention when lengths vary; the planner says so).
-- **Output bytes** (docs/EXTRACTION.md, "Output shards"): per token, `len(layers) · hidden · dtype bytes` plus a
-  4-byte token id; per sample an 8-byte sample id and an 8-byte offset; per shard one more offset and the
+- **Output bytes** (docs/EXTRACTION.md, "Output shards"): per token, the sum of the outputs' widths (`hidden` per
+  hidden state and hook site, `intermediate` for `mlp_hidden`) times the dtype's bytes, plus a 4-byte token id; per sample an 8-byte sample id and an 8-byte offset; per shard one more offset and the
   safetensors header (JSON metadata that repeats the job and the task manifest: estimated, see
   `shard_header_bytes`).
 - **Sampling** (`token_sample`, `drop_first`; activations.sampling): the forward pass runs on every token, storage
@@ -35,7 +35,8 @@ from typing import Any
 
 from activations.sampling import TokenSampling
 from extract.batching import shard_token_limit
-from extract.config import QwenConfig
+from activations.format import Output
+from extract.config import ModelConfig, normalize_sites
 from extract.errors import BadInput
 from extract.job import Job, Task
 
@@ -53,7 +54,8 @@ POSITION_BYTES = 4  # positions: int32, per stored token of a sampled job's shar
 SHARD_HEADER_FIXED_BYTES = 1024
 
 #: config.json of a few Hub checkpoints, so a job on them can be planned without the Hub. The engine never uses
-#: these (it always reads the checkpoint); they only size the plan. Copied from the checkpoints' config.json.
+#: these (it always reads the checkpoint); they only size the plan. Transcribed from the checkpoints' config.json
+#: (the fields that size the model; the rest take the family's defaults).
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-0.5B": {
         "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
@@ -81,6 +83,36 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
         "attention_bias": False,
     },
+    "meta-llama/Llama-3.1-8B": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+    },
+    "mistralai/Mistral-7B-v0.1": {
+        "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 10000.0,
+        "sliding_window": 4096, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    },
+    "google/gemma-2-2b": {
+        "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "sliding_window": 4096, "rope_theta": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+    },
+    "google/gemma-2-9b": {
+        "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 3584, "intermediate_size": 14336,
+        "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "sliding_window": 4096, "rope_theta": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+    },
+    "google/gemma-3-1b-pt": {
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    },
 }  # fmt: skip
 
 
@@ -104,19 +136,30 @@ def computed_layers(layers: Sequence[int], num_hidden_layers: int) -> tuple[int,
     return tuple(sorted(normalized))
 
 
-def projection_flops_per_token(config: QwenConfig) -> int:
+def job_outputs(job: Job, config: ModelConfig) -> tuple[Output, ...]:
+    """What the job stores: its hidden-state indices (as `computed_layers` normalises them), then its hook points."""
+    layers = computed_layers(job.layers, config.num_hidden_layers) if job.layers else ()
+    return (*layers, *normalize_sites(job.sites, config.num_hidden_layers))
+
+
+def output_widths(config: ModelConfig, outputs: Sequence[Output]) -> tuple[int, ...]:
+    """Each stored output's values per token (`hidden_size`, or `intermediate_size` for `mlp_hidden`)."""
+    return tuple(config.width(output) for output in outputs)
+
+
+def projection_flops_per_token(config: ModelConfig) -> int:
     """Matmul FLOPs of one decoder layer's projections for one token (2 per multiply-add)."""
     d, f = config.hidden_size, config.intermediate_size
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     return 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f)
 
 
-def attention_flops_per_token_per_key(config: QwenConfig) -> int:
+def attention_flops_per_token_per_key(config: ModelConfig) -> int:
     """One decoder layer's score and weighted-sum FLOPs for one query token against one key."""
     return 4 * config.num_attention_heads * config.head_dim
 
 
-def flops_per_token(config: QwenConfig, depth: int, seq_len: int) -> float:
+def flops_per_token(config: ModelConfig, depth: int, seq_len: int) -> float:
     """Forward FLOPs per token of a `seq_len`-token sample through `depth` decoder layers (Engine's count)."""
     return float(depth * (projection_flops_per_token(config) + attention_flops_per_token_per_key(config) * seq_len))
 
@@ -170,7 +213,7 @@ class TokenEstimate:
         )
 
 
-def job_flops(config: QwenConfig, depth: int, tokens: TokenEstimate) -> float:
+def job_flops(config: ModelConfig, depth: int, tokens: TokenEstimate) -> float:
     """Total forward FLOPs of the job: depth · (P · sum n + A · sum n²), the engine's per-sample count summed."""
     return depth * (
         projection_flops_per_token(config) * tokens.tokens
@@ -178,15 +221,15 @@ def job_flops(config: QwenConfig, depth: int, tokens: TokenEstimate) -> float:
     )
 
 
-def value_bytes_per_token(job: Job, hidden_size: int, n_layers: int) -> int:
-    """Activation bytes per stored token: every requested layer's hidden vector in the output dtype (and, fp8, its
-    scale)."""
-    return n_layers * (hidden_size * DTYPE_BYTES[job.dtype] + (FP8_SCALE_BYTES if job.dtype == "fp8" else 0))
+def value_bytes_per_token(job: Job, widths: Sequence[int]) -> int:
+    """Activation bytes per stored token: each output's `widths` values (`output_widths`) in the output dtype, and
+    for fp8 a float32 scale per output."""
+    return sum(widths) * DTYPE_BYTES[job.dtype] + (FP8_SCALE_BYTES * len(widths) if job.dtype == "fp8" else 0)
 
 
-def bytes_per_token(job: Job, hidden_size: int, n_layers: int) -> int:
+def bytes_per_token(job: Job, widths: Sequence[int]) -> int:
     """All bytes a stored token costs: its activations plus its int32 token id."""
-    return value_bytes_per_token(job, hidden_size, n_layers) + TOKEN_ID_BYTES
+    return value_bytes_per_token(job, widths) + TOKEN_ID_BYTES
 
 
 def shard_header_bytes(job: Job, task: Task | None = None) -> int:
@@ -228,11 +271,11 @@ def shards_in_task(rows: int, shard_size: int, shard_rows: int | None = None) ->
 
 
 def output_bytes(
-    job: Job, hidden_size: int, n_layers: int, tokens: TokenEstimate, task_rows: Sequence[int], header_bytes: int
+    job: Job, widths: Sequence[int], tokens: TokenEstimate, task_rows: Sequence[int], header_bytes: int
 ) -> OutputEstimate:
-    """Bytes the job writes, given the rows of each of its tasks (their sum is `tokens.rows`); a sampled job's
-    stored tokens only (`stored_tokens_per_row`), each with its position."""
-    per_token = bytes_per_token(job, hidden_size, n_layers) + (POSITION_BYTES if job.sampling.active else 0)
+    """Bytes the job writes, given its outputs' widths (`output_widths`) and the rows of each of its tasks (their sum
+    is `tokens.rows`); a sampled job's stored tokens only (`stored_tokens_per_row`), each with its position."""
+    per_token = bytes_per_token(job, widths) + (POSITION_BYTES if job.sampling.active else 0)
     stored = stored_tokens_per_row(tokens, job.sampling)
     shard_rows = rows_per_shard(job, stored, per_token)
     shards = sum(shards_in_task(rows, job.shard_size, shard_rows) for rows in task_rows)
@@ -262,7 +305,7 @@ def documents_covered(tokens: TokenEstimate, sampling: TokenSampling) -> float:
 
 
 def suggest_token_sample(
-    budget_bytes: float, job: Job, hidden_size: int, n_layers: int, tokens: TokenEstimate, task_rows: Sequence[int],
+    budget_bytes: float, job: Job, widths: Sequence[int], tokens: TokenEstimate, task_rows: Sequence[int],
     header_bytes: int,
 ) -> float | None:  # fmt: skip
     """The largest token_sample, rounded down to two significant digits, whose output fits `budget_bytes` (the
@@ -271,7 +314,7 @@ def suggest_token_sample(
 
     def total(fraction: float) -> float:
         sampled = job.model_copy(update={"token_sample": fraction})
-        return output_bytes(sampled, hidden_size, n_layers, tokens, task_rows, header_bytes).total
+        return output_bytes(sampled, widths, tokens, task_rows, header_bytes).total
 
     low, high = 1e-4, 1.0
     if total(low) > budget_bytes:
@@ -342,7 +385,7 @@ def sample_token_lengths(
 
 def model_config(
     job: Job, config_file: str | None = None, workdir: pathlib.Path | None = None
-) -> tuple[QwenConfig, str, pathlib.Path | None]:
+) -> tuple[ModelConfig, str, pathlib.Path | None]:
     """The job model's architecture: (config, where it came from, a local directory with its tokenizer, or None).
 
     From `config_file` if given; else from the model's directory if it is local; else, for a gs:// model, from its
@@ -354,12 +397,12 @@ def model_config(
     if job.model.startswith("gs://") and workdir is not None:
         model_dir = fetch_model_metadata(job.model, workdir)
     if config_file:
-        return QwenConfig.from_file(pathlib.Path(config_file)), str(config_file), model_dir
+        return ModelConfig.from_file(pathlib.Path(config_file)), str(config_file), model_dir
     if model_dir is not None:
         source = f"{job.model.rstrip('/')}/config.json" if job.model.startswith("gs://") else str(local / "config.json")
-        return QwenConfig.from_file(model_dir / "config.json"), source, model_dir
+        return ModelConfig.from_file(model_dir / "config.json"), source, model_dir
     if job.model in KNOWN_CONFIGS:
-        config = QwenConfig.from_dict(KNOWN_CONFIGS[job.model], source=f"built-in {job.model}")
+        config = ModelConfig.from_dict(KNOWN_CONFIGS[job.model], source=f"built-in {job.model}")
         return config, f"built-in copy of {job.model}'s config.json (extract/costmodel.py)", None
     raise BadInput(
         f"model: {job.model!r} is not a local or gs:// directory and has no built-in config; pass the "
@@ -406,7 +449,7 @@ def measure_tokens(
     )
 
 
-def seconds_per_row(config: QwenConfig, depth: int, tokens: TokenEstimate, flops_per_second: float) -> float:
+def seconds_per_row(config: ModelConfig, depth: int, tokens: TokenEstimate, flops_per_second: float) -> float:
     """Mean seconds one row takes at a sustained `flops_per_second` (peak x MFU)."""
     if not tokens.rows:
         return 0.0
@@ -414,7 +457,7 @@ def seconds_per_row(config: QwenConfig, depth: int, tokens: TokenEstimate, flops
 
 
 def recommend_rows_per_task(
-    config: QwenConfig, depth: int, tokens: TokenEstimate, flops_per_second: float, target_seconds: float,
+    config: ModelConfig, depth: int, tokens: TokenEstimate, flops_per_second: float, target_seconds: float,
     shard_size: int,
 ) -> int:
     """--rows-per-task for tasks of about `target_seconds` at `flops_per_second`; all rows if the job is shorter.

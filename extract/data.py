@@ -288,7 +288,7 @@ def count_rows(url: str) -> int:
 #: Why a row is bad; the `reason` of a skipped-row entry (docs/EXTRACTION.md, "Bad rows").
 BAD_ROW_REASONS = (
     "null", "missing_field", "not_a_string", "invalid_utf8", "invalid_json", "not_an_object", "lone_surrogate",
-    "untokenizable",
+    "untokenizable", "non_finite",
 )  # fmt: skip
 #: A bad row's detail is cut to this many characters, so that records of skipped rows stay small.
 MAX_DETAIL_CHARS = 160

@@ -1,8 +1,8 @@
-"""The extraction engine: one loaded, sharded Qwen model and a compiled forward per bucket length.
+"""The extraction engine: one loaded, sharded model and a compiled forward per bucket length.
 
-The data pipeline hands it right-padded token batches and gets back the requested hidden states as device arrays,
-dispatched asynchronously, their copies to the host already started; it decides when to block (when it takes a
-batch's host copy for writing).
+The data pipeline hands it right-padded token batches and gets back the requested outputs (hidden states and hook
+points) as device arrays, dispatched asynchronously, their copies to the host already started; it decides when to
+block (when it takes a batch's host copy for writing).
 
 Decided once, at construction, and logged: the mesh, the attention kernel (`extract.attention.choose_kernel`) and
 whether a step fits the device's memory (`extract.memory`; a step that does not is a `DeviceMemoryError` naming
@@ -28,12 +28,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from activations.format import Output, output_key
 from extract import attention
 from extract import memory as mem
 from extract import sharding as shd
-from extract.config import QwenConfig
+from extract.config import ModelConfig, normalize_sites
 from extract.errors import BadInput
-from extract.model import QwenModel
+from extract.model import DecoderModel
 from extract.weights import Checkpoint, load_state, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def device_peak_flops(device: jax.Device) -> float | None:
     return None
 
 
-def normalize_layers(layers: Sequence[int], num_hidden_layers: int) -> tuple[int, ...]:
+def normalize_layers(layers: Sequence[int], num_hidden_layers: int, *, allow_empty: bool = False) -> tuple[int, ...]:
     """Sorted, de-duplicated, non-negative hidden-state indices in 0..num_hidden_layers (negatives count back)."""
     count = num_hidden_layers + 1
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
@@ -85,9 +86,17 @@ def normalize_layers(layers: Sequence[int], num_hidden_layers: int) -> tuple[int
                 f"use 0..{num_hidden_layers} (0 = embeddings, {num_hidden_layers} = final norm) or -{count}..-1"
             )
         normalized.add(int(index) % count)
-    if not normalized:
+    if not normalized and not allow_empty:
         raise BadInput("layers is empty: request at least one hidden-state index")
     return tuple(sorted(normalized))
+
+
+class Outputs(dict):
+    """{output: [batch_size, T, width]} as `Engine.forward` returns it (outputs are hidden-state indices and hook
+    points), and `nonfinite`: int32 [batch_size, T, outputs], per token and output (in `Engine.outputs` order), how
+    many of its values are inf or NaN once cast to the output dtype. The writer skips (or fails on) such samples."""
+
+    nonfinite: jax.Array | None = None
 
 
 def _dtype(field: str, name: str):
@@ -103,15 +112,18 @@ def _positive_int(field: str, value) -> int:
 
 
 class Engine:
-    """A Qwen model loaded onto a ("data", "model") mesh, computing hidden states up to the deepest requested layer.
+    """A model loaded onto a ("data", "model") mesh, computing its outputs up to the deepest layer they need.
 
     `layers` uses transformers' `output_hidden_states` numbering: 0 = embedding output, i = output of layer i,
-    `num_hidden_layers` = final-norm output; negative indices count from the end (-1 = final norm).
+    `num_hidden_layers` = final-norm output; negative indices count from the end (-1 = final norm). `sites` names
+    hook points inside layers, {site: [layers counted from 0]} (activations.format.SITES). `outputs` holds both:
+    the hidden-state indices (ints), then the hook points.
     """
 
     model_dir: pathlib.Path
-    config: QwenConfig
+    config: ModelConfig
     layers: tuple[int, ...]
+    outputs: tuple[Output, ...]
     mesh: jax.sharding.Mesh
     batch_size: int
     compiled_programs: int
@@ -129,6 +141,7 @@ class Engine:
         devices: Sequence[jax.Device] | None = None,
         attention: str = "auto",
         device_memory: int | None = None,
+        sites: dict[str, Sequence[int]] | None = None,
     ):
         """`devices` defaults to every device of the program (every host's, on a slice); tests pass a subset to
         get a single-device reference. `attention` is `auto` (the decision in `extract.attention.choose_kernel`)
@@ -139,17 +152,20 @@ class Engine:
         from_store = isinstance(model, str) and model.startswith("gs://")
         # A gs:// checkpoint's weights are read where they lie (parallel ranged reads); only its small files are cached.
         self.model_dir = resolve_model_dir(model, weights=not from_store)
-        self.config = QwenConfig.from_file(self.model_dir / "config.json")
+        self.config = ModelConfig.from_file(self.model_dir / "config.json")
         # Fail on missing files before any device work.
         checkpoint = Checkpoint.from_store(model) if from_store else Checkpoint(self.model_dir)
-        self._place(layers, mesh, devices)
-        self._state = load_state(checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype)
+        self._place(layers, sites, mesh, devices)
+        self._state = load_state(
+            checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype,
+            sandwich_norms=self.config.sandwich_norms,
+        )  # fmt: skip
         self._log_ready(model, time.monotonic() - started)
 
     @classmethod
     def with_random_weights(
         cls,
-        config: QwenConfig,
+        config: ModelConfig,
         layers: Sequence[int],
         *,
         batch_size: int,
@@ -161,15 +177,16 @@ class Engine:
         seed: int = 0,
         attention: str = "auto",
         device_memory: int | None = None,
+        sites: dict[str, Sequence[int]] | None = None,
     ) -> Engine:
         """An engine whose weights are drawn on the devices (for benchmarks of models too large to write to disk)."""
         started = time.monotonic()
         engine = cls.__new__(cls)
         engine._configure(batch_size, max_seq_len, compute_dtype, out_dtype, attention, device_memory)
         engine.config = config
-        engine.model_dir = pathlib.Path(tempfile.mkdtemp(prefix="random-qwen-"))
+        engine.model_dir = pathlib.Path(tempfile.mkdtemp(prefix="random-model-"))
         (engine.model_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-        engine._place(layers, mesh, devices)
+        engine._place(layers, sites, mesh, devices)
         engine._state = engine._random_state(seed)
         engine._log_ready("random", time.monotonic() - started)
         return engine
@@ -194,10 +211,12 @@ class Engine:
         self._programs: dict[int, jax.stages.Compiled] = {}
         self.compiled_programs = 0
 
-    def _place(self, layers, mesh: str | None, devices) -> None:
+    def _place(self, layers, sites, mesh: str | None, devices) -> None:
         """Choose the mesh and shardings, and build the abstract (shapes-only) model truncated at the deepest layer."""
-        self.layers = normalize_layers(layers, self.config.num_hidden_layers)
-        self.num_computed_layers = max(self.layers)  # the final-norm index needs the whole stack
+        points = normalize_sites(sites, self.config.num_hidden_layers)
+        self.layers = normalize_layers(layers, self.config.num_hidden_layers, allow_empty=bool(points))
+        self.outputs = (*self.layers, *points)
+        self.num_computed_layers = self.config.depth_for(self.outputs)
         devices = list(devices) if devices is not None else shd.default_devices()
         if not devices:
             raise BadInput("devices is empty: the engine needs at least one device")
@@ -217,7 +236,7 @@ class Engine:
                 seq_len=self.max_seq_len,
                 compute_bytes=jnp.dtype(self._compute_dtype).itemsize,
                 out_bytes=jnp.dtype(self._out_dtype).itemsize,
-                num_outputs=len(self.layers),
+                num_outputs=sum(map(self.width, self.outputs)) / self.config.hidden_size,
             )
         if self.batch_size % shape[0]:
             raise BadInput(
@@ -236,7 +255,7 @@ class Engine:
         config, depth, dtype, mesh_, rules = (
             self.config, self.num_computed_layers, self._compute_dtype, self.mesh, self._rules,
         )  # fmt: skip
-        abstract = nnx.eval_shape(lambda: QwenModel(config, depth, dtype, nnx.Rngs(0), mesh_, rules))
+        abstract = nnx.eval_shape(lambda: DecoderModel(config, depth, dtype, nnx.Rngs(0), mesh_, rules))
         self._graphdef, self._abstract_state = nnx.split(abstract)
 
     def _choose_attention(self, device: jax.Device) -> attention.Choice:
@@ -275,7 +294,7 @@ class Engine:
         return dict(
             config=self.config,
             depth=self.num_computed_layers,
-            kept=len(self.layers),
+            kept=-(-sum(map(self.width, self.outputs)) // self.config.hidden_size),  # in hidden_size units
             compute_bytes=jnp.dtype(self._compute_dtype).itemsize,
             out_bytes=jnp.dtype(self._out_dtype).itemsize,
             kernel=self.attention.kernel,
@@ -335,7 +354,7 @@ class Engine:
         config, depth, dtype = self.config, self.num_computed_layers, self._compute_dtype
 
         def init():
-            return nnx.to_pure_dict(nnx.state(QwenModel(config, depth, dtype, nnx.Rngs(seed))))
+            return nnx.to_pure_dict(nnx.state(DecoderModel(config, depth, dtype, nnx.Rngs(seed))))
 
         values = jax.jit(init, out_shardings=self._param_shardings())()
         nnx.replace_by_pure_dict(self._abstract_state, values)
@@ -344,11 +363,19 @@ class Engine:
     def _log_ready(self, source: str, seconds: float) -> None:
         params = sum(v.size for v in jax.tree.leaves(nnx.to_pure_dict(self._state)))
         log.info(
-            "event=engine_ready model=%s model_type=%s layers=%s computed_layers=%d params=%d mesh=%s "
+            "event=engine_ready model=%s model_type=%s outputs=%s computed_layers=%d params=%d mesh=%s "
             "compute_dtype=%s out_dtype=%s batch_size=%d seconds=%.1f",
-            source, self.config.model_type, ",".join(map(str, self.layers)), self.num_computed_layers, params,
+            source, self.config.model_type, self.outputs_summary(), self.num_computed_layers, params,
             shd.mesh_summary(self.mesh), self.compute_dtype, self.out_dtype, self.batch_size, seconds,
         )  # fmt: skip
+
+    def width(self, output: Output) -> int:
+        """Values per token of one output (`ModelConfig.width`)."""
+        return self.config.width(output)
+
+    def outputs_summary(self) -> str:
+        """The outputs by tensor name, for log lines: `layer_1,layer_4,mlp_out_2`."""
+        return ",".join(map(output_key, self.outputs))
 
     # -- forward ---------------------------------------------------------------------------------------------------
 
@@ -358,18 +385,24 @@ class Engine:
         if program is not None:
             return program
         started = time.monotonic()
-        graphdef, keep, out_dtype = self._graphdef, self.layers, self._out_dtype
+        graphdef, keep, out_dtype = self._graphdef, self.outputs, self._out_dtype
+
+        def cast(kept: dict) -> tuple[dict, jax.Array]:
+            # Keyed by tensor name: a pytree's dict keys are sorted, and ints and hook points do not compare.
+            out = {output_key(output): kept[output].astype(out_dtype) for output in keep}
+            # Count what the cast to the output dtype makes non-finite (fp16 overflows at 65504), here on the
+            # device, where it costs one pass over data already in memory: B*T*outputs counts come back, not values.
+            counts = [jnp.sum(~jnp.isfinite(out[output_key(output)]), axis=-1, dtype=jnp.int32) for output in keep]
+            return out, jnp.stack(counts, axis=-1)
 
         def forward(state, token_ids):
-            hidden = nnx.merge(graphdef, state)(token_ids, keep)
-            return {index: hidden[index].astype(out_dtype) for index in keep}
+            return cast(nnx.merge(graphdef, state)(token_ids, keep))
 
         def forward_packed(state, token_ids, segment_ids, positions):
-            hidden = nnx.merge(graphdef, state)(token_ids, keep, segment_ids, positions)
-            return {index: hidden[index].astype(out_dtype) for index in keep}
+            return cast(nnx.merge(graphdef, state)(token_ids, keep, segment_ids, positions))
 
         tokens = jax.ShapeDtypeStruct((self.batch_size, seq_len), jnp.int32, sharding=self._token_sharding)
-        out_shardings = {index: self._hidden_sharding for index in keep}
+        out_shardings = ({output_key(output): self._hidden_sharding for output in keep}, self._hidden_sharding)
         inputs = (tokens, tokens, tokens) if packed else (tokens,)
         jitted = jax.jit(forward_packed if packed else forward, out_shardings=out_shardings)
         # The kernel and the matmul precision are fixed in the program when it is traced, here.
@@ -384,9 +417,9 @@ class Engine:
         self._programs[key] = program
         self.compiled_programs += 1
         log.info(
-            "event=compile seq_len=%d batch_size=%d layers=%s mesh=%s packed=%s attention=%s device_bytes=%s "
+            "event=compile seq_len=%d batch_size=%d outputs=%s mesh=%s packed=%s attention=%s device_bytes=%s "
             "seconds=%.2f programs=%d",
-            seq_len, self.batch_size, ",".join(map(str, keep)), shd.mesh_summary(self.mesh), packed,
+            seq_len, self.batch_size, self.outputs_summary(), shd.mesh_summary(self.mesh), packed,
             self.attention.kernel, need, time.monotonic() - started, self.compiled_programs,
         )  # fmt: skip
         return program
@@ -418,8 +451,9 @@ class Engine:
 
     def forward(
         self, token_ids: np.ndarray, segment_ids: np.ndarray | None = None, positions: np.ndarray | None = None
-    ) -> dict[int, jax.Array]:
-        """{layer: [batch_size, T, hidden] in out_dtype} for an int [batch_size, T] right-padded batch.
+    ) -> Outputs:
+        """{output: [batch_size, T, width] in out_dtype} for an int [batch_size, T] right-padded batch, with the
+        non-finite counts (`Outputs`).
 
         Packed rows (several documents per row) also pass `segment_ids` and `positions`, both [batch_size, T]:
         the document of each token and its position within it (see `extract.batching.pack_window`).
@@ -449,16 +483,18 @@ class Engine:
         put = lambda a: jax.device_put(np.asarray(a).astype(np.int32, copy=False), self._token_sharding)  # noqa: E731
         inputs = (token_ids, segment_ids, positions) if packed else (token_ids,)
         try:
-            hidden = program(self._state, *map(put, inputs))
+            values, nonfinite = program(self._state, *map(put, inputs))
         except jax.errors.JaxRuntimeError as failure:
             self._raise_named(failure)
             raise
-        for array in hidden.values():
+        for array in values.values():
             # Start the device-to-host copy now, so it overlaps the next step instead of following it. Arrays
             # spread over several hosts (a slice) are copied per shard by their writers.
             if array.is_fully_addressable:
                 array.copy_to_host_async()
-        return hidden
+        outputs = Outputs((output, values[output_key(output)]) for output in self.outputs)
+        outputs.nonfinite = nonfinite
+        return outputs
 
     # -- accounting ------------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, StrictSt
 from pydantic import ValidationInfo
 from pydantic import WithJsonSchema, field_validator, model_validator
 
+from activations.format import SITES
 from activations.sampling import TokenSampling
 from extract.errors import BadInput
 from schemas import MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
@@ -108,6 +109,14 @@ _DATA_FILES_SCHEMA = {
 }
 
 
+_LayerList = Annotated[
+    tuple[Annotated[StrictInt, rule("must be a layer index (an integer)")], ...],
+    Field(min_length=1, json_schema_extra={"uniqueItems": True}),
+    AfterValidator(_distinct),
+    rule("must be a non-empty list of distinct layer indices, e.g. [12, 24]"),
+]
+
+
 class HubDataset(Model):
     """A Hugging Face Hub dataset; resolved to its data files by tools/make_tasks.py."""
 
@@ -131,12 +140,17 @@ class Job(Model):
         WithJsonSchema(_DATA_FILES_SCHEMA),
     ] = Field((), description="local, gs:// or hf:// paths, globs or directories (give this or dataset)")
     model: Text = Field(description="a local checkpoint directory, Hub id, or gs:// directory")
-    layers: Annotated[
-        tuple[Annotated[StrictInt, rule("must be a layer index (an integer)")], ...],
-        Field(min_length=1, json_schema_extra={"uniqueItems": True}),
-        AfterValidator(_distinct),
-        rule("must be a non-empty list of distinct layer indices, e.g. [12, 24]"),
-    ] = Field(description="hidden-state indices: 0 = embeddings, i = output of block i, -1 = final norm")
+    layers: _LayerList = Field(
+        (), description="hidden-state indices: 0 = embeddings, i = output of block i, -1 = final norm"
+    )
+    sites: (
+        Annotated[
+            dict[choice(*SITES, hint=f"must be a hook site: {', '.join(SITES)}"), _LayerList],
+            Field(min_length=1),
+            rule('must map hook sites to decoder layers, e.g. {"mlp_out": [3, 7], "attn_out": [3]}'),
+        ]
+        | None
+    ) = Field(None, description="hook sites to keep, each with its decoder layers counted from 0 (-1 = the last)")
     max_seq_len: PositiveInt = Field(description="tokens kept per document (longer documents are truncated)")
     batch_size: PositiveInt = Field(description="rows per device batch; a multiple of the mesh's data axis")
     shard_size: PositiveInt = Field(description="at most this many samples (documents) per output shard")
@@ -198,6 +212,15 @@ class Job(Model):
                 "dataset/data_files",
                 ("both given" if self.dataset is not None else "neither given")
                 + '; give exactly one: "dataset": {"name": ..., "config": ..., "split": ...} or "data_files": [paths]',
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _keeps_something(self) -> Job:
+        if not self.layers and not self.sites:
+            raise cross_field(
+                "layers/sites",
+                'neither given; keep hidden states ("layers": [12]), hook sites ("sites": {"mlp_out": [11]}), or both',
             )
         return self
 

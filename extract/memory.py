@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.errors import BadInput
 
 #: Share of a device's usable memory a plan may fill; the rest is for XLA's scratch and this model's error.
@@ -114,7 +114,7 @@ class StepMemory:
         )
 
 
-def weight_bytes(config: QwenConfig, depth: int, compute_bytes: int, model_axis: int = 1) -> int:
+def weight_bytes(config: ModelConfig, depth: int, compute_bytes: int, model_axis: int = 1) -> int:
     """Weights of the embedding, `depth` decoder layers and the final norm on one device, in the compute dtype."""
     d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
     n, k = config.num_attention_heads, config.num_key_value_heads
@@ -126,7 +126,7 @@ def weight_bytes(config: QwenConfig, depth: int, compute_bytes: int, model_axis:
         + 2 * d * k * h / kv_split  # k and v projections
         + 3 * d * f / ffw  # gate, up, down
         + (n + 2 * k) * h + d  # biases (q/k/v, o): small either way
-        + 2 * d + 2 * h  # norms (and Qwen3's q/k norms)
+        + (4 if config.sandwich_norms else 2) * d + 2 * h  # norms (Gemma 2/3: four; Qwen3/Gemma 3: q/k norms)
     )
     embedding = config.vocab_size * d / _split(d, model_axis)
     return int((embedding + depth * per_layer + d) * compute_bytes)
@@ -149,7 +149,7 @@ def attention_bytes(
 
 
 def step_memory(
-    config: QwenConfig,
+    config: ModelConfig,
     *,
     depth: int,
     kept: int,

@@ -246,7 +246,7 @@ class _Outbox:
 
 
 class _OwnRows:
-    """This host's rows [lo, hi) of a global [batch, T, D] output, as a numpy array when the writer asks for one.
+    """This host's rows [lo, hi) of a global [batch, ...] output, as a numpy array when the writer asks for one.
 
     The rows are on this host's devices (`make_mesh` orders devices by process), so nothing crosses hosts here.
     """
@@ -356,9 +356,10 @@ def run_share(inputs: SliceInputs, role: SliceRole, stop: Any, engine: Any | Non
     def new_writer(index: int) -> ShardWriter:
         start, end = share[index]
         return ShardWriter(
-            store=store, layers=engine.layers, out_dtype=numpy_dtype(job.out_dtype_name), start=start, end=end,
+            store=store, layers=engine.outputs, out_dtype=numpy_dtype(job.out_dtype_name), start=start, end=end,
             shard_size=job.shard_size, metadata=metadata, progress=outbox, flops_per_token=engine.flops_per_token,
-            peak_flops=engine.peak_flops(), on_samples=display.update,
+            peak_flops=engine.peak_flops(), on_samples=display.update, on_bad_row=job.on_bad_row,
+            widths={output: engine.width(output) for output in engine.outputs},
         )  # fmt: skip
 
     import objectstore
@@ -410,7 +411,10 @@ def run_share(inputs: SliceInputs, role: SliceRole, stop: Any, engine: Any | Non
                 hidden = engine.forward(global_tokens)
                 if item is not None:
                     index, batch = item
-                    writers.open[index].submit(batch, {layer: _OwnRows(hidden[layer], lo, hi) for layer in engine.layers})
+                    own = type(hidden)({layer: _OwnRows(hidden[layer], lo, hi) for layer in engine.outputs})
+                    if getattr(hidden, "nonfinite", None) is not None:
+                        own.nonfinite = _OwnRows(hidden.nonfinite, lo, hi)
+                    writers.open[index].submit(batch, own)
                 step += 1
     except BaseException:
         try:

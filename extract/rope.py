@@ -1,5 +1,5 @@
-"""Rotary position embeddings as transformers 5 reads them from a Qwen `config.json`: which fields win, and the
-inverse frequencies and attention scaling of each supported `rope_type`.
+"""Rotary position embeddings as transformers 5 reads them from a `config.json`: which fields win, and the inverse
+frequencies and attention scaling of each supported `rope_type`.
 
 The rules are transformers' own (`RotaryEmbeddingConfigMixin.convert_rope_params_to_dict` and
 `standardize_rope_params`, and the `_compute_*_parameters` functions of `modeling_rope_utils.py`, 5.23):
@@ -8,12 +8,13 @@ The rules are transformers' own (`RotaryEmbeddingConfigMixin.convert_rope_params
 - `rope_theta` inside the chosen block wins; else the top-level `rope_theta`; else 10000.
 - `rope_type` wins over the legacy `type`; neither means `default`.
 - For `yarn` and `llama3`, a top-level `original_max_position_embeddings` wins over the block's, which defaults to
-  `max_position_embeddings` (32768 when absent, the Qwen2/Qwen3 config default).
+  `max_position_embeddings` (when absent, the family's config default: 32768 for Qwen, 2048 for Llama, ...).
+- Gemma 3 has one block per layer type (`read_layer_type_ropes`: full attention and sliding attention).
 
 Honoured exactly: `default`, `linear`, `yarn`, `llama3` (their frequencies do not depend on the input). Refused with
 a `BadInput` naming the field: `dynamic` and `longrope` (transformers recomputes their frequencies from each call's
 longest position, so a sample's values would depend on its batch), any other type, a `partial_rotary_factor` other
-than 1, per-layer-type RoPE blocks, and a config that carries both `rope_scaling` and a different `rope_parameters`
+than 1, per-layer-type RoPE blocks where the family has one RoPE, and a config that carries both `rope_scaling` and a different `rope_parameters`
 (transformers silently drops the latter, its `rope_theta` included: a Qwen2.5 config saved by transformers 5 with a
 YaRN `rope_scaling` pasted in from a model card would run at theta 10000; say which one is meant instead).
 """
@@ -30,7 +31,8 @@ import numpy as np
 from extract.errors import BadInput
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
-#: transformers' defaults: `RotaryEmbeddingConfigMixin.default_theta`, Qwen2Config/Qwen3Config.max_position_embeddings.
+#: transformers' defaults: `RotaryEmbeddingConfigMixin.default_theta`, Qwen2Config/Qwen3Config.max_position_embeddings
+#: (each family passes its own `max_position_embeddings` default).
 DEFAULT_THETA = 10000.0
 DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
 #: Keys each type needs (transformers raises KeyError without them; theta and the original length always get a
@@ -41,7 +43,7 @@ _WHY_REFUSED = {
     "hidden states would depend on the batch it lands in",
     "longrope": "transformers switches between its short and long factors by the longest position of each call, "
     "so a sample's hidden states would depend on the batch it lands in",
-    "proportional": "it is not a Qwen2/Qwen3 RoPE and is not implemented here",
+    "proportional": "it is not a RoPE of the supported families and is not implemented here",
 }
 
 
@@ -86,16 +88,91 @@ def _block(raw: Mapping[str, Any], source: str) -> tuple[str, dict[str, Any]]:
     return ("rope_scaling", scaling) if scaling else ("rope_parameters", parameters)
 
 
-def read_rope(raw: Mapping[str, Any], head_dim: int, source: str = "config.json") -> Rope:
-    """Resolve a config dict's RoPE fields as transformers does; `BadInput` for whatever is not honoured exactly."""
+def read_rope(
+    raw: Mapping[str, Any],
+    head_dim: int,
+    source: str = "config.json",
+    *,
+    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
+) -> Rope:
+    """Resolve a config dict's RoPE fields as transformers does; `BadInput` for whatever is not honoured exactly.
+
+    `max_position_embeddings` is the family's default for that field (transformers' config class default)."""
     field, block = _block(raw, source)
     if any(isinstance(value, Mapping) for value in block.values()):
         nested = [key for key, value in block.items() if isinstance(value, Mapping)]
         raise BadInput(
-            f"{source}: {field} holds per-layer-type blocks ({', '.join(nested)}); Qwen2/Qwen3 read one RoPE for "
-            "every layer (transformers fails on this config too)"
+            f"{source}: {field} holds per-layer-type blocks ({', '.join(nested)}); this model type reads one RoPE "
+            "for every layer (transformers fails on this config too)"
         )
     block.setdefault("rope_theta", raw["rope_theta"] if "rope_theta" in raw else DEFAULT_THETA)
+    return resolve_block(block, field, head_dim, raw, source, max_position_embeddings, top_level_original=True)
+
+
+def read_layer_type_ropes(
+    raw: Mapping[str, Any],
+    head_dim: int,
+    source: str,
+    *,
+    max_position_embeddings: int,
+    full_theta: float,
+    sliding_theta: float,
+) -> tuple[Rope, Rope]:
+    """(full-attention, sliding-attention) RoPE of a model with one RoPE per layer type, as transformers 5 reads
+    Gemma 3 (`Gemma3TextConfig.convert_rope_params_to_dict`, then `standardize_rope_params`):
+
+    - `rope_parameters` holds a block per layer type; a missing or null block is `{"rope_type": "default"}`;
+    - a v4 `rope_scaling` updates the full-attention block (key by key);
+    - the full block's theta defaults to the top-level `rope_theta`, else `full_theta`; the sliding block's to
+      `rope_local_base_freq`, else `sliding_theta`;
+    - for `yarn` and `llama3`, `original_max_position_embeddings` defaults to `max_position_embeddings` (a
+      top-level one does not win here, unlike the one-block case).
+    """
+    parameters = raw.get("rope_parameters")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise BadInput(f"{source}: rope_parameters must be a JSON object or null, got {type(parameters).__name__}")
+    parameters = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (parameters or {}).items()}
+    flat = sorted(k for k, v in parameters.items() if not isinstance(v, Mapping) and v is not None)
+    unknown = sorted(set(parameters) - {"full_attention", "sliding_attention"} - set(flat))
+    if flat or unknown:
+        raise BadInput(
+            f"{source}: rope_parameters holds {', '.join(flat + unknown)}; this model type reads one block per layer "
+            "type, {\"full_attention\": {...}, \"sliding_attention\": {...}} (transformers ignores other keys "
+            "silently); move the settings into those blocks"
+        )
+    scaling = raw.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, Mapping):
+            raise BadInput(f"{source}: rope_scaling must be a JSON object or null, got {type(scaling).__name__}")
+        if raw.get("rope_parameters") is not None and parameters.get("full_attention") is None:
+            raise BadInput(
+                f"{source}: rope_scaling is given but rope_parameters has no full_attention block to apply it to "
+                "(transformers fails on this config too); put the scaling in rope_parameters.full_attention"
+            )
+        parameters.setdefault("full_attention", {"rope_type": "default"})
+        parameters["full_attention"].update(scaling)
+    full = parameters.get("full_attention") or {"rope_type": "default"}
+    full.setdefault("rope_theta", raw["rope_theta"] if "rope_theta" in raw else full_theta)
+    sliding = parameters.get("sliding_attention") or {"rope_type": "default"}
+    sliding.setdefault("rope_theta", raw["rope_local_base_freq"] if "rope_local_base_freq" in raw else sliding_theta)
+    return (
+        resolve_block(full, "rope_parameters.full_attention", head_dim, raw, source, max_position_embeddings),
+        resolve_block(sliding, "rope_parameters.sliding_attention", head_dim, raw, source, max_position_embeddings),
+    )
+
+
+def resolve_block(
+    block: dict[str, Any],
+    field: str,
+    head_dim: int,
+    raw: Mapping[str, Any],
+    source: str,
+    max_position_embeddings: int,
+    *,
+    top_level_original: bool = False,
+) -> Rope:
+    """One RoPE block (its `rope_theta` already chosen) resolved to frequencies and scaling, as transformers'
+    `standardize_rope_params` and `_compute_*_parameters` do; `field` names the block in errors."""
     if "partial_rotary_factor" in raw:
         block.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     block.setdefault("rope_type", block.get("type", "default"))
@@ -110,16 +187,16 @@ def read_rope(raw: Mapping[str, Any], head_dim: int, source: str = "config.json"
     partial = block.get("partial_rotary_factor", 1.0)
     if partial != 1:
         raise BadInput(
-            f"{source}: partial_rotary_factor={partial!r} is not supported; Qwen2/Qwen3 rotate the whole head "
+            f"{source}: partial_rotary_factor={partial!r} is not supported; these models rotate the whole head "
             "(transformers ignores it for the default RoPE and fails with it for the scaled ones)"
         )
     theta = _number(block["rope_theta"], "rope_theta", source)
     for key in _REQUIRED.get(rope_type, ()):
         if key not in block:
             raise BadInput(f"{source}: {field}.{key} is missing; rope_type {rope_type!r} needs it")
+    max_positions = raw.get("max_position_embeddings", max_position_embeddings)
     if rope_type in ("yarn", "llama3"):
-        max_positions = raw.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS)
-        if "original_max_position_embeddings" in raw:
+        if top_level_original and "original_max_position_embeddings" in raw:
             block["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
         else:
             block.setdefault("original_max_position_embeddings", max_positions)
@@ -135,7 +212,7 @@ def read_rope(raw: Mapping[str, Any], head_dim: int, source: str = "config.json"
     elif rope_type == "linear":
         inverse = (1.0 / (theta**exponents)) / number("factor")
     elif rope_type == "yarn":
-        inverse, scaling = _yarn(block, theta, exponents, head_dim, raw, number)
+        inverse, scaling = _yarn(block, theta, exponents, head_dim, max_positions, number)
     else:
         if block["high_freq_factor"] == block["low_freq_factor"]:
             raise BadInput(f"{source}: {field}.high_freq_factor must differ from low_freq_factor")
@@ -151,11 +228,11 @@ def read_rope(raw: Mapping[str, Any], head_dim: int, source: str = "config.json"
     )
 
 
-def _yarn(block, theta, exponents, head_dim, raw, number) -> tuple[np.ndarray, float]:
+def _yarn(block, theta, exponents, head_dim, max_positions, number) -> tuple[np.ndarray, float]:
     """transformers' `_compute_yarn_parameters`, step by step in the same precision."""
     original = number("original_max_position_embeddings")
     if block["factor"] is None:  # as DeepSeek-V3 configs: the ratio of the two context lengths
-        factor = raw.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS) / original
+        factor = max_positions / original
     else:
         factor = number("factor")
 

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from extract import memory
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.errors import BadInput
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,10 @@ class ShardingRules:
     mlp_out: P  # [F, D] down projection
     replicated: P  # norm scales, output bias
     tokens: P  # [B, T]
-    activations: P  # [B, T, D], also every returned hidden state
+    activations: P  # [B, T, D], also every returned output ([B, T, F] for the MLP's hidden activations)
 
     @classmethod
-    def for_config(cls, config: QwenConfig, model_axis_size: int) -> ShardingRules:
+    def for_config(cls, config: ModelConfig, model_axis_size: int) -> ShardingRules:
         def split_if_divides(size: int) -> str | None:
             return MODEL if model_axis_size > 1 and size % model_axis_size == 0 else None
 
@@ -128,13 +128,13 @@ def device_memory_bytes(device: jax.Device) -> int | None:
 
 
 def replica_bytes(
-    config: QwenConfig,
+    config: ModelConfig,
     num_layers: int,
     batch_per_replica: int,
     seq_len: int,
     compute_bytes: int,
     out_bytes: int,
-    num_outputs: int,
+    num_outputs: float,
     model_axis_size: int = 1,
 ) -> int:
     """Estimated device memory for one replica: weights of the computed layers plus one micro-batch's step
@@ -146,7 +146,7 @@ def replica_bytes(
 
 
 def choose_mesh_shape(
-    config: QwenConfig,
+    config: ModelConfig,
     device_count: int,
     device_memory: int | None,
     *,
@@ -155,7 +155,7 @@ def choose_mesh_shape(
     seq_len: int,
     compute_bytes: int,
     out_bytes: int,
-    num_outputs: int,
+    num_outputs: float,
 ) -> tuple[int, int]:
     """(data, model) for the automatic policy described in the module docstring.
 

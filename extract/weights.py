@@ -12,7 +12,7 @@ and only the layers the caller needs are read; the LM head never is.
 
 Tensors are read through a memory map of the safetensors layout (an 8-byte header length, a JSON header, raw
 little-endian data) rather than `safe_open(framework="numpy")`, because numpy's backend of safetensors cannot
-represent bfloat16, the dtype Qwen checkpoints ship in; `ml_dtypes` (a JAX dependency) can.
+represent bfloat16, the dtype most checkpoints ship in; `ml_dtypes` (a JAX dependency) can.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ MODEL_FILE_PATTERNS = (
     "merges.txt",
     "special_tokens_map.json",
     "added_tokens.json",
+    "tokenizer.model",  # SentencePiece (Llama 2, Gemma), for tokenizers that have no tokenizer.json
     "*.safetensors",
     "model.safetensors.index.json",
 )
@@ -337,7 +338,7 @@ class Checkpoint:
         self.tensors: dict[str, TensorLocation] = {}
         for file in files:
             self.tensors.update(read_safetensors_header(file))
-        # Checkpoints saved from the bare Qwen2Model carry no "model." prefix.
+        # Checkpoints saved from the bare decoder (Qwen2Model, LlamaModel, ...) carry no "model." prefix.
         self.prefix = "model." if any(name.startswith("model.") for name in self.tensors) else ""
 
     def read(self, name: str) -> np.ndarray:
@@ -386,8 +387,7 @@ class Checkpoint:
 # -- parameters ---------------------------------------------------------------------------------------------------
 
 _LAYER_TENSORS = {
-    ("input_norm", "scale"): "input_layernorm.weight",
-    ("post_attention_norm", "scale"): "post_attention_layernorm.weight",
+    ("attention_norm", "scale"): "input_layernorm.weight",
     ("attention", "q_proj"): "self_attn.q_proj.weight",
     ("attention", "k_proj"): "self_attn.k_proj.weight",
     ("attention", "v_proj"): "self_attn.v_proj.weight",
@@ -402,16 +402,28 @@ _LAYER_TENSORS = {
     ("mlp", "up_proj"): "mlp.up_proj.weight",
     ("mlp", "down_proj"): "mlp.down_proj.weight",
 }
+#: The other norms of a layer, by `ModelConfig.sandwich_norms`. Gemma's `post_attention_layernorm` is the norm on the
+#: attention's output; Llama's (Qwen's, Mistral's) is the MLP's input norm, which Gemma calls
+#: `pre_feedforward_layernorm`.
+_NORM_TENSORS = {
+    False: {("mlp_norm", "scale"): "post_attention_layernorm.weight"},
+    True: {
+        ("attention_out_norm", "scale"): "post_attention_layernorm.weight",
+        ("mlp_norm", "scale"): "pre_feedforward_layernorm.weight",
+        ("mlp_out_norm", "scale"): "post_feedforward_layernorm.weight",
+    },
+}
 
 
-def checkpoint_name(path: Sequence, prefix: str) -> str:
+def checkpoint_name(path: Sequence, prefix: str, sandwich_norms: bool = False) -> str:
     """The Hugging Face tensor name of one model parameter path."""
     if tuple(path) == ("embedding",):
         return f"{prefix}embed_tokens.weight"
     if tuple(path) == ("final_norm", "scale"):
         return f"{prefix}norm.weight"
     if len(path) >= 3 and path[0] == "layers":
-        suffix = _LAYER_TENSORS.get(tuple(path[2:]))
+        key = tuple(path[2:])
+        suffix = _LAYER_TENSORS.get(key) or _NORM_TENSORS[sandwich_norms].get(key)
         if suffix is not None:
             return f"{prefix}layers.{path[1]}.{suffix}"
     raise KeyError(f"model parameter {'/'.join(map(str, path))} has no checkpoint tensor")
@@ -435,15 +447,18 @@ def load_state(
     rules: ShardingRules,
     dtype,
     workers: int = LOAD_WORKERS,
+    *,
+    sandwich_norms: bool = False,
 ) -> nnx.State:
     """Fill `abstract_state` (from `nnx.eval_shape`) with checkpoint tensors placed on their shardings.
 
     `workers` tensors are read, converted and placed at once, so reads (ranged, from a store) overlap
-    conversion and transfer; the host holds at most that many tensors."""
+    conversion and transfer; the host holds at most that many tensors. `sandwich_norms` says which names the
+    layers' norms have (`ModelConfig.sandwich_norms`: Gemma's)."""
     target_dtype = np.dtype(dtype)
 
     def place(path, variable) -> jax.Array:
-        name = checkpoint_name(path, checkpoint.prefix)
+        name = checkpoint_name(path, checkpoint.prefix, sandwich_norms)
         shape = tuple(variable.get_value().shape)
         sharding = NamedSharding(mesh, getattr(rules, variable.get_metadata()["role"]))
         host = to_model_layout(name, checkpoint.read(name), shape)

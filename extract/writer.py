@@ -1,10 +1,11 @@
 """The background writer that turns device batches into activation shards.
 
 Shard format (docs/EXTRACTION.md; defined once, in `activations.format`, which every reader shares): one
-safetensors file per run of `shard_size` consecutive slice positions, holding `layer_<L>` [n_tokens, hidden] in the
-output dtype, `token_ids` int32 [n_tokens], `sample_ids` int64 [n_samples], `offsets` int64 [n_samples + 1] (sample
-k's tokens are rows offsets[k]:offsets[k+1]) and each layer's normalisation statistics (`stats.layer_<L>.*`,
-computed here from the stored rows as the shard is encoded). Padding is never stored. The header is written by
+safetensors file per run of `shard_size` consecutive slice positions, holding each output in the output dtype
+(hidden states as `layer_<L>` [n_tokens, hidden], hook points as `<site>_<l>` [n_tokens, width]), `token_ids` int32
+[n_tokens], `sample_ids` int64 [n_samples], `offsets` int64 [n_samples + 1] (sample k's tokens are rows
+offsets[k]:offsets[k+1]) and each output's normalisation statistics (`stats.<tensor>.*`, computed here from the
+stored rows as the shard is encoded). Padding is never stored. The header is written by
 `activations.format` rather than by the safetensors library because numpy has no bfloat16 (ml_dtypes supplies it),
 and the library's numpy API refuses it; the bytes are standard safetensors ("BF16").
 
@@ -23,6 +24,11 @@ Skipped bad rows hold their positions without a sample: a shard still covers its
 fewer samples (none, if every row was bad: the shard is then written with empty tensors, so that every
 record names a shard). Its record counts them in `counters.skipped_rows` and lists them in `skipped`,
 at most MAX_LISTED_SKIPPED per task.
+
+Non-finite activations are never stored silently. The engine counts, per output and token, the values that are inf
+or NaN in the output dtype (float16 overflows past 65504); a sample with any is a bad row, `non_finite`, whose
+detail names the outputs (`layer_12`, `mlp_out_3`): skipped and counted (`counters.non_finite_rows`, also in
+`skipped_rows`) under `on_bad_row: skip`, a `BadInput` (exit 65) under `fail`.
 """
 
 from __future__ import annotations
@@ -48,22 +54,28 @@ from activations.format import (  # noqa: F401 (re-exported)
     FP8,
     FORMAT_SAMPLED,
     POSITIONS,
+    HookPoint,
     LayerStats,
+    Output,
     ShardFormatError,
     crc32c_b64,
     decode_safetensors,
     encode_safetensors,
     layer_key,
     numpy_dtype,
+    output_key,
     parse_header,
     quantize_per_token,
     safetensors_layout,
     scale_key,
     shard_name,
+    sites_of,
     stats_keys,
 )
 from activations.sampling import TokenSampling
-from extract.batching import Batch, ShardBounds
+from extract.batching import Batch, ShardBounds, TokenizedSample
+from extract.data import MAX_DETAIL_CHARS
+from extract.errors import BadInput
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +86,8 @@ MAX_LISTED_SKIPPED = 100
 SKIPPED_ROWS = "skipped_rows"
 #: The counters of a sampled job's records: tokens the forward pass ran on, and tokens stored.
 PROCESSED_TOKENS, STORED_TOKENS = "processed_tokens", "stored_tokens"
+#: The counter of those skipped because their activations are not finite in the output dtype.
+NON_FINITE_ROWS = "non_finite_rows"
 
 
 # -- progress records ---------------------------------------------------------------------------
@@ -116,7 +130,7 @@ class _PendingSample:
 
     sample_id: int
     token_ids: np.ndarray
-    host: Mapping[int, np.ndarray] | None  # layer -> [batch, T, hidden] host copy of the batch; None if empty
+    host: Mapping[Output, np.ndarray] | None  # output -> [batch, T, width] host copy of the batch; None if empty
     row: int
     column: int = 0  # where the sample starts in its row (packed batches)
     kept: np.ndarray | None = None  # the positions stored (a sampled job); None: every position
@@ -255,7 +269,7 @@ class ShardWriter:
         self,
         *,
         store: Any,
-        layers: Sequence[int],
+        layers: Sequence[Output],
         out_dtype: np.dtype,
         start: int,
         end: int,
@@ -270,16 +284,25 @@ class ShardWriter:
         streams: int | None = None,
         listed_skipped: int = 0,
         sampling: TokenSampling | None = None,
+        widths: Mapping[Output, int] | None = None,
+        on_bad_row: str = "skip",
     ):
-        """`listed_skipped`: skipped rows the task's earlier attempts already listed (their records' `skipped`);
-        `sampling`: the job's storage sampling (every position is stored without one, or with an inactive one)."""
+        """`layers`: the outputs to store, hidden-state indices (int) and hook points (`HookPoint`), each
+        `widths[output]` wide (default: the metadata's hidden_size). `listed_skipped`: skipped rows the task's
+        earlier attempts already listed (their records' `skipped`). `sampling`: the job's storage sampling (every
+        position is stored without one, or with an inactive one). `on_bad_row`: what a sample with non-finite
+        activations does, "skip" or "fail" (as the job's)."""
         if not 0 <= start < end:
             raise ValueError(f"writer range [{start}, {end}) is empty")
         self._store = store
         self._layers = tuple(layers)
+        self._widths = dict(widths or {})
+        self._on_bad_row = on_bad_row
         self._out_dtype = np.dtype(out_dtype)
         self._end = end
         self._metadata = dict(metadata)
+        if sites_of(self._layers):
+            self._metadata.setdefault("sites", json.dumps(sites_of(self._layers)))
         self._progress = progress
         self._flops_per_token = flops_per_token
         self._peak_flops = peak_flops
@@ -387,9 +410,10 @@ class ShardWriter:
                 if item is _END or self._abort.is_set():
                     return
                 batch, hidden = item
-                # Copy 1: device -> host, the whole [batch, T, hidden] output of each layer.
+                # Copy 1: device -> host, the whole [batch, T, width] of each output (and the non-finite counts).
                 host = jax.device_get({layer: hidden[layer] for layer in self._layers}) if batch.samples else {}
-                self._accept(batch, host)
+                counts = getattr(hidden, "nonfinite", None)
+                self._accept(batch, host, None if counts is None or not batch.samples else np.asarray(counts))
                 self._emit_complete_shards()
         finally:
             # The uploader drains what is queued (complete shards only), then stops.
@@ -400,7 +424,7 @@ class ShardWriter:
                 except queue.Full:
                     continue
 
-    def _accept(self, batch: Batch, host: Mapping[int, Any]) -> None:
+    def _accept(self, batch: Batch, host: Mapping[Output, Any], nonfinite: np.ndarray | None = None) -> None:
         arrays = {layer: np.asarray(host[layer]) for layer in host}
         placements = batch.placements or [(row, 0) for row in range(len(batch.samples))]
         rows = 1 + max((row for row, _ in placements), default=-1)
@@ -409,12 +433,16 @@ class ShardWriter:
                 raise ValueError(f"layer {layer}: activations of shape {array.shape} for {rows} rows of samples")
         tokens = 0
         flops = 0.0
+        non_finite = []
         for sample, (row, column) in zip(batch.samples, placements):
             if sample.position < self._start:
                 continue
             n = sample.n_tokens
             if arrays and arrays[self._layers[0]].shape[1] < column + n:
                 raise ValueError(f"sample {sample.sample_id}: {n} tokens but the batch's activations hold fewer")
+            if nonfinite is not None and nonfinite[row, column : column + n].any():
+                non_finite.append(self._non_finite_row(sample, nonfinite[row, column : column + n].sum(axis=0)))
+                continue
             kept = None if self._sampling is None else self._sampling.kept(sample.sample_id, n)
             self._pending[sample.position] = _PendingSample(sample.sample_id, sample.token_ids, arrays, row, column, kept)
             tokens += n
@@ -429,16 +457,35 @@ class ShardWriter:
         skipped = [doc for doc in batch.skipped if doc.position >= self._start]
         for doc in skipped:
             self._pending[doc.position] = _SkippedRow(doc.skipped_entry())
-        n_samples = sum(s.position >= self._start for s in batch.samples + batch.empty)
+        for position, entry in non_finite:
+            self._pending[position] = _SkippedRow(entry)
+        n_samples = sum(s.position >= self._start for s in batch.samples + batch.empty) - len(non_finite)
         self.totals.samples += n_samples
         self.totals.tokens += tokens
         self.totals.flops += flops
-        self.totals.skipped_rows += len(skipped)
+        self.totals.skipped_rows += len(skipped) + len(non_finite)
         if self._on_samples is not None:
-            self._on_samples(n_samples + len(skipped), tokens)  # positions done, for the progress display
+            self._on_samples(n_samples + len(skipped) + len(non_finite), tokens)  # positions done, for the display
 
-    def _hidden_size(self) -> int:
-        return int(self._metadata["hidden_size"])
+    def _non_finite_row(self, sample: TokenizedSample, counts: np.ndarray) -> tuple[int, dict[str, Any]]:
+        """A sample whose activations are not finite in the output dtype: its skipped-row entry (position first),
+        or, under `on_bad_row: fail`, the BadInput naming its outputs."""
+        where = ", ".join(f"{output_key(o)} ({int(c)} values)" for o, c in zip(self._layers, counts) if c)
+        detail = f"not finite in {self._out_dtype.name}: {where}"
+        log.warning("event=non_finite sample_id=%d outputs=%r dtype=%s", sample.sample_id, where, self._out_dtype.name)
+        if self._on_bad_row == "fail":
+            largest = f" (its largest value is {float(np.finfo(self._out_dtype).max):g})" if self._out_dtype.kind == "f" else ""
+            raise BadInput(
+                f"sample {sample.sample_id} (data file {sample.url}, row {sample.row}): its activations are {detail}"
+                f"{largest}; use \"dtype\": \"bf16\" or \"fp32\" in the job, or \"on_bad_row\": \"skip\" to record "
+                "such rows and extract the others"
+            )
+        entry = {"sample_id": sample.sample_id, "file": sample.url, "row": sample.row, "reason": "non_finite",
+                 "detail": detail[:MAX_DETAIL_CHARS]}  # fmt: skip
+        return sample.position, entry
+
+    def _width(self, layer: Output) -> int:
+        return self._widths.get(layer) or int(self._metadata["hidden_size"])
 
     def _emit_complete_shards(self) -> None:
         while self._next in self._pending:
@@ -467,7 +514,8 @@ class ShardWriter:
         offsets = np.zeros(len(samples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         n_tokens = int(offsets[-1])
-        hidden = next((s.host[self._layers[0]].shape[-1] for s in samples if s.host), None) or self._hidden_size()
+        host = next((s.host for s in samples if s.host), None)
+        widths = {layer: host[layer].shape[-1] if host else self._width(layer) for layer in self._layers}
         metadata = {
             **self._metadata,
             "sample_start": str(start),
@@ -481,9 +529,9 @@ class ShardWriter:
         specs = [
             (name, np.dtype(np.float64), shape)
             for layer in self._layers
-            for name, shape in zip(stats_keys(layer), [(hidden,), (hidden,), ()])
+            for name, shape in zip(stats_keys(layer), [(widths[layer],), (widths[layer],), ()])
         ]
-        specs += [(layer_key(layer), self._out_dtype, (n_tokens, hidden)) for layer in self._layers]
+        specs += [(output_key(layer), self._out_dtype, (n_tokens, widths[layer])) for layer in self._layers]
         if self._out_dtype == FP8:
             specs += [(scale_key(layer), np.dtype(np.float32), (n_tokens,)) for layer in self._layers]
         specs += [
@@ -502,9 +550,9 @@ class ShardWriter:
             for (name, dtype, shape), position in zip(specs, starts)
         }
 
-        def copy_layer(layer: int) -> None:
+        def copy_layer(layer: Output) -> None:
             # Copy 2: each sample's rows to their final place in the shard file.
-            target = views[layer_key(layer)]
+            target = views[output_key(layer)]
             scale = views.get(scale_key(layer))
             for sample, lo, hi in zip(samples, offsets[:-1], offsets[1:]):
                 if hi > lo and scale is not None:  # fp8: quantised per token on the way in
@@ -583,11 +631,15 @@ class ShardWriter:
             "sample_end": shard.sample_end,
             "samples": shard.samples,
             "tokens": shard.tokens,
+            "activations": [output_key(layer) for layer in self._layers],
         }
         if shard.processed_tokens is not None:
             record["counters"] = {PROCESSED_TOKENS: shard.processed_tokens, STORED_TOKENS: shard.tokens}
         if shard.skipped:
             record["counters"] = {**record.get("counters", {}), SKIPPED_ROWS: len(shard.skipped)}
+            non_finite = sum(entry["reason"] == "non_finite" for entry in shard.skipped)
+            if non_finite:
+                record["counters"][NON_FINITE_ROWS] = non_finite
             record["skipped"] = self._listable(shard.skipped)
             self._listed_skipped += len(record["skipped"])
             for entry in record["skipped"]:

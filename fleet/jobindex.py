@@ -4,10 +4,14 @@ Built only from done markers (`done/<id>.json` under the queue prefix), whose `o
 progress records the spawner committed for that task, so the index lists exactly the shards that
 count and none that a preempted holder left half-written.
 
-Normalisation statistics: every shard stores, per layer, its token count, per-dimension sum and sum of squares and
-the sum of token norms (activations.format); the index sums them per layer under `stats` (two small ranged reads
-per shard), so a trainer normalises without an estimation pass. Shards written before the statistics existed leave
-`stats` null.
+Normalisation statistics: every shard stores, per output (hidden state or hook point), its token count,
+per-dimension sum and sum of squares and the sum of token norms (activations.format); the index sums them per output
+under `stats`, keyed by tensor name (`layer_12`, `mlp_out_3`; two small ranged reads per shard), so a trainer
+normalises without an estimation pass. Shards written before the statistics existed leave `stats` null.
+
+What the shards hold: each progress record names its shard's activation tensors (`activations`, absent in records
+written before hook sites existed); the index lists them once, under `activations`, and refuses shards of one job
+that disagree.
 
 Rows the consumer skipped as bad (docs/EXTRACTION.md, "Bad rows") are counted in the records'
 `counters.skipped_rows` and listed, a bounded number per task, in their `skipped`; the index sums
@@ -23,6 +27,7 @@ import datetime as dt
 import json
 import logging
 
+from activations.format import output_key
 from activations.io import ActivationsError, ByteReader
 from activations.reader import MissingStats, ShardRef, sum_stats  # below fleet: numpy only, no JAX
 from objectstore import ObjectStore
@@ -46,6 +51,7 @@ class _TaskOutputs:
     shards: list[dict]  # in sample order
     counters: collections.Counter  # summed over the task's distinct shard records
     skipped: list[dict]  # listed skipped rows, each with its task
+    activations: dict[str, list[str]]  # each record's activation tensors (when it names them) -> its shards' urls
 
 
 def _counters_and_skipped(name: str, i: int, record: dict) -> tuple[dict[str, int], list[dict]]:
@@ -70,6 +76,7 @@ def _shards_of(name: str, raw: bytes) -> _TaskOutputs:
     shards = {}
     counters: collections.Counter = collections.Counter()
     skipped: list[dict] = []
+    activations: dict[str, list[str]] = {}
     for i, record in enumerate(marker["outputs"]):
         for field, kind in _RECORD_FIELDS.items():
             value = record.get(field) if isinstance(record, dict) else None
@@ -90,6 +97,11 @@ def _shards_of(name: str, raw: bytes) -> _TaskOutputs:
         if shard["url"] in shards and shards[shard["url"]] != shard:
             raise JobIndexError(f"done marker {name!r}: outputs[{i}] describes shard {shard['url']} differently than before")
         record_counters, record_skipped = _counters_and_skipped(name, i, record)
+        names = record.get("activations")
+        if names is not None:
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise JobIndexError(f"done marker {name!r}: outputs[{i}] field 'activations' must be a list of tensor names, got {names!r}")
+            activations.setdefault(json.dumps(names), []).append(record["shard"])
         if shard["url"] not in shards:  # a re-sent record counts once
             counters.update(record_counters)
             skipped += [{"task": task, **entry} for entry in record_skipped]
@@ -101,11 +113,26 @@ def _shards_of(name: str, raw: bytes) -> _TaskOutputs:
                 f"done marker {name!r}: shards {before['url']} and {after['url']} cover overlapping samples "
                 f"[{before['sample_start']}, {before['sample_end']}) and [{after['sample_start']}, {after['sample_end']})"
             )
-    return _TaskOutputs(task, ordered, counters, skipped)
+    return _TaskOutputs(task, ordered, counters, skipped, activations)
+
+
+def job_activations(per_task: list[_TaskOutputs]) -> list[str] | None:
+    """The activation tensors every shard holds (from the records that name them); None when no record does."""
+    seen: dict[str, str] = {}  # the tensor list (JSON) -> one shard holding it
+    for outputs in per_task:
+        for names, urls in outputs.activations.items():
+            seen.setdefault(names, urls[0])
+    if len(seen) > 1:
+        (one, first), (other, second) = list(seen.items())[:2]
+        raise JobIndexError(
+            f"shards of this job hold different activations: {first} holds {json.loads(one)}, {second} holds "
+            f"{json.loads(other)}; a queue holds one job"
+        )
+    return json.loads(next(iter(seen))) if seen else None
 
 
 def job_stats(shards: list[dict], parallel: int = 16) -> tuple[dict | None, str | None]:
-    """({"layer_<L>": LayerStats JSON} summed over `shards` (index entries), None) or (None, why not).
+    """({tensor name: LayerStats JSON} summed over `shards` (index entries), None) or (None, why not).
 
     The index's shard list does not depend on the statistics, so a shard without them (written before they existed)
     or one that cannot be read leaves `stats` null with the reason in `stats_error`, and a warning is logged."""
@@ -114,7 +141,7 @@ def job_stats(shards: list[dict], parallel: int = 16) -> tuple[dict | None, str 
     except (MissingStats, ActivationsError) as err:
         log.warning("event=index_without_stats reason=%r", str(err))
         return None, str(err)
-    return {f"layer_{layer}": stats.to_json() for layer, stats in sorted(totals.items())}, None
+    return {output_key(output): stats.to_json() for output, stats in totals.items()}, None
 
 
 def build_index(store: ObjectStore, parallel: int = 16, stats: bool = True) -> dict:
@@ -140,6 +167,7 @@ def build_index(store: ObjectStore, parallel: int = 16, stats: bool = True) -> d
             **dict(sorted(counters.items())),
         },
         "shards": shards,
+        "activations": job_activations(per_task),
         "skipped": skipped[:MAX_LISTED_SKIPPED],
         **dict(zip(("stats", "stats_error"), job_stats(shards, parallel) if stats and shards else (None, None))),
     }

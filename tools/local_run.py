@@ -7,12 +7,16 @@
 4. $WORKERS spawn.py workers (default 3) in parallel, each running consume.py per task;
 5. tools/status.py (and its page, local-run/status.html), then tools/merge.py;
 6. the activations read back through the reader API, with their shapes and counts;
-7. the training loader's first shuffled batch (docs/TRAINING.md).
+7. the training loader's first shuffled batch (docs/TRAINING.md);
+8. with $SITES, the first hook site exported for SAELens (tools/export.py).
 
 Every step is the same command a user runs by hand; they are printed as they run. Point it at a
 real model and dataset with environment variables, e.g.
     MODEL=Qwen/Qwen2.5-0.5B DATASET=HuggingFaceFW/fineweb-edu DATASET_CONFIG=sample-10BT MAX_ROWS=2000 make run
-(the Hub must then be reachable). Everything lands in ./local-run/, which each run starts afresh.
+(the Hub must then be reachable). Hook sites to keep besides the hidden states of $LAYERS:
+    SITES="mlp_out:1,2;attn_out:1" make run
+(site:decoder layers from 0, ';' between sites; docs/EXTRACTION.md, "Hook sites"). Everything lands in
+./local-run/, which each run starts afresh.
 """
 
 from __future__ import annotations
@@ -67,6 +71,18 @@ def dataset_fields() -> dict:
     return {"data_files": [str(p) for p in paths]}
 
 
+def sites_field() -> dict:
+    """$SITES ("mlp_out:1,2;attn_out:1") as the job's `sites`, or nothing."""
+    spec = os.environ.get("SITES", "").strip()
+    if not spec:
+        return {}
+    sites = {}
+    for part in spec.split(";"):
+        site, _, layers = part.partition(":")
+        sites[site.strip()] = [int(x) for x in layers.split(",")]
+    return {"sites": sites}
+
+
 def main() -> int:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -79,6 +95,7 @@ def main() -> int:
         **dataset_fields(),
         "text_field": env("TEXT_FIELD", "text"),
         "layers": [int(x) for x in env("LAYERS", "1,2,-1").split(",")],
+        **sites_field(),
         "max_seq_len": int(env("MAX_SEQ_LEN", "128")),
         "batch_size": int(env("BATCH_SIZE", "8")),
         "dtype": env("DTYPE", "bf16"),
@@ -139,6 +156,7 @@ def main() -> int:
     sh(sys.executable, "tools/merge.py", queue)
 
     step("6. read the activations back")
+    from activations.format import output_key
     from extract.reader import open_activations
     from objectstore import open_store
     from taskqueue import layout
@@ -151,9 +169,10 @@ def main() -> int:
         tokens += acts.num_tokens
         if k == 0:  # show one sample's arrays; count them all
             first = next(acts.samples())
-            print(f"task {layout.id_from_object(entry.name, layout.DONE)}: {acts.num_samples} samples, layers {acts.layers}")
-            for name, array in [("token_ids", first.token_ids)] + [(f"layer_{l}", a) for l, a in first.layers.items()]:
-                print(f"  sample {first.sample_id}: {name:10s} shape {tuple(array.shape)} dtype {array.dtype}")
+            print(f"task {layout.id_from_object(entry.name, layout.DONE)}: {acts.num_samples} samples, layers "
+                  f"{acts.layers}, sites {acts.sites}")
+            for name, array in [("token_ids", first.token_ids)] + [(output_key(o), a) for o, a in first.outputs.items()]:
+                print(f"  sample {first.sample_id}: {name:12s} shape {tuple(array.shape)} dtype {array.dtype}")
     index = json.loads(store.read("index.json").data)
     print(f"read back {samples} samples, {tokens} tokens from {index['totals']['shards']} shards "
           f"({index['totals']['bytes'] / 1e6:.1f} MB); index totals: {json.dumps(index['totals'])}")
@@ -170,6 +189,17 @@ def main() -> int:
     with ActivationLoader(queue, layers=layer, batch_size=256, shuffle_tokens=4096, normalize=normalize) as loader:
         batch = next(loader)
     print(f"first batch: shape {tuple(batch.shape)} dtype {batch.dtype}")
+    for site, layers in acts.sites.items():
+        print(f"ActivationLoader({queue!r}, site={site!r}, layers={list(layers)}, batch_size=256, shuffle_tokens=4096)")
+        with ActivationLoader(queue, site=site, layers=list(layers), batch_size=256, shuffle_tokens=4096) as loader:
+            batch = next(loader)
+        print(f"first batch: shape {tuple(batch.shape)} dtype {batch.dtype}")
+
+    if acts.sites:
+        site, layers = next(iter(acts.sites.items()))
+        step(f"8. {site} of layer {layers[0]} for SAELens (docs/TRAINING.md)")
+        sh(sys.executable, "tools/export.py", queue, "--to", "saelens", str(WORK / "saelens"), "--site", site,
+           "--layer", str(layers[0]), "--context-size", "16")
     return 0
 
 

@@ -33,6 +33,7 @@ import pathlib
 import sys
 import tempfile
 
+from activations.format import output_key, sites_of
 from extract import costmodel
 from extract.errors import EX_DATAERR, BadInput, exit_for_failure
 from extract.job import Job, Task, load_job
@@ -205,8 +206,9 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     storage = prices.storage_prices(args.storage)
     job = load_job(args.job)
     config, config_source, model_dir = costmodel.model_config(job, args.model_config, workdir)
-    layers = costmodel.computed_layers(job.layers, config.num_hidden_layers)
-    depth = max(layers)
+    outputs = costmodel.job_outputs(job, config)
+    layers = [output for output in outputs if isinstance(output, int)]
+    depth = config.depth_for(outputs)
     tasks = _tasks(args.tasks) if args.tasks else None
     tokens, rows_source = estimate_tokens(job, args, tasks, model_dir)
 
@@ -223,7 +225,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
 
     # Output.
     header = costmodel.shard_header_bytes(job, tasks[0] if tasks else None)
-    out = costmodel.output_bytes(job, config.hidden_size, len(layers), tokens, task_rows, header)
+    out = costmodel.output_bytes(job, costmodel.output_widths(config, outputs), tokens, task_rows, header)
     # A typical full shard: shard_size rows, or fewer where shard_bytes cuts it first (extract.batching.ShardBounds).
     full_shard_rows = costmodel.rows_per_shard(job, out.stored_tokens_per_row, out.bytes_per_token)
     shard_rows = min(full_shard_rows, rows_per_task)
@@ -259,6 +261,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
         "model": {"name": job.model, "config": config_source, "model_type": config.model_type,
                   "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers},
         "layers": list(layers),
+        "sites": sites_of(outputs),
         "layers_computed": depth,
         "tokens": {
             "rows": tokens.rows,
@@ -331,15 +334,16 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
         "prices": {"file": prices.source, "as_of": prices.as_of, "sources": dict(prices.sources)},
     }
     plan["sampling"] = sampling_figures(job, tokens, out)
+    widths = costmodel.output_widths(config, outputs)
     if args.storage_budget_tb is not None:
-        plan["storage_budget"] = budget_figures(args.storage_budget_tb * TB, job, config, layers, tokens, task_rows,
-                                                header, storage.standard_per_gib_month)  # fmt: skip
+        plan["storage_budget"] = budget_figures(args.storage_budget_tb * TB, job, widths, tokens, task_rows, header,
+                                                storage.standard_per_gib_month)  # fmt: skip
     fits_warning = None
     if out.total > args.warn_output_tb * TB:
-        fits_warning = costmodel.suggest_token_sample(args.warn_output_tb * TB, job, config.hidden_size, len(layers),
-                                                      tokens, task_rows, header)  # fmt: skip
-    plan["memory"] = memory_plan(job, config, layers, machine, prices)
-    plan["warnings"] = (warnings(plan, args, job, config, tokens, layers, prices, fits_warning)
+        fits_warning = costmodel.suggest_token_sample(args.warn_output_tb * TB, job, widths, tokens, task_rows,
+                                                      header)  # fmt: skip
+    plan["memory"] = memory_plan(job, config, outputs, machine, prices)
+    plan["warnings"] = (warnings(plan, args, job, config, tokens, outputs, prices, fits_warning)
                         + memory_warnings(plan["memory"]))  # fmt: skip
     return plan
 
@@ -362,17 +366,17 @@ def sampling_figures(job: Job, tokens: costmodel.TokenEstimate, out: costmodel.O
     }
 
 
-def budget_figures(budget: float, job: Job, config, layers, tokens, task_rows, header: int, per_gib_month: float) -> dict:
+def budget_figures(budget: float, job: Job, widths, tokens, task_rows, header: int, per_gib_month: float) -> dict:
     """The token_sample that fits `budget` bytes (costmodel.suggest_token_sample), what it stores and costs, and the
     diversity it keeps beside the other way to fit: all tokens of fewer rows."""
-    fraction = costmodel.suggest_token_sample(budget, job, config.hidden_size, len(layers), tokens, task_rows, header)
+    fraction = costmodel.suggest_token_sample(budget, job, widths, tokens, task_rows, header)
     figures: dict = {"tb": budget / TB, "token_sample": fraction}
     if fraction is None:
         return figures
     sampled = job.model_copy(update={"token_sample": fraction})
-    out = costmodel.output_bytes(sampled, config.hidden_size, len(layers), tokens, task_rows, header)
-    unsampled = costmodel.output_bytes(job.model_copy(update={"token_sample": 1.0, "drop_first": 0}),
-                                       config.hidden_size, len(layers), tokens, task_rows, header)  # fmt: skip
+    out = costmodel.output_bytes(sampled, widths, tokens, task_rows, header)
+    unsampled = costmodel.output_bytes(job.model_copy(update={"token_sample": 1.0, "drop_first": 0}), widths, tokens,
+                                       task_rows, header)  # fmt: skip
     figures.update(
         bytes=out.total,
         shards=out.shards,
@@ -383,7 +387,7 @@ def budget_figures(budget: float, job: Job, config, layers, tokens, task_rows, h
     return figures
 
 
-def memory_plan(job: Job, config, layers, machine: pricing.Accelerator, prices: pricing.PriceTable) -> dict:
+def memory_plan(job: Job, config, outputs, machine: pricing.Accelerator, prices: pricing.PriceTable) -> dict:
     """What one step of the job needs per chip, and the largest batch_size that fits (extract/memory.py).
 
     The chip's memory comes from the cited HBM table (the engine asks the runtime instead), the attention kernel from
@@ -401,7 +405,8 @@ def memory_plan(job: Job, config, layers, machine: pricing.Accelerator, prices: 
         softcap=getattr(config, "attn_logit_softcapping", None),
     ).kernel  # fmt: skip
     shape = dict(
-        config=config, depth=max(layers), kept=len(layers), compute_bytes=jnp.dtype(job.compute_dtype_name).itemsize,
+        config=config, depth=config.depth_for(outputs), kept=-(-sum(costmodel.output_widths(config, outputs)) // config.hidden_size),
+        compute_bytes=jnp.dtype(job.compute_dtype_name).itemsize,
         out_bytes=jnp.dtype(job.out_dtype_name).itemsize, kernel=kernel, packed=job.packing,
     )  # fmt: skip
     axes = [m for m in range(1, machine.chips + 1) if machine.chips % m == 0]
@@ -446,18 +451,20 @@ def memory_warnings(plan_memory: dict) -> list[str]:
     return []
 
 
-def warnings(plan, args, job, config, tokens, layers, prices, fits_warning: float | None = None) -> list[str]:
+def warnings(plan, args, job, config, tokens, outputs, prices, fits_warning: float | None = None) -> list[str]:
     """`fits_warning`: the token_sample whose output fits under --warn-output-tb (costmodel.suggest_token_sample)."""
     out = []
     total = plan["output"]["bytes"]
     limit = args.warn_output_tb * TB
     if total > limit:
-        per_layer = plan["sampling"]["stored_tokens"] * costmodel.value_bytes_per_token(job, config.hidden_size, 1)
+        per_output = plan["sampling"]["stored_tokens"] * costmodel.value_bytes_per_token(job, [config.hidden_size])
         keep_rows = int(tokens.rows * limit / total)
         lines = [
             f"OUTPUT TOO LARGE: {total / TB:,.1f} TB, above --warn-output-tb {args.warn_output_tb:g} TB "
             f"({plan['storage']['dollars_per_month']:,.0f} $/month to keep). To shrink it:",
-            f"  - fewer layers: each of the {len(layers)} layers is {per_layer / TB:,.1f} TB",
+            f"  - fewer layers or sites: each of the {len(outputs)} ({', '.join(map(output_key, outputs))}) is "
+            f"{per_output / TB:,.1f} TB" + (" (mlp_hidden: intermediate/hidden times that)" if any(
+                config.width(o) != config.hidden_size for o in outputs) else ""),
             f"  - fewer rows: about {keep_rows:,} of {tokens.rows:,} rows fit under the threshold",
         ]
         for shorter in (512, 256, 128):
@@ -541,7 +548,8 @@ def render(plan: dict) -> str:
         f"plan for {plan['job']}",
         f"  model       {plan['model']['name']} ({plan['model']['model_type']}, hidden {plan['model']['hidden_size']}, "
         f"{plan['model']['num_hidden_layers']} layers; config: {plan['model']['config']})",
-        f"  layers      {plan['layers']}: {plan['layers_computed']} decoder layers computed",
+        f"  layers      {plan['layers']}" + (f", sites {plan['sites']}" if plan["sites"] else "")
+        + f": {plan['layers_computed']} decoder layers computed",
         f"  rows        {t['rows']:,} ({t['rows_source']})",
         f"  tokens      {t['rows']:,} rows x {t['tokens_per_row']:,.1f} tokens/row = {_si(t['tokens'], 'tokens')}"
         f"  ({t['source']})",

@@ -39,9 +39,9 @@ def rewrite_single_file(path, drop=lambda name: False):
 def test_unknown_model_type_names_the_field_and_the_supported_ones(qwen2_untied, tmp_path):
     path = copy_model(qwen2_untied, tmp_path)
     config = json.loads((path / "config.json").read_text())
-    config["model_type"] = "llama"
+    config["model_type"] = "mixtral"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BadInput, match=r"model_type='llama'.*qwen2, qwen3"):
+    with pytest.raises(BadInput, match=r"model_type='mixtral'.*qwen2 .*qwen3 .*llama .*mistral .*gemma2 .*gemma3_text"):
         engine(path)
 
 

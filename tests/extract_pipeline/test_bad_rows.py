@@ -186,6 +186,14 @@ def test_a_json_slice_in_which_no_row_has_the_text_field_is_bad_input(tmp_path):
     assert [d.bad.reason for d in data.read_slice(task, "text", skip=1)] == ["missing_field", "not_an_object"]
 
 
+def test_a_text_field_in_no_row_of_the_tasks_last_json_file_is_bad_input_once_batched(tmp_path, tiny_models):
+    """The check runs when the file's rows end; batching reads no further than the slice, so it must pull the reader
+    to its end itself, or the task's last file is never judged (issue 30: exit 0 with every row skipped)."""
+    task = write_rows(tmp_path / "rows.jsonl", [{"body": "zero"}, {"body": "one"}, {"body": "two"}])
+    with pytest.raises(BadInput, match=r"^text_field: 'text' is in no row \(0\.\.2\) of .*rows\.jsonl"):
+        _batches(Tokenizer(tiny_models["qwen2"], 128), task)
+
+
 def test_a_parquet_file_without_the_text_column_stays_bad_input(tmp_path):
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"body": ["zero", "one"]}), path)
@@ -399,6 +407,20 @@ def test_fail_mode_exits_65_naming_the_file_the_row_and_the_reason(tmp_path, tin
     assert "Traceback" not in proc.stderr
     # The bad row is in the first shard's window, so nothing was stored.
     assert spec.records() == [] and not list((tmp_path / "out").glob("*.safetensors"))
+
+
+def test_a_typo_in_text_field_exits_65_when_the_json_file_is_the_tasks_only_one(tmp_path, tiny_models, corpus,
+                                                                                 run_consume):  # fmt: skip
+    rows = tmp_path / "rows.jsonl"
+    write_rows(rows, [{"text": "zero"}, {"text": "one"}])
+    spec = ConsumeRun(workdir=tmp_path, job=base_job(tiny_models["qwen2"], corpus, data_files=[str(rows)],
+                                                     text_field="txt", shard_size=4),
+                      task={"id": "t-typo", "files": [{"path": str(rows), "base": 0, "start": 0, "end": 2}]},
+                      output=str(tmp_path / "out"))  # fmt: skip
+    proc = run_consume(spec)
+    assert proc.returncode == 65, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if "event=bad_input" in line]
+    assert f"text_field: 'txt' is in no row (0..1) of {rows}" in line
 
 
 # A task of which every row is bad runs through spawn.py, status and merge in tests/e2e/test_bad_rows_pipeline.py.

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from extract import costmodel
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.errors import BadInput
 from extract.job import Job
 from extract.tiny import tiny_qwen_config, write_fineweb_like_parquet, write_tiny_qwen
@@ -45,7 +45,7 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_flops_per_token_matches_the_formula_worked_by_hand():
-    config = QwenConfig.from_dict(TINY)
+    config = ModelConfig.from_dict(TINY)
     # Per layer: projections 2*(D*N*H + 2*D*K*H + N*H*D + 3*D*F) = 2*(4096 + 4096 + 4096 + 24576) = 73728;
     # attention 4*N*H per key = 256. A 10-token sample through 2 layers: 2 * (73728 + 256*10) = 152576.
     assert costmodel.projection_flops_per_token(config) == 73728
@@ -54,7 +54,7 @@ def test_flops_per_token_matches_the_formula_worked_by_hand():
 
 
 def test_job_flops_is_the_sum_of_per_sample_counts():
-    config = QwenConfig.from_dict(TINY)
+    config = ModelConfig.from_dict(TINY)
     lengths = [0, 3, 10, 32]
     tokens = costmodel.TokenEstimate.from_lengths(rows=4, lengths=lengths, source="test")
     by_sample = sum(n * costmodel.flops_per_token(config, 3, n) for n in lengths)
@@ -68,7 +68,7 @@ def test_costmodel_counts_flops_as_the_engine_does(tmp_path):
     from extract.engine import Engine
 
     model = write_tiny_qwen(tmp_path / "m", model_type="qwen3", hidden=64, layers=3, heads=4, kv_heads=2)
-    config = QwenConfig.from_file(model / "config.json")
+    config = ModelConfig.from_file(model / "config.json")
     engine = Engine(str(model), [1, -2], batch_size=2, max_seq_len=32, compute_dtype="float32")
     layers = costmodel.computed_layers([1, -2], config.num_hidden_layers)
     assert layers == engine.layers and max(layers) == engine.num_computed_layers
@@ -78,9 +78,9 @@ def test_costmodel_counts_flops_as_the_engine_does(tmp_path):
 
 def test_output_bytes_per_token_by_dtype_and_layer_count():
     # 2 layers x hidden 64 x 2 bytes + a 4-byte token id = 260; fp16 is the same size as bf16; fp32 doubles values.
-    assert costmodel.bytes_per_token(tiny_job(dtype="bf16"), 64, 2) == 260
-    assert costmodel.bytes_per_token(tiny_job(dtype="fp16"), 64, 2) == 260
-    assert costmodel.bytes_per_token(tiny_job(dtype="fp32"), 64, 2) == 2 * 64 * 4 + 4
+    assert costmodel.bytes_per_token(tiny_job(dtype="bf16"), [64, 64]) == 260
+    assert costmodel.bytes_per_token(tiny_job(dtype="fp16"), [64, 64]) == 260
+    assert costmodel.bytes_per_token(tiny_job(dtype="fp32"), [64, 64]) == 2 * 64 * 4 + 4
 
 
 def test_output_bytes_match_a_real_shard_encoding():
@@ -90,7 +90,7 @@ def test_output_bytes_match_a_real_shard_encoding():
     job = tiny_job(layers=[1, 3], shard_size=3)
     lengths = [5, 0, 7]
     tokens = costmodel.TokenEstimate.from_lengths(rows=3, lengths=lengths, source="test")
-    out = costmodel.output_bytes(job, 64, 2, tokens, task_rows=[3], header_bytes=0)
+    out = costmodel.output_bytes(job, [64, 64], tokens, task_rows=[3], header_bytes=0)
     n = sum(lengths)
     tensors = {
         "layer_1": np.zeros((n, 64), numpy_dtype("bfloat16")),
@@ -110,8 +110,8 @@ def test_shard_count_follows_shard_boundaries_within_each_task():
     tokens = costmodel.TokenEstimate.from_mean(rows=10, tokens_per_row=2, max_seq_len=32, source="test")
     # Shards restart in every task: tasks of 6 + 4 rows write 2 + 1 shards, tasks of 5 + 5 write 2 + 2, where
     # one run of 10 rows would write ceil(10 / 4) = 3.
-    assert costmodel.output_bytes(job, 64, 2, tokens, [6, 4], 0).shards == 3
-    assert costmodel.output_bytes(job, 64, 2, tokens, [5, 5], 0).shards == 4
+    assert costmodel.output_bytes(job, [64, 64], tokens, [6, 4], 0).shards == 3
+    assert costmodel.output_bytes(job, [64, 64], tokens, [5, 5], 0).shards == 4
 
 
 def test_a_given_mean_is_capped_at_max_seq_len():
@@ -322,6 +322,26 @@ def test_plan_for_a_fineweb_edu_sized_job_from_row_counts(tmp_path):
     assert plan["operations"]["class_a"]["heartbeats"] == pytest.approx(plan["tasks"]["count"] * minutes * 2, rel=0.1)
 
 
+def test_plan_for_a_gemma2_transcoder_job_counts_each_sites_width_and_depth(tmp_path):
+    """MLP input and output of layer 12, the MLP's hidden activations of layer 5, no hidden states."""
+    job = {"model": "google/gemma-2-2b", "data_files": ["x.parquet"], "max_seq_len": 1024, "batch_size": 8,
+           "shard_size": 64, "sites": {"mlp_in": [12], "mlp_out": [12], "mlp_hidden": [5]}}  # fmt: skip
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    result = run_tool("tools/plan.py", str(job_file), "--accelerator", "v6e-8", "--rows", "1000",
+                      "--tokens-per-row", "500", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["model"]["model_type"] == "gemma2" and plan["layers"] == []
+    assert plan["sites"] == {"mlp_in": [12], "mlp_hidden": [5], "mlp_out": [12]}
+    # Hidden 2304 for mlp_in and mlp_out, intermediate 9216 for mlp_hidden, bf16, plus the token id.
+    assert plan["output"]["bytes_per_token"] == (2 * 2304 + 9216) * 2 + 4
+    # Layer 12 (counted from 0) needs 13 decoder layers. Gemma-2-2B: D 2304, N 8, K 4, H 256, F 9216.
+    assert plan["layers_computed"] == 13
+    p = 2 * (2304 * 8 * 256 + 2 * 2304 * 4 * 256 + 8 * 256 * 2304 + 3 * 2304 * 9216)
+    assert plan["compute"]["flops"] == pytest.approx(13 * 1000 * (p * 500 + 4 * 8 * 256 * 500**2))
+
+
 def test_shard_bytes_cuts_shards_as_the_writer_does():
     # 2 layers x 64 x 2 bytes + 4 = 260 bytes a token; shard_bytes 2600 is 10 tokens, so at 3 tokens a row a shard
     # holds 3 rows. Blocks of shard_size 8 rows are cut into 3 + 3 + 2: a task of 20 rows is 8 + 8 + 4 rows,
@@ -329,7 +349,7 @@ def test_shard_bytes_cuts_shards_as_the_writer_does():
     job = tiny_job(shard_size=8, shard_bytes=2600)
     tokens = costmodel.TokenEstimate.from_mean(rows=20, tokens_per_row=3, max_seq_len=32, source="test")
     assert costmodel.rows_per_shard(job, 3, 260) == 3
-    assert costmodel.output_bytes(job, 64, 2, tokens, [20], 0).shards == 8
+    assert costmodel.output_bytes(job, [64, 64], tokens, [20], 0).shards == 8
     # What the writer's own cut does with the same figures: ShardBounds over 20 rows of 3 tokens.
     from extract.batching import ShardBounds, shard_token_limit
 
@@ -395,7 +415,7 @@ def test_bad_job_is_bad_input_naming_the_field(tmp_path):
     result = run_tool("tools/plan.py", str(job_file), "--accelerator", "v6e-8", "--rows", "10",
                       "--tokens-per-row", "5")  # fmt: skip
     assert result.returncode == 65
-    assert "layers: missing" in result.stderr
+    assert "layers/sites: neither given" in result.stderr
 
 
 def test_hub_model_without_a_config_is_bad_input_naming_model(tmp_path):
@@ -410,7 +430,7 @@ def test_hub_model_without_a_config_is_bad_input_naming_model(tmp_path):
 def test_make_tasks_auto_cuts_tasks_at_the_planners_recommendation(make_run_job, make_run_lengths, tmp_path):
     work, job, job_file, _ = make_run_job
     # The recommendation worked out here: v5litepod-1 is one v5e chip; MFU 0.35; a target of 1e-7 minutes.
-    config = QwenConfig.from_file(pathlib.Path(job["model"]) / "config.json")
+    config = ModelConfig.from_file(pathlib.Path(job["model"]) / "config.json")
     tokens = costmodel.TokenEstimate.from_lengths(320, make_run_lengths, "test")
     chip = pricing.load_prices().accelerator("v5litepod-1").peak_flops
     recommended = costmodel.recommend_rows_per_task(config, 4, tokens, chip * 0.35, 1e-7 * 60, job["shard_size"])
@@ -442,7 +462,7 @@ def test_gs_model_is_planned_from_its_config_and_tokenizer_without_the_weights(g
         store.put(path.name, path.read_bytes())
     job = tiny_job(model=url)
     config, source, directory = costmodel.model_config(job, workdir=tmp_path / "fetched")
-    assert config == QwenConfig.from_file(model / "config.json") and source == f"{url}/config.json"
+    assert config == ModelConfig.from_file(model / "config.json") and source == f"{url}/config.json"
     fetched = {p.name for p in directory.iterdir()}
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= fetched
     assert not any(name.endswith(".safetensors") for name in fetched)

@@ -133,7 +133,7 @@ def test_seed_job_sampled_at_a_tenth_in_fp8_would_store_under_15_tb():
     tokens = costmodel.TokenEstimate.from_mean(ROWS, PER_ROW, 4096, "test")
     rows = costmodel.split_rows(ROWS, 25600)
     header = costmodel.shard_header_bytes(job)
-    out = costmodel.output_bytes(job.model_copy(update={"dtype": "fp8"}), 3584, 4, tokens, rows, header)
+    out = costmodel.output_bytes(job.model_copy(update={"dtype": "fp8"}), [3584] * 4, tokens, rows, header)
     # A stored token: 4 layers x (3584 e4m3 bytes + a 4-byte scale), a token id and a position.
     assert out.bytes_per_token == 4 * (3584 + 4) + 4 + 4
     assert out.total == pytest.approx(ROWS * (0.1 * PER_ROW * 14360 + 16), rel=1e-3)

@@ -1,0 +1,149 @@
+"""Every family, every hook site of every layer and every hidden state, against transformers' own modules.
+
+The reference is transformers' PyTorch model on the checkpoint it saved, with forward hooks on its modules
+(tests/extract_model/families.py). Bounds are relative to transformers' own rounding (docs/MODEL.md, "Tolerances"),
+because an absolute bound does not carry across shapes:
+
+- float32: per output, our largest error against transformers' float64 forward (the same weights, widened) is at
+  most FLOAT32_VS_TRANSFORMERS times transformers' own float32 error against it, plus one float32 rounding of the
+  largest value.
+- bfloat16: per output, against the same float64 forward, the mean over tokens of (1 - cosine) is at most
+  BF16_MEAN_VS_TRANSFORMERS times that of transformers' bfloat16 forward, and the worst token's at most
+  BF16_WORST_VS_TRANSFORMERS times transformers' worst (plus one bfloat16 rounding's worth).
+
+The batch is right-padded (six samples of 9 to 30 tokens), so padding invariance is part of every comparison. The
+small configs make each family's options matter (tests/extract_model/families.py: windows shorter than the samples,
+scaled RoPE, a soft-cap below the logits). The real shapes (Llama-3.1-8B, Gemma-2-2B) run one and two layers at
+their full width, marked `real_shape`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from activations.format import HookPoint, Output, output_key, sites_of
+from extract.engine import Engine
+from tests.extract_model.families import FAMILIES, REAL, FamilyModel, write_family_model
+
+FLOAT32_VS_TRANSFORMERS = 4.0
+BF16_MEAN_VS_TRANSFORMERS = 1.5
+BF16_WORST_VS_TRANSFORMERS = 4.0
+FLOAT32_ROUNDING = 2.0**-24
+BF16_ROUNDING_COSINE = 2.0**-18  # 1 - cos of a vector whose every value is off by about one bfloat16 rounding
+LENGTHS = [23, 9, 16, 30, 12, 20]
+
+
+@dataclasses.dataclass
+class References:
+    samples: list[list[int]]
+    batch: np.ndarray
+    float32: list[dict[Output, np.ndarray]]
+    float64: list[dict[Output, np.ndarray]]
+    bfloat16: list[dict[Output, np.ndarray]]
+
+
+def references(model: FamilyModel, lengths: list[int], seed: int = 0) -> References:
+    rng = np.random.default_rng(seed)
+    vocab = model.torch_model.config.vocab_size
+    samples = [rng.integers(1, vocab, n).tolist() for n in lengths]
+    batch = np.zeros((len(samples), max(lengths)), np.int32)
+    for row, sample in enumerate(samples):
+        batch[row, : len(sample)] = sample
+    return References(
+        samples, batch,
+        float32=[model.reference(s) for s in samples],
+        float64=[model.reference(s, torch.float64) for s in samples],
+        bfloat16=[model.reference(s, torch.bfloat16) for s in samples],
+    )  # fmt: skip
+
+
+def run_engine(model: FamilyModel, refs: References, dtype: str) -> dict[Output, np.ndarray]:
+    outputs = model.every_output()
+    engine = Engine(
+        str(model.path), [o for o in outputs if isinstance(o, int)], sites=sites_of(outputs),
+        batch_size=len(refs.samples), max_seq_len=refs.batch.shape[1], compute_dtype=dtype, out_dtype=dtype,
+        devices=jax.devices()[:1],
+    )  # fmt: skip
+    got = engine.forward(refs.batch)
+    assert list(got) == list(engine.outputs) == sorted(engine.outputs, key=outputs.index)
+    assert not np.asarray(got.nonfinite).any()
+    return {output: np.asarray(value, np.float64) for output, value in got.items()}
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def float32_errors(ours: dict, refs: References) -> dict[str, tuple[float, float, float]]:
+    """Per output: (our max error, transformers' max error, max |value|), all against float64, over valid tokens."""
+    errors = {}
+    for output, values in ours.items():
+        mine = theirs = scale = 0.0
+        for row, sample in enumerate(refs.samples):
+            wide = refs.float64[row][output]
+            mine = max(mine, float(np.abs(values[row, : len(sample)] - wide).max()))
+            theirs = max(theirs, float(np.abs(refs.float32[row][output] - wide).max()))
+            scale = max(scale, float(np.abs(wide).max()))
+        errors[output_key(output)] = (mine, theirs, scale)
+    return errors
+
+
+def bf16_errors(ours: dict, refs: References) -> dict[str, tuple[float, float, float, float]]:
+    """Per output: mean and worst (1 - cosine) over valid tokens against float64, ours then transformers'."""
+    errors = {}
+    for output, values in ours.items():
+        mine = np.concatenate([1 - cosine(values[r, : len(s)], refs.float64[r][output]) for r, s in enumerate(refs.samples)])
+        theirs = np.concatenate([1 - cosine(refs.bfloat16[r][output], refs.float64[r][output])
+                                 for r in range(len(refs.samples))])  # fmt: skip
+        errors[output_key(output)] = (float(mine.mean()), float(theirs.mean()), float(mine.max()), float(theirs.max()))
+    return errors
+
+
+def assert_float32_within_bound(errors: dict) -> None:
+    over = {key: e for key, e in errors.items() if e[0] > FLOAT32_VS_TRANSFORMERS * e[1] + FLOAT32_ROUNDING * e[2]}
+    assert not over, f"(ours, transformers', scale) over the bound: {over}"
+
+
+def assert_bf16_within_bound(errors: dict) -> None:
+    over = {
+        key: e for key, e in errors.items()
+        if e[0] > BF16_MEAN_VS_TRANSFORMERS * e[1] + BF16_ROUNDING_COSINE
+        or e[2] > BF16_WORST_VS_TRANSFORMERS * e[3] + BF16_ROUNDING_COSINE
+    }  # fmt: skip
+    assert not over, f"(mean ours, mean transformers', worst ours, worst transformers') over the bound: {over}"
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_site_and_hidden_state_matches_transformers_within_the_documented_bounds(model_type, tmp_path):
+    model = write_family_model(tmp_path, model_type, seed=7)
+    refs = references(model, LENGTHS)
+    # The hooks see each site where transformers computes it: its residual identities hold in its own float64.
+    for layer in range(model.num_hidden_layers):
+        for values in refs.float64:
+            site = {s: values[HookPoint(s, layer)] for s in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")}
+            np.testing.assert_allclose(site["resid_pre"] + site["attn_out"], site["resid_mid"], atol=1e-12)
+            np.testing.assert_allclose(site["resid_mid"] + site["mlp_out"], site["resid_post"], atol=1e-12)
+            np.testing.assert_array_equal(site["resid_pre"], values[layer])
+    errors = float32_errors(run_engine(model, refs, "float32"), refs)
+    assert len(errors) == len(model.every_output())
+    assert_float32_within_bound(errors)
+    # The sites are really different tensors (not one value under several names).
+    assert errors["resid_post_0"] == errors["layer_1"] and errors["attn_out_0"] != errors["mlp_out_0"]
+    assert_bf16_within_bound(bf16_errors(run_engine(model, refs, "bfloat16"), refs))
+
+
+@pytest.mark.real_shape
+@pytest.mark.parametrize("name, layers", [("Llama-3.1-8B", 1), ("Gemma-2-2B", 2)])
+def test_real_shape_every_site_matches_transformers(name, layers, tmp_path: pathlib.Path):
+    model_type, shape = REAL[name]
+    model = write_family_model(tmp_path, model_type, seed=3, shard_size=None, vocab_size=256,
+                               num_hidden_layers=layers, **shape)  # fmt: skip
+    refs = references(model, [32, 20])
+    assert_float32_within_bound(float32_errors(run_engine(model, refs, "float32"), refs))
+    assert_bf16_within_bound(bf16_errors(run_engine(model, refs, "bfloat16"), refs))
