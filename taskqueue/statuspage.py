@@ -94,7 +94,8 @@ figure{{margin:0;min-width:0}}figure svg{{display:block;width:100%;height:auto}}
 h1{{font-size:20px}}.card .v{{font-size:19px}}
 table.stack,table.stack tbody,table.stack tr{{display:block}}table.stack thead{{display:none}}
 table.stack tr{{border-bottom:1px solid var(--line);padding:5px 0}}
-table.stack td{{display:inline;border:0;padding:0 10px 0 0}}table.stack td:first-child{{font-weight:600}}}}
+table.stack td{{display:inline;border:0;padding:0 10px 0 0}}table.stack td:first-child{{font-weight:600}}
+table.stack td[data-label]::before{{content:attr(data-label) " ";color:var(--muted)}}}}
 details{{margin:4px 0}}summary{{cursor:pointer}}
 pre{{white-space:pre-wrap;overflow-wrap:anywhere;background:var(--panel);border:1px solid var(--line);border-radius:4px;
 padding:8px;margin:4px 0;font-size:12.5px;max-height:24em;overflow:auto}}
@@ -298,8 +299,10 @@ def _states_list(page: _Page, path: str, by_state: Mapping[str, int]) -> str:
 def _table(table_id: str, head: list[str], rows: list[str], numeric: set[int] = frozenset(), stack: bool = False,
            cls: str = "") -> str:
     """A table that scrolls inside itself when it is wider than the page; `stack`: on a phone each
-    row is a line of text instead (for rows of names and sentences rather than figures)."""
+    row is a line of text instead, its figures named by their cells' `data-label`."""
     cells = "".join(f"<th{' class=n' if k in numeric else ''}>{h}</th>" for k, h in enumerate(head))
+    if stack:  # a space between cells: where a stacked row, its cells inline, may break into lines
+        rows = [row.replace("</td><td", "</td> <td") for row in rows]
     classes = " ".join(c for c in (cls, "stack" if stack else "") if c)
     attr = f" class='{classes}'" if classes else ""
     return (f"<div class='scroll'><table id='{table_id}'{attr}><thead><tr>{cells}</tr></thead>"
@@ -362,7 +365,7 @@ def _machines(page: _Page, view: Mapping, fleet: Mapping) -> None:
     page.add(_states_list(page, "fleet.by_state", fleet["by_state"]))
     if len(fleet["by_type"]) > 1 or any(set(g["by_state"]) != set(fleet["by_state"]) for g in fleet["by_type"]):
         rows = [f"<tr><td class='id'>{html.escape(g['machine_type'])}</td><td>{html.escape(g['provisioning'])}</td>"
-                f"<td class='n'>{page.value(f'fleet.by_type.{k}.machines')}</td>"
+                f"<td class='n' data-label='machines'>{page.value(f'fleet.by_type.{k}.machines')}</td>"
                 f"<td>{html.escape(', '.join(f'{s} {n:,}' for s, n in g['by_state'].items()))}</td></tr>"
                 for k, g in enumerate(fleet["by_type"])]  # fmt: skip
         page.add(_table("machines-by-type", ["type", "provisioning", "machines", "states"], rows, {2}, stack=True))
@@ -392,7 +395,7 @@ def _attention(page: _Page, fleet: Mapping) -> None:
                      "<code>tools/status.py QUEUE --machines</code> lists them all.</p>")  # fmt: skip
     if stale:
         rows = [f"<tr><td class='id'><code>{html.escape(s['task'])}</code></td><td>{html.escape(s['worker'])}</td>"
-                f"<td class='n'>{s['silent_s']:,.0f} s</td></tr>" for s in stale[:PAGE_ROWS]]  # fmt: skip
+                f"<td class='n' data-label='silent'>{s['silent_s']:,.0f} s</td></tr>" for s in stale[:PAGE_ROWS]]  # fmt: skip
         page.add("<h3>Stale leases</h3>" + _table("stale-leases", ["task", "held by", "silent"], rows, {2}, stack=True))
 
 
@@ -429,9 +432,10 @@ def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
         page.add(_table("cost-by-state", ["state", "machine-seconds", "dollars"], rows, {1, 2}))
     if cost["by_type"]:
         rows = [f"<tr><td class='id'>{html.escape(g['machine_type'])}</td><td>{html.escape(g['provisioning'])}</td>"
-                f"<td class='n'>{g['machines']:,}</td><td class='n'>${g['per_hour']:,.2f}</td>"
-                f"<td class='n'>${sum(g['dollars'].values()):,.2f}</td></tr>" for g in cost["by_type"]]  # fmt: skip
-        page.add(_table("cost-by-type", ["type", "provisioning", "machines", "per hour", "so far"], rows, {2, 3, 4}))
+                f"<td class='n' data-label='machines'>{g['machines']:,}</td>"
+                f"<td class='n' data-label='per hour'>${g['per_hour']:,.2f}</td>"
+                f"<td class='n' data-label='so far'>${sum(g['dollars'].values()):,.2f}</td></tr>" for g in cost["by_type"]]  # fmt: skip
+        page.add(_table("cost-by-type", ["type", "provisioning", "machines", "per hour", "so far"], rows, {2, 3, 4}, stack=True))
     else:
         page.add("<p class='muted'>No priced machine time yet.</p>")
     for machine_type, seconds in cost["unpriced_seconds"].items():

@@ -171,6 +171,9 @@ def test_page_fits_the_screen_follows_the_scheme_keeps_contrast_and_shows_the_js
     # No sideways scroll: wide tables scroll inside themselves, long names wrap.
     assert browser.execute_script("return document.documentElement.scrollWidth") <= width
     assert browser.execute_script("return window.innerWidth") == width
+    # Nor does any table hide a column on a phone: its rows stack into labelled lines there.
+    tables = browser.execute_script("return [...document.querySelectorAll('table')].map(t => [t.id, t.scrollWidth, t.parentElement.clientWidth])")
+    assert tables and [t for t in tables if t[1] > t[2]] == []
 
     # The scheme is followed, and every text stands out from what is behind it (WCAG AA: 4.5:1).
     seen = browser.execute_script(TEXT_COLOURS_JS)
