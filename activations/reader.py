@@ -342,7 +342,7 @@ class Activations:
         if output not in self.outputs:
             held = ", ".join(map(output_key, self.outputs))
             raise ActivationsError(f"{output_key(output)} was not extracted; these shards hold {held}")
-        return np.concatenate([shard.tensors[output_key(output)] for shard in self.iter_shards()], axis=0)
+        return np.concatenate([shard.output(output) for shard in self.iter_shards()], axis=0)
 
     def token_ids(self) -> np.ndarray:
         return np.concatenate([shard.token_ids for shard in self.iter_shards()])

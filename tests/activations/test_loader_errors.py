@@ -48,7 +48,7 @@ def test_a_shard_that_did_not_extract_a_requested_layer_is_named(shards):
 
     rewrite(shards[2], only_layer_0)
     loader = ActivationLoader(str(shards[0].parent), layers=[0, 1], batch_size=4, shuffle_tokens=8, readahead=2)
-    with pytest.raises(ActivationsError, match=f"shard {shards[2]}: layer 1 was not extracted"):
+    with pytest.raises(ActivationsError, match=f"shard {shards[2]}: layer_1 was not extracted"):
         list(loader)
 
 
@@ -57,7 +57,7 @@ def test_a_layer_with_fewer_rows_than_tokens_is_named(shards):
         tensors["layer_0"] = tensors["layer_0"][:-2]
 
     rewrite(shards[0], short_layer)
-    with pytest.raises(ActivationsError, match=f"shard {shards[0]}: layer 0 has 10 rows, token_ids 12"):
+    with pytest.raises(ActivationsError, match=f"shard {shards[0]}: layer_0 has 10 rows, token_ids 12"):
         list(ActivationLoader(str(shards[0].parent), layers=0, batch_size=4, shuffle=False))
 
 
@@ -106,7 +106,7 @@ def test_shards_of_another_width_are_named(shards, tmp_path):
     odd = other / shard_name(900, 901)
     odd.write_bytes(encode_safetensors(tensors, {"layers": "[0]", "hidden_size": str(HIDDEN + 1)}))
     loader = ActivationLoader([str(p) for p in shards] + [str(odd)], layers=0, batch_size=4, shuffle=False)
-    with pytest.raises(ActivationsError, match=f"shard {odd}: layer 0 is bfloat16 \\[3, {HIDDEN + 1}\\]"):
+    with pytest.raises(ActivationsError, match=f"shard {odd}: layer_0 is bfloat16 \\[3, {HIDDEN + 1}\\]"):
         list(loader)
 
 
