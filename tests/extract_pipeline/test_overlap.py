@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 
 import jax
+import jax.numpy as jnp
 import pytest
-from jax._src.array import ArrayImpl
 
 from extract import memory as mem
 from extract.consumer import RunInputs, run
@@ -83,13 +83,14 @@ class RecordingEngine:
 def copies_started(monkeypatch) -> set[int]:
     """ids of the arrays whose device-to-host copy was started (JAX's own method, called through)."""
     started: set[int] = set()
-    original = ArrayImpl.copy_to_host_async
+    array_type = type(jnp.zeros(()))  # JAX's concrete array class, whatever its private name
+    original = array_type.copy_to_host_async
 
     def spy(self):
         started.add(id(self))
         return original(self)
 
-    monkeypatch.setattr(ArrayImpl, "copy_to_host_async", spy)
+    monkeypatch.setattr(array_type, "copy_to_host_async", spy)
     return started
 
 
