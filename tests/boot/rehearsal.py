@@ -235,9 +235,8 @@ class Rehearsal:
                 with contextlib.suppress(Exception):
                     server.stop()
         self.ns.stop()
-        if not keep_disks:  # a machine's disk is a gigabyte and more (venv, wheels, code); its console logs stay
-            for disk in self.disks:
-                shutil.rmtree(disk.path, ignore_errors=True)
+        if not keep_disks:
+            remove_in_background([disk.path for disk in self.disks if disk.path.exists()])
 
     def __enter__(self) -> "Rehearsal":
         try:
@@ -374,6 +373,15 @@ class Rehearsal:
     def worker_log(self, disk: Disk) -> str:
         path = self.ns.view(disk) / "var/log/spawn-worker.service.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def remove_in_background(paths: list[Path]) -> None:
+    """Remove the machines' disks (a gigabyte and more each: venv, uv's cache, wheels, code; tens of
+    thousands of files, minutes on a loaded machine) without holding up the caller: a test worker
+    goes on with other tests meanwhile. Their console logs, beside them, stay."""
+    if paths:
+        subprocess.Popen(["rm", "-rf", "--one-file-system", "--", *map(str, paths)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def release_host(directory: Path) -> tuple[str, Callable[[], None]]:

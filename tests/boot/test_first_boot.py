@@ -52,11 +52,11 @@ def world(tmp_path) -> Rehearsal:
     tests of a module to different workers, so the costly set-up is never shared between tests."""
     missing = _missing()
     if missing:
-        message = (f"the boot rehearsal needs {'; '.join(missing)} (make rehearsal-tools installs the tools); "
-                   f"it stands up a whole machine, so it skips here")
+        message = (f"the boot rehearsal needs {'; '.join(missing)} (`make rehearsal-tools` installs the tools; "
+                   f"the namespaces need root with CAP_SYS_ADMIN)")
         if _required():
-            pytest.fail(message)
-        pytest.skip(message)
+            pytest.fail(f"{message}; CI must run it (BOOT_REHEARSAL=required or CI is set)")
+        pytest.skip(f"{message}; skipped on this machine")
     with Rehearsal(tmp_path, disks=2) as rehearsal:
         release, listing = standin_release(rehearsal.lower)
         url, stop = release_host(release)
