@@ -222,7 +222,8 @@ class ByteReader:
             if nbytes == 0:
                 return np.empty(0, dtype=np.uint8)
             aligned = start - start % mmap.ALLOCATIONGRANULARITY
-            mapping = mmap.mmap(fd, start + nbytes - aligned, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=aligned)
+            length = start + nbytes - aligned
+            mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=aligned)
         finally:
             os.close(fd)
         pages = np.frombuffer(mapping, dtype=np.uint8)
