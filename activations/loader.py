@@ -17,7 +17,7 @@ What it does, in order:
 3. **Ranged reads.** Per shard: the header (one ranged read), then only the selected layers' rows of this rank (and
    `token_ids`/`offsets` when a filter or `return_token_ids` needs them). gs://: cut into parts of `part_bytes`
    read in parallel by `threads` I/O threads, the object store's ranged GETs, each part copied once from the
-   response into the shard's array. Local files: the rows' byte range is mapped (mmap, populated by the fetching
+   response into the shard's array. Local files: the rows' byte range is mapped (mmap, faulted in by the fetching
    thread), so rows are copied once, from the page cache into the buffer or the batch. `readahead` shards are
    fetched ahead of the one being consumed, across epoch boundaries. With `cache_dir`, fetched gs:// ranges are kept on local disk
    (least recently used ranges deleted beyond `cache_bytes`).
