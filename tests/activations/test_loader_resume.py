@@ -203,3 +203,22 @@ def test_resume_at_random_checkpoints_of_random_jobs_is_exact(job, data):
         checkpoints = data.draw(st.lists(st.integers(0, len(batches)), min_size=1, max_size=3, unique=True))
         for checkpoint in checkpoints:
             assert_resumes_exactly(make, batches, states[checkpoint], checkpoint)
+
+
+@pytest.mark.parametrize("case", ["buffer-smaller-than-a-shard", "filters", "three-epochs-drop-last"])
+def test_steps_emitted_and_refilled_in_chunks_give_the_stream_of_whole_steps(written, case, monkeypatch):
+    """A steady-state step is emitted and refilled a chunk of slots at a time (`_swap`); at these rows' width a
+    step is one chunk, so a chunk of one row here is the case of the 7B width (about 54 rows a chunk)."""
+    import activations.loader
+
+    def stream() -> list[Batch]:
+        with ActivationLoader(str(written.root), layers=list(LAYERS), seed=3, dtype="bfloat16", return_token_ids=True,
+                              **CASES[case]) as loader:  # fmt: skip
+            return [(np.asarray(a).view(np.uint16), np.asarray(t)) for a, t in loader]
+
+    whole = stream()
+    monkeypatch.setattr(activations.loader, "_SWAP_CHUNK_BYTES", 1)
+    chunked = stream()
+    assert len(chunked) == len(whole) > 10
+    for (got, got_ids), (want, want_ids) in zip(chunked, whole):
+        assert np.array_equal(got, want) and np.array_equal(got_ids, want_ids)
