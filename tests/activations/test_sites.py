@@ -154,8 +154,12 @@ def test_shards_and_records_written_before_hook_sites_still_read(tmp_path):
 
     store = objectstore.open_store(str(tmp_path / "queue"))
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    # The metadata the v1 writer wrote (extract/consumer.py's shard_metadata before hook sites): no `sites`.
+    v1 = {"format": "activations/v1", "task": "t", "attempt": "1", "model": "m", "model_type": "qwen2",
+          "num_hidden_layers": "4", "hidden_size": "4", "layers": "[2]", "dtype": "fp32", "compute_dtype": "fp32",
+          "max_seq_len": "8"}  # fmt: skip
     shard = encode_safetensors({"layer_2": x, "token_ids": np.arange(3, dtype=np.int32),
-                                "sample_ids": np.array([7]), "offsets": np.array([0, 3])}, {"layers": "[2]"})  # fmt: skip
+                                "sample_ids": np.array([7]), "offsets": np.array([0, 3])}, v1)  # fmt: skip
     store.put("out/t/1/shard-0.safetensors", shard)
     record = {"shard": store.url("out/t/1/shard-0.safetensors"), "bytes": len(shard), "crc32c": "x",
               "sample_start": 0, "sample_end": 1, "samples": 1, "tokens": 3}  # fmt: skip
@@ -166,5 +170,9 @@ def test_shards_and_records_written_before_hook_sites_still_read(tmp_path):
     assert np.array_equal(acts.layer(2), x) and list(sample.outputs) == [2] and np.array_equal(sample.layers[2], x)
     with ActivationLoader(str(tmp_path / "queue" / "out"), layers=2, batch_size=3, shuffle=False) as loader:
         assert np.array_equal(next(loader), x)
+    from activations.saelens import export_cached_activations
+
+    summary = export_cached_activations(str(tmp_path / "queue" / "out"), tmp_path / "saelens", layer=2, context_size=3)
+    assert summary["hook"] == "blocks.1.hook_resid_post" and summary["rows"] == 1
     index = jobindex.build_index(store)
     assert index["activations"] is None and index["stats"] is None and "statistics" in index["stats_error"]

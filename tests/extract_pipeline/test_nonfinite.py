@@ -14,8 +14,6 @@ import shutil
 import numpy as np
 
 from extract.batching import Tokenizer
-from extract.consumer import RunInputs, run
-from extract.job import Job, Task
 from extract.reader import open_activations
 from tests.extract_pipeline.conftest import ConsumeRun
 
@@ -44,16 +42,19 @@ def job_and_task(model: pathlib.Path, tmp_path: pathlib.Path, **overrides) -> tu
     return job, {"id": "t", "files": [{"path": str(rows), "base": 0, "start": 0, "end": len(TEXTS)}]}
 
 
-def test_a_row_whose_fp16_activations_overflow_is_skipped_and_counted_naming_the_layer(tmp_path, tiny_models):
+def test_a_row_whose_fp16_activations_overflow_is_skipped_and_counted_naming_the_layer(tmp_path, tiny_models,
+                                                                                        run_consume):  # fmt: skip
     model = overflowing_model(tiny_models["qwen2"], tmp_path / "model")
     job, task = job_and_task(model, tmp_path)
-    result = run(RunInputs(job=Job.from_dict(job), task=Task.from_dict(task), output_url=str(tmp_path / "out")))
-    (record,) = result.records
+    spec = ConsumeRun(workdir=tmp_path, job=job, task=task, output=str(tmp_path / "out"))
+    proc = run_consume(spec)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record,) = spec.records()
     assert record["counters"] == {"skipped_rows": 1, "non_finite_rows": 1}
     (entry,) = record["skipped"]
     assert entry["sample_id"] == 1 and entry["row"] == 1 and entry["reason"] == "non_finite"
     assert entry["detail"].startswith("not finite in float16: layer_1 (") and "layer_2" not in entry["detail"]
-    assert result.stats["skipped_rows"] == 1 and result.stats["samples"] == 3
+    assert record["stats"]["skipped_rows"] == 1 and record["stats"]["samples"] == 3
     acts = open_activations(str(tmp_path / "out"))
     assert list(acts.sample_ids()) == [0, 2, 3]
     for layer in acts.layers:
