@@ -273,7 +273,7 @@ def test_status_counts_pending_leased_stale_done_and_failed(local_queue_url):
     assert view["stale_leases"][0]["worker"] == "vm-9"
     assert view["failed_reasons"] == {"t1": "bad input: field 'text'"}
     text = subprocess.run([sys.executable, "tools/status.py", url], cwd=REPO, capture_output=True, text=True).stdout
-    assert "stale   t3 held by vm-9" in text and "failed  t1: bad input" in text
+    assert "stale   t3 held by vm-9" in text and "failed  x1 bad input: field 'text' | t1" in text
 
 
 def test_a_task_whose_holders_keep_dying_is_dead_lettered(local_queue_url, local_workers):

@@ -142,4 +142,4 @@ def test_status_shows_a_slice_as_one_worker_with_its_host_count(tmp_path):
     finally:
         workers.kill_all()
     assert view["holders"] == {"leader": 1} and view["slice_hosts"] == {"leader": 2}
-    assert "holders leader (2 hosts)=1" in status.render(view)
+    assert "holders 1 workers hold 1 leases: leader (2 hosts)=1" in status.render(view)
