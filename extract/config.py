@@ -120,6 +120,11 @@ class ModelConfig:
             return self.intermediate_size
         return self.hidden_size
 
+    def hidden_units(self, outputs: Sequence[Output]) -> float:
+        """The outputs' values per token in units of hidden_size: what the memory model's `kept` counts
+        (`mlp_hidden` counts intermediate_size / hidden_size)."""
+        return sum(map(self.width, outputs)) / self.hidden_size
+
     def depth_for(self, outputs: Sequence[Output]) -> int:
         """Decoder layers to compute for `outputs`: hidden state i needs i (the final-norm index all of them), a hook
         point in layer l needs l + 1, except `resid_pre`, which is the input of layer l."""

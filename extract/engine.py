@@ -236,7 +236,7 @@ class Engine:
                 seq_len=self.max_seq_len,
                 compute_bytes=jnp.dtype(self._compute_dtype).itemsize,
                 out_bytes=jnp.dtype(self._out_dtype).itemsize,
-                num_outputs=sum(map(self.width, self.outputs)) / self.config.hidden_size,
+                num_outputs=self.config.hidden_units(self.outputs),
             )
         if self.batch_size % shape[0]:
             raise BadInput(
@@ -294,7 +294,7 @@ class Engine:
         return dict(
             config=self.config,
             depth=self.num_computed_layers,
-            kept=-(-sum(map(self.width, self.outputs)) // self.config.hidden_size),  # in hidden_size units
+            kept=self.config.hidden_units(self.outputs),
             compute_bytes=jnp.dtype(self._compute_dtype).itemsize,
             out_bytes=jnp.dtype(self._out_dtype).itemsize,
             kernel=self.attention.kernel,

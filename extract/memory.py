@@ -152,7 +152,7 @@ def step_memory(
     config: ModelConfig,
     *,
     depth: int,
-    kept: int,
+    kept: float,
     rows: int,
     seq_len: int,
     compute_bytes: int,
@@ -163,7 +163,7 @@ def step_memory(
     held_steps: int = HELD_STEPS,
 ) -> StepMemory:
     """Bytes one device holds for a step of `rows` rows (its share of the batch) of `seq_len` tokens, computing
-    `depth` decoder layers and returning `kept` hidden states."""
+    `depth` decoder layers and returning `kept` hidden states' worth of outputs (`ModelConfig.hidden_units`)."""
     d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
     q_split = _split(config.num_attention_heads, model_axis)
     heads = config.num_attention_heads // q_split

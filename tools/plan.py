@@ -405,7 +405,7 @@ def memory_plan(job: Job, config, outputs, machine: pricing.Accelerator, prices:
         softcap=getattr(config, "attn_logit_softcapping", None),
     ).kernel  # fmt: skip
     shape = dict(
-        config=config, depth=config.depth_for(outputs), kept=-(-sum(costmodel.output_widths(config, outputs)) // config.hidden_size),
+        config=config, depth=config.depth_for(outputs), kept=config.hidden_units(outputs),
         compute_bytes=jnp.dtype(job.compute_dtype_name).itemsize,
         out_bytes=jnp.dtype(job.out_dtype_name).itemsize, kernel=kernel, packed=job.packing,
     )  # fmt: skip
