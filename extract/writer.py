@@ -54,7 +54,6 @@ from activations.format import (  # noqa: F401 (re-exported)
     FP8,
     FORMAT_SAMPLED,
     POSITIONS,
-    HookPoint,
     LayerStats,
     Output,
     ShardFormatError,
