@@ -8,7 +8,7 @@ first `--swept` of the regions finished and swept, the rest half done, a lease o
 task of the open regions held by one of `--machines` machines, a machine record per machine (with
 the cost fields; a few failed, silent, lost or straggling), and one dead letter per 1000 tasks. It then times `tools/status.py`'s view (as
 --json prints it), the same with --history (the page's completion curve lists swept regions' done
-markers too), and the page's rendering. It prints figures; it asserts nothing.
+markers too), the text view's size (lines by default and with --machines), and the page's rendering. It prints figures; it asserts nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from bench.fleet_sim import EPOCH, Limits, Scheduler, SimStore
 from fleet import machines
 from fleet.pricing import load_prices
 from taskqueue import layout
-from tools.status import job_view
+from tools.status import job_view, render_text
 
 
 def build(tasks: int, n_machines: int, swept_share: float) -> SimStore:
@@ -101,6 +101,10 @@ def main() -> None:
         print("  by kind: " + ", ".join(f"{k}={n}" for k, n in sorted(view["requests_by_kind"].items())))
         print(f"  done {view['done']:,}/{view['total']:,}, eta {view['eta_s']}s {view['eta_range_s']}, "
               f"cost ${view['fleet']['cost']['total_dollars']:,.2f}, waste ${view['fleet']['cost']['waste_dollars']:,.2f}")
+        if not history:
+            text, everything = render_text(view).splitlines(), render_text(view, all_machines=True).splitlines()
+            print(f"  text view: {len(text)} lines, the longest {max(map(len, text))} characters "
+                  f"(--machines: {len(everything):,} lines)")
     from taskqueue.statuspage import render_html
 
     started = time.perf_counter()
