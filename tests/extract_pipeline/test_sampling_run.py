@@ -146,8 +146,7 @@ def test_fp8_run_stores_the_bf16_runs_activations_quantised_per_token(tmp_path, 
     from activations.format import quantize_per_token
 
     task = Task.from_dict({"id": "t000001", "files": corpus.slice_files(SLICE)})
-    # A job may not ask for fp8 yet (extract.job.GATED_DTYPES): the validated job is copied with it.
-    job = Job.from_dict({**base_job(tiny_models["qwen2"], corpus), **SAMPLING}).model_copy(update={"dtype": "fp8"})
+    job = Job.from_dict({**base_job(tiny_models["qwen2"], corpus), **SAMPLING, "dtype": "fp8"})
     run(RunInputs(job=job, task=task, output_url=str(tmp_path / "fp8")))
     acts = open_activations(str(tmp_path / "fp8"))
     assert next(acts.iter_shards()).tensors["layer_1"].dtype.name == "float8_e4m3fn"

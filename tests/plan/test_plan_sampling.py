@@ -125,18 +125,28 @@ def test_planned_sampled_output_agrees_with_what_the_writer_stores(tmp_path):
     assert plan["output"]["bytes"] == pytest.approx(written, rel=0.08)
 
 
-def test_seed_job_sampled_at_a_tenth_in_fp8_would_store_under_15_tb():
-    """fp8 is not offered to jobs yet (extract.job.GATED_DTYPES); the cost model already sizes it."""
+def test_seed_job_sampled_at_a_tenth_in_fp8_stores_under_15_tb(tmp_path):
+    """A job asking for fp8, planned by tools/plan.py: a stored token is 4 layers x (3584 e4m3 bytes + a 4-byte
+    scale), a token id and a position."""
+    bf16, fp8 = plan_seed_job(tmp_path, token_sample=0.1), plan_seed_job(tmp_path, token_sample=0.1, dtype="fp8")
+    assert fp8["output"]["bytes_per_token"] == 4 * (3584 + 4) + 4 + 4
+    tensors = ROWS * 0.1 * PER_ROW * 14360 + ROWS * 16
+    assert fp8["output"]["activation_bytes"] + fp8["output"]["sample_bytes"] == pytest.approx(tensors)
+    assert fp8["output"]["bytes"] <= 15e12 < bf16["output"]["bytes"] <= 30e12
+    assert fp8["storage"]["dollars_per_month"] == pytest.approx(fp8["output"]["bytes"] / GIB * 0.02)
+    assert fp8["compute"]["flops"] == bf16["compute"]["flops"]
+    # The cost model's own figure for the job, as the planner reads it.
     from extract.job import Job
 
-    job = Job.from_dict({**QWEN25_7B_JOB, "token_sample": 0.1})
+    job = Job.from_dict({**QWEN25_7B_JOB, "token_sample": 0.1, "dtype": "fp8"})
     tokens = costmodel.TokenEstimate.from_mean(ROWS, PER_ROW, 4096, "test")
-    rows = costmodel.split_rows(ROWS, 25600)
-    header = costmodel.shard_header_bytes(job)
-    out = costmodel.output_bytes(job.model_copy(update={"dtype": "fp8"}), [3584] * 4, tokens, rows, header)
-    # A stored token: 4 layers x (3584 e4m3 bytes + a 4-byte scale), a token id and a position.
-    assert out.bytes_per_token == 4 * (3584 + 4) + 4 + 4
+    out = costmodel.output_bytes(job, [3584] * 4, tokens, costmodel.split_rows(ROWS, 25600),
+                                 costmodel.shard_header_bytes(job))  # fmt: skip
     assert out.total == pytest.approx(ROWS * (0.1 * PER_ROW * 14360 + 16), rel=1e-3)
-    assert out.total <= 15e12
-    with pytest.raises(BadInput, match="dtype: must be one of bf16, fp16, fp32"):
-        Job.from_dict({**QWEN25_7B_JOB, "dtype": "fp8"})
+
+
+def test_an_unknown_dtype_is_bad_input_naming_the_choices():
+    from extract.job import Job
+
+    with pytest.raises(BadInput, match="dtype: must be one of bf16, fp16, fp32, fp8"):
+        Job.from_dict({**QWEN25_7B_JOB, "dtype": "fp4"})
