@@ -6,9 +6,10 @@ The queue lives in bench/fleet_sim.py's SimStore (GCS's listing pages of 1000, i
 start/end offsets), filled directly: `--tasks` tasks in regions of 1000 (a split per region), the
 first `--swept` of the regions finished and swept, the rest half done, a lease on every unfinished
 task of the open regions held by one of `--machines` machines, a machine record per machine (with
-the cost fields; a few failed, silent, lost or straggling), and one dead letter per 1000 tasks. It then times `tools/status.py`'s view (as
---json prints it), the same with --history (the page's completion curve lists swept regions' done
-markers too), the text view's size (lines by default and with --machines), and the page's rendering. It prints figures; it asserts nothing.
+the cost fields; a few failed, silent, lost or straggling), and one dead letter per 1000 tasks. It then times
+`tools/status.py`'s view (as --json prints it), the same with --history (the page's completion curve lists swept
+regions' done markers too), the text view's size (lines by default and with --machines), and the page's rendering.
+It prints figures; it asserts nothing.
 """
 
 from __future__ import annotations
