@@ -26,7 +26,7 @@ from bench.fleet_sim import EPOCH, InlineExecutor, Limits, Scheduler, SimClock, 
 from taskqueue import layout
 from taskqueue import submit as submit_module
 from taskqueue.claims import Claimer, ClaimOptions
-from taskqueue.status import snapshot
+from reporting.status import snapshot
 from taskqueue.submit import submit
 
 LAST_POLLS = 20

@@ -74,7 +74,7 @@ from taskqueue.claims import Claimer, ClaimOptions, default_poll_max
 from taskqueue.clock import Clock
 from taskqueue.lease import LeaseLost
 from taskqueue.worker import MAX_TAKEOVERS
-from taskqueue.status import snapshot
+from reporting.status import snapshot
 from taskqueue.submit import submit
 
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)

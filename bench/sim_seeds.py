@@ -37,7 +37,7 @@ Invariants, checked for every seed (`Violation.invariant` is the number):
 3. every output a lease write committed is in the done marker;
 4. no worker exits `drained` while a task lacks a marker, counting every task of a submit in progress
    (from its first applied write on: before that no worker can know of it);
-5. `taskqueue.status.snapshot`'s totals, counters and `complete` at the end equal the ground truth;
+5. `reporting.status.snapshot`'s totals, counters and `complete` at the end equal the ground truth;
 6. liveness: a task submitted after the chaos window, while some worker has been waiting without a
    task, is claimed within `pickup_bound_s` (two poll caps plus 10 s); no worker exits `idle` while
    a task nobody holds has been claimable for longer than that bound, nor beside a lease that nobody
@@ -83,7 +83,7 @@ from objectstore.base import NotFound, StoreError
 from taskqueue import claims, layout
 from taskqueue.claims import Claimer, ClaimOptions, default_poll_max
 from taskqueue.lease import sum_counters
-from taskqueue.status import snapshot
+from reporting.status import snapshot
 from taskqueue.submit import SubmitError, batch_name, submit
 from taskqueue.worker import (
     DeadLetter,

@@ -21,7 +21,7 @@ import time
 
 from bench.fleet_sim import EPOCH, Limits, Scheduler, SimStore
 from fleet import machines
-from fleet.pricing import load_prices
+from reporting.pricing import load_prices
 from taskqueue import layout
 from tools.status import job_view, render_text
 
@@ -106,7 +106,7 @@ def main() -> None:
             text, everything = render_text(view).splitlines(), render_text(view, all_machines=True).splitlines()
             print(f"  text view: {len(text)} lines, the longest {max(map(len, text))} characters "
                   f"(--machines: {len(everything):,} lines)")
-    from taskqueue.statuspage import render_html
+    from reporting.page import render_html
 
     started = time.perf_counter()
     page = render_html(view, generated=now).encode()

@@ -21,7 +21,7 @@ Every figure follows from the job file, the model's `config.json` and the data, 
 - **Shards**: cut at every `shard_size` rows of a task, and before a row whose tokens would take the shard's
   tensors past `shard_bytes` (at the mean tokens per row, `rows_per_shard`), as the writer cuts them.
 
-Nothing here imports JAX or the cloud glue; `tools/plan.py` joins these figures to prices (fleet/pricing.py).
+Nothing here imports JAX or the cloud glue; `tools/plan.py` joins these figures to prices (reporting/pricing.py).
 """
 
 from __future__ import annotations

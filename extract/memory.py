@@ -40,7 +40,7 @@ HELD_STEPS = IN_FLIGHT_STEPS + 1
 GIB = 2**30
 
 #: HBM per chip, by the name JAX gives the device (`device.device_kind`) or the price table gives the accelerator
-#: family (fleet/prices.json: v5e, "NVIDIA H100 80GB", ...); first match wins. Sources:
+#: family (reporting/prices.json: v5e, "NVIDIA H100 80GB", ...); first match wins. Sources:
 #: https://cloud.google.com/tpu/docs/v4 (32 GiB), https://cloud.google.com/tpu/docs/v5e (16 GiB),
 #: https://cloud.google.com/tpu/docs/v5p (95 GiB), https://cloud.google.com/tpu/docs/v6e (32 GiB),
 #: https://www.nvidia.com/en-us/data-center/h100/ (80 GB), https://www.nvidia.com/en-us/data-center/h200/ (141 GB),

@@ -7,7 +7,7 @@ Contract (docs/PROTOCOL.md, "Machine records"):
   installing, and failed when the boot fails); the worker writes the rest (working, idle,
   deleting, failed) through the `on_state` hook that spawn.py injects into the queue's spawner.
 - While the worker runs it is rewritten every `beat_s` seconds (the beat, written in the record),
-  so a record that misses its beat belongs to a machine that went silent (fleet/machinestate.py
+  so a record that misses its beat belongs to a machine that went silent (reporting/machinestate.py
   reads it so). The first state and the final ones (failed,
   deleting, exited) are written at once; a change between `working` and `idle` (a new task
   included) is written by the next beat, so a fleet of back-to-back tasks writes one record per
@@ -152,7 +152,7 @@ class MachineRecorder:
         self.beat_s = beat_s
         self.now = now
         self.wait = wait or (lambda stop, seconds: stop.wait(seconds))
-        # Status reads a record that missed this beat as a machine gone silent (fleet/machinestate.py).
+        # Status reads a record that missed this beat as a machine gone silent (reporting/machinestate.py).
         self.base_fields = {"beat_s": beat_s, **base_fields}
         self._lock = lock or threading.Lock()
         self._body: dict | None = None

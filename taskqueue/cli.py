@@ -184,7 +184,7 @@ def run(
         spawner.tell_state("deleting", reason=f"queue {reason}")
         self_delete()
     else:
-        # A preempted machine says so at once: status counts it out of the fleet up (fleet/machinestate.py).
+        # A preempted machine says so at once: status counts it out of the fleet up (reporting/machinestate.py).
         if reason == "stopped" and spawner.stop_reason:
             reason = "preempted" if spawner.stop_reason == "preempted" else f"stopped ({spawner.stop_reason})"
         spawner.tell_state("exited", reason=reason)

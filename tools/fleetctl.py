@@ -18,11 +18,11 @@ from pathlib import Path
 
 from fleet import gapi, keeper, specs, tpu
 from objectstore import open_store
-from taskqueue import status
+from reporting import status
 
 
 def queue_work(queue: str):
-    """A callable reading what the queue has left (taskqueue.status.snapshot: a few listings per region):
+    """A callable reading what the queue has left (reporting.status.snapshot: a few listings per region):
     claimable = never claimed, released, or under a lease silent past its TTL; held = under a live lease."""
     store = open_store(queue)
 

@@ -7,7 +7,7 @@ manifest per line (docs/EXTRACTION.md).
 
 `--rows-per-task auto --accelerator TYPE` sizes tasks to last about --target-minutes (default 10) on
 that accelerator at the assumed --mfu, as tools/plan.py recommends: it tokenises a sample of rows
-and prices nothing, but reads the accelerator's peak FLOP/s from fleet/prices.json.
+and prices nothing, but reads the accelerator's peak FLOP/s from reporting/prices.json.
 """
 
 import argparse
@@ -36,7 +36,7 @@ def _rows_per_task(args, job: Job, files: list[tuple[str, int]]) -> int:
     if not 0 < args.mfu <= 1 or not args.target_minutes > 0:
         raise BadInput(f"--mfu {args.mfu} / --target-minutes {args.target_minutes}: use an MFU in (0, 1], minutes > 0")
     from extract import costmodel  # the planner's figures, only for auto
-    from fleet import pricing
+    from reporting import pricing
 
     try:
         machine = pricing.load_prices().accelerator(args.accelerator)

@@ -6,7 +6,7 @@ are counted from their markers; `--estimate` lists only a few random open region
 extrapolates, labelled as an estimate; `--watch` keeps the open regions' task lists between
 ticks, so a tick lists only their done and failed markers and the leases.
 
-The fleet section (one listing of machines/) adds the cost so far, priced from fleet/prices.json
+The fleet section (one listing of machines/) adds the cost so far, priced from reporting/prices.json
 (`--prices` for another copy), the waste, and the projected cost to finish. The text view fits a
 screen at any fleet size: counts by state and type, and only the machines that need attention
 (silent, lost, failed, stragglers); `--machines` lists every machine and holder. `--html FILE` writes a
@@ -21,12 +21,12 @@ import pathlib
 import sys
 import time
 
-from fleet.cost import render_cost, to_finish
-from fleet.fleetview import fleet_snapshot, render_fleet
-from fleet.pricing import PriceError, load_prices
+from reporting.cost import render_cost, to_finish
+from reporting.fleetview import fleet_snapshot, render_fleet
+from reporting.pricing import PriceError, load_prices
 from objectstore import StoreError, open_store
 from objectstore.counting import CountingStore
-from taskqueue.status import RegionCache, render, snapshot, with_fleet_size
+from reporting.status import RegionCache, render, snapshot, with_fleet_size
 
 PAGE_OBJECT = "status.html"
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch", nargs="?", type=float, const=10.0, default=None, metavar="SECONDS", help="refresh view")
     p.add_argument("--html", metavar="FILE", help="also write the status page to FILE")
     p.add_argument("--publish", action="store_true", help="also write the status page to the queue as status.html")
-    p.add_argument("--prices", metavar="FILE", help="price table (default: fleet/prices.json)")
+    p.add_argument("--prices", metavar="FILE", help="price table (default: reporting/prices.json)")
     p.add_argument("--history", action="store_true",
                    help="list swept regions' done markers too, for the completion curve (as --html does)")
     p.add_argument("--now", metavar="TIME", help="compute the view as of this UTC time (ISO 8601), e.g. for a report")
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         at = now or dt.datetime.now(dt.timezone.utc)
         view = job_view(store, prices, at, args.estimate, cache, history=bool(args.html or args.publish or args.history))
         if args.html or args.publish:
-            from taskqueue.statuspage import render_html
+            from reporting.page import render_html
 
             page = render_html(view, generated=at).encode()
             if args.html:

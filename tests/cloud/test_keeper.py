@@ -208,7 +208,7 @@ def test_keeper_in_a_simulated_tail_launches_only_while_claimable_work_waits(clo
 
 
 def test_fleet_keep_tool_reads_tasks_held_by_others_as_not_claimable(cloud: FakeCloud, tpu_clients, gcs_bucket: str, gcs_client):
-    """The tool counts the queue through taskqueue.status: two tasks under live leases of another
+    """The tool counts the queue through reporting.status: two tasks under live leases of another
     worker are held, not claimable, so a preempted machine is deleted and not replaced."""
     queue = f"gs://{gcs_bucket}/jobs/tail"
     store = open_store(queue)

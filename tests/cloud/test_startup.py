@@ -309,7 +309,7 @@ def test_install_failure_records_reason_and_log_tail_then_the_machine_deletes_it
 
 def test_boot_records_carry_what_the_cost_needs_and_a_failed_boot_keeps_its_spells(boot: Boot):
     """Machine type and provisioning model from the metadata server, the kernel's boot time, and the
-    spells per state, in the body and in the listed metadata (fleet/cost.py prices them)."""
+    spells per state, in the body and in the listed metadata (reporting/cost.py prices them)."""
     boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-9", ATTRS))
     boot.metadata.values.update({"instance/machine-type": "projects/1/machineTypes/g2-standard-8",
                                  "instance/scheduling/provisioning-model": "SPOT"})  # fmt: skip

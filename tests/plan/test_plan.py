@@ -1,4 +1,4 @@
-"""The planner (tools/plan.py, extract/costmodel.py, fleet/pricing.py) against figures worked out by hand.
+"""The planner (tools/plan.py, extract/costmodel.py, reporting/pricing.py) against figures worked out by hand.
 
 The by-hand figures are written out from the formulas in docs/MODEL.md and docs/EXTRACTION.md, not copied from
 the code's output, so a change in what the code counts fails here.
@@ -22,7 +22,7 @@ from extract.config import ModelConfig
 from extract.errors import BadInput
 from extract.job import Job
 from extract.tiny import tiny_qwen_config, write_fineweb_like_parquet, write_tiny_qwen
-from fleet import pricing
+from reporting import pricing
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -215,13 +215,10 @@ def make_run_lengths(make_run_job) -> list[int]:
 
 
 def load_plan_tool():
-    """tools/plan.py as a module, to render a plan in-process (the tool is a script, not a package module)."""
-    import importlib.util
+    """The planner's module (reporting/plan.py), to render a plan in-process."""
+    from reporting import plan
 
-    spec = importlib.util.spec_from_file_location("plan_tool", REPO / "tools" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return plan
 
 
 def test_plan_for_a_make_run_job_matches_figures_computed_by_hand(make_run_job, make_run_lengths, tmp_path):
@@ -517,7 +514,7 @@ def test_an_old_price_table_is_flagged(tmp_path):
 
 @pytest.mark.parametrize(
     "module, forbidden",
-    [("extract/costmodel.py", {"fleet", "taskqueue", "jax", "flax"}), ("fleet/pricing.py", {"extract", "taskqueue"})],
+    [("extract/costmodel.py", {"fleet", "taskqueue", "jax", "flax"}), ("reporting/pricing.py", {"extract", "taskqueue"})],
 )
 def test_cost_modules_keep_to_their_floor(module, forbidden):
     """The extraction figures never import the cloud glue (or JAX), the prices never import the extraction."""

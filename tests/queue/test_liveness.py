@@ -21,7 +21,7 @@ from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, encode, new_lease_body
-from taskqueue.status import render, snapshot
+from reporting.status import render, snapshot
 from taskqueue.submit import SubmitError, batch_id, batch_name, begin_batch, finish_batch, submit
 from tests.workers import REPO, renewing
 

@@ -18,7 +18,7 @@ from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions
 from taskqueue.lease import LeaseLost
 from taskqueue.spawner import Spawner, SpawnOptions
-from taskqueue.status import snapshot
+from reporting.status import snapshot
 from taskqueue.submit import mark_regions, submit
 from tests.fakegcs.server import Preconditions
 from tests.queue.conftest import assert_outputs_exact

@@ -18,7 +18,7 @@ from taskqueue import layout
 from taskqueue.claims import JUMP_TRIES, Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.lease import RELEASED, encode, new_lease_body
-from taskqueue.status import RegionCache, snapshot
+from reporting.status import RegionCache, snapshot
 from taskqueue.submit import submit
 from tests.fakegcs.server import Preconditions
 from tests.workers import renewing

@@ -130,7 +130,7 @@ def test_a_slice_host_stopped_by_sigterm_releases_the_task_without_counting_an_a
 
 
 def test_status_shows_a_slice_as_one_worker_with_its_host_count(tmp_path):
-    from taskqueue import status
+    from reporting import status
 
     url = queue_with(tmp_path, [{"id": "t0", "outputs": 20, "sleep": 0.2}])
     workers = Workers(url, tmp_path)

@@ -25,7 +25,7 @@ from tools import status as status_tool
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = dt.datetime(2026, 11, 23, 12, 0, 0, tzinfo=dt.timezone.utc)
-V5E_SPOT = 8 * 0.48  # v5litepod-8: 8 chips at the spot price per chip-hour in fleet/prices.json
+V5E_SPOT = 8 * 0.48  # v5litepod-8: 8 chips at the spot price per chip-hour in reporting/prices.json
 A2_ON_DEMAND = 3.67  # a2-highgpu-1g on demand, per machine-hour
 BAD_ROW = "file data/part-0.parquet row 17 (sample id s-17): text is null"
 
@@ -175,7 +175,7 @@ def test_publish_writes_the_page_to_the_queue_as_html(where: str, tmp_path: Path
 
 
 def test_fleet_size_widens_the_eta_range_and_no_machine_up_means_no_eta():
-    from taskqueue.status import with_fleet_size
+    from reporting.status import with_fleet_size
 
     view = {"total": 100, "done": 40, "failed": 0, "median_task_s": 60.0, "eta_s": 600.0, "eta_range_s": [500.0, 700.0]}
     # 60 tasks on 2 machines: 30 waves of a minute, slower than the recent rate says.
@@ -206,7 +206,7 @@ def test_watch_with_publish_refreshes_the_page(tmp_path: Path):
 
 
 def test_dead_letter_first_line_prefers_the_message_then_the_bad_input_line_then_the_last_line():
-    from taskqueue.status import first_line
+    from reporting.status import first_line
 
     tail = "Traceback (most recent call last):\n  File x\nValueError: shard 3 is short\n"
     assert first_line({"message": "file a.jsonl row 4 (sample id 9): missing_field 'text'\nmore"}) == (

@@ -13,7 +13,7 @@ from pathlib import Path
 from objectstore import open_store
 from taskqueue import layout
 from taskqueue.lease import DEAD, marker_of
-from taskqueue.status import MAX_REASONS
+from reporting.status import MAX_REASONS
 from taskqueue.submit import submit
 from tools import status as status_tool
 

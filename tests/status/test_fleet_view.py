@@ -1,4 +1,4 @@
-"""The fleet as status shows it: one classification of each machine record (fleet/machinestate.py)
+"""The fleet as status shows it: one classification of each machine record (reporting/machinestate.py)
 that the counts, the charts' data, the burn rate and the ETA all read, so they never contradict one
 another; and a text view that fits a screen at a thousand machines."""
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from fleet import machines
-from fleet.fleetview import fleet_snapshot, render_fleet
-from fleet.machinestate import UP
+from reporting.fleetview import fleet_snapshot, render_fleet
+from reporting.machinestate import UP
 from objectstore import open_store
 from taskqueue import layout
 from taskqueue.submit import submit
@@ -27,7 +27,7 @@ from tools import status as status_tool
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = dt.datetime(2026, 11, 24, 8, 0, 0, tzinfo=dt.timezone.utc)
-V5E_SPOT = 8 * 0.48  # v5litepod-8 spot per hour (fleet/prices.json)
+V5E_SPOT = 8 * 0.48  # v5litepod-8 spot per hour (reporting/prices.json)
 
 
 def ago(seconds: float) -> dt.datetime:
@@ -228,7 +228,7 @@ def test_text_view_of_a_thousand_machines_fits_a_screen_and_machines_lists_them_
     smaller queue: the default view is a screenful; --machines lists every machine and holder."""
     from bench.fleet_sim import EPOCH
     from bench.status_bench import build
-    from fleet.pricing import load_prices
+    from reporting.pricing import load_prices
     from tools.status import job_view, render_text
 
     now = EPOCH + dt.timedelta(hours=6)  # as the bench

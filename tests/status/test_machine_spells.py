@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fleet import machines
-from fleet.cost import machine_seconds
-from fleet.machinestate import read_row
+from reporting.cost import machine_seconds
+from reporting.machinestate import read_row
 from objectstore import open_store
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.pricing import load_prices
+from reporting.pricing import load_prices
 
 REPO = Path(__file__).resolve().parents[2]
 #: Compute Engine machine types (n2-standard-8, a3-highgpu-8g, e2-standard-4, ...) and TPU
@@ -20,9 +20,9 @@ MACHINE_TYPE = re.compile(
 
 
 def named_machine_types() -> dict[str, list[str]]:
-    """{machine type: [files naming it]} over templates/, docs/ (schemas too), README.md and tools/."""
+    """{machine type: [files naming it]} over templates/, docs/ (schemas too), README.md, tools/ and reporting/."""
     files = [*REPO.glob("templates/*.yaml"), *REPO.glob("docs/**/*.md"), *REPO.glob("docs/schema/*.json"),
-             REPO / "README.md", *REPO.glob("tools/*.py")]  # fmt: skip
+             REPO / "README.md", *REPO.glob("tools/*.py"), *REPO.glob("reporting/*.py")]  # fmt: skip
     named: dict[str, list[str]] = {}
     for path in files:
         for name in sorted(set(MACHINE_TYPE.findall(path.read_text()))):
@@ -33,7 +33,7 @@ def named_machine_types() -> dict[str, list[str]]:
 def test_the_scan_finds_the_types_the_templates_and_the_planner_use():
     named = named_machine_types()
     assert {"g2-standard-8", "n2-standard-8", "v5litepod-8", "v5litepod-16"} <= set(named)
-    assert "templates/vm.yaml" in named["n2-standard-8"] and "tools/plan.py" in named["v6e-8"]
+    assert "templates/vm.yaml" in named["n2-standard-8"] and "reporting/plan.py" in named["v6e-8"]
 
 
 @pytest.mark.parametrize("machine_type", sorted(named_machine_types()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 
-from taskqueue.statuspage import completion_chart
+from reporting.page import completion_chart
 
 START = dt.datetime(2026, 11, 24, 22, 30, tzinfo=dt.timezone.utc)
 

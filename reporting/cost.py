@@ -1,8 +1,8 @@
-"""What a fleet has cost so far, and will cost to finish: machine records priced from fleet/prices.json.
+"""What a fleet has cost so far, and will cost to finish: machine records priced from reporting/prices.json.
 
 Machine-seconds come from the machine records' listing alone (fleet/machines.py: `spent` per
 state, plus the current spell from `since` to now while the machine is up, else to its last
-record: fleet/machinestate.py decides which, for the counts, the burn rate and the ETA alike). They are split by priced type (`machine_type`), provisioning model (spot,
+record: reporting/machinestate.py decides which, for the counts, the burn rate and the ETA alike). They are split by priced type (`machine_type`), provisioning model (spot,
 standard) and state:
 
 - `booting`, `installing`, `working`, `idle`: the machine's own spells; `deleting` and `exited`
@@ -25,8 +25,8 @@ import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Mapping
 
-from fleet.machinestate import UP, classify, counted_until, is_worker
-from fleet.pricing import PriceError, PriceTable
+from reporting.machinestate import UP, classify, counted_until, is_worker
+from reporting.pricing import PriceError, PriceTable
 
 STATES = ("booting", "installing", "working", "idle", "failed")
 WASTE = ("booting", "installing", "idle", "failed")
@@ -69,7 +69,7 @@ def _per_hour(prices: PriceTable, machine_type: str, provisioning: str) -> float
 
 def fleet_cost(rows: Iterable[Mapping], prices: PriceTable, now: dt.datetime) -> dict:
     """Cost so far, by (machine type, provisioning model) and state, in seconds and dollars; the
-    burn rate is the price of the machines up now (fleet.machinestate.UP)."""
+    burn rate is the price of the machines up now (reporting.machinestate.UP)."""
     groups: dict[tuple[str, str], _Group] = {}
     unpriced: dict[str, float] = {}
     burn_per_hour = 0.0

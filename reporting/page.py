@@ -25,7 +25,7 @@ import re
 import warnings
 from collections.abc import Mapping
 
-from taskqueue.status import dead_letter_groups, duration_text
+from reporting.status import dead_letter_groups, duration_text
 
 #: Below this width the page is one column and the charts are the phone drawings.
 NARROW_PX = 700
@@ -375,7 +375,7 @@ def _machines(page: _Page, view: Mapping, fleet: Mapping) -> None:
 
 
 def _attention(page: _Page, fleet: Mapping) -> None:
-    from fleet.fleetview import attention_line
+    from reporting.fleetview import attention_line
 
     page.add("<h2>Needs attention</h2>")
     attention = fleet.get("attention") or []
@@ -440,7 +440,7 @@ def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
         page.add("<p class='muted'>No priced machine time yet.</p>")
     for machine_type, seconds in cost["unpriced_seconds"].items():
         page.add(f"<p class='warn'>{html.escape(machine_type)}: {seconds:,.0f} machine-seconds, not in the price table "
-                 "(fleet/prices.json): not counted.</p>")  # fmt: skip
+                 "(reporting/prices.json): not counted.</p>")  # fmt: skip
     page.add(f"<p class='muted'>List prices of {html.escape(cost['prices']['as_of'])}. Not included: "
              f"{html.escape(cost['not_included'])}.</p>")  # fmt: skip
 

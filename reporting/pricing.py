@@ -1,6 +1,6 @@
 """List prices of accelerators and Cloud Storage, read from a dated data file, and what an accelerator type is.
 
-The figures live in `fleet/prices.json` (its `as_of`, `sources` and `provenance` say where they come from and
+The figures live in `reporting/prices.json` (its `as_of`, `sources` and `provenance` say where they come from and
 how fresh they are); this module only validates that file and answers two questions for the planner:
 
 - `PriceTable.accelerator("v5litepod-8")`: how many chips, their dense bf16 peak, and the on-demand and spot
@@ -161,7 +161,7 @@ def _count(where: str, value: Any) -> int:
 def _section(raw: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
     value = raw.get(key)
     if not isinstance(value, Mapping):
-        raise PriceError(f"{source}: {key}: missing or not an object; see fleet/prices.json for the layout")
+        raise PriceError(f"{source}: {key}: missing or not an object; see reporting/prices.json for the layout")
     return value
 
 
@@ -237,7 +237,7 @@ def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
 
 
 def load_prices(path: str | pathlib.Path | None = None) -> PriceTable:
-    """The price table in `path`, by default the one shipped with the package (fleet/prices.json)."""
+    """The price table in `path`, by default the one shipped with the package (reporting/prices.json)."""
     path = pathlib.Path(path) if path is not None else PRICES_FILE
     try:
         raw = json.loads(path.read_text())

@@ -413,7 +413,7 @@ def with_fleet_size(view: dict, workers_up: int | None, workers_recent: float | 
     """Add the fleet's side of the ETA to `view`.
 
     The recent rate was measured while `workers_recent` machines worked on average (since
-    `rate_since`). When the machines up now (`workers_up`) differ from that (fleet.machinestate:
+    `rate_since`). When the machines up now (`workers_up`) differ from that (reporting.machinestate:
     preempted, lost or new machines), the rate is scaled to the fleet now up, so the headline ETA
     and its range are those of this fleet; `fleet_changed` says so, with the ETA the old rate gave.
     With W machines up and R tasks remaining, the remaining work also takes about ceil(R / W)

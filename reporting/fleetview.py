@@ -1,8 +1,8 @@
 """The fleet section of status: one listing of `machines/`, each record classified once
-(fleet/machinestate.py), and from that one classification the counts by condition and by type,
+(reporting/machinestate.py), and from that one classification the counts by condition and by type,
 the machines that need a person (silent, lost, failed, stragglers), the machines up for the ETA,
 the fleet's average size while the recent completion rate was measured, and the cost
-(fleet/cost.py). Its text rendering fits a screen at any fleet size; `all_machines` lists every one.
+(reporting/cost.py). Its text rendering fits a screen at any fleet size; `all_machines` lists every one.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import datetime as dt
 import json
 from collections.abc import Mapping
 
-from fleet.cost import fleet_cost
+from reporting.cost import fleet_cost
 from fleet.machines import DEFAULT_BEAT_S, PREFIX, record_object
-from fleet.machinestate import (
+from reporting.machinestate import (
     BOOT_STUCK_S,
     CONDITIONS,
     LOST_AFTER_BEATS,
@@ -56,8 +56,8 @@ def fleet_snapshot(
     Counts are of workers: a VM, or a TPU slice by its worker 0's record; a slice's other hosts'
     records show only when they failed. `workers_up` is how many are up now; `workers_recent` the
     average number working or idle since `rate_since` (when the recent completion rate began), so
-    the ETA can scale the rate to the fleet now up. With `prices` (a fleet.pricing.PriceTable),
-    `cost` is what the fleet has cost so far (fleet/cost.py)."""
+    the ETA can scale the rate to the fleet now up. With `prices` (a reporting.pricing.PriceTable),
+    `cost` is what the fleet has cost so far (reporting/cost.py)."""
     now = now or _now()
     rows = sorted((read_row(e, now) for e in store.list(PREFIX) if e.name.endswith(".json")), key=lambda r: r["machine"])
     for row in rows:

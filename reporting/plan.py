@@ -1,0 +1,615 @@
+"""What a job will cost, before it is launched: `tools/plan.py JOB --accelerator v5litepod-8 [--tasks tasks.jsonl]`.
+
+Prints tokens, FLOPs to the deepest layer, machine-hours at an assumed MFU, on-demand and spot dollars, output
+bytes and their Cloud Storage cost per month, the storage operations of the claim protocol, and a
+--rows-per-task that makes a task last about --target-minutes. Warns loudly when the output is large.
+
+A job that samples its tokens (`token_sample`, `drop_first`) is planned for what it stores: tokens, bytes, shards,
+storage dollars and operations; `--storage-budget-tb` suggests the token_sample whose output fits, and says how
+many documents keep at least one token at that rate (the diversity a sample rate buys, against fewer rows).
+
+Rows come from the tasks file, else from the data files' parquet footers, else from --rows. Tokens per row come
+from tokenising a sample of rows (--sample-rows) with the checkpoint's tokenizer, else from --tokens-per-row.
+A job on a Hub model or dataset can be planned without the Hub:
+
+    plan.py job.json --accelerator v6e-8 --rows 9672101 --tokens-per-row 1040
+
+(the model's config.json comes from --model-config, a local or gs:// checkpoint directory, whose weights are never
+read, or a built-in copy for a few Qwen ids).
+The formulas are in extract/costmodel.py, the prices in reporting/prices.json (dated; --prices for another copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import pathlib
+import sys
+import tempfile
+
+from activations.format import output_key, sites_of
+from extract import costmodel
+from extract.errors import EX_DATAERR, BadInput, exit_for_failure
+from extract.job import Job, Task, load_job
+from reporting import pricing
+
+log = logging.getLogger("plan")
+
+TB = 1e12
+GIB = 2**30
+#: google-cloud-storage sends an object of at most 8 MiB in one multipart request; a larger one as a resumable
+#: upload: one request to start it and one per 100 MiB chunk (the client library's defaults).
+ONE_REQUEST_UPLOAD = 8 * 2**20
+RESUMABLE_CHUNK = 100 * 2**20
+#: Listings before a worker's first claim (docs/PROTOCOL.md, "Claim"): splits/ and swept/, then one region's
+#: tasks/ and leases/, whatever the queue's size.
+STARTUP_LISTINGS = 4
+#: Above this a shard is worth a warning: the writer holds a whole shard in host memory while it uploads it.
+SHARD_WARN_BYTES = 4 * 2**30
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("job", help="job.json")
+    p.add_argument("--accelerator", required=True, help="TPU type (v5litepod-8, v6e-8, v4-8, v5p-8) or GPU machine type")
+    p.add_argument("--tasks", help="tasks.jsonl from tools/make_tasks.py: rows and task sizes come from it")
+    p.add_argument("--rows", type=int, help="rows in the job (instead of tasks or footers)")
+    p.add_argument("--tokens-per-row", type=float, help="mean stored tokens per row (instead of a tokenised sample)")
+    p.add_argument("--stats", help='JSON file {"rows": N, "tokens_per_row": X, "source": "..."} instead of the flags')
+    p.add_argument("--sample-rows", type=int, default=1024, help="rows to tokenise for tokens per row (default 1024)")
+    p.add_argument("--model-config", help="the model's config.json, when the job's model is not a local directory")
+    p.add_argument("--tokenizer", help="a directory with the model's tokenizer, when the model is not local")
+    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
+    p.add_argument("--machines", type=int, default=32, help="machines in the fleet, for the wall-clock time (default 32)")
+    p.add_argument("--target-minutes", type=float, default=10.0, help="task length to aim for (default 10)")
+    p.add_argument("--heartbeat", type=float, default=30.0, help="spawn.py --heartbeat seconds (default 30)")
+    p.add_argument("--storage", default="region", help="bucket location class in the price table (default region)")
+    p.add_argument("--months", type=float, default=1.0, help="months the output is kept, for storage $ (default 1)")
+    p.add_argument("--warn-output-tb", type=float, default=10.0, help="warn above this many TB of output (default 10)")
+    p.add_argument("--storage-budget-tb", type=float, help="suggest the token_sample whose output fits this many TB")
+    p.add_argument("--prices", help="price table JSON (default: reporting/prices.json)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p.parse_args(argv)
+
+
+def _check_flags(args) -> None:
+    if not 0 < args.mfu <= 1:
+        raise BadInput(f"--mfu: got {args.mfu}; use a fraction in (0, 1], e.g. 0.35")
+    for name in ("machines", "sample_rows"):
+        if getattr(args, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')}: got {getattr(args, name)}; use a positive integer")
+    for name in ("target_minutes", "heartbeat", "months", "warn_output_tb"):
+        if not getattr(args, name) > 0:
+            raise BadInput(f"--{name.replace('_', '-')}: got {getattr(args, name)}; use a positive number")
+    if args.tasks and (args.rows is not None or args.stats):
+        raise BadInput("--rows/--stats: the rows come from --tasks; give one or the other")
+    if args.rows is not None and args.rows <= 0:
+        raise BadInput(f"--rows: got {args.rows}; use a positive number of rows")
+    if args.storage_budget_tb is not None and not args.storage_budget_tb > 0:
+        raise BadInput(f"--storage-budget-tb: got {args.storage_budget_tb}; use a positive number of TB")
+    if args.tokens_per_row is not None and not args.tokens_per_row > 0:
+        raise BadInput(f"--tokens-per-row: got {args.tokens_per_row}; use a positive number")
+
+
+def _read_stats(args) -> None:
+    """--stats fills --rows and --tokens-per-row where they were not given."""
+    args.stats_source = None
+    if not args.stats:
+        return
+    try:
+        raw = json.loads(pathlib.Path(args.stats).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInput(f"--stats: cannot read {args.stats} as JSON ({exc}); fix the file") from exc
+    if not isinstance(raw, dict) or not isinstance(raw.get("rows"), int) or raw["rows"] <= 0:
+        raise BadInput(f'--stats: {args.stats} needs "rows": a positive integer')
+    per_row = raw.get("tokens_per_row")
+    if per_row is not None and (isinstance(per_row, bool) or not isinstance(per_row, (int, float)) or per_row <= 0):
+        raise BadInput(f'--stats: {args.stats} "tokens_per_row" must be a positive number')
+    args.rows = args.rows or raw["rows"]
+    args.tokens_per_row = args.tokens_per_row or per_row
+    args.stats_source = f"{args.stats}: {raw['source']}" if raw.get("source") else args.stats
+
+
+def _tasks(path: str) -> list[Task]:
+    tasks = []
+    try:
+        lines = pathlib.Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise BadInput(f"--tasks: cannot read {path} ({exc.strerror or exc}); check the path") from exc
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"--tasks: line {number} of {path} is not JSON ({exc})") from exc
+        try:
+            tasks.append(Task.from_dict(raw))
+        except BadInput as exc:
+            raise BadInput(f"--tasks: line {number} of {path}: {exc}") from exc
+    if not tasks:
+        raise BadInput(f"--tasks: {path} holds no tasks; run tools/make_tasks.py first")
+    return tasks
+
+
+def _file_rows(job: Job, tasks: list[Task] | None) -> list[tuple[str, int]]:
+    """(path, rows) per data file: the rows the tasks take from each, or every file's footer count."""
+    if tasks is not None:
+        rows: dict[str, int] = {}
+        for task in tasks:
+            for entry in task.files:
+                rows[entry.path] = max(rows.get(entry.path, 0), entry.end)
+        return list(rows.items())
+    if job.dataset is not None:
+        raise BadInput(
+            f"dataset: {job.dataset.name} would be resolved on the Hub; give --tasks (from make_tasks.py) "
+            "or --rows and --tokens-per-row"
+        )
+    from extract import data
+
+    files = data.job_data_files(job)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        return list(zip(files, pool.map(data.count_rows, files)))
+
+
+def estimate_tokens(job: Job, args, tasks, model_dir) -> tuple[costmodel.TokenEstimate, str]:
+    """The token estimate and where its row count came from."""
+    files = None
+    if tasks is not None:
+        rows = sum(t.num_samples for t in tasks)
+        rows_source = f"{len(tasks)} task manifests in {args.tasks}"
+    elif args.rows is not None:
+        rows, rows_source = args.rows, args.stats or "given (--rows)"
+    else:
+        files = _file_rows(job, None)
+        rows, rows_source = sum(c for _, c in files), f"parquet footers of {len(files)} data files"
+    if args.tokens_per_row is not None:
+        where = args.stats_source or "given (--tokens-per-row)"
+        estimate = costmodel.TokenEstimate.from_mean(
+            rows, args.tokens_per_row, job.max_seq_len, f"{where}; every row taken at the mean length"
+        )
+        return estimate, rows_source
+    tokenizer_dir = args.tokenizer or model_dir
+    if tokenizer_dir is None:
+        raise BadInput(
+            f"model: {job.model!r} is not local, so no tokenizer for a sample; pass --tokenizer DIR or "
+            "--tokens-per-row"
+        )
+    if files is None:
+        files = _file_rows(job, tasks)
+    return costmodel.measure_tokens(job, files, rows, tokenizer_dir, args.sample_rows), rows_source
+
+
+def _upload_requests(shard_bytes: float) -> int:
+    if shard_bytes <= ONE_REQUEST_UPLOAD:
+        return 1
+    return 1 + math.ceil(shard_bytes / RESUMABLE_CHUNK)
+
+
+def make_plan(args) -> dict:
+    """The whole plan as a JSON-ready dict; every figure is derived in this function from the inputs shown."""
+    with tempfile.TemporaryDirectory(prefix="plan-model-") as workdir:  # a gs:// model's config and tokenizer
+        return _make_plan(args, pathlib.Path(workdir))
+
+
+def _make_plan(args, workdir: pathlib.Path) -> dict:
+    _check_flags(args)
+    _read_stats(args)
+    prices = pricing.load_prices(args.prices)
+    machine = prices.accelerator(args.accelerator)
+    storage = prices.storage_prices(args.storage)
+    job = load_job(args.job)
+    config, config_source, model_dir = costmodel.model_config(job, args.model_config, workdir)
+    outputs = costmodel.job_outputs(job, config)
+    layers = [output for output in outputs if isinstance(output, int)]
+    depth = config.depth_for(outputs)
+    tasks = _tasks(args.tasks) if args.tasks else None
+    tokens, rows_source = estimate_tokens(job, args, tasks, model_dir)
+
+    # Compute and time. MFU is useful work over peak: padding and compilation are inside the (1 - MFU).
+    flops = costmodel.job_flops(config, depth, tokens)
+    rate = machine.peak_flops * args.mfu
+    machine_hours = flops / rate / 3600
+    seconds_per_row = costmodel.seconds_per_row(config, depth, tokens, rate)
+    recommended = costmodel.recommend_rows_per_task(
+        config, depth, tokens, rate, args.target_minutes * 60, job.shard_size
+    )
+    task_rows = [t.num_samples for t in tasks] if tasks else costmodel.split_rows(tokens.rows, recommended)
+    rows_per_task = max(task_rows) if task_rows else 0
+
+    # Output.
+    header = costmodel.shard_header_bytes(job, tasks[0] if tasks else None)
+    out = costmodel.output_bytes(job, costmodel.output_widths(config, outputs), tokens, task_rows, header)
+    # A typical full shard: shard_size rows, or fewer where shard_bytes cuts it first (extract.batching.ShardBounds).
+    full_shard_rows = costmodel.rows_per_shard(job, out.stored_tokens_per_row, out.bytes_per_token)
+    shard_rows = min(full_shard_rows, rows_per_task)
+    shard_bytes = shard_rows * (out.stored_tokens_per_row * out.bytes_per_token + 16) + header
+    storage_month = out.total / GIB * storage.standard_per_gib_month
+
+    # Storage operations (docs/PROTOCOL.md, "Cost"). Class A: object writes and listings
+    # (https://cloud.google.com/storage/pricing#operations-by-class).
+    n_tasks = len(task_rows)
+    task_seconds = [rows * seconds_per_row for rows in task_rows]
+    heartbeats = sum(int(s // args.heartbeat) for s in task_seconds)
+    shard_writes = out.shards * _upload_requests(shard_bytes)
+    startup_lists = args.machines * STARTUP_LISTINGS
+    class_a = {
+        "lease_creates": n_tasks,
+        "done_markers": n_tasks,
+        "tombstones": n_tasks,
+        "heartbeats": heartbeats,
+        "shard_uploads": shard_writes,
+        "startup_listings": startup_lists,
+    }
+    class_a_total = sum(class_a.values())
+    ops_dollars = class_a_total / 1000 * storage.class_a_per_1000
+
+    on_demand = machine_hours * machine.on_demand_per_hour
+    spot = machine_hours * machine.spot_per_hour
+    # Tasks run in rounds of --machines; with tasks of equal size the last round bounds the makespan (machine boot
+    # and model loading come on top). Machines with nothing left delete themselves, so billing follows the work.
+    rounds = math.ceil(n_tasks / args.machines) if n_tasks else 0
+    wall_hours = rounds * (sum(task_seconds) / n_tasks / 3600) if n_tasks else 0.0
+    plan = {
+        "job": args.job,
+        "model": {"name": job.model, "config": config_source, "model_type": config.model_type,
+                  "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers},
+        "layers": list(layers),
+        "sites": sites_of(outputs),
+        "layers_computed": depth,
+        "tokens": {
+            "rows": tokens.rows,
+            "rows_source": rows_source,
+            "tokens_per_row": tokens.tokens_per_row,
+            "tokens": tokens.tokens,
+            "source": tokens.source,
+            "sampled_rows": tokens.sampled_rows,
+            "max_seq_len": job.max_seq_len,
+        },
+        "compute": {
+            "flops": flops,
+            "flops_per_token": flops / tokens.tokens if tokens.tokens else 0.0,
+            "projection_flops_per_token_per_layer": costmodel.projection_flops_per_token(config),
+            "attention_flops_per_token_per_key_per_layer": costmodel.attention_flops_per_token_per_key(config),
+        },
+        "accelerator": {
+            "name": machine.name, "family": machine.family, "chips": machine.chips, "hosts": machine.hosts,
+            "peak_flops": machine.peak_flops, "mfu": args.mfu,
+            "on_demand_per_hour": machine.on_demand_per_hour, "spot_per_hour": machine.spot_per_hour,
+        },
+        "time": {
+            "machine_hours": machine_hours,
+            "chip_hours": machine_hours * machine.chips,
+            "machines": args.machines,
+            "wall_clock_hours": wall_hours,
+            "rounds": rounds,
+            "seconds_per_row": seconds_per_row,
+        },
+        "compute_dollars": {"on_demand": on_demand, "spot": spot},
+        "tasks": {
+            "count": n_tasks,
+            "from": args.tasks or f"recommended rows_per_task={recommended}",
+            "max_rows": rows_per_task,
+            "mean_minutes": (sum(task_seconds) / n_tasks / 60) if n_tasks else 0.0,
+            "recommended_rows_per_task": recommended,
+            "recommended_task_minutes": recommended * seconds_per_row / 60,
+            "target_minutes": args.target_minutes,
+        },
+        "output": {
+            "bytes": out.total,
+            "bytes_per_token": out.bytes_per_token,
+            "activation_bytes": out.token_bytes,
+            "sample_bytes": out.sample_bytes,
+            "header_bytes": out.header_bytes,
+            "shards": out.shards,
+            "shard_bytes": shard_bytes,
+            "shard_rows": shard_rows,
+            "shard_cut_by": "shard_bytes" if full_shard_rows < job.shard_size else "shard_size",
+            "dtype": job.dtype,
+        },
+        "storage": {
+            "location": storage.location,
+            "per_gib_month": storage.standard_per_gib_month,
+            "dollars_per_month": storage_month,
+            "months": args.months,
+            "dollars": storage_month * args.months,
+        },
+        "operations": {
+            "class_a": class_a,
+            "class_a_total": class_a_total,
+            "class_a_per_1000": storage.class_a_per_1000,
+            "dollars": ops_dollars,
+            "per_task": class_a_total / n_tasks if n_tasks else 0.0,
+        },
+        "total_dollars": {
+            "on_demand": on_demand + storage_month * args.months + ops_dollars,
+            "spot": spot + storage_month * args.months + ops_dollars,
+        },
+        "prices": {"file": prices.source, "as_of": prices.as_of, "sources": dict(prices.sources)},
+    }
+    plan["sampling"] = sampling_figures(job, tokens, out)
+    widths = costmodel.output_widths(config, outputs)
+    if args.storage_budget_tb is not None:
+        plan["storage_budget"] = budget_figures(args.storage_budget_tb * TB, job, widths, tokens, task_rows, header,
+                                                storage.standard_per_gib_month)  # fmt: skip
+    fits_warning = None
+    if out.total > args.warn_output_tb * TB:
+        fits_warning = costmodel.suggest_token_sample(args.warn_output_tb * TB, job, widths, tokens, task_rows,
+                                                      header)  # fmt: skip
+    plan["memory"] = memory_plan(job, config, outputs, machine, prices)
+    plan["warnings"] = (warnings(plan, args, job, config, tokens, outputs, prices, fits_warning)
+                        + memory_warnings(plan["memory"]))  # fmt: skip
+    return plan
+
+
+def sampling_figures(job: Job, tokens: costmodel.TokenEstimate, out: costmodel.OutputEstimate) -> dict:
+    """What the job's storage sampling keeps: tokens stored of those processed, and documents covered."""
+    sampling = job.sampling
+    covered = costmodel.documents_covered(tokens, sampling)
+    stored = tokens.rows * out.stored_tokens_per_row
+    return {
+        "token_sample": sampling.fraction,
+        "drop_first": sampling.drop_first,
+        "seed": sampling.seed,
+        "processed_tokens": tokens.tokens,
+        "stored_tokens": stored,
+        "stored_fraction": stored / tokens.tokens if tokens.tokens else 0.0,
+        "documents_covered": covered * tokens.rows,
+        "documents_covered_fraction": covered,
+        "stored_tokens_per_covered_document": stored / (covered * tokens.rows) if covered else 0.0,
+    }
+
+
+def budget_figures(budget: float, job: Job, widths, tokens, task_rows, header: int, per_gib_month: float) -> dict:
+    """The token_sample that fits `budget` bytes (costmodel.suggest_token_sample), what it stores and costs, and the
+    diversity it keeps beside the other way to fit: all tokens of fewer rows."""
+    fraction = costmodel.suggest_token_sample(budget, job, widths, tokens, task_rows, header)
+    figures: dict = {"tb": budget / TB, "token_sample": fraction}
+    if fraction is None:
+        return figures
+    sampled = job.model_copy(update={"token_sample": fraction})
+    out = costmodel.output_bytes(sampled, widths, tokens, task_rows, header)
+    unsampled = costmodel.output_bytes(job.model_copy(update={"token_sample": 1.0, "drop_first": 0}), widths, tokens,
+                                       task_rows, header)  # fmt: skip
+    figures.update(
+        bytes=out.total,
+        shards=out.shards,
+        dollars_per_month=out.total / GIB * per_gib_month,
+        **{k: v for k, v in sampling_figures(sampled, tokens, out).items() if k not in ("token_sample", "seed")},
+        rows_if_unsampled=int(tokens.rows * min(1.0, budget / unsampled.total)),
+    )
+    return figures
+
+
+def memory_plan(job: Job, config, outputs, machine: pricing.Accelerator, prices: pricing.PriceTable) -> dict:
+    """What one step of the job needs per chip, and the largest batch_size that fits (extract/memory.py).
+
+    The chip's memory comes from the cited HBM table (the engine asks the runtime instead), the attention kernel from
+    the engine's own decision for that platform and dtype. Chips form a pure data-parallel mesh when one replica
+    fits a chip, else the smallest model axis that fits, as the engine chooses.
+    """
+    import jax.numpy as jnp  # only here: the rest of the plan does not need JAX
+
+    from extract import attention, memory
+
+    platform = "tpu" if machine.family in prices.tpu else "gpu"
+    usable = memory.usable_bytes(machine.family, platform)
+    kernel = attention.choose_kernel(
+        platform, jnp.dtype(job.compute_dtype_name), config.head_dim,
+        softcap=getattr(config, "attn_logit_softcapping", None),
+    ).kernel  # fmt: skip
+    shape = dict(
+        config=config, depth=config.depth_for(outputs), kept=config.hidden_units(outputs),
+        compute_bytes=jnp.dtype(job.compute_dtype_name).itemsize,
+        out_bytes=jnp.dtype(job.out_dtype_name).itemsize, kernel=kernel, packed=job.packing,
+    )  # fmt: skip
+    axes = [m for m in range(1, machine.chips + 1) if machine.chips % m == 0]
+    model_axis = axes[0]
+    if usable is not None:  # the smallest model axis whose weights and one row fit
+        fitting = [m for m in axes if memory.rows_that_fit(usable, seq_len=job.max_seq_len, model_axis=m, **shape)]
+        model_axis = fitting[0] if fitting else axes[-1]
+    data_axis = machine.chips // model_axis
+    step = memory.step_memory(
+        rows=max(1, job.batch_size // data_axis), seq_len=job.max_seq_len, model_axis=model_axis, **shape
+    )  # fmt: skip
+    rows = None if usable is None else memory.rows_that_fit(usable, seq_len=job.max_seq_len, model_axis=model_axis,
+                                                             **shape)  # fmt: skip
+    return {
+        "chip": machine.family,
+        "usable_bytes_per_chip": usable,
+        "source": "HBM per chip (extract/memory.py) x what the JAX client allocates of it" if usable else "unknown",
+        "attention": kernel,
+        "mesh": {"data": data_axis, "model": model_axis},
+        "batch_size": job.batch_size,
+        "step_bytes_per_chip": step.total,
+        "step": dataclasses.asdict(step),
+        "max_batch_size": None if rows is None else rows * data_axis,
+        "max_tokens_per_step": None if rows is None else rows * data_axis * job.max_seq_len,
+        "fits": None if usable is None else step.total <= memory.HEADROOM * usable,
+        "headroom": memory.HEADROOM,
+    }
+
+
+def memory_warnings(plan_memory: dict) -> list[str]:
+    m = plan_memory
+    if m["fits"] is None:
+        return [f"device memory of {m['chip']} unknown: batch_size {m['batch_size']} is not checked against it"]
+    if not m["fits"]:
+        fit = m["max_batch_size"]
+        remedy = f"use batch_size {fit} or less" if fit else "use a smaller max_seq_len, or a larger chip"
+        return [
+            f"batch_size {m['batch_size']} does not fit {m['chip']}: a step needs {_si(m['step_bytes_per_chip'], 'B')} "
+            f"per chip, over {m['headroom']:.0%} of its {_si(m['usable_bytes_per_chip'], 'B')}; the engine refuses it "
+            f"(exit 65): {remedy}"
+        ]
+    return []
+
+
+def warnings(plan, args, job, config, tokens, outputs, prices, fits_warning: float | None = None) -> list[str]:
+    """`fits_warning`: the token_sample whose output fits under --warn-output-tb (costmodel.suggest_token_sample)."""
+    out = []
+    total = plan["output"]["bytes"]
+    limit = args.warn_output_tb * TB
+    if total > limit:
+        per_output = plan["sampling"]["stored_tokens"] * costmodel.value_bytes_per_token(job, [config.hidden_size])
+        keep_rows = int(tokens.rows * limit / total)
+        lines = [
+            f"OUTPUT TOO LARGE: {total / TB:,.1f} TB, above --warn-output-tb {args.warn_output_tb:g} TB "
+            f"({plan['storage']['dollars_per_month']:,.0f} $/month to keep). To shrink it:",
+            f"  - fewer layers or sites: each of the {len(outputs)} ({', '.join(map(output_key, outputs))}) is "
+            f"{per_output / TB:,.1f} TB" + (" (mlp_hidden: intermediate/hidden times that)" if any(
+                config.width(o) != config.hidden_size for o in outputs) else ""),
+            f"  - fewer rows: about {keep_rows:,} of {tokens.rows:,} rows fit under the threshold",
+        ]
+        for shorter in (512, 256, 128):
+            cut = tokens.truncated(shorter) if shorter < job.max_seq_len else None
+            if cut is not None:
+                lines.append(
+                    f"  - a token subsample: max_seq_len {shorter} keeps {cut.tokens_per_row:,.0f} tokens/row, "
+                    f"{total * cut.tokens_per_row / tokens.tokens_per_row / TB:,.1f} TB"
+                )
+                break
+        else:
+            lines.append("  - a token subsample: a smaller max_seq_len stores fewer tokens per long document")
+        if fits_warning is not None and fits_warning < job.sampling.fraction:
+            lines.append(f"  - token_sample {fits_warning:g}: stores that fraction of every document's positions, so "
+                         "every document still contributes (--storage-budget-tb TB says what a rate keeps)")
+        if job.dtype == "fp32":
+            lines.append("  - dtype bf16 or fp16 halves it (fp32 stores 4 bytes per value)")
+        else:
+            lines.append("  - dtype: fp16 is the same size as bf16 (2 bytes per value); only fp32 changes it (doubles)")
+        out.append("\n".join(lines))
+    shard = plan["output"]["shard_bytes"]
+    if shard > SHARD_WARN_BYTES:
+        if plan["output"]["shard_cut_by"] == "shard_bytes":
+            remedy = f"shard_bytes is {job.shard_bytes:,}; shard_bytes {2**30} gives about 1 GiB"
+        else:
+            per_row = shard / max(1, plan["output"]["shard_rows"])
+            remedy = f"shard_size {max(1, int(2**30 // per_row))} gives about 1 GiB"
+        out.append(
+            f"shards of ~{_si(shard, 'B')}: each is encoded and uploaded from host memory whole (extract/writer.py); "
+            + remedy
+        )
+    if not tokens.sampled_rows:
+        out.append(
+            "tokens per row were given, not measured: attention FLOPs assume every row has the mean length "
+            "(they are higher when lengths vary)"
+        )
+    if plan["accelerator"]["hosts"] > 1:
+        out.append(
+            f"{args.accelerator} is a multi-host slice ({plan['accelerator']['hosts']} hosts); fleet/specs.py "
+            "launches single-host types only"
+        )
+    age = (datetime.date.today() - datetime.date.fromisoformat(prices.as_of)).days
+    if age > 180:
+        out.append(f"the price table is {age} days old (as_of {prices.as_of}); refresh {prices.source}")
+    return out
+
+
+def _n(value: float) -> str:
+    """A figure for people: thousands separated, and small values still visible (0.000412, not 0.00)."""
+    if value == 0 or abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:,.2f}"
+    return f"{value:.3g}"
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:,.2f} {prefix}{unit}"
+    return f"{value:,.0f} {unit}"
+
+
+def _memory_line(m: dict) -> str:
+    mesh = f"mesh data={m['mesh']['data']},model={m['mesh']['model']}"
+    if m["usable_bytes_per_chip"] is None:
+        return f"  memory      {m['chip']}: unknown; {m['attention']} attention, {mesh}"
+    return (
+        f"  memory      {_si(m['step_bytes_per_chip'], 'B')} a chip for a step of batch_size {m['batch_size']} of "
+        f"{_si(m['usable_bytes_per_chip'], 'B')} usable ({m['attention']} attention, {mesh}); up to batch_size "
+        f"{m['max_batch_size']} fits ({m['max_tokens_per_step']:,} tokens a step)"
+    )
+
+
+def render(plan: dict) -> str:
+    t, c, a, tm = plan["tokens"], plan["compute"], plan["accelerator"], plan["time"]
+    o, s, ops, tk = plan["output"], plan["storage"], plan["operations"], plan["tasks"]
+    d, total = plan["compute_dollars"], plan["total_dollars"]
+    sp = plan["sampling"]
+    lines = [
+        f"plan for {plan['job']}",
+        f"  model       {plan['model']['name']} ({plan['model']['model_type']}, hidden {plan['model']['hidden_size']}, "
+        f"{plan['model']['num_hidden_layers']} layers; config: {plan['model']['config']})",
+        f"  layers      {plan['layers']}" + (f", sites {plan['sites']}" if plan["sites"] else "")
+        + f": {plan['layers_computed']} decoder layers computed",
+        f"  rows        {t['rows']:,} ({t['rows_source']})",
+        f"  tokens      {t['rows']:,} rows x {t['tokens_per_row']:,.1f} tokens/row = {_si(t['tokens'], 'tokens')}"
+        f"  ({t['source']})",
+        f"  compute     {_si(c['flops'], 'FLOP')} = {_si(c['flops_per_token'], 'FLOP')}/token to layer "
+        f"{plan['layers_computed']}",
+        f"  accelerator {a['name']}: {a['chips']} x {a['family']}, peak {_si(a['peak_flops'], 'FLOP/s')}, "
+        f"assumed MFU {a['mfu']:.2f}",
+        f"  time        {_n(tm['machine_hours'])} machine-hours ({_n(tm['chip_hours'])} chip-hours); "
+        f"{_n(tm['wall_clock_hours'])} h wall clock on {tm['machines']} machines ({tm['rounds']} rounds of tasks)",
+        f"  compute $   on-demand {_n(d['on_demand'])}   spot {_n(d['spot'])}   "
+        f"({_n(a['on_demand_per_hour'])} / {_n(a['spot_per_hour'])} $/machine-hour)",
+        f"  stored      {_si(sp['stored_tokens'], 'tokens')} of {_si(sp['processed_tokens'], 'tokens')} processed "
+        f"({sp['stored_fraction']:.1%}; token_sample {sp['token_sample']:g}, drop_first {sp['drop_first']}); "
+        f"{sp['documents_covered']:,.0f} documents keep at least one token ({sp['documents_covered_fraction']:.1%}), "
+        f"{_n(sp['stored_tokens_per_covered_document'])} tokens each",
+        f"  output      {_si(o['bytes'], 'B')} ({o['bytes_per_token']:,} B/token in {o['dtype']}, {o['shards']:,} shards "
+        f"of ~{_si(o['shard_bytes'], 'B')}, {o['shard_rows']:,} rows each: cut by {o['shard_cut_by']})",
+        f"  storage $   {_n(s['dollars_per_month'])} per month ({s['location']} Standard, "
+        f"{s['per_gib_month']} $/GiB-month); {_n(s['dollars'])} for {s['months']:g} month(s)",
+        f"  operations  {ops['class_a_total']:,} Class A ({_n(ops['per_task'])}/task: "
+        + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in ops["class_a"].items())
+        + f") = {_n(ops['dollars'])} $",
+        _memory_line(plan["memory"]),
+        f"  tasks       {tk['count']:,} tasks ({tk['from']}), ~{_n(tk['mean_minutes'])} min each",
+        f"  recommend   --rows-per-task {tk['recommended_rows_per_task']}: ~{_n(tk['recommended_task_minutes'])} min a "
+        f"task on {a['name']} (target {tk['target_minutes']:g} min)",
+        f"  total $     on-demand {_n(total['on_demand'])}   spot {_n(total['spot'])}   "
+        f"(compute + storage for {s['months']:g} month(s) + operations)",
+        f"  prices      {plan['prices']['file']} as of {plan['prices']['as_of']}; spot figures are approximate",
+    ]
+    budget = plan.get("storage_budget")
+    if budget is not None and budget["token_sample"] is None:
+        lines.append(f"  budget      {budget['tb']:g} TB: no token_sample fits; the per-row and per-shard bytes alone "
+                     "exceed it (fewer rows or layers)")  # fmt: skip
+    elif budget is not None:
+        lines.append(
+            f"  budget      {budget['tb']:g} TB: token_sample {budget['token_sample']:g} stores "
+            f"{_si(budget['stored_tokens'], 'tokens')} in {_si(budget['bytes'], 'B')} ({budget['shards']:,} shards, "
+            f"{_n(budget['dollars_per_month'])} $/month); {budget['documents_covered']:,.0f} documents keep a token "
+            f"({budget['documents_covered_fraction']:.1%}), {_n(budget['stored_tokens_per_covered_document'])} each; "
+            f"every token of fewer rows would cover {budget['rows_if_unsampled']:,}"
+        )
+    for warning in plan["warnings"]:
+        lines.append("")
+        lines.append("!!! WARNING: " + warning)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        plan = make_plan(args)
+    except pricing.PriceError as exc:
+        log.error("event=plan_failed exit=%d error=%s", EX_DATAERR, exc)
+        return EX_DATAERR
+    except Exception as exc:
+        return exit_for_failure(exc, log, "plan_failed")  # 65 bad input, 75 transient, as for consume.py
+    print(json.dumps(plan, indent=1) if args.json else render(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
