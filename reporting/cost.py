@@ -1,12 +1,14 @@
 """What a fleet has cost so far, and will cost to finish: machine records priced from reporting/prices.json.
 
-Machine-seconds come from the machine records' listing alone (fleet/machines.py: `spent` per
-state, plus the current spell from `since` to now while the machine is up, else to its last
-record: reporting/machinestate.py decides which, for the counts, the burn rate and the ETA alike). They are split by priced type (`machine_type`), provisioning model (spot,
-standard) and state:
+Machine time comes from the machine records' listing alone (fleet/machines.py: `spent` per
+state, plus the current spell from `since` to when it stops being billed: now while the machine is
+up or silent, the moment it was declared lost once lost, its last record once final;
+reporting.machinestate.billed_until says which and why). It is split by priced type
+(`machine_type`), provisioning model (spot, standard) and state:
 
-- `booting`, `installing`, `working`, `idle`: the machine's own spells; `deleting` and `exited`
-  spells count as idle (the machine is up, doing nothing);
+- `booting`, `installing`, `working`, `idle`: the machine's own spells (a silent or lost
+  machine's current spell counts in the state it last recorded); `deleting` and `exited` spells
+  count as idle (the machine is up, doing nothing);
 - `failed`: the booting and installing seconds of a machine whose record ends `failed`: a boot
   that never became a worker is all loss.
 
@@ -16,7 +18,11 @@ price table does not hold is counted in seconds under `unpriced`, never guessed.
 
 What these figures cannot know, and so leave out: sustained-use discounts, committed-use
 contracts, negotiated prices, network egress, disks and IP addresses, storage and operations,
-the seconds before the kernel booted and after the last record (a deletion takes a minute).
+the seconds before the kernel booted, after a final record (a deletion takes a minute), and after
+a lost machine was declared lost (if it still runs, it is billed on: delete it).
+
+The JSON holds seconds; the text view and the page show machine-hours (`hours_text`), one unit
+for one figure in both.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Mapping
 
-from reporting.machinestate import UP, classify, counted_until, is_worker
+from reporting.machinestate import UP, billed_until, classify, is_worker
 from reporting.pricing import PriceError, PriceTable
 
 STATES = ("booting", "installing", "working", "idle", "failed")
@@ -45,7 +51,7 @@ def machine_seconds(row: Mapping, now: dt.datetime) -> dict[str, float]:
     """One machine's seconds per cost state (STATES), from its listed record `row`."""
     seconds = dict.fromkeys(STATES, 0.0)
     spent = dict(row["spent"])
-    end = counted_until(row, now)
+    end = billed_until(row, now)
     if end is not None:
         spent[row["state"]] = spent.get(row["state"], 0) + max(0.0, (end - row["since"]).total_seconds())
     for state, s in spent.items():
@@ -144,11 +150,11 @@ def render_cost(cost: Mapping, finish: Mapping | None) -> list[str]:
     """The text status's cost and waste lines."""
     s, d = cost["seconds"], cost["dollars"]
     lines = [
-        f"spent   ${cost['total_dollars']:,.2f} over {_hours(cost['total_seconds'])} machine-hours: "
-        + ", ".join(f"{state} {_hours(s[state])}h ${d[state]:,.2f}" for state in STATES)
+        f"spent   ${cost['total_dollars']:,.2f} over {hours_text(cost['total_seconds'])} machine-hours: "
+        + ", ".join(f"{state} {hours_text(s[state])}h ${d[state]:,.2f}" for state in STATES)
         + f"  (prices {cost['prices']['as_of']})",
-        f"waste   ${cost['waste_dollars']:,.2f}, {_hours(cost['waste_seconds'])} machine-hours "
-        f"({cost['waste_seconds']:.0f}s: boot, install, idle, failed boots)",
+        f"waste   ${cost['waste_dollars']:,.2f}, {hours_text(cost['waste_seconds'])} machine-hours "
+        "(boot, install, idle, failed boots)",
     ]
     for group in cost["by_type"]:
         lines.append(
@@ -156,7 +162,7 @@ def render_cost(cost: Mapping, finish: Mapping | None) -> list[str]:
             f"${sum(group['dollars'].values()):,.2f}"
         )
     for machine_type, seconds in cost["unpriced_seconds"].items():
-        lines.append(f"  {machine_type}: {_hours(seconds)} machine-hours, not in the price table")
+        lines.append(f"  {machine_type}: {hours_text(seconds)} machine-hours, not in the price table")
     if finish is not None:
         low, high = finish["dollars_range"]
         if finish["dollars"] is None:
@@ -170,5 +176,6 @@ def render_cost(cost: Mapping, finish: Mapping | None) -> list[str]:
     return lines
 
 
-def _hours(seconds: float) -> str:
+def hours_text(seconds: float) -> str:
+    """Machine-seconds as the machine-hours both views show: `1,234.57`."""
     return f"{seconds / 3600:,.2f}"

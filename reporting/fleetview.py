@@ -17,6 +17,7 @@ from fleet.machines import DEFAULT_BEAT_S, PREFIX, record_object
 from reporting.machinestate import (
     BOOT_STUCK_S,
     CONDITIONS,
+    DELETING_GONE_S,
     LOST_AFTER_BEATS,
     SILENT_AFTER_BEATS,
     UP,
@@ -104,6 +105,7 @@ def fleet_snapshot(
         "silent_after_s": SILENT_AFTER_BEATS * DEFAULT_BEAT_S,
         "lost_after_s": LOST_AFTER_BEATS * DEFAULT_BEAT_S,
         "boot_lost_after_s": BOOT_STUCK_S,
+        "deleting_gone_s": DELETING_GONE_S,
         # Every worker, for `--machines` and the page's full list.
         "roster": [{"machine": r["machine"], "condition": r["condition"], "task": r["task"] if r["state"] == "working" else None,
                     "machine_type": r["machine_type"], "provisioning": r["provisioning"], "age_s": r["age_s"]}

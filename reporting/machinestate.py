@@ -11,11 +11,20 @@ still true. The contract (docs/PROTOCOL.md, "Machine records"):
 - startup.sh's `booting` and `installing` records are written on changes only, so silence says
   nothing until BOOT_STUCK_S: past it such a machine is `lost` too (stuck, or gone).
 - A final record (`failed`, `deleting`, `exited`) leaves the fleet at once; an `exited` record
-  whose reason is `preempted` (the worker saw the preemption notice) reads `preempted`.
+  whose reason is `preempted` (the worker saw the preemption notice) reads `preempted`. A
+  `deleting` record older than DELETING_GONE_S reads `exited`: by then the machine's delete went
+  through, or it powered off (fleet/selfdelete.py).
 
 Only the first four conditions (UP) are machines up: they count as up, burn money now, and carry
-the ETA. Every other condition's time stops at its last record. A TPU slice is one worker: only
-its worker 0's record (`host` absent or 0) counts, is priced, and is up or not.
+the ETA. A TPU slice is one worker: only its worker 0's record (`host` absent or 0) counts, is
+priced, and is up or not.
+
+Two clocks read a record. Its worker time (`counted_until`: the ETA's fleet size, stragglers)
+runs to now while it is up and stops at its last record otherwise. Its billed time (`billed_until`:
+the cost) runs as long as the machine may still exist as far as its records tell: a machine that
+is not final is billed until it is declared lost (its last record plus the silence that makes it
+lost: 3 beats, or 30 minutes for a boot record), since nothing in the bucket says it stopped before
+that; a final record ends the bill at that record.
 """
 
 from __future__ import annotations
@@ -40,6 +49,13 @@ LOST_AFTER_BEATS = 3
 #: Boot records are not refreshed: a machine booting or installing for longer than this without a
 #: new record is stuck or gone (lost), and its time stops at its last record.
 BOOT_STUCK_S = 1800.0
+#: A `deleting` record older than this is a machine gone (`exited`). Its self-delete
+#: (fleet/selfdelete.py) retries a failed request 6 times with waits of at most 30 s, waits at most
+#: 300 s for the accepted operation, and powers off when that fails: under 10 minutes in all unless
+#: the operation itself fails late and is retried (tests/status/test_fleet_view.py pins the
+#: relation to SelfDeleter's defaults). A group member whose delete fails stays up, idle, with this
+#: record (docs/CLOUD.md, "Self-deletion"): its log says so; the bucket cannot.
+DELETING_GONE_S = 900.0
 
 
 def _beat(text: str | None) -> float:
@@ -92,6 +108,8 @@ def classify(row: Mapping) -> str:
     state = row["state"]
     if state == "exited" and (row.get("reason") or "").startswith("preempted"):
         return "preempted"
+    if state == "deleting" and row["age_s"] > DELETING_GONE_S:
+        return "exited"
     if state in FINAL_STATES:
         return state
     if state not in UP:
@@ -111,6 +129,24 @@ def counted_until(row: Mapping, now: dt.datetime) -> dt.datetime | None:
     if row["since"] is None:
         return None
     return now if classify(row) in UP else (row["at"] or row["since"])
+
+
+def billed_until(row: Mapping, now: dt.datetime) -> dt.datetime | None:
+    """Until when the current spell of a machine is priced: while the machine may still exist.
+
+    A machine in a final state (`failed`, `deleting`, `exited`) is billed until that record (the
+    minute a deletion takes after it is not seen). Any other is billed until now while it is up or
+    silent, and once lost, until it was declared lost: its last record plus `quiet_limits`' lost
+    time. Nothing in the bucket says when a lost machine stopped (a stuck boot is billed to this
+    day; a spot VM preempted without a word stopped some time after its last record): this is the
+    last moment its records said it might still run, so the price of a machine never drops when it
+    turns from silent to lost. None when the record carries no times."""
+    if row["since"] is None:
+        return None
+    last = row["at"] or row["since"]
+    if row["state"] not in UP:  # a final record, or a state this code does not know
+        return last
+    return min(now, last + dt.timedelta(seconds=quiet_limits(row)[1]))
 
 
 def worker_seconds_between(row: Mapping, start: dt.datetime, now: dt.datetime) -> float:

@@ -13,6 +13,10 @@ It reads on any screen and in either colour scheme:
 - colours are CSS custom properties with a `prefers-color-scheme: dark` set. The charts are drawn
   with placeholder colours that are then replaced by `var(--ink)`, `var(--s-working)`, ..., so
   one drawing follows the page's scheme.
+
+One figure, one form: machine time is in machine-hours here as in the text view
+(reporting.cost.hours_text), chart axes group thousands and show the decimals their step needs
+(`_AxisNumbers`), and charts side by side are drawn at one size, so they stand equally high.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import re
 import warnings
 from collections.abc import Mapping
 
-from reporting.status import dead_letter_groups, duration_text
+from reporting.cost import hours_text
+from reporting.status import dead_letter_groups, detail_text, duration_text, eta_gap_text, reported_counters
 
 #: Below this width the page is one column and the charts are the phone drawings.
 NARROW_PX = 700
@@ -35,7 +40,9 @@ PAGE_ROWS = 100
 NAMES_PER_REASON = 20
 
 #: The roles the page colours, light and dark. Text colours keep a contrast of 4.5:1 or more with
-#: the page and panel backgrounds in both schemes (WCAG 2.x, AA); state colours fill bars.
+#: the page and panel backgrounds in both schemes (WCAG 2.x, AA); state colours fill bars and
+#: legend swatches, and any two of them differ by a CIEDE2000 colour difference of 20 or more in
+#: each scheme (the browser test measures it), so no two conditions read as one.
 PALETTE = {
     "bg": ("#ffffff", "#0d1117"),
     "panel": ("#f3f5f7", "#161b22"),
@@ -44,17 +51,17 @@ PALETTE = {
     "line": ("#d0d7de", "#30363d"),
     "warn": ("#b42318", "#ff7b72"),
     "accent": ("#1a7f37", "#3fb950"),
-    "s-booting": ("#6baed6", "#79b8e8"),
-    "s-installing": ("#2171b5", "#4a9be0"),
-    "s-working": ("#2ca02c", "#3fb950"),
-    "s-idle": ("#f28e2b", "#f2a35e"),
-    "s-silent": ("#b07aa1", "#d2a8ff"),
-    "s-lost": ("#7f3c8d", "#b083f0"),
-    "s-failed": ("#d62728", "#ff6b6b"),
-    "s-preempted": ("#8c564b", "#c69c8d"),
-    "s-deleting": ("#969696", "#8b949e"),
-    "s-exited": ("#636363", "#6e7681"),
-    "s-unknown": ("#bbbbbb", "#484f58"),
+    "s-booting": ("#38a8e8", "#9ae4fe"),
+    "s-installing": ("#12619c", "#238ef4"),
+    "s-working": ("#219824", "#5fcf7b"),
+    "s-idle": ("#f79226", "#e59f47"),
+    "s-silent": ("#d4cb04", "#fdf13c"),
+    "s-lost": ("#69209a", "#bc6ffd"),
+    "s-failed": ("#b7313b", "#f74346"),
+    "s-preempted": ("#845c17", "#9a5a2a"),
+    "s-deleting": ("#f24ed7", "#ffb9d9"),
+    "s-exited": ("#2f2f2f", "#a3a3a3"),
+    "s-unknown": ("#c8c8c8", "#4a4a4a"),
 }
 #: Placeholder colours the charts are drawn in, one per role, replaced by `var(--role)` afterwards.
 _PLACEHOLDER = {role: f"#0102{k + 16:02x}" for k, role in enumerate(PALETTE)}
@@ -158,13 +165,14 @@ def _matplotlib():
     return plt
 
 
-def _svg(fig, scope: str, title: str) -> str:
+def _svg(fig, scope: str, title: str, tight: bool = True) -> str:
     """The figure as inline SVG: placeholder colours become CSS variables, ids get `scope` as a
-    prefix (several drawings share one page), and its size follows its container."""
+    prefix (several drawings share one page), and its size follows its container. `tight` crops it
+    to what is drawn; without it the figure keeps the size it was drawn at (charts side by side)."""
     import matplotlib.pyplot as plt
 
     out = io.StringIO()
-    fig.savefig(out, format="svg", bbox_inches="tight", transparent=True, metadata={"Date": None})
+    fig.savefig(out, format="svg", bbox_inches="tight" if tight else None, transparent=True, metadata={"Date": None})
     plt.close(fig)
     text = out.getvalue()
     text = text[text.index("<svg") :]
@@ -180,11 +188,28 @@ def _svg(fig, scope: str, title: str) -> str:
 
 
 def _both(name: str, draw, title: str, half: bool = False) -> str:
-    """A figure holding the chart drawn for a phone and for a wide screen; CSS shows one."""
+    """A figure holding the chart drawn for a phone and for a wide screen; CSS shows one. A `half`
+    chart keeps the size it is drawn at, so two drawn at one size stand equally high side by side."""
     wide = SCREEN_HALF_IN if half else SCREEN_FULL_IN
     return (f"<figure class='chart{' half' if half else ' full'}' id='chart-{name}'>"
-            f"<div class='phone'>{_svg(draw(PHONE_IN, True), f'{name}-phone', title)}</div>"
-            f"<div class='screen'>{_svg(draw(wide, False), f'{name}-screen', title)}</div></figure>")  # fmt: skip
+            f"<div class='phone'>{_svg(draw(PHONE_IN, True), f'{name}-phone', title, tight=not half)}</div>"
+            f"<div class='screen'>{_svg(draw(wide, False), f'{name}-screen', title, tight=not half)}</div></figure>")  # fmt: skip
+
+
+def _axis_numbers():
+    """A formatter for a numeric axis, one form on every chart: thousands grouped (`6,000`), and as
+    many decimals as the ticks' step needs (`0.02`), the same for every tick of the axis."""
+    import matplotlib.ticker as mticker
+
+    class AxisNumbers(mticker.Formatter):
+        def __call__(self, x, pos=None):
+            return self.format_ticks([x])[0]
+
+        def format_ticks(self, values):
+            digits = next((d for d in range(7) if all(abs(v - round(v, d)) <= 1e-9 * max(1.0, abs(v)) for v in values)), 6)
+            return [f"{v:,.{digits}f}" for v in values]
+
+    return AxisNumbers()
 
 
 def _time_ticks(span_s: float):
@@ -229,12 +254,16 @@ def completion_chart(view: Mapping) -> str | None:
         ax.plot(times, done, color=_PLACEHOLDER["s-working"], lw=2.2, label="done")
         ax.axhline(view["total"], color=_PLACEHOLDER["muted"], ls="--", lw=1.2, label=f"total {view['total']:,}")
         ax.set_ylim(0, max(view["total"], 1) * 1.08)
-        ax.yaxis.set_major_formatter(mticker.StrMethodFormatter("{x:,.0f}"))
+        ax.yaxis.set_major_formatter(_axis_numbers())
         ax.yaxis.get_major_locator().set_params(integer=True)
         ax.grid(axis="y", lw=0.6)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a span AutoDateLocator has no interval for
-            ax.xaxis.set_major_locator(mdates.AutoDateLocator(minticks=3 if phone else 6, maxticks=5 if phone else 12))
+            # Ticks a whole second apart at least: the labels show no fractions (a run of seconds
+            # would otherwise get ticks every 0.2 s, labelled 08:05:17, 08:05:17, ...).
+            # (AutoDateLocator goes finer than seconds when the span holds fewer whole seconds than minticks.)
+            least = max(1, min(3 if phone else 6, int(span_s)))
+            ax.xaxis.set_major_locator(mdates.AutoDateLocator(minticks=least, maxticks=5 if phone else 12))
         ax.xaxis.set_major_formatter(_time_ticks(span_s))
         end = times[-1] if times else start
         ax.set_xlabel(f"UTC, {start:%Y-%m-%d %H:%M} to {end:%Y-%m-%d %H:%M}")
@@ -247,11 +276,13 @@ def completion_chart(view: Mapping) -> str | None:
 
 
 def _hbars(labels: list[str], values: list[float], colours: list[str], texts: list[str], title: str, xlabel: str,
-           name: str, integer: bool = False):
+           name: str, integer: bool = False, rows: int = 0):
+    """Horizontal bars, a half-width chart; `rows`: the bars its height is drawn for (at least the
+    labels'), the most of the charts beside it, so they are drawn at one size."""
     plt = _matplotlib()
 
     def draw(width: float, phone: bool):
-        fig, ax = plt.subplots(figsize=(width, 0.9 + 0.36 * max(len(labels), 2)))
+        fig, ax = plt.subplots(figsize=(width, 0.9 + 0.36 * max(len(labels), rows, 2)), layout="constrained")
         ax.barh(labels, values, color=colours, height=0.66)
         top = max(values) if values and max(values) > 0 else 1
         for y, text in enumerate(texts):
@@ -259,6 +290,7 @@ def _hbars(labels: list[str], values: list[float], colours: list[str], texts: li
         ax.set_xlim(0, top * (1.32 if phone else 1.2))
         if integer:
             ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.xaxis.set_major_formatter(_axis_numbers())
         ax.invert_yaxis()
         ax.set_xlabel(xlabel)
         ax.set_title(title, loc="left")
@@ -269,22 +301,22 @@ def _hbars(labels: list[str], values: list[float], colours: list[str], texts: li
     return _both(name, draw, title, half=True)
 
 
-def machines_chart(fleet: Mapping) -> str | None:
+def machines_chart(fleet: Mapping, rows: int = 0) -> str | None:
     by_state = fleet.get("by_state") or {}
     if not by_state:
         return None
     states = list(by_state)
     counts = [by_state[s] for s in states]
     return _hbars(states, counts, [_PLACEHOLDER.get(f"s-{s}", _PLACEHOLDER["s-unknown"]) for s in states],
-                  [f"{n:,}" for n in counts], "Machines by state", "machines", "machines", integer=True)  # fmt: skip
+                  [f"{n:,}" for n in counts], "Machines by state", "machines", "machines", integer=True, rows=rows)  # fmt: skip
 
 
-def cost_chart(cost: Mapping) -> str | None:
+def cost_chart(cost: Mapping, rows: int = 0) -> str | None:
     if not cost["total_seconds"]:
         return None
     dollars = [cost["dollars"][s] for s in COST_STATES]
     return _hbars(list(COST_STATES), dollars, [_PLACEHOLDER[f"s-{s}"] for s in COST_STATES],
-                  [f"${d:,.2f}" for d in dollars], "Cost so far by machine state", "US dollars", "cost")  # fmt: skip
+                  [f"${d:,.2f}" for d in dollars], "Cost so far by machine state", "US dollars", "cost", rows=rows)  # fmt: skip
 
 
 # ---- sections ----------------------------------------------------------------------------------
@@ -330,6 +362,8 @@ def _progress(page: _Page, view: Mapping) -> None:
 
 
 def _eta_html(page: _Page, view: Mapping) -> str:
+    """The ETA, which is the measured rate's; beside it the machines up running the median task back
+    to back, and why the two differ when they are far apart (reporting.status.with_fleet_size)."""
     if view["complete"]:
         return "ETA <b>complete</b>: every task has a done or failed marker"
     if view.get("workers_up") == 0:
@@ -339,6 +373,7 @@ def _eta_html(page: _Page, view: Mapping) -> str:
     if span:
         text += (f" (range {page.value('eta_range_s.0', duration_text(span[0]))} to "
                  f"{page.value('eta_range_s.1', duration_text(span[1]))})")  # fmt: skip
+    text += " at the measured rate" if eta is not None else ": no measured rate yet"
     if view.get("workers_up") is not None:
         text += f" with the {page.value('workers_up')} machines up now"
         changed = view.get("fleet_changed")
@@ -348,8 +383,13 @@ def _eta_html(page: _Page, view: Mapping) -> str:
             text += (f"; <span class='warn'>the fleet changed: the rate was measured with {before} machines on "
                      f"average</span> (at that rate: {old_eta})")  # fmt: skip
         if view.get("eta_fleet_s") is not None:
-            text += f"; {page.value('eta_fleet_s', duration_text(view['eta_fleet_s']))} in waves of the median task"
-    return text
+            median = page.value("median_task_s", duration_text(view["median_task_s"]))
+            text += (f". Running the {median} median task back to back, they would take "
+                     f"{page.value('eta_fleet_s', duration_text(view['eta_fleet_s']))}")  # fmt: skip
+            why = eta_gap_text(view)
+            if why:
+                text += f"; {html.escape(why)}"
+    return text + "."
 
 
 def _machines(page: _Page, view: Mapping, fleet: Mapping) -> None:
@@ -371,7 +411,8 @@ def _machines(page: _Page, view: Mapping, fleet: Mapping) -> None:
         page.add(_table("machines-by-type", ["type", "provisioning", "machines", "states"], rows, {2}, stack=True))
     page.add(f"<p class='muted'>A worker missing its beat for {fleet['silent_after_s']:.0f} s is silent and for "
              f"{fleet['lost_after_s']:.0f} s lost (boot records: {fleet['boot_lost_after_s'] / 60:.0f} min); "
-             "neither counts as up, burns money here, or carries the ETA.</p>")  # fmt: skip
+             "neither counts as up, burns money here, or carries the ETA. Each is priced until it is declared lost, "
+             f"and a <code>deleting</code> machine counts as exited after {fleet['deleting_gone_s'] / 60:.0f} min.</p>")  # fmt: skip
 
 
 def _attention(page: _Page, fleet: Mapping) -> None:
@@ -407,9 +448,10 @@ def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
     finish = view.get("finish") or {}
     waste = cost["waste_dollars"]
     waste_html = (f"waste ${page.value('fleet.cost.waste_dollars', digits=2)} "
-                  f"({page.value('fleet.cost.waste_seconds', digits=0)} s of boot, install, idle and failed boots)")  # fmt: skip
+                  f"({page.value('fleet.cost.waste_seconds', hours_text(cost['waste_seconds']))} machine-hours of boot, "
+                  "install, idle and failed boots)")  # fmt: skip
     page.add(f"<p>So far <b>${page.value('fleet.cost.total_dollars', digits=2)}</b> over "
-             f"{page.value('fleet.cost.total_seconds', digits=0)} machine-seconds; "
+             f"{page.value('fleet.cost.total_seconds', hours_text(cost['total_seconds']))} machine-hours; "
              + (f"<span class='warn'>{waste_html}</span>" if waste > 0 else waste_html)
              + f". Burning ${page.value('fleet.cost.burn_per_hour', digits=2)}/h now.</p>")  # fmt: skip
     if view["complete"]:
@@ -427,9 +469,9 @@ def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
     if finish.get("dollars_per_task") is not None:
         page.add(f"<p class='muted'>${page.value('finish.dollars_per_task', digits=4)} per finished task so far.</p>")
     if cost["total_seconds"]:
-        rows = [f"<tr><td>{s}</td><td class='n'>{page.value(f'fleet.cost.seconds.{s}', digits=0)}</td>"
+        rows = [f"<tr><td>{s}</td><td class='n'>{page.value(f'fleet.cost.seconds.{s}', hours_text(cost['seconds'][s]))}</td>"
                 f"<td class='n'>${page.value(f'fleet.cost.dollars.{s}', digits=2)}</td></tr>" for s in COST_STATES]  # fmt: skip
-        page.add(_table("cost-by-state", ["state", "machine-seconds", "dollars"], rows, {1, 2}))
+        page.add(_table("cost-by-state", ["state", "machine-hours", "dollars"], rows, {1, 2}))
     if cost["by_type"]:
         rows = [f"<tr><td class='id'>{html.escape(g['machine_type'])}</td><td>{html.escape(g['provisioning'])}</td>"
                 f"<td class='n' data-label='machines'>{g['machines']:,}</td>"
@@ -439,7 +481,7 @@ def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
     else:
         page.add("<p class='muted'>No priced machine time yet.</p>")
     for machine_type, seconds in cost["unpriced_seconds"].items():
-        page.add(f"<p class='warn'>{html.escape(machine_type)}: {seconds:,.0f} machine-seconds, not in the price table "
+        page.add(f"<p class='warn'>{html.escape(machine_type)}: {hours_text(seconds)} machine-hours, not in the price table "
                  "(reporting/prices.json): not counted.</p>")  # fmt: skip
     page.add(f"<p class='muted'>List prices of {html.escape(cost['prices']['as_of'])}. Not included: "
              f"{html.escape(cost['not_included'])}.</p>")  # fmt: skip
@@ -468,7 +510,7 @@ def _failures(page: _Page, view: Mapping, fleet: Mapping) -> None:
             page.add(f"<p class='muted'>{unknown:,} of them are older than the reason in the listing and were not "
                      f"among the {len(reasons):,} read: their reasons are not known here.</p>")  # fmt: skip
         for k, (reason, count, tasks) in enumerate(groups):
-            rows = [f"<tr><td class='id'><code>{html.escape(t)}</code></td><td>{html.escape(view['failed_details'].get(t) or '')}</td></tr>"
+            rows = [f"<tr><td class='id'><code>{html.escape(t)}</code></td><td>{html.escape(detail_text(view, t))}</td></tr>"
                     for t in tasks]  # fmt: skip
             shown = f" (the first lines of {len(tasks):,} read)" if 0 < len(tasks) < count else ""
             page.add(f"<p><b>{html.escape(reason)}</b>: {count:,}{shown}</p>")
@@ -477,12 +519,15 @@ def _failures(page: _Page, view: Mapping, fleet: Mapping) -> None:
 
 
 def _counters(page: _Page, view: Mapping) -> None:
-    counters = view.get("counters") or {}
-    page.add("<h2>Skipped rows</h2>")
-    page.add(f"<p>{page.value('counters.skipped_rows') if 'skipped_rows' in counters else '0'} rows skipped</p>")
+    """Skipped rows and the other counters, only those above zero: nothing to report says nothing."""
+    counters = reported_counters(view)
+    if "skipped_rows" in counters:
+        page.add("<h2>Skipped rows</h2>")
+        page.add(f"<p>{page.value('counters.skipped_rows')} rows skipped</p>")
     others = {k: v for k, v in counters.items() if k != "skipped_rows"}
     if others:
-        page.add("<p class='muted'>" + ", ".join(f"{html.escape(k)}: {v:,}" for k, v in others.items()) + "</p>")
+        page.add("<h2>Counted</h2><p class='muted'>"
+                 + ", ".join(f"{html.escape(k)} {page.value(f'counters.{k}')}" for k in others) + "</p>")  # fmt: skip
 
 
 def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
@@ -495,7 +540,8 @@ def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
     _progress(page, view)
     fleet = view.get("fleet") or {}
     cost = fleet.get("cost")
-    charts = [completion_chart(view), machines_chart(fleet), cost_chart(cost) if cost else None]
+    rows = max(len(fleet.get("by_state") or {}), len(COST_STATES))  # the two bar charts side by side: one height
+    charts = [completion_chart(view), machines_chart(fleet, rows), cost_chart(cost, rows) if cost else None]
     if any(charts):
         page.add("<div class='charts'>" + "".join(c for c in charts if c) + "</div>")
     _machines(page, view, fleet)

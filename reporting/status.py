@@ -131,7 +131,11 @@ def snapshot(
     submitting = _running(after)
     view["submitting"] = [first for first, _ in submitting]
     view["complete"] = view["complete"] and steady and not submitting
-    view["blockers"] = blockers(view, [e for e in after.values() if e.metadata.get("state") != layout.BATCH_DONE], now)
+    unfinished = [e for e in after.values() if e.metadata.get("state") != layout.BATCH_DONE]
+    view["blockers"] = blockers(view, unfinished, now)
+    # How many of each kind there are: `blockers` names at most MAX_BLOCKERS of a kind (and only the
+    # MAX_REASONS dead letters read), so a view that says "N more" counts from these.
+    view["blockers_total"] = {"batch": len(unfinished), "stale_lease": view["stale"], "dead_letter": view["failed"]}
     view["requests"] = counted.requests
     view["requests_by_kind"] = dict(sorted(counted.counts.items()))
     return view
@@ -356,11 +360,14 @@ def blockers(view: dict, running: list[Entry], now: dt.datetime) -> list[dict]:
 
 def render_blockers(view: dict, limit: int | None = None) -> list[str]:
     """The text view's section on what blocks completion: one line per kind, its command once; at most
-    `limit` names per kind (a thousand dead letters must not fill the screen)."""
+    `limit` names per kind (a thousand dead letters must not fill the screen), and how many more there
+    are, counted from `blockers_total` (the view names at most MAX_BLOCKERS of a kind)."""
+    totals = view.get("blockers_total") or {}
 
     def names(blockers: list[dict], name) -> str:
-        shown = ", ".join(name(b) for b in blockers[:limit])
-        return shown + (f", ... {len(blockers) - limit} more" if limit is not None and len(blockers) > limit else "")
+        shown = blockers[:limit]
+        more = totals.get(blockers[0]["kind"], len(blockers)) - len(shown)
+        return ", ".join(name(b) for b in shown) + (f", ... {more:,} more" if more > 0 else "")
 
     kinds: dict[str, list[dict]] = collections.defaultdict(list)
     for blocker in view.get("blockers", []):
@@ -368,7 +375,7 @@ def render_blockers(view: dict, limit: int | None = None) -> list[str]:
     lines = []
     if kinds["batch"]:
         running = names(kinds["batch"], lambda b: f"{b['batch']} ({b['first']}..{b['last']}, {duration_text(b['running_s'])})")
-        lines.append(f"blocked {len(kinds['batch'])} batch(es) running: {running}")
+        lines.append(f"blocked {totals.get('batch', len(kinds['batch']))} batch(es) running: {running}")
         lines.append(f"        {kinds['batch'][0]['clear']}")
     if kinds["stale_lease"]:
         lines.append(f"blocked {view['stale']} stale lease(s): " + names(kinds["stale_lease"], lambda b: b["task"]))
@@ -409,22 +416,34 @@ FLEET_CHANGE = 0.1
 MIN_RECENT_WORKERS = 0.5
 
 
+#: The measured rate's ETA and the fleet's waves this many times apart or more get a word on why.
+ETA_GAP = 2.0
+
+
 def with_fleet_size(view: dict, workers_up: int | None, workers_recent: float | None = None) -> dict:
     """Add the fleet's side of the ETA to `view`.
 
-    The recent rate was measured while `workers_recent` machines worked on average (since
-    `rate_since`). When the machines up now (`workers_up`) differ from that (reporting.machinestate:
-    preempted, lost or new machines), the rate is scaled to the fleet now up, so the headline ETA
-    and its range are those of this fleet; `fleet_changed` says so, with the ETA the old rate gave.
-    With W machines up and R tasks remaining, the remaining work also takes about ceil(R / W)
-    waves of the median task (`eta_fleet_s`), and the ETA's range is widened to hold that too.
-    With no machine up and tasks remaining nothing will finish: the ETA is then unknown (None).
-    `workers_up` None (no machine records, e.g. local workers) leaves the view as it is."""
+    The headline ETA (`eta_s`) is always the measured rate's: the recent completions count
+    everything a task costs (claims, model loads, uploads, the time between tasks) and every
+    worker, whether it writes a machine record or not. The recent rate was measured while
+    `workers_recent` machines worked on average (since `rate_since`). When the machines up now
+    (`workers_up`) differ from that (reporting.machinestate: preempted, lost or new machines), the
+    rate is scaled to the fleet now up, so the headline ETA and its range are those of this fleet;
+    `fleet_changed` says so, with the ETA the old rate gave.
+
+    Beside it, `eta_fleet_s`: with W machines up and R tasks remaining, ceil(R / W) waves of the
+    median task, back to back, which is as fast as those machines can go; the ETA's range is
+    widened to hold it. When the two are ETA_GAP times apart or more, `eta_gap` says by how much
+    and what makes a measured rate slower or faster than the machines up running tasks back to
+    back (`eta_gap_text`). With no machine up and tasks remaining nothing will finish: the ETA is
+    then unknown (None). `workers_up` None (no machine records, e.g. local workers) leaves the view
+    as it is."""
     remaining = view["total"] - view["done"] - view["failed"]
     view["workers_up"] = workers_up
     view["workers_recent"] = workers_recent
     view["eta_fleet_s"] = None
     view["fleet_changed"] = None
+    view["eta_gap"] = None
     if workers_up is None or remaining <= 0:
         return view
     if workers_up == 0:
@@ -444,7 +463,24 @@ def with_fleet_size(view: dict, workers_up: int | None, workers_recent: float | 
         if span is not None:
             high = None if span[1] is None else max(span[1], fleet_eta)
             view["eta_range_s"] = [min(span[0], fleet_eta), high]
+        eta = view["eta_s"]
+        if eta and fleet_eta and max(eta / fleet_eta, fleet_eta / eta) >= ETA_GAP:
+            view["eta_gap"] = {"ratio": round(max(eta / fleet_eta, fleet_eta / eta), 1),
+                               "rate_is": "slower" if eta > fleet_eta else "faster"}  # fmt: skip
     return view
+
+
+def eta_gap_text(view: dict) -> str | None:
+    """Why the measured rate's ETA and the fleet's waves are far apart, and which to go by (the rate's)."""
+    gap = view.get("eta_gap")
+    if not gap:
+        return None
+    if gap["rate_is"] == "slower":
+        return (f"the measured rate is {gap['ratio']:g}x slower than that: time between tasks (claims, model loads, "
+                "uploads) or machines up that take no task; the ETA goes by the measured rate")  # fmt: skip
+    return (f"the measured rate is {gap['ratio']:g}x faster than that: workers without a machine record (local ones), "
+            "recent tasks shorter than the median, or tasks under way (counted whole) nearly done; the ETA goes by "
+            "the measured rate")  # fmt: skip
 
 
 def _eta_range(remaining: int, rate_low: float | None, rate_high: float | None) -> list[float | None] | None:
@@ -488,6 +524,15 @@ def _reasons(store: ObjectStore, failed: list[str]) -> dict[str, dict[str, str |
     return {"failed_reasons": reasons, "failed_details": details}
 
 
+#: What both views say of a dead letter read without a precise message.
+NO_MESSAGE = "(no message)"
+
+
+def detail_text(view: dict, task_id: str) -> str:
+    """The first line of a dead letter read, as the text view and the page both show it."""
+    return view["failed_details"].get(task_id) or NO_MESSAGE
+
+
 def first_line(letter: dict) -> str | None:
     """The first line of a dead letter's precise message: its `message` when it has one; else, from
     the last attempt's output tail, the consumer's `event=bad_input` log line (its `error=` part:
@@ -521,8 +566,9 @@ def render(view: dict, full: bool = False) -> str:
     ]
     if view["tasks_per_s"]:
         lines.append(eta_text(view))
-    if view["counters"]:
-        lines.append("counted " + ", ".join(f"{name}={n}" for name, n in view["counters"].items()))
+    counted = reported_counters(view)
+    if counted:
+        lines.append("counted " + ", ".join(f"{name}={n}" for name, n in counted.items()))
     if view["holders"]:
         lines.append(holders_text(view, None if full else HOLDERS_CHARS))
     stale = view["stale_leases"] if full else view["stale_leases"][:TEXT_ITEMS]
@@ -544,21 +590,29 @@ def render(view: dict, full: bool = False) -> str:
     return "\n".join(lines)
 
 
+def reported_counters(view: dict) -> dict[str, int]:
+    """The counters worth a word: those above zero (a counter at 0, e.g. no row skipped, says nothing)."""
+    return {name: n for name, n in (view.get("counters") or {}).items() if n}
+
+
 def eta_text(view: dict) -> str:
-    """The rate and ETA line; it says when the ETA is that of a fleet other than the one the rate was measured with."""
+    """The rate and ETA lines: the measured rate's ETA and its range; then the machines up running the
+    median task back to back, and why the two differ when they are far apart; and when the ETA is that
+    of a fleet other than the one the rate was measured with, so."""
     eta, span = view["eta_s"], view.get("eta_range_s")
-    between = ""
-    if span:
-        between = f" ({duration_text(span[0])} to {duration_text(span[1])}"
-        if view.get("eta_fleet_s") is not None:
-            between += f"; {view['workers_up']} machines up: {duration_text(view['eta_fleet_s'])}"
-        between += ")"
+    between = f" ({duration_text(span[0])} to {duration_text(span[1])})" if span else ""
     text = (f"rate    {view['tasks_per_s'] * 60:.1f} tasks/min over the last {view['recent_done']} done, "
-            f"eta {duration_text(eta) if eta is not None else '?'}{between}")  # fmt: skip
+            f"eta {duration_text(eta) if eta is not None else '?'}{between} at that rate")  # fmt: skip
     changed = view.get("fleet_changed")
     if changed:
         text += (f"\n        at the {changed['to']} machines up now; the rate was measured with {changed['from']:g} "
                  f"on average (at that rate: {duration_text(changed['eta_at_recent_rate_s'])})")  # fmt: skip
+    if view.get("eta_fleet_s") is not None:
+        text += (f"\n        the {view['workers_up']} machines up running the {duration_text(view['median_task_s'])} median "
+                 f"task back to back: {duration_text(view['eta_fleet_s'])}")  # fmt: skip
+        why = eta_gap_text(view)
+        if why:
+            text += f"\n        {why}"
     return text
 
 
@@ -598,7 +652,7 @@ def dead_letter_lines(view: dict, max_groups: int | None) -> list[str]:
     groups, unknown = dead_letter_groups(view)
     lines = []
     for reason, count, tasks in groups if max_groups is None else groups[:max_groups]:
-        example = f" | {tasks[0]}: {view['failed_details'].get(tasks[0]) or '(no message)'}" if tasks else ""
+        example = f" | {tasks[0]}: {detail_text(view, tasks[0])}" if tasks else ""
         lines.append(f"failed  x{count} {reason}{example}")
     if max_groups is not None and len(groups) > max_groups:
         lines.append(f"failed  ... {len(groups) - max_groups} more reasons (--machines lists them all)")

@@ -19,7 +19,8 @@ import pytest
 
 from fleet import machines
 from reporting.fleetview import fleet_snapshot, render_fleet
-from reporting.machinestate import UP
+from reporting.machinestate import DELETING_GONE_S, UP
+from reporting.pricing import load_prices
 from objectstore import open_store
 from taskqueue import layout
 from taskqueue.submit import submit
@@ -207,6 +208,29 @@ def test_fleet_snapshot_groups_failures_reads_their_log_tails_and_lists_every_ma
     assert "w-1" not in text  # a working machine needs no attention
     everything = "\n".join(render_fleet(view, all_machines=True))
     assert "w-1" in everything and "t7" in everything and "w-7" in everything
+
+
+def test_a_deleting_record_older_than_a_delete_can_take_reads_exited(tmp_path: Path):
+    """The defect: machines that wrote `deleting` 40 minutes ago were still shown deleting. A
+    self-delete is over (deleted, or powered off) within DELETING_GONE_S; past it the machine is gone."""
+    store = open_store(str(tmp_path / "queue"))
+    record(store, "vm-now", "deleting", 60, reason="queue drained", spent={"working": 600})
+    record(store, "vm-edge", "deleting", DELETING_GONE_S, reason="queue drained")
+    record(store, "vm-old", "deleting", 40 * 60, reason="queue drained", spent={"working": 600})
+    view = fleet_snapshot(store, now=NOW, prices=load_prices())
+    assert {m["machine"]: m["condition"] for m in view["roster"]} == {"vm-edge": "deleting", "vm-now": "deleting", "vm-old": "exited"}
+    assert view["by_state"] == {"deleting": 2, "exited": 1} and view["workers_up"] == 0
+    assert view["cost"]["burn_per_hour"] == 0 and view["cost"]["seconds"]["working"] == 1200  # its bill ended at the record
+
+
+def test_the_deleting_bound_covers_what_a_self_delete_can_take():
+    """DELETING_GONE_S holds the self-delete's retries (their waits) and its wait for the operation,
+    with room for the power-off that follows a failed one (fleet/selfdelete.py's defaults)."""
+    from fleet.selfdelete import SelfDeleter
+
+    deleter = SelfDeleter(metadata=None)
+    worst = (deleter.attempts - 1) * deleter.max_wait_s + deleter.operation_wait_s
+    assert worst + 300 <= DELETING_GONE_S < 40 * 60
 
 
 def test_no_machine_records_means_no_fleet_and_no_table_of_zeros(tmp_path: Path):

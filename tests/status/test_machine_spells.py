@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from fleet import machines
-from reporting.cost import machine_seconds
-from reporting.machinestate import read_row
+from reporting.cost import fleet_cost, machine_seconds
+from reporting.machinestate import BOOT_STUCK_S, classify, read_row
+from reporting.pricing import load_prices
 from objectstore import open_store
 
 
@@ -40,17 +41,44 @@ def test_worker_carries_on_this_boots_spells_and_starts_afresh_after_another_boo
     assert json.loads(store.read("machines/vm-1.json").data)["spent"] == {}
 
 
-def test_failed_boot_counts_as_failed_and_a_silent_machine_stops_at_its_last_record(tmp_path: Path):
+def test_failed_boot_counts_as_failed_and_silent_and_lost_machines_are_priced_while_they_may_run(tmp_path: Path):
+    """A final record ends the bill at that record; a silent machine is billed to now; a lost one until
+    it was declared lost (its last record + 3 beats), the last moment its records said it might run."""
     store = open_store(str(tmp_path / "queue"))
     now = dt.datetime(2026, 1, 1, 12, tzinfo=dt.timezone.utc)
     machines.write_record(store, machines.make_record("f", "failed", at=now, since=now.isoformat(),
                                                       spent={"booting": 30, "installing": 90}))  # fmt: skip
     last = now - dt.timedelta(seconds=900)
-    machines.write_record(store, machines.make_record("s", "working", at=last, since=(last - dt.timedelta(seconds=50)).isoformat(),
-                                                      spent={"idle": 5}))  # fmt: skip
+    machines.write_record(store, machines.make_record("lost", "working", at=last, since=(last - dt.timedelta(seconds=50)).isoformat(),
+                                                      spent={"idle": 5}, beat_s=60.0))  # fmt: skip
+    quiet = now - dt.timedelta(seconds=100)
+    machines.write_record(store, machines.make_record("silent", "idle", at=quiet, since=(quiet - dt.timedelta(seconds=20)).isoformat(),
+                                                      beat_s=60.0))  # fmt: skip
     rows = {e.name: read_row(e, now) for e in store.list("machines/")}
+    assert [classify(rows[f"machines/{m}.json"]) for m in ("f", "lost", "silent")] == ["failed", "lost", "silent"]
     assert machine_seconds(rows["machines/f.json"], now) == {"booting": 0, "installing": 0, "working": 0, "idle": 0, "failed": 120}
-    assert machine_seconds(rows["machines/s.json"], now) == {"booting": 0, "installing": 0, "working": 50, "idle": 5, "failed": 0}
+    assert machine_seconds(rows["machines/lost.json"], now) == {"booting": 0, "installing": 0, "working": 50 + 180, "idle": 5, "failed": 0}
+    assert machine_seconds(rows["machines/silent.json"], now) == {"booting": 0, "installing": 0, "working": 0, "idle": 120, "failed": 0}
+
+
+def test_a_boot_record_45_minutes_old_is_lost_and_priced_for_the_30_minutes_it_may_have_run(tmp_path: Path):
+    """The defect: a machine whose boot record was 45 minutes old showed lost and priced $0, its time
+    stopping at the boot record. Nothing says it stopped before it was declared lost (30 minutes
+    without a new boot record), so those 30 minutes are billed: all of it boot time, all waste."""
+    url = str(tmp_path / "queue")
+    store = open_store(url)
+    now = dt.datetime(2026, 1, 1, 12, tzinfo=dt.timezone.utc)
+    booted = now - dt.timedelta(minutes=45)
+    machines.write_record(store, machines.make_record("vm-stuck", "booting", at=booted, since=booted.isoformat(), spent={},
+                                                      machine_type="n2-standard-8", provisioning="spot"))  # fmt: skip
+    [row] = [read_row(e, now) for e in store.list("machines/")]
+    assert classify(row) == "lost"
+    assert machine_seconds(row, now)["booting"] == BOOT_STUCK_S == 1800
+    prices = load_prices()
+    cost = fleet_cost([row], prices, now)
+    per_hour = prices.machine_price("n2-standard-8").spot_per_hour
+    assert cost["total_dollars"] == cost["waste_dollars"] == round(per_hour / 2, 4) > 0
+    assert cost["burn_per_hour"] == 0  # not up: it burns nothing more in the projection
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,9 @@ The page is opened as a phone (390 px, the DevTools protocol's device metrics) a
 (1280 px), each in the light and the dark scheme (`Emulation.setEmulatedMedia`), and must in each:
 load without console errors, never scroll sideways, follow the scheme, keep every text (chart text
 included) at a WCAG contrast of 4.5:1 or more with what is behind it, draw chart text at least 8 px
-high, and show exactly the numbers `status --json` prints for the same moment.
+high, give every machine condition a colour at a CIEDE2000 difference of 20 or more from every
+other's (as the browser resolves them), stand the charts side by side equally high, say nothing of
+rows skipped when none were, and show exactly the numbers `status --json` prints for the same moment.
 STATUS_PAGE_SCREENSHOTS=1 refreshes the screenshots README.md shows (docs/status-page-*.png).
 """
 
@@ -18,6 +20,8 @@ import contextlib
 import datetime as dt
 import io
 import json
+import itertools
+import math
 import os
 import statistics
 from pathlib import Path
@@ -26,6 +30,7 @@ import pytest
 
 from fleet import machines
 from objectstore import open_store
+from reporting.machinestate import CONDITIONS
 from tests.queue.conftest import submit_tasks
 from tests.workers import Workers
 from tools import status as status_tool
@@ -128,6 +133,60 @@ def contrast(a, b) -> float:
     return (la + 0.05) / (lb + 0.05)
 
 
+def lab(rgb: tuple[float, float, float]) -> tuple[float, float, float]:
+    """CIELAB (D65) of an sRGB colour (0-255 channels)."""
+
+    def linear(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(c) for c in rgb)
+    xyz = ((0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b,
+           (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883)  # fmt: skip
+    fx, fy, fz = (t ** (1 / 3) if t > 216 / 24389 else (24389 / 27 * t + 16) / 116 for t in xyz)
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+
+def delta_e2000(c1, c2) -> float:
+    """The CIEDE2000 colour difference of two CIELAB colours (Sharma, Wu and Dalal, 2005)."""
+    (l1, a1, b1), (l2, a2, b2) = c1, c2
+    c_mean = (math.hypot(a1, b1) + math.hypot(a2, b2)) / 2
+    g = 0.5 * (1 - math.sqrt(c_mean**7 / (c_mean**7 + 25**7)))
+    a1, a2 = (1 + g) * a1, (1 + g) * a2
+    c1p, c2p = math.hypot(a1, b1), math.hypot(a2, b2)
+    h1, h2 = (math.degrees(math.atan2(b, a)) % 360 for a, b in ((a1, b1), (a2, b2)))
+    dh = 0.0 if c1p * c2p == 0 else (h2 - h1 + 180) % 360 - 180
+    d_l, d_c, d_h = l2 - l1, c2p - c1p, 2 * math.sqrt(c1p * c2p) * math.sin(math.radians(dh / 2))
+    l_mean, cp_mean = (l1 + l2) / 2, (c1p + c2p) / 2
+    if c1p * c2p == 0:
+        h_mean = h1 + h2
+    elif abs(h1 - h2) <= 180:
+        h_mean = (h1 + h2) / 2
+    else:
+        h_mean = (h1 + h2 + 360) / 2 if h1 + h2 < 360 else (h1 + h2 - 360) / 2
+    t = (1 - 0.17 * math.cos(math.radians(h_mean - 30)) + 0.24 * math.cos(math.radians(2 * h_mean))
+         + 0.32 * math.cos(math.radians(3 * h_mean + 6)) - 0.20 * math.cos(math.radians(4 * h_mean - 63)))  # fmt: skip
+    s_l = 1 + 0.015 * (l_mean - 50) ** 2 / math.sqrt(20 + (l_mean - 50) ** 2)
+    s_c, s_h = 1 + 0.045 * cp_mean, 1 + 0.015 * cp_mean * t
+    r_t = (-2 * math.sqrt(cp_mean**7 / (cp_mean**7 + 25**7))
+           * math.sin(math.radians(60 * math.exp(-(((h_mean - 275) / 25) ** 2)))))  # fmt: skip
+    return math.sqrt((d_l / s_l) ** 2 + (d_c / s_c) ** 2 + (d_h / s_h) ** 2 + r_t * (d_c / s_c) * (d_h / s_h))
+
+
+def test_delta_e2000_matches_the_published_test_data():
+    """Pairs from Sharma, Wu and Dalal's CIEDE2000 test data (2005), table 1: pairs 1, 7, 17 and 25."""
+    for c1, c2, expected in [((50, 2.6772, -79.7751), (50, 0, -82.7485), 2.0425),
+                             ((50, 0, 0), (50, -1, 2), 2.3669),
+                             ((50, 2.5, 0), (73, 25, -18), 27.1492),
+                             ((60.2574, -34.0099, 36.2677), (60.4626, -34.1751, 39.4387), 1.2644)]:  # fmt: skip
+        assert delta_e2000(c1, c2) == pytest.approx(expected, abs=1e-4)
+
+
+#: The least CIEDE2000 difference between any two conditions' colours: about ten is two shades of
+#: one colour (the dark scheme's silent and lost lavenders were 10.4 apart); twenty reads as two colours.
+DISTINCT_COLOURS = 20.0
+
+
 #: For every visible element with text of its own, and every visible chart's text: its colour, the
 #: colour behind it (the nearest ancestor's opaque background; a chart is transparent), what it is.
 #: Colours come back as [r, g, b, a] from the computed style, whatever syntax the browser uses.
@@ -182,12 +241,26 @@ def test_page_fits_the_screen_follows_the_scheme_keeps_contrast_and_shows_the_js
     low = [(round(contrast(fg[:3], bg[:3]), 2), what) for fg, bg, what in seen if contrast(fg[:3], bg[:3]) < 4.5]
     assert low == []
 
+    # Every condition's colour, as the browser resolves it in this scheme, stands apart from every other's.
+    colours = browser.execute_script(TEXT_COLOURS_JS.split("const seen")[0] + """
+        const root = getComputedStyle(document.documentElement);
+        return Object.fromEntries(arguments[0].map(c => [c, rgba(root.getPropertyValue('--s-' + c))]));""", list(CONDITIONS))
+    assert set(colours) == set(CONDITIONS) and all(c[3] == 1 for c in colours.values())
+    differences = {(a, b): delta_e2000(lab(colours[a][:3]), lab(colours[b][:3])) for a, b in itertools.combinations(CONDITIONS, 2)}
+    assert min(differences.values()) >= DISTINCT_COLOURS, sorted(differences.items(), key=lambda kv: kv[1])[:3]
+
     # Each chart shows one drawing, as wide as the column, its text at least 8 px high.
     charts = [svg for svg in browser.find_elements(By.CSS_SELECTOR, "figure.chart svg") if svg.is_displayed()]
     assert len(charts) == 3
     [curve_width] = browser.execute_script("""return [...document.querySelectorAll('#chart-completion svg')]
         .filter(s => s.getClientRects().length).map(s => s.getBoundingClientRect().width)""")
     assert curve_width >= min(width - 40, 1000)  # the time axis spans the page
+    # The two bar charts side by side on a wide screen stand equally high, their tops level.
+    boxes = browser.execute_script("""return ['machines', 'cost'].map(n => [...document.querySelectorAll('#chart-' + n + ' svg')]
+        .filter(s => s.getClientRects().length).map(s => { const r = s.getBoundingClientRect(); return [r.top, r.height]; })[0])""")
+    if width >= 1000:
+        (top_a, high_a), (top_b, high_b) = boxes
+        assert abs(top_a - top_b) < 1 and abs(high_a - high_b) < 1, boxes
     heights = browser.execute_script("""return [...document.querySelectorAll('svg [id*="tick_"] [id*="text_"]')]
         .filter(g => g.getClientRects().length).map(g => g.getBoundingClientRect().height)""")
     assert heights and statistics.median(heights) >= 8, heights
@@ -212,6 +285,8 @@ def test_page_fits_the_screen_follows_the_scheme_keeps_contrast_and_shows_the_js
     assert "exiting with 65 as told" in browser.find_element(By.CSS_SELECTOR, "table.dead-letters").text
     tail = browser.find_element(By.CSS_SELECTOR, "details.log-tail")
     assert tail.get_attribute("open") is None and "libtpu" in tail.find_element(By.TAG_NAME, "pre").get_attribute("textContent")
+    # No row was skipped: the page says nothing of it.
+    assert view["counters"].get("skipped_rows", 0) == 0 and "skipped" not in browser.find_element(By.TAG_NAME, "body").text
 
     if os.environ.get("STATUS_PAGE_SCREENSHOTS"):
         height = browser.execute_script("return document.documentElement.scrollHeight")

@@ -46,3 +46,11 @@ def test_a_span_of_minutes_shows_seconds_and_one_date():
     labels = tick_labels(chart(240, 20), "screen")
     assert labels[0].startswith("Nov 24 / 22:30:00"), labels
     assert all(re.fullmatch(r"\d\d:\d\d:\d\d", label) for label in labels[1:]), labels
+
+
+def test_a_span_of_seconds_ticks_whole_seconds_each_once():
+    """A run of a few seconds (the browser test's queue) got ticks 0.2 s apart, labelled
+    08:05:17, 08:05:17, 08:05:18, ...: the labels show whole seconds, so the ticks are whole seconds."""
+    for drawing in ("phone", "screen"):
+        labels = tick_labels(chart(3, 1), drawing)
+        assert len(labels) >= 2 and len(set(labels)) == len(labels), labels
