@@ -113,8 +113,10 @@ def fleet_cost(rows: Iterable[Mapping], prices: PriceTable, now: dt.datetime) ->
             "seconds": {state: round(s, 1) for state, s in group.seconds.items()},
             "dollars": {state: _money(d) for state, d in dollars.items()},
         })  # fmt: skip
+    # The types priced here whose figures are an older reading the table's last refresh could not confirm.
+    older = {t: prices.read_on(t) for t, _ in sorted(groups) if prices.read_on(t) != prices.as_of}
     return {
-        "prices": {"file": prices.source, "as_of": prices.as_of},
+        "prices": {"file": prices.source, "as_of": prices.as_of, "older": older},
         "seconds": {state: round(s, 1) for state, s in totals_s.items()},
         "dollars": {state: _money(d) for state, d in totals_d.items()},
         "total_seconds": round(sum(totals_s.values()), 1),
@@ -152,7 +154,7 @@ def render_cost(cost: Mapping, finish: Mapping | None) -> list[str]:
     lines = [
         f"spent   ${cost['total_dollars']:,.2f} over {hours_text(cost['total_seconds'])} machine-hours: "
         + ", ".join(f"{state} {hours_text(s[state])}h ${d[state]:,.2f}" for state in STATES)
-        + f"  (prices {cost['prices']['as_of']})",
+        + f"  (prices {prices_text(cost['prices'])})",
         f"waste   ${cost['waste_dollars']:,.2f}, {hours_text(cost['waste_seconds'])} machine-hours "
         "(boot, install, idle, failed boots)",
     ]
@@ -174,6 +176,16 @@ def render_cost(cost: Mapping, finish: Mapping | None) -> list[str]:
                 f"${finish['dollars_per_task'] or 0:,.4f} per task so far"
             )
     return lines
+
+
+def prices_text(prices: Mapping) -> str:
+    """`2026-11-27; g2-standard-8 as read on 2025-06-01, not confirmed since`: the table's date, and the types
+    priced from an older reading its last refresh kept (reporting/prices.json, `figures`)."""
+    by_date: dict[str, list[str]] = {}
+    for machine_type, read in (prices.get("older") or {}).items():
+        by_date.setdefault(read, []).append(machine_type)
+    older = "; ".join(f"{', '.join(types)} as read on {read}, not confirmed since" for read, types in sorted(by_date.items()))
+    return prices["as_of"] + (f"; {older}" if older else "")
 
 
 def hours_text(seconds: float) -> str:

@@ -29,7 +29,7 @@ import re
 import warnings
 from collections.abc import Mapping
 
-from reporting.cost import hours_text
+from reporting.cost import hours_text, prices_text
 from reporting.status import dead_letter_groups, detail_text, duration_text, eta_gap_text, reported_counters
 
 #: Below this width the page is one column and the charts are the phone drawings.
@@ -483,7 +483,7 @@ def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
     for machine_type, seconds in cost["unpriced_seconds"].items():
         page.add(f"<p class='warn'>{html.escape(machine_type)}: {hours_text(seconds)} machine-hours, not in the price table "
                  "(reporting/prices.json): not counted.</p>")  # fmt: skip
-    page.add(f"<p class='muted'>List prices of {html.escape(cost['prices']['as_of'])}. Not included: "
+    page.add(f"<p class='muted'>List prices of {html.escape(prices_text(cost['prices']))} (reporting/prices.json). Not included: "
              f"{html.escape(cost['not_included'])}.</p>")  # fmt: skip
 
 

@@ -1,11 +1,16 @@
 """List prices of accelerators and Cloud Storage, read from a dated data file, and what an accelerator type is.
 
 The figures live in `reporting/prices.json` (its `as_of`, `sources` and `provenance` say where they come from and
-how fresh they are); this module only validates that file and answers two questions for the planner:
+how fresh they are, and its `figures` say, group by group, which page confirmed each at the last refresh and which
+could not be confirmed and were kept from an older reading); this module only validates that file and answers
+these questions for the planner and for status's cost:
 
 - `PriceTable.accelerator("v5litepod-8")`: how many chips, their dense bf16 peak, and the on-demand and spot
   price per hour of one such machine (a TPU VM slice, or a GPU machine type);
-- `PriceTable.storage_prices("region")`: Standard storage per GiB-month and Class A / Class B operations.
+- `PriceTable.storage_prices("region")`: Standard storage per GiB-month and Class A / Class B operations;
+- `PriceTable.unconfirmed("v6e-8")` / `unconfirmed_storage("region")`: why a price in use is not one the last
+  refresh confirmed (None when it is): its group is marked `kept` in `figures` and still holds the kept values (a
+  figure someone has since edited is theirs, not the kept one); `read_on("v6e-8")`: the date its prices were read.
 
 TPU accelerator types are `<prefix>-<N>`. For v4 and v5p, N counts TensorCores (two per chip), so `v4-8` is
 4 chips; for v5e (`v5litepod-N`) and v6e, N counts chips (https://cloud.google.com/tpu/docs/v4,
@@ -75,6 +80,8 @@ class PriceTable:
     gpu_machines: Mapping[str, Mapping[str, Any]]
     storage: Mapping[str, StoragePrices]
     cpu_machines: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    #: Per group (`tpu.v6e`, `gpu_machines.g2-standard-8`, `storage.region`, ...): how the last refresh found it.
+    figures: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def known_accelerators(self) -> list[str]:
         """Examples of valid names: each TPU family's single-host type, then every GPU machine type."""
@@ -136,6 +143,42 @@ class PriceTable:
                 raise
             raise PriceError(f"{exc}; CPU machine types priced: {', '.join(self.cpu_machines)}") from None
         return MachinePrice(name, machine.on_demand_per_hour, machine.spot_per_hour)
+
+    def _kept(self, group: str, current: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        figure = self.figures.get(group)
+        if not figure or figure["status"] != "kept" or any(current.get(k) != v for k, v in figure["values"].items()):
+            return None
+        return figure
+
+    def _group(self, name: str) -> tuple[str, Mapping[str, Any]]:
+        if name in self.cpu_machines:
+            return f"cpu_machines.{name}", self.cpu_machines[name]
+        if name in self.gpu_machines:
+            return f"gpu_machines.{name}", self.gpu_machines[name]
+        family = self.accelerator(name).family
+        return f"tpu.{family}", self.tpu[family]
+
+    def _note(self, group: str, figure: Mapping[str, Any] | None) -> str | None:
+        if figure is None:
+            return None
+        return (f"{group} prices are those read around {figure['as_of']}, not confirmed at the {self.as_of} refresh "
+                f"({self.source}, figures.{group}); check {figure['source']}")  # fmt: skip
+
+    def unconfirmed(self, name: str) -> str | None:
+        """Why the prices of machine type `name` were not confirmed at the last refresh; None when they were (or
+        when the group's figures have been edited since). `name` must be priced (`machine_price`)."""
+        group, current = self._group(name)
+        return self._note(group, self._kept(group, current))
+
+    def read_on(self, name: str) -> str:
+        """The date the prices of machine type `name` were read: `as_of`, or an older reading kept at the refresh."""
+        figure = self._kept(*self._group(name))
+        return figure["as_of"] if figure else self.as_of
+
+    def unconfirmed_storage(self, location: str) -> str | None:
+        """`unconfirmed` for a storage location's prices."""
+        group = f"storage.{location}"
+        return self._note(group, self._kept(group, dataclasses.asdict(self.storage_prices(location))))
 
     def storage_prices(self, location: str) -> StoragePrices:
         if location not in self.storage:
@@ -224,6 +267,22 @@ def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
                 for key in ("standard_per_gib_month", "class_a_per_1000", "class_b_per_1000")
             },
         )
+    figures: dict[str, dict[str, Any]] = {}
+    for group, spec in (_section(raw, "figures", source) if "figures" in raw else {}).items():
+        where = f"{source}: figures.{group}"
+        if not isinstance(spec, Mapping) or spec.get("status") not in ("confirmed", "kept"):
+            raise PriceError(f"{where}.status: got {spec.get('status') if isinstance(spec, Mapping) else spec!r}; "
+                             "use 'confirmed' (read from the page at the refresh) or 'kept' (not found: an older reading)")  # fmt: skip
+        if not isinstance(spec.get("as_of"), str) or not re.fullmatch(r"\d{4}-\d{2}-\d{2}", spec["as_of"]):
+            raise PriceError(f"{where}.as_of: got {spec.get('as_of')!r}; write the date of the reading, YYYY-MM-DD")
+        if not isinstance(spec.get("source"), str) or not spec["source"]:
+            raise PriceError(f"{where}.source: missing; name the page the figures come from")
+        values = spec.get("values", {})
+        if spec["status"] == "kept" and (not isinstance(values, Mapping) or not values):
+            raise PriceError(f"{where}.values: missing; a kept group names the figures it keeps, e.g. "
+                             "{\"on_demand_per_hour\": 0.85}")  # fmt: skip
+        figures[group] = {"status": spec["status"], "as_of": spec["as_of"], "source": spec["source"],
+                          "note": str(spec.get("note", "")), "values": dict(values)}  # fmt: skip
     return PriceTable(
         source=source,
         as_of=as_of,
@@ -233,6 +292,7 @@ def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
         gpu_machines=gpus,
         storage=storage,
         cpu_machines=cpus,
+        figures=figures,
     )
 
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -392,6 +393,44 @@ def test_large_output_warns_loudly_with_what_would_shrink_it(tmp_path):
     warning = result.stdout[result.stdout.index("!!! WARNING: OUTPUT TOO LARGE") :]
     for remedy in ("fewer layers", "fewer rows", "token subsample", "fp16 is the same size as bf16"):
         assert remedy in warning
+
+
+def test_dtype_advice_offers_fp8_and_is_right_for_every_stored_dtype(tmp_path):
+    """The defect: the advice never offered fp8, and told an fp8 job that only fp32 changes its size.
+    Each dtype's figure is the output the planner gives a job stored in that dtype, to 0.1 TB (the
+    header bytes of a different shard count aside). In-process: four plans, one import of the planner."""
+    import contextlib
+    import io
+
+    from tools import plan as plan_tool
+
+    sizes, advice = {}, {}
+    for dtype in ("fp32", "bf16", "fp16", "fp8"):
+        job_file = tmp_path / f"job-{dtype}.json"
+        job_file.write_text(json.dumps({**QWEN25_7B_JOB, "dtype": dtype}))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert plan_tool.main([str(job_file), "--accelerator", "v6e-8", "--rows", "9672101", "--tokens-per-row",
+                                   "1040", "--json"]) == 0  # fmt: skip
+        plan = json.loads(out.getvalue())
+        sizes[dtype] = plan["output"]["bytes"] / 1e12
+        [warning] = [w for w in plan["warnings"] if "OUTPUT TOO LARGE" in w]
+        [advice[dtype]] = [line for line in warning.splitlines() if line.startswith("  - dtype")]
+
+    # The v6e prices are a reading the last refresh of the table kept: the plan says so (reporting/prices.json, figures).
+    assert any(w.startswith("tpu.v6e prices are those read around") for w in plan["warnings"])
+
+    def figures(line: str) -> list[float]:
+        return [float(x.replace(",", "")) for x in re.findall(r"about ([\d,.]+) TB", line)]
+
+    assert sizes["fp8"] < 0.55 * sizes["bf16"] and sizes["bf16"] == sizes["fp16"]
+    assert advice["fp8"].startswith("  - dtype: fp8 is already the smallest stored dtype") and "only fp32" not in advice["fp8"]
+    assert figures(advice["fp8"]) == pytest.approx([sizes["bf16"]], abs=0.1)
+    assert advice["fp32"].startswith("  - dtype fp8: about") and "bf16 or fp16: about" in advice["fp32"]
+    assert figures(advice["fp32"]) == pytest.approx([sizes["fp8"], sizes["bf16"]], abs=0.1)
+    for dtype in ("bf16", "fp16"):
+        assert advice[dtype].startswith("  - dtype fp8: about") and "fp16 is the same size as bf16" in advice[dtype]
+        assert figures(advice[dtype]) == pytest.approx([sizes["fp8"]], abs=0.1)
 
 
 def test_output_under_the_threshold_does_not_warn(tmp_path):
