@@ -1,0 +1,214 @@
+"""Where a task's seconds go, cold and warm: a sequence of real consume.py tasks on one machine, phase by phase.
+
+A checkpoint of a released model's shape (Qwen2.5-0.5B by default) with random bf16 weights is written once and
+served as a `gs://` model by the fake GCS server (tests/fakegcs, over HTTP on 127.0.0.1), so the first task reads
+the bucket by ranged reads as a fleet machine would. Then `--tasks` tasks of `--rows` documents each run one after
+another as `consume.py` processes with the default settings and a fresh cache directory ($XDG_CACHE_HOME): the
+first is cold (nothing cached), the others warm (the compilation cache and the weights copy of the first). Beside
+them, `--baseline` tasks run with both caches off (EXTRACT_COMPILE_CACHE=off, EXTRACT_WEIGHTS_CACHE=off), as every
+task ran before them.
+
+Each column is read from what the queue would get: the phase counters of the task's progress records (summed as
+the done marker sums them, extract/phases.py), and the consumer's log lines for each compiled program. A task
+computes `--layers` decoder layers of the shape (the whole checkpoint is written and copied, only those layers
+are read and computed: a full 24-layer step is too slow for a 2-core machine).
+
+    .venv/bin/python bench/goodput_bench.py                       # Qwen2.5-0.5B shape, 4 layers, 3 tasks + 2 off
+    python3 bench/goodput_bench.py --shape Qwen/Qwen2.5-7B --layers 18 --source local --rows 64 \\
+        --max-seq-len 2048 --batch-size 8 --packing --tasks 2 --baseline 0   # on an accelerator host
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from extract.costmodel import KNOWN_CONFIGS  # noqa: E402
+from extract.phases import ATTEMPTS, PHASES, counter_name, summarize  # noqa: E402
+from extract.tiny import write_fineweb_like_parquet, write_tiny_tokenizer  # noqa: E402
+
+_PROGRAM = re.compile(r"event=program seq_len=(\d+) packed=(\w+) compile_s=([\d.]+) persistent_cache=(\w+)")
+_COMPILE = re.compile(r"event=compile seq_len=(\d+).* lower_s=([\d.]+) compile_s=([\d.]+)")
+_WEIGHTS = re.compile(r"event=weights_cache .*reused=(\d+) copied=(\d+) rebuilt=(\d+) seconds=([\d.]+)")
+
+
+def write_checkpoint(directory: pathlib.Path, config: dict, seed: int = 0) -> int:
+    """A safetensors checkpoint of `config`'s shape with random bf16 weights, written tensor by tensor (the host
+    never holds the model); returns its bytes. The layout is safetensors': an 8-byte header length, a JSON header,
+    the raw little-endian data."""
+    rng = np.random.default_rng(seed)
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", hidden // heads)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                   p + "self_attn.q_proj.weight": (heads * head_dim, hidden), p + "self_attn.q_proj.bias": (heads * head_dim,),
+                   p + "self_attn.k_proj.weight": (kv * head_dim, hidden), p + "self_attn.k_proj.bias": (kv * head_dim,),
+                   p + "self_attn.v_proj.weight": (kv * head_dim, hidden), p + "self_attn.v_proj.bias": (kv * head_dim,),
+                   p + "self_attn.o_proj.weight": (hidden, heads * head_dim), p + "mlp.gate_proj.weight": (inter, hidden),
+                   p + "mlp.up_proj.weight": (inter, hidden), p + "mlp.down_proj.weight": (hidden, inter)}  # fmt: skip
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        size = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name, shape in shapes.items():
+            scale = 1.0 if len(shape) == 1 else 1 / np.sqrt(shape[-1])
+            values = rng.standard_normal(shape, dtype=np.float32) * scale + (1.0 if len(shape) == 1 else 0.0)
+            f.write(values.astype(ml_dtypes.bfloat16).tobytes())
+    (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return offset
+
+
+@contextlib.contextmanager
+def fake_gcs() -> Iterator[str]:
+    """`python -m tests.fakegcs` in its own process with bucket `bench`; yields its URL."""
+    process = subprocess.Popen([sys.executable, "-m", "tests.fakegcs", "--port", "0", "--print-url", "--bucket", "bench"],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        url = process.stdout.readline().strip()
+        if not url.startswith("http"):
+            raise RuntimeError(f"the fake GCS server did not print its URL (got {url!r})")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def run_task(root: pathlib.Path, name: str, job_file: pathlib.Path, task: dict, env: dict) -> dict:
+    """One consume.py process; its phases (from its progress records' counters), programs and wall time."""
+    work = root / name
+    work.mkdir()
+    (work / "task.json").write_text(json.dumps(task))
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "consume.py"), "--job-file", str(job_file), "--task-file", str(work / "task.json"),
+         "--output", str(work / "out"), "--progress-file", str(work / "progress.jsonl")],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: consume.py exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    counters: dict[str, int] = {}
+    for line in (work / "progress.jsonl").read_text().splitlines():
+        for key, value in json.loads(line).get("counters", {}).items():
+            counters[key] = counters.get(key, 0) + value
+    seconds = {phase: counters.get(counter_name(phase), 0) / 1000 for phase in PHASES}
+    lowering = {int(m[1]): (float(m[2]), float(m[3])) for m in _COMPILE.finditer(proc.stderr)}
+    programs = [{"seq_len": int(m[1]), "seconds": float(m[3]), "cache": m[4],
+                 "lower_s": lowering.get(int(m[1]), (None, None))[0], "xla_s": lowering.get(int(m[1]), (None, None))[1]}
+                for m in _PROGRAM.finditer(proc.stderr)]  # fmt: skip
+    weights = _WEIGHTS.search(proc.stderr)
+    return {"name": name, "process_s": elapsed, "attempts": counters.get(ATTEMPTS, 0), **summarize(seconds),
+            "programs": programs,
+            "weights_cache": None if weights is None else {"reused": int(weights[1]), "copied": int(weights[2])}}  # fmt: skip
+
+
+def table(results: list[dict]) -> str:
+    names = [r["name"] for r in results]
+    width = max(12, *(len(n) + 2 for n in names))
+    lines = ["phase (s)".ljust(14) + "".join(n.rjust(width) for n in names)]
+    for phase in PHASES:
+        lines.append(phase.ljust(14) + "".join(f"{r['phases'][phase]:{width}.2f}" for r in results))
+    lines.append("fixed".ljust(14) + "".join(f"{r['fixed_s']:{width}.2f}" for r in results))
+    lines.append("wall".ljust(14) + "".join(f"{r['wall_s']:{width}.2f}" for r in results))
+    lines.append("goodput".ljust(14) + "".join(f"{r['goodput']:{width}.1%}" for r in results))
+    lines.append("process".ljust(14) + "".join(f"{r['process_s']:{width}.2f}" for r in results))
+    lines.append("  compile: per program, seconds (tracing+lowering / XLA) and the persistent cache's answer")
+    for r in results:
+        shown = ", ".join(f"{p['seq_len']}: {p['seconds']:.2f} ({p['lower_s']:.2f}/{p['xla_s']:.2f}) {p['cache']}"
+                          for p in r["programs"])  # fmt: skip
+        lines.append(f"  {r['name']}: {shown}; weights {r['weights_cache'] or 'read in place'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="Qwen/Qwen2.5-0.5B", choices=sorted(KNOWN_CONFIGS), help="a config of costmodel")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers computed (the hidden state kept)")
+    p.add_argument("--tasks", type=int, default=3, help="tasks with the caches on: the first cold, the rest warm")
+    p.add_argument("--baseline", type=int, default=2, help="tasks with both caches off")
+    p.add_argument("--rows", type=int, default=16, help="documents per task")
+    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--packing", action="store_true", help="pack documents into rows (job.packing)")
+    p.add_argument("--source", choices=("gcs", "local"), default="gcs",
+                   help="gcs: the model on the fake GCS server as gs:// (the weights cache works); local: a directory")
+    p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    args = p.parse_args(argv)
+
+    config = dict(KNOWN_CONFIGS[args.shape])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPAWN_", "JAX_COMPILATION_CACHE", "EXTRACT_"))}
+    env.update(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    with tempfile.TemporaryDirectory(prefix="goodput-bench-") as scratch, contextlib.ExitStack() as stack:
+        root = pathlib.Path(scratch)
+        started = time.monotonic()
+        model_dir = root / "model"
+        size = write_checkpoint(model_dir, config)
+        write_tiny_tokenizer(model_dir, vocab=4096, seed=0, model_max_length=args.max_seq_len)
+        rows = args.rows * (args.tasks + args.baseline)
+        (data_file,) = write_fineweb_like_parquet(root / "data", 1, rows, seed=1)
+        model = str(model_dir)
+        if args.source == "gcs":
+            from extract.weights import upload_model_dir
+
+            env["STORAGE_EMULATOR_HOST"] = os.environ["STORAGE_EMULATOR_HOST"] = stack.enter_context(fake_gcs())
+            model = "gs://bench/model"
+            upload_model_dir(model_dir, model)
+        job = {"data_files": [str(data_file)], "model": model, "layers": [args.layers], "max_seq_len": args.max_seq_len,
+               "batch_size": args.batch_size, "shard_size": args.rows, "packing": args.packing}  # fmt: skip
+        job_file = root / "job.json"
+        job_file.write_text(json.dumps(job))
+        print(f"setup: {args.shape} shape ({config['num_hidden_layers']} layers, {size / 1e9:.2f} GB bf16 checkpoint "
+              f"from {args.source}), {args.layers} layers computed, {args.rows} documents a task, max_seq_len "
+              f"{args.max_seq_len}, batch {args.batch_size}, packing {args.packing}; written in "
+              f"{time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+
+        def task(k: int) -> dict:
+            return {"id": f"t{k}", "files": [{"path": str(data_file), "base": 0, "start": k * args.rows,
+                                               "end": (k + 1) * args.rows}]}  # fmt: skip
+
+        results = []
+        cached = {**env, "XDG_CACHE_HOME": str(root / "cache")}
+        for k in range(args.tasks):
+            results.append(run_task(root, "cold" if k == 0 else f"warm{k}", job_file, task(k), cached))
+            print(f"  {results[-1]['name']}: wall {results[-1]['wall_s']:.1f} s", flush=True)
+        off = {**env, "XDG_CACHE_HOME": str(root / "cache-off"), "EXTRACT_COMPILE_CACHE": "off",
+               "EXTRACT_WEIGHTS_CACHE": "off"}  # fmt: skip
+        for k in range(args.baseline):
+            results.append(run_task(root, f"off{k + 1}", job_file, task(args.tasks + k), off))
+            print(f"  {results[-1]['name']}: wall {results[-1]['wall_s']:.1f} s", flush=True)
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
+        print(table(results))
+        if args.json:
+            print(json.dumps({"shape": args.shape, "layers": args.layers, "source": args.source, "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
