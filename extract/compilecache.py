@@ -140,6 +140,7 @@ class CompileCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_path = directory / LOCK_NAME
         self._uploaded: set[str] = set()
+        self.checked = {"kept": 0, "removed": 0}  # by the last `check`
 
     # -- the lock ------------------------------------------------------------------------------------------------
 
@@ -211,7 +212,8 @@ class CompileCache:
             for seal_path in self.directory.glob(f"*{ENTRY_SUFFIX}{SEAL_SUFFIX}"):
                 if not seal_path.with_name(seal_path.name.removesuffix(SEAL_SUFFIX)).exists():
                     seal_path.unlink(missing_ok=True)
-        return {"kept": kept, "removed": removed}
+        self.checked = {"kept": kept, "removed": removed}
+        return self.checked
 
     # -- the shared copy -----------------------------------------------------------------------------------------
 

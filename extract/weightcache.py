@@ -178,13 +178,14 @@ class WeightCache:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def _weight_entries(self) -> tuple[list[objectstore.Entry], objectstore.Entry | None]:
-        """The listed objects of the files the checkpoint reads, and its index if it has one."""
+    def _weight_entries(self) -> tuple[list[objectstore.Entry], bytes | None]:
+        """The listed objects of the files the checkpoint reads, and its index's bytes if it has one."""
+        index = None
         try:
             listed = {e.name: e for e in self.store.list("") if "/" not in e.name}
             if INDEX_FILE in listed:
-                weight_map = json.loads(self.store.read(INDEX_FILE).data)["weight_map"]
-                names = sorted(set(weight_map.values()))
+                index = self.store.read(INDEX_FILE).data
+                names = sorted(set(json.loads(index)["weight_map"].values()))
             else:
                 names = sorted(n for n in listed if n.endswith(".safetensors"))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -196,7 +197,7 @@ class WeightCache:
             raise BadInput(f"weights file {missing[0]} named by {INDEX_FILE} is missing from {self.store.root_url}")
         if not names:
             raise BadInput(f"model={self.store.root_url!r} has no *.safetensors weights (model.safetensors or shards)")
-        return [listed[n] for n in names], listed.get(INDEX_FILE)
+        return [listed[n] for n in names], index
 
     def sound(self, entry: objectstore.Entry) -> bool:
         """Whether the local copy of `entry` may be used as it is (the checks in the module's docstring)."""
@@ -284,7 +285,7 @@ class WeightCache:
             if index is None:
                 index_path.unlink(missing_ok=True)
             else:
-                index_path.write_bytes(self.store.read(INDEX_FILE).data)
+                index_path.write_bytes(index)
         return self.directory
 
 
