@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pathlib
 import random
@@ -31,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -88,26 +88,13 @@ def write_checkpoint(directory: pathlib.Path, config: dict, seed: int = 0) -> in
 
 
 def write_documents(path: pathlib.Path, rows: int, seed: int) -> pathlib.Path:
-    """JSON Lines of generated prose, most documents longer than any max_seq_len here (no pyarrow needed, so the
-    same command runs on an accelerator host's own image)."""
+    """JSON Lines of generated prose of log-normal lengths (median 250 words, 5 to 2,000), so that unpacked tasks
+    meet several buckets; no pyarrow needed, so the same command runs on an accelerator host's own image."""
     rng = random.Random(seed)
-    path.write_text("".join(json.dumps({"text": generate_text(rng, rng.randint(300, 2000))}) + "\n" for _ in range(rows)))
+    words = (int(min(2000, max(5, rng.lognormvariate(math.log(250), 0.9)))) for _ in range(rows))
+    lines = (json.dumps({"text": generate_text(rng, n)}) + "\n" for n in words)
+    path.write_text("".join(lines))
     return path
-
-
-@contextlib.contextmanager
-def fake_gcs() -> Iterator[str]:
-    """`python -m tests.fakegcs` in its own process with bucket `bench`; yields its URL."""
-    process = subprocess.Popen([sys.executable, "-m", "tests.fakegcs", "--port", "0", "--print-url", "--bucket", "bench"],
-                               cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        url = process.stdout.readline().strip()
-        if not url.startswith("http"):
-            raise RuntimeError(f"the fake GCS server did not print its URL (got {url!r})")
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def run_task(root: pathlib.Path, name: str, job_file: pathlib.Path, task: dict, env: dict) -> dict:
@@ -134,9 +121,9 @@ def run_task(root: pathlib.Path, name: str, job_file: pathlib.Path, task: dict, 
                  "lower_s": lowering.get(int(m[1]), (None, None))[0], "xla_s": lowering.get(int(m[1]), (None, None))[1]}
                 for m in _PROGRAM.finditer(proc.stderr)]  # fmt: skip
     weights = _WEIGHTS.search(proc.stderr)
+    copy = None if weights is None else {"reused": int(weights[1]), "copied": int(weights[2])}
     return {"name": name, "process_s": elapsed, "attempts": counters.get(ATTEMPTS, 0), **summarize(seconds),
-            "programs": programs,
-            "weights_cache": None if weights is None else {"reused": int(weights[1]), "copied": int(weights[2])}}  # fmt: skip
+            "programs": programs, "weights_cache": copy}  # fmt: skip
 
 
 def table(results: list[dict]) -> str:
@@ -189,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         data_file = write_documents(root / "data.jsonl", rows, seed=1)
         model = str(model_dir)
         if args.source == "gcs":
+            from bench.host_bench import fake_gcs_server  # the fake GCS server in its own process, bucket `bench`
             from extract.weights import upload_model_dir
 
-            env["STORAGE_EMULATOR_HOST"] = os.environ["STORAGE_EMULATOR_HOST"] = stack.enter_context(fake_gcs())
+            env["STORAGE_EMULATOR_HOST"] = os.environ["STORAGE_EMULATOR_HOST"] = stack.enter_context(fake_gcs_server())
             model = "gs://bench/model"
             upload_model_dir(model_dir, model)
         job = {"data_files": [str(data_file)], "model": model, "layers": [args.layers], "max_seq_len": args.max_seq_len,

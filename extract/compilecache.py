@@ -198,7 +198,8 @@ class CompileCache:
             for entry in self.entries():
                 seal = self._read_seal(entry)
                 try:
-                    sound = seal is not None and entry.stat().st_size == seal.size and Seal.of(entry.read_bytes()) == seal
+                    sound = seal is not None and entry.stat().st_size == seal.size
+                    sound = sound and Seal.of(entry.read_bytes()) == seal
                 except OSError:
                     sound = False
                 if sound:

@@ -189,7 +189,8 @@ class WeightCache:
             else:
                 names = sorted(n for n in listed if n.endswith(".safetensors"))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise BadInput(f"weights index {self.store.url(INDEX_FILE)} is unreadable or has no weight_map: {exc}") from exc
+            where = self.store.url(INDEX_FILE)
+            raise BadInput(f"weights index {where} is unreadable or has no weight_map: {exc}") from exc
         except objectstore.StoreError as exc:
             raise TransientIOError(f"model={self.store.root_url!r}: listing its weights failed: {exc}") from exc
         missing = [n for n in names if n not in listed]
@@ -307,6 +308,8 @@ def open_checkpoint(url: str, root: pathlib.Path | None = None) -> Checkpoint:
         local = None
     if local is None:
         return Checkpoint.from_store(url)
-    log.info("event=weights_cache url=%s dir=%s reused=%d copied=%d rebuilt=%d seconds=%.1f", url, local,
-             cache.checked["reused"], cache.checked["copied"], cache.checked["rebuilt"], time.monotonic() - started)  # fmt: skip
+    log.info(
+        "event=weights_cache url=%s dir=%s reused=%d copied=%d rebuilt=%d seconds=%.1f", url, local,
+        cache.checked["reused"], cache.checked["copied"], cache.checked["rebuilt"], time.monotonic() - started,
+    )  # fmt: skip
     return Checkpoint(local)
