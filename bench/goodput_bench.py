@@ -126,6 +126,24 @@ def run_task(root: pathlib.Path, name: str, job_file: pathlib.Path, task: dict, 
             "programs": programs, "weights_cache": copy}  # fmt: skip
 
 
+def weights_side_by_side(url: str, cache_root: pathlib.Path, layers: int, reps: int = 3) -> list[tuple[float, float]]:
+    """Seconds to read the embedding and the first `layers` layers' tensors into host memory, in place from the
+    bucket (ranged reads) and from this machine's copy (made by the tasks above), interleaved `reps` times."""
+    from extract import weightcache
+    from extract.weights import Checkpoint
+
+    def read(checkpoint: Checkpoint) -> float:
+        started = time.monotonic()
+        wanted = ("model.embed_tokens.", *(f"model.layers.{i}." for i in range(layers)))
+        for name in [n for n in checkpoint.tensors if n.startswith(wanted)]:
+            np.array(checkpoint.read(name), copy=True)  # a copy: every page is read
+        checkpoint.close()
+        return time.monotonic() - started
+
+    return [(read(Checkpoint.from_store(url)), read(weightcache.open_checkpoint(url, cache_root)))
+            for _ in range(reps)]
+
+
 def table(results: list[dict]) -> str:
     names = [r["name"] for r in results]
     width = max(12, *(len(n) + 2 for n in names))
@@ -205,10 +223,16 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(args.baseline):
             results.append(run_task(root, f"off{k + 1}", job_file, task(args.tasks + k), off))
             print(f"  {results[-1]['name']}: wall {results[-1]['wall_s']:.1f} s", flush=True)
+        side = []
+        if args.source == "gcs" and args.tasks:
+            side = weights_side_by_side(model, root / "cache" / "gcs-spawner" / "weights", args.layers)
         print(f"load average after: {os.getloadavg()[0]:.1f}")
         print(table(results))
+        for in_place, copy in side:
+            print(f"  weights read side by side: in place {in_place:.2f} s, from the machine's copy {copy:.2f} s")
         if args.json:
-            print(json.dumps({"shape": args.shape, "layers": args.layers, "source": args.source, "results": results}))
+            print(json.dumps({"shape": args.shape, "layers": args.layers, "source": args.source, "results": results,
+                              "weights_side_by_side": side}))  # fmt: skip
     return 0
 
 
