@@ -11,7 +11,8 @@ dtypes, the batch shape, the shardings and so the mesh), the jaxlib version, the
 XLA flags, the compile options and the devices (`jax/_src/cache_key.py`, `get`). The namespace adds the jax
 version and the device kind, so an entry is only ever looked up by the build and the device type that wrote it.
 Every program the engine compiles is cached (`jax_persistent_cache_min_compile_time_secs` 0: they are the few
-expensive ones).
+expensive ones). The key holds nothing of the machine's paths (XLA's own sub-caches are off, see `enable`), so an
+entry serves every machine of the same build and device type.
 
 **Integrity.** JAX writes an entry in place, not through a temporary name, and never replaces one that exists
 (`jax/_src/lru_cache.py`, `LRUCache.put`): a process killed while writing leaves a truncated entry that every
@@ -286,6 +287,11 @@ def enable(root: pathlib.Path | None = None, shared_url: str | None = None) -> C
     copied = cache.pull()
     jax.config.update("jax_compilation_cache_dir", str(cache.directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # JAX's default also turns on XLA's GPU autotuning cache, whose directory (below this one) it writes into the
+    # compile options, and so into every key (jax/_src/compiler.py, get_compile_options; cache_key.py leaves the
+    # field in): an entry would serve only machines whose cache has the same path. A hit loads the tuned
+    # executable whole, so that cache adds nothing here.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", None)
     if not _listening:
         jax.monitoring.register_event_listener(_on_event)
         _listening = True

@@ -1,5 +1,6 @@
 """The compilation cache (extract/compilecache.py): a second consume.py of a task compiles almost nothing; an entry
-is used only by the program, mesh and JAX build that wrote it; a damaged or unsealed entry is removed, never read."""
+is used only by the program, mesh and JAX build that wrote it, on this machine or, through the bucket, another;
+a damaged or unsealed entry is removed, never read."""
 
 from __future__ import annotations
 
@@ -78,9 +79,10 @@ def test_a_second_consume_of_the_task_spends_under_30pc_of_the_first_compile_and
     assert all(pathlib.Path(f"{e}{compilecache.SEAL_SUFFIX}").is_file() for e in entries)
 
 
-def compile_in_process(root: pathlib.Path, *specs: dict) -> dict:
+def compile_in_process(root: pathlib.Path, *specs: dict, shared: str | None = None) -> dict:
     """tests/goodput/compile_driver.py in a fresh process on 2 CPU devices: the cache's answer per program."""
-    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                    **({compilecache.SHARED_ENV: shared} if shared else {}))  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "tests.goodput.compile_driver", str(root), *map(json.dumps, specs)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,10 +93,15 @@ def program(**changes) -> dict:
     return {"hidden": 32, "layers": 1, "seq_len": 16, "mesh": "data=1,model=1", **changes}
 
 
-def test_an_entry_serves_only_its_own_program_mesh_and_jax_build_and_a_damaged_one_is_rebuilt(tmp_path):
+def test_an_entry_serves_its_own_program_mesh_and_jax_build_only_on_any_machine_and_a_damaged_one_is_rebuilt(
+    tmp_path, gcs_client, gcs_bucket
+):
     base, other_model, other_shape, other_mesh = program(), program(hidden=64), program(seq_len=32), program(mesh="data=2,model=1")
-    first = compile_in_process(tmp_path, base)
+    shared = f"gs://{gcs_bucket}/jax-cache"
+    first = compile_in_process(tmp_path, base, shared=shared)
     assert first["answers"] == ["miss"]
+    # Another machine (its own cache directory) finds the program in the bucket: its first compile is a hit.
+    assert compile_in_process(tmp_path / "machine-2", base, shared=shared)["answers"] == ["hit"]
     namespace = pathlib.Path(first["dir"])
     assert namespace == tmp_path / compilecache.current_namespace()  # this JAX build's directory, under the root
 
