@@ -158,13 +158,14 @@ class Engine:
         started = time.monotonic()
         self._configure(batch_size, max_seq_len, compute_dtype, out_dtype, attention, device_memory)
         from_store = isinstance(model, str) and model.startswith("gs://")
-        # A gs:// checkpoint's small files are fetched here; its weights come from this machine's copy, made by
-        # parallel ranged reads on first use (extract/weightcache.py).
+        # A gs:// checkpoint's weights are read where they lie (parallel ranged reads); only its small files are cached.
         self.model_dir = resolve_model_dir(model, weights=not from_store)
         self.config = ModelConfig.from_file(self.model_dir / "config.json")
         # Fail on missing files before any device work.
-        checkpoint = weightcache.open_checkpoint(model) if from_store else Checkpoint(self.model_dir)
+        checkpoint = Checkpoint.from_store(model) if from_store else Checkpoint(self.model_dir)
         self._place(layers, sites, mesh, devices)
+        if from_store:  # then from this machine's copy (extract/weightcache.py), made once the step fits
+            checkpoint = weightcache.open_checkpoint(model)
         self._state = load_state(
             checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype,
             sandwich_norms=self.config.sandwich_norms,

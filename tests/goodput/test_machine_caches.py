@@ -223,3 +223,29 @@ def test_a_file_the_index_names_but_the_bucket_lacks_is_bad_input(tmp_path, gcs_
     objectstore.open_store(url).delete("model-00002-of-00002.safetensors")
     with pytest.raises(BadInput, match="model-00002-of-00002.safetensors named by model.safetensors.index.json"):
         weightcache.open_checkpoint(url, tmp_path / "cache")
+
+
+def test_the_engine_loads_a_bucket_model_from_the_copy_and_refuses_a_step_that_cannot_fit_before_copying(
+    tmp_path, gcs_client, gcs_bucket, monkeypatch
+):
+    import jax
+
+    from extract.engine import Engine
+    from extract.memory import DeviceMemoryError
+    from extract.tiny import write_tiny_qwen
+    from extract.weights import upload_model_dir
+
+    model = write_tiny_qwen(tmp_path / "model", seed=4)
+    url = f"gs://{gcs_bucket}/tiny"
+    upload_model_dir(model, url)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    args = dict(batch_size=1, max_seq_len=16, devices=jax.devices()[:1])
+    with pytest.raises(DeviceMemoryError):
+        Engine(url, [-1], device_memory=1000, **args)
+    assert not list((tmp_path / "xdg").rglob("*.safetensors"))  # refused before a byte of weights was copied
+
+    from_bucket, from_disk = Engine(url, [-1], **args), Engine(str(model), [-1], **args)
+    (copy,) = (tmp_path / "xdg").rglob("*.safetensors")
+    assert copy.read_bytes() == (model / "model.safetensors").read_bytes()
+    leaves = jax.tree.leaves(from_bucket._state), jax.tree.leaves(from_disk._state)
+    assert len(leaves[0]) == len(leaves[1]) and all(np.array_equal(a, b) for a, b in zip(*leaves))
