@@ -20,7 +20,10 @@ later process would read, fail on and compile again, for ever. So each entry the
 *sealed* here (a sidecar `<entry>.sealed` holding its size and CRC32C), under an exclusive lock on the
 namespace directory that every consumer on the machine takes for its compiles; at start-up, under the same
 lock, an entry whose seal is missing or does not match its bytes is deleted. JAX then misses, compiles, writes
-a fresh entry, and it is sealed in turn. A damaged entry is never read, only rebuilt.
+a fresh entry, and it is sealed in turn. A damaged entry is never read, only rebuilt. What the seal cannot
+tell: an entry JAX itself failed to finish writing in this process (a full disk: JAX logs a warning and goes on)
+is sealed as it lies; every later process then fails to read it and compiles instead, until the entry is
+deleted. Every start-up reads each entry once to check its seal (the log line gives the seconds).
 
 **Shared through the bucket** (optional): `$EXTRACT_COMPILE_CACHE_SHARED=gs://bucket/prefix` (or a directory).
 At start-up the namespace's entries there that this machine lacks are copied in (each checked against the
