@@ -72,6 +72,9 @@ def _install_signal_handlers(stop) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from extract.phases import PhaseLedger
+
+    phases = PhaseLedger()  # from the process's start: the interpreter and the imports count too
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
@@ -106,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             resume=resume,
             progress_path=paths["--progress-file"],
             log_every_s=args.log_every,
+            phases=phases,
+            compile_cache=True,
         )
         result = run(inputs, stop=stop)
         if result.stopped:
@@ -153,7 +158,10 @@ def _run_share(role, job, task, paths, attempt, args, stop) -> int:
     """This host's share of a task run by a whole slice (or a resume whose committed shards have gaps)."""
     from extract import multihost
 
+    from extract import compilecache
+
     multihost.initialize(role)
+    compilecache.enable()  # after jax.distributed's set-up: it reads the devices
     inputs = multihost.SliceInputs(
         job=job,
         task=task,

@@ -25,11 +25,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from extract import data
+from extract import compilecache, data
 from extract.batching import Prefetcher, Tokenizer, batches_for_slice, shard_token_limit, window_start
 from extract.errors import BadInput
 from extract.job import Job, ResumeState, Task
 from extract.memory import IN_FLIGHT_STEPS
+from extract.phases import PhaseLedger
 from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype, sites_of
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,12 @@ class RunInputs:
     resume: ResumeState = dataclasses.field(default_factory=ResumeState.fresh)
     progress_path: str | None = None
     log_every_s: float = 30.0
+    #: consume.py's ledger, started with the process: its phases then go into the progress records' counters
+    #: (extract/phases.py). Without one the run keeps its own, from its start, and only logs it.
+    phases: PhaseLedger | None = None
+    #: Turn on this machine's compilation cache before the engine loads (consume.py does; in-process callers that
+    #: pass their own engine need not).
+    compile_cache: bool = False
 
 
 @dataclasses.dataclass
@@ -94,6 +101,57 @@ class RunResult:
     stats: dict[str, Any] | None
     engine: Any | None
     stopped: bool = False
+    phases: dict[str, Any] | None = None  # PhaseLedger.summary() of the attempt
+
+
+class PhasedProgressLog(ProgressLog):
+    """The progress file, each record carrying the phase counters accrued since the previous one."""
+
+    def __init__(self, path: str | None, ledger: PhaseLedger):
+        super().__init__(path)
+        self._ledger = ledger
+
+    def append(self, record: dict[str, Any]) -> None:
+        record.setdefault("counters", {}).update(self._ledger.drain())
+        super().append(record)
+
+
+@contextlib.contextmanager
+def counted_compile(
+    ledger: PhaseLedger, cache: compilecache.CompileCache | None, seq_len: int, packed: bool, stage: str
+) -> Iterator[None]:
+    """`Engine.compile_hook` of a run: each stage's time goes to its phase (`trace`, `compile`); the compile runs
+    under the compilation cache's lock, and the log says whether the persistent cache had the program."""
+    if stage != "compile":
+        with ledger.during(stage):
+            yield
+        return
+    before, started = compilecache.counts(), time.monotonic()
+    with ledger.during("compile"), cache.compiling() if cache is not None else contextlib.nullcontext():
+        yield
+    after, seconds = compilecache.counts(), time.monotonic() - started
+    if cache is None:
+        how = "off"
+    else:
+        how = "hit" if after["hits"] > before["hits"] else "miss" if after["misses"] > before["misses"] else "uncached"
+    ledger.compiled(seq_len, packed, seconds, how)
+    log.info("event=program seq_len=%d packed=%s compile_s=%.2f persistent_cache=%s", seq_len, packed, seconds, how)
+
+
+def ready_engine(job: Job, ledger: PhaseLedger, compile_cache: bool) -> tuple[Any, compilecache.CompileCache | None]:
+    """The engine, its imports, devices and weights each counted to their phase; the compilation cache on first if
+    asked (it belongs to the runtime's set-up: the `devices` phase)."""
+    ledger.enter("imports")
+    import jax
+    import transformers  # noqa: F401  (the tokenizer's library: its import is most of the tokenizer's cost)
+
+    from extract import engine as _engine  # noqa: F401  (JAX, Flax and the model code)
+
+    ledger.enter("devices")
+    jax.devices()
+    cache = compilecache.enable() if compile_cache else None
+    ledger.enter("weights")
+    return load_engine(job), cache
 
 
 class ProgressDisplay:
@@ -212,9 +270,15 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
         log.info("event=task_already_complete task=%s samples=%d", task.id, end)
         return RunResult(records=[], stats=None, engine=engine)
 
+    ledger = inputs.phases or PhaseLedger(started_at=time.monotonic())
+    ledger.enter("prepare")
     data.check_task_files(task, job.text_field)
     loaded_at = time.monotonic()
-    engine = engine if engine is not None else load_engine(job)
+    cache = None
+    if engine is None:
+        engine, cache = ready_engine(job, ledger, inputs.compile_cache)
+    ledger.enter("prepare")
+    engine.compile_hook = lambda seq_len, packed, stage: counted_compile(ledger, cache, seq_len, packed, stage)
     tokenizer = load_tokenizer(engine, job)
     log.info(
         "event=model_ready model=%s model_type=%s outputs=%s batch_size=%d buckets=%s seconds=%.1f",
@@ -230,7 +294,7 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     bytes_per_token += 4 * len(widths) if job.dtype == "fp8" else 0  # a float32 scale per token and output
     bytes_per_token += 4 if job.sampling.active else 0  # and its position in its document (a sampled job's shards)
     shard_tokens = shard_token_limit(job.shard_bytes, bytes_per_token)
-    progress = ProgressLog(inputs.progress_path)
+    progress = PhasedProgressLog(inputs.progress_path, ledger) if inputs.phases else ProgressLog(inputs.progress_path)
     display = ProgressDisplay(total=end - start, every_s=inputs.log_every_s)
     batches: Prefetcher | None = None
     try:
@@ -274,20 +338,32 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                 cancel=stop.event,
             )
             try:
+                last = None  # the latest step's outputs: its end is the steady state's
                 for batch in batches:
                     if stop.is_set():
                         break
                     if batch.token_ids is None:
                         hidden = {}
-                    elif batch.segment_ids is not None:  # packed rows (job.packing)
-                        hidden = engine.forward(batch.token_ids, batch.segment_ids, batch.positions)
                     else:
-                        hidden = engine.forward(batch.token_ids)
+                        if last is None:
+                            ledger.enter("first_step")  # its program's stages count to theirs (counted_compile)
+                        if batch.segment_ids is not None:  # packed rows (job.packing)
+                            hidden = engine.forward(batch.token_ids, batch.segment_ids, batch.positions)
+                        else:
+                            hidden = engine.forward(batch.token_ids)
+                        if last is None:
+                            _wait(hidden)
+                            ledger.enter("steady")
+                        last = hidden
                     writer.submit(batch, hidden)
                 if stop.is_set():
                     records = writer.abort()
                     log.warning("event=stopped task=%s signal=%s shards_written=%d", task.id, stop.signum, len(records))
-                    return RunResult(records=records, stats=None, engine=engine, stopped=True)
+                    return RunResult(records=records, stats=None, engine=engine, stopped=True,
+                                     phases=ledger.log_summary(task.id))  # fmt: skip
+                if last is not None:
+                    _wait(last)
+                ledger.enter("tail")
                 records = writer.finish()
             except BaseException as failure:
                 # Stop the writer's threads; the original error is the one worth reporting.
@@ -313,4 +389,11 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
         "event=task_done task=%s shards=%d stats=%s compiled_programs=%s",
         task.id, len(records), json.dumps(stats), getattr(engine, "compiled_programs", None),
     )  # fmt: skip
-    return RunResult(records=records, stats=stats, engine=engine)
+    return RunResult(records=records, stats=stats, engine=engine, phases=ledger.log_summary(task.id))
+
+
+def _wait(outputs: Any) -> None:
+    """Block until one step's outputs (and its non-finite counts) are computed."""
+    import jax
+
+    jax.block_until_ready([*outputs.values(), getattr(outputs, "nonfinite", None)])

@@ -458,9 +458,10 @@ def seconds_per_row(config: ModelConfig, depth: int, tokens: TokenEstimate, flop
 
 def recommend_rows_per_task(
     config: ModelConfig, depth: int, tokens: TokenEstimate, flops_per_second: float, target_seconds: float,
-    shard_size: int,
+    shard_size: int, fixed_seconds: float = 0.0,
 ) -> int:
-    """--rows-per-task for tasks of about `target_seconds` at `flops_per_second`; all rows if the job is shorter.
+    """--rows-per-task for tasks of about `target_seconds` at `flops_per_second`, or longer where a task's
+    `fixed_seconds` would otherwise exceed FIXED_SHARE of its machine time; all rows if the job is shorter.
 
     About ten minutes bounds the work a preemption loses (a task resumes from its last committed shard, but the
     open shard is lost) while keeping the per-task requests (claim, done marker, tombstone) a small share.
@@ -468,4 +469,95 @@ def recommend_rows_per_task(
     per_row = seconds_per_row(config, depth, tokens, flops_per_second)
     if per_row <= 0:
         return max(1, tokens.rows)
-    return rows_per_task_for(target_seconds, per_row, shard_size, at_most=tokens.rows)
+    floor = min_task_seconds(fixed_seconds)
+    chosen = rows_per_task_for(max(target_seconds, floor), per_row, shard_size, at_most=tokens.rows)
+    if chosen * per_row < floor and chosen < tokens.rows:  # rounded down below the floor: the next whole shard
+        chosen = min(tokens.rows, chosen + shard_size if chosen >= shard_size else math.ceil(floor / per_row))
+    return chosen
+
+
+# -- a task's fixed seconds ----------------------------------------------------------------------------------------
+# Every task pays to start and stop (extract/phases.py: every phase but the steady state), whatever its size. The
+# planner sizes tasks so that this stays under FIXED_SHARE of the machine's time. The figures per platform are a
+# formula over what the job loads and compiles, with coefficients that are measured where a machine measured them
+# (bench/goodput_bench.py) and labelled assumptions where none has yet.
+
+#: The largest share of a task's machine time its fixed seconds may take.
+FIXED_SHARE = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupCost:
+    """A task's fixed seconds on one platform: `base_s` (imports, devices, tokenizer and first batch, first step,
+    write tail), weights at `weights_bytes_per_s` from the machine's copy to the devices, and per program
+    `trace_s_per_layer` x layers of tracing plus `load_s` to load it from the compilation cache. A machine's first
+    task adds the copy of the checkpoint from the bucket (`bucket_bytes_per_s`) and XLA's compile
+    (`compile_s_per_layer` x layers a program) unless the shared cache holds it."""
+
+    base_s: float
+    weights_bytes_per_s: float
+    trace_s_per_layer: float
+    load_s: float
+    bucket_bytes_per_s: float
+    compile_s_per_layer: float
+    source: str  # "measured: ..." or "assumed: ..."
+
+    @property
+    def assumed(self) -> bool:
+        return self.source.startswith("assumed")
+
+
+#: By platform (the `--accelerator`'s: TPU or GPU; cpu for a CPU machine).
+STARTUP_COSTS = {
+    "tpu": StartupCost(
+        base_s=20.0, weights_bytes_per_s=1.5e9, trace_s_per_layer=0.1, load_s=2.0, bucket_bytes_per_s=0.8e9,
+        compile_s_per_layer=3.0,
+        source="assumed: no TPU has measured a task's phases yet (bench/goodput_bench.py, bench/accelerator_run.sh)",
+    ),
+    "gpu": StartupCost(
+        base_s=20.0, weights_bytes_per_s=1.5e9, trace_s_per_layer=0.1, load_s=2.0, bucket_bytes_per_s=0.8e9,
+        compile_s_per_layer=2.0,
+        source="assumed: no GPU has measured a task's phases yet (bench/accelerator_run.sh measures them on an H100)",
+    ),
+    # The Qwen2.5-0.5B shape at 4 layers, warm task 2 and the cold task of docs/PERFORMANCE.md's unpacked run:
+    # imports, prepare, first step and tail 10.6 s; 0.39 GB placed in 1.84 s; trace 0.25 s and load 0.12 s for one
+    # 4-layer program; 0.99 GB copied in 21.4 s; 2.84 s of XLA compile.
+    "cpu": StartupCost(
+        base_s=10.6, weights_bytes_per_s=0.2e9, trace_s_per_layer=0.06, load_s=0.12, bucket_bytes_per_s=0.05e9,
+        compile_s_per_layer=0.7,
+        source="measured: bench/goodput_bench.py on a loaded 2-core CPU machine (docs/PERFORMANCE.md, Goodput)",
+    ),
+}
+
+
+def task_fixed_seconds(
+    startup: StartupCost, config: ModelConfig, depth: int, programs: int, compute_bytes: int = 2
+) -> dict[str, Any]:
+    """A task's fixed seconds on a machine that has run the job before (`warm_s`) and the extra of its first task
+    (`first_task_extra_s`), with the parts they come from."""
+    from extract.memory import weight_bytes
+
+    placed = weight_bytes(config, depth, compute_bytes)
+    checkpoint = weight_bytes(config, config.num_hidden_layers, compute_bytes)  # the copy holds every layer
+    parts = {
+        "base_s": startup.base_s,
+        "weights_s": placed / startup.weights_bytes_per_s,
+        "programs_s": programs * (startup.trace_s_per_layer * depth + startup.load_s),
+    }
+    extra = {
+        "bucket_copy_s": checkpoint / startup.bucket_bytes_per_s,
+        "compile_s": programs * startup.compile_s_per_layer * depth,
+    }
+    return {
+        "warm_s": sum(parts.values()),
+        "first_task_extra_s": sum(extra.values()),
+        "parts": {**parts, **extra},
+        "programs": programs,
+        "source": startup.source,
+        "assumed": startup.assumed,
+    }
+
+
+def min_task_seconds(fixed_seconds: float, share: float = FIXED_SHARE) -> float:
+    """The shortest steady state that keeps `fixed_seconds` within `share` of a task's machine time."""
+    return fixed_seconds * (1 - share) / share

@@ -32,6 +32,7 @@ from activations.format import Output, output_key
 from extract import attention
 from extract import memory as mem
 from extract import sharding as shd
+from extract import weightcache
 from extract.config import ModelConfig, normalize_sites
 from extract.errors import BadInput
 from extract.model import DecoderModel
@@ -128,6 +129,13 @@ class Engine:
     batch_size: int
     compiled_programs: int
 
+    @staticmethod
+    def compile_hook(seq_len: int, packed: bool, stage: str) -> contextlib.AbstractContextManager:
+        """Wraps each program's two stages: `trace` (tracing and lowering) and `compile` (XLA's compile). The
+        consumer replaces it on its engine to count their time (extract/phases.py) and to seal what the compile
+        writes to the compilation cache (extract/compilecache.py)."""
+        return contextlib.nullcontext()
+
     def __init__(
         self,
         model: str,
@@ -156,6 +164,8 @@ class Engine:
         # Fail on missing files before any device work.
         checkpoint = Checkpoint.from_store(model) if from_store else Checkpoint(self.model_dir)
         self._place(layers, sites, mesh, devices)
+        if from_store:  # then from this machine's copy (extract/weightcache.py), made once the step fits
+            checkpoint = weightcache.open_checkpoint(model)
         self._state = load_state(
             checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype,
             sandwich_norms=self.config.sandwich_norms,
@@ -406,10 +416,12 @@ class Engine:
         inputs = (tokens, tokens, tokens) if packed else (tokens,)
         jitted = jax.jit(forward_packed if packed else forward, out_shardings=out_shardings)
         # The kernel and the matmul precision are fixed in the program when it is traced, here.
-        with attention.use(self._binding), self.matmul_precision():
+        with self.compile_hook(seq_len, packed, "trace"), attention.use(self._binding), self.matmul_precision():
             lowered = jitted.lower(self._state, *inputs)
+        lowered_at = time.monotonic()
         try:
-            program = lowered.compile()
+            with self.compile_hook(seq_len, packed, "compile"):
+                program = lowered.compile()
         except jax.errors.JaxRuntimeError as failure:  # a TPU compile reports an over-sized program itself
             self._raise_named(failure)
             raise
@@ -418,9 +430,10 @@ class Engine:
         self.compiled_programs += 1
         log.info(
             "event=compile seq_len=%d batch_size=%d outputs=%s mesh=%s packed=%s attention=%s device_bytes=%s "
-            "seconds=%.2f programs=%d",
+            "seconds=%.2f lower_s=%.2f compile_s=%.2f programs=%d",
             seq_len, self.batch_size, self.outputs_summary(), shd.mesh_summary(self.mesh), packed,
-            self.attention.kernel, need, time.monotonic() - started, self.compiled_programs,
+            self.attention.kernel, need, time.monotonic() - started, lowered_at - started,
+            time.monotonic() - lowered_at, self.compiled_programs,
         )  # fmt: skip
         return program
 

@@ -29,6 +29,7 @@ What this module owns (docs/PROTOCOL.md "Slices", docs/CLOUD.md "Slices"):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -40,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from extract import data
+from extract import compilecache, data
 from extract.batching import Batch, Prefetcher, batches_for_slice
 from extract.errors import BadInput, exit_code_for
 from extract.job import ResumeState, Task, _read_json
@@ -335,6 +336,8 @@ def run_share(inputs: SliceInputs, role: SliceRole, stop: Any, engine: Any | Non
 
     data.check_task_files(task, job.text_field)
     engine = engine if engine is not None else load_engine(job)
+    if (cache := compilecache.active()) is not None:  # seal what this host's compiles write (extract/compilecache.py)
+        engine.compile_hook = lambda seq_len, packed, stage: cache.compiling() if stage == "compile" else contextlib.nullcontext()
     tokenizer = load_tokenizer(engine, job)
     is_writer = role.process_index == 0
     progress = ProgressLog(inputs.progress_path if is_writer else None)

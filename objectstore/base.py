@@ -66,6 +66,9 @@ class Entry:
     updated: dt.datetime
     metadata: Mapping[str, str]
     content_type: str = DEFAULT_CONTENT_TYPE
+    #: The object's CRC32C as GCS reports it (base64 of 4 big-endian bytes), None where the store keeps none
+    #: (a local directory): https://cloud.google.com/storage/docs/hashes-etags#crc32c
+    crc32c: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -289,6 +289,7 @@ class GCSStore(ObjectStore):
                 updated=blob.updated,
                 metadata={k: v for k, v in (blob.metadata or {}).items() if k != NONCE_KEY},
                 content_type=blob.content_type or DEFAULT_CONTENT_TYPE,
+                crc32c=blob.crc32c,
             )
             for blob in blobs
         ]

@@ -487,6 +487,19 @@ def _cost(page: _Page, view: Mapping, cost: Mapping | None) -> None:
              f"{html.escape(cost['not_included'])}.</p>")  # fmt: skip
 
 
+def _goodput(page: _Page, view: Mapping) -> None:
+    """One line under the cost: the share of the consumers' time in the forward pass (reporting/goodput.py)."""
+    goodput = view.get("goodput")
+    if not goodput:
+        return
+    dollars = (f"; about ${page.value('goodput.fixed_dollars', digits=2)} of the "
+               f"${page.value('goodput.working_dollars', digits=2)} working" if "fixed_dollars" in goodput else "")  # fmt: skip
+    share = f"{goodput['goodput']:.1%}"
+    page.add(f"<p>Goodput <b>{page.value('goodput.goodput', share)}</b> of the consumers' time "
+             f"in the steady forward; start-up and tail {page.value('goodput.fixed_s_per_attempt', digits=1)} s "
+             f"a task over {page.value('goodput.attempts')} attempts{dollars}.</p>")  # fmt: skip
+
+
 def _failures(page: _Page, view: Mapping, fleet: Mapping) -> None:
     page.add("<h2>Failures</h2>")
     failures = fleet.get("failures") or {}
@@ -547,6 +560,7 @@ def render_html(view: Mapping, generated: dt.datetime | None = None) -> str:
     _machines(page, view, fleet)
     _attention(page, fleet)
     _cost(page, view, cost)
+    _goodput(page, view)
     _failures(page, view, fleet)
     _counters(page, view)
     body = "\n".join(page.parts)

@@ -67,6 +67,7 @@ def parse_args(argv):
     p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
     p.add_argument("--machines", type=int, default=32, help="machines in the fleet, for the wall-clock time (default 32)")
     p.add_argument("--target-minutes", type=float, default=10.0, help="task length to aim for (default 10)")
+    p.add_argument("--fixed-seconds", type=float, help="a task's fixed seconds on a warm machine, measured (status's goodput line); default: the platform's figure")
     p.add_argument("--heartbeat", type=float, default=30.0, help="spawn.py --heartbeat seconds (default 30)")
     p.add_argument("--storage", default="region", help="bucket location class in the price table (default region)")
     p.add_argument("--months", type=float, default=1.0, help="months the output is kept, for storage $ (default 1)")
@@ -92,6 +93,8 @@ def _check_flags(args) -> None:
         raise BadInput(f"--rows: got {args.rows}; use a positive number of rows")
     if args.storage_budget_tb is not None and not args.storage_budget_tb > 0:
         raise BadInput(f"--storage-budget-tb: got {args.storage_budget_tb}; use a positive number of TB")
+    if args.fixed_seconds is not None and not args.fixed_seconds >= 0:
+        raise BadInput(f"--fixed-seconds: got {args.fixed_seconds}; use seconds >= 0 (status's goodput line)")
     if args.tokens_per_row is not None and not args.tokens_per_row > 0:
         raise BadInput(f"--tokens-per-row: got {args.tokens_per_row}; use a positive number")
 
@@ -216,8 +219,9 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     rate = machine.peak_flops * args.mfu
     machine_hours = flops / rate / 3600
     seconds_per_row = costmodel.seconds_per_row(config, depth, tokens, rate)
+    fixed = task_fixed_seconds(job, config, depth, machine, prices, given=args.fixed_seconds)
     recommended = costmodel.recommend_rows_per_task(
-        config, depth, tokens, rate, args.target_minutes * 60, job.shard_size
+        config, depth, tokens, rate, args.target_minutes * 60, job.shard_size, fixed_seconds=fixed["warm_s"]
     )
     task_rows = [t.num_samples for t in tasks] if tasks else costmodel.split_rows(tokens.rows, recommended)
     rows_per_task = max(task_rows) if task_rows else 0
@@ -254,6 +258,10 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     # Tasks run in rounds of --machines; with tasks of equal size the last round bounds the makespan (machine boot
     # and model loading come on top). Machines with nothing left delete themselves, so billing follows the work.
     rounds = math.ceil(n_tasks / args.machines) if n_tasks else 0
+    # Fixed seconds: every task's start and tail, and each machine's first task's copy and compiles.
+    fixed_hours = (n_tasks * fixed["warm_s"] + min(n_tasks, args.machines) * fixed["first_task_extra_s"]) / 3600
+    fixed.update(machine_hours=fixed_hours, on_demand=fixed_hours * machine.on_demand_per_hour,
+                 spot=fixed_hours * machine.spot_per_hour)  # fmt: skip
     wall_hours = rounds * (sum(task_seconds) / n_tasks / 3600) if n_tasks else 0.0
     plan = {
         "job": args.job,
@@ -299,6 +307,12 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
             "recommended_rows_per_task": recommended,
             "recommended_task_minutes": recommended * seconds_per_row / 60,
             "target_minutes": args.target_minutes,
+            "fixed": {**fixed, "max_share": costmodel.FIXED_SHARE,
+                      "min_task_minutes": costmodel.min_task_seconds(fixed["warm_s"]) / 60,
+                      # of a task of the recommended size, and of the job's tasks (a short last one included)
+                      "share_of_task": fixed["warm_s"] / (fixed["warm_s"] + recommended * seconds_per_row),
+                      "share_of_job": n_tasks * fixed["warm_s"] / (n_tasks * fixed["warm_s"] + sum(task_seconds))
+                      if n_tasks else None},
         },
         "output": {
             "bytes": out.total,
@@ -327,8 +341,8 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
             "per_task": class_a_total / n_tasks if n_tasks else 0.0,
         },
         "total_dollars": {
-            "on_demand": on_demand + storage_month * args.months + ops_dollars,
-            "spot": spot + storage_month * args.months + ops_dollars,
+            "on_demand": on_demand + fixed_hours * machine.on_demand_per_hour + storage_month * args.months + ops_dollars,
+            "spot": spot + fixed_hours * machine.spot_per_hour + storage_month * args.months + ops_dollars,
         },
         "prices": {"file": prices.source, "as_of": prices.as_of, "sources": dict(prices.sources)},
     }
@@ -556,6 +570,31 @@ def _memory_line(m: dict) -> str:
     )
 
 
+def task_fixed_seconds(job: Job, config, depth: int, machine: pricing.Accelerator, prices: pricing.PriceTable,
+                       given: float | None = None) -> dict:  # fmt: skip
+    """A task's fixed seconds on `machine` (extract/costmodel.py, STARTUP_COSTS: assumptions until a device of the
+    platform has measured them), for the job's programs: one per bucket, at most. `given` (--fixed-seconds, e.g.
+    from a first run's status) replaces the warm figure."""
+    platform = "tpu" if machine.family in prices.tpu else "gpu"
+    compute_bytes = {"bf16": 2, "fp32": 4}[job.compute_dtype]
+    startup = costmodel.STARTUP_COSTS[platform]
+    fixed = {"platform": platform, **costmodel.task_fixed_seconds(startup, config, depth, len(job.buckets), compute_bytes)}
+    if given is not None:
+        fixed.update(warm_s=given, source="given (--fixed-seconds)", assumed=False)
+    return fixed
+
+
+def _fixed_line(fixed: dict) -> str:
+    share = f", {fixed['share_of_job']:.1%} of the tasks' time" if fixed["share_of_job"] is not None else ""
+    programs = f"{fixed['programs']} program{'s' if fixed['programs'] != 1 else ''}"
+    return (
+        f"  fixed       ~{_n(fixed['warm_s'])} s a task on a {fixed['platform'].upper()} machine that ran the job "
+        f"before{share}; ~{_n(fixed['first_task_extra_s'])} s more on its first (the weights from the bucket, "
+        f"{programs} compiled): {_n(fixed['machine_hours'])} machine-hours, on-demand {_n(fixed['on_demand'])} "
+        f"spot {_n(fixed['spot'])} $ (in total $); {fixed['source'].replace('assumed:', 'ASSUMED:', 1)}"
+    )
+
+
 def render(plan: dict) -> str:
     t, c, a, tm = plan["tokens"], plan["compute"], plan["accelerator"], plan["time"]
     o, s, ops, tk = plan["output"], plan["storage"], plan["operations"], plan["tasks"]
@@ -591,10 +630,12 @@ def render(plan: dict) -> str:
         + f") = {_n(ops['dollars'])} $",
         _memory_line(plan["memory"]),
         f"  tasks       {tk['count']:,} tasks ({tk['from']}), ~{_n(tk['mean_minutes'])} min each",
+        _fixed_line(tk["fixed"]),
         f"  recommend   --rows-per-task {tk['recommended_rows_per_task']}: ~{_n(tk['recommended_task_minutes'])} min a "
-        f"task on {a['name']} (target {tk['target_minutes']:g} min)",
+        f"task on {a['name']} (target {tk['target_minutes']:g} min; at least {_n(tk['fixed']['min_task_minutes'])} "
+        f"keeps the fixed seconds under {tk['fixed']['max_share']:.0%})",
         f"  total $     on-demand {_n(total['on_demand'])}   spot {_n(total['spot'])}   "
-        f"(compute + storage for {s['months']:g} month(s) + operations)",
+        f"(compute + fixed + storage for {s['months']:g} month(s) + operations)",
         f"  prices      {plan['prices']['file']} as of {plan['prices']['as_of']}; spot figures are approximate",
     ]
     budget = plan.get("storage_budget")

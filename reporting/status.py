@@ -25,6 +25,7 @@ from objectstore import ObjectStore, StoreError
 from objectstore.base import Entry
 from objectstore.counting import CountingStore
 from taskqueue import layout
+from reporting import goodput
 from taskqueue.lease import FINISHED, HELD, RELEASED, sum_metadata_counters
 from taskqueue.slice import SLICES
 
@@ -284,6 +285,9 @@ def _listed(
         rate_low = max(0.0, counted_recent - margin) / span
         rate_high = (counted_recent + margin) / span
     reasons_for = sorted(every_failed)[:MAX_REASONS]
+    counters, phase_counters = goodput.split_counters(sum_metadata_counters(
+        [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
+    ))  # fmt: skip
     return {
         "queue": counted.root_url,
         "estimate": len(listed) < len(open_regions),
@@ -310,10 +314,10 @@ def _listed(
         **_reasons(counted, reasons_for),
         # Every dead letter by reason, from the listing (those written before it listed the reason are left out).
         "failed_by_reason": dict(sorted((r, n) for r, n in listed_reasons.items() if r is not None)),
-        # Exact for swept and listed regions; an estimate counts only what it listed.
-        "counters": dict(sorted(sum_metadata_counters(
-            [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
-        ).items())),
+        # Exact for swept and listed regions; an estimate counts only what it listed. The consumers' phase
+        # counters are summarised apart (reporting/goodput.py).
+        "counters": dict(sorted(counters.items())),
+        "goodput": goodput.summary(phase_counters),
         # From markers only: swept regions count their done markers and dead letters (the sweep listed
         # them), open ones are listed; `snapshot` adds the batches.
         "complete": total > 0 and (not open_regions or (listed is open_regions and remaining == 0)),

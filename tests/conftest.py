@@ -6,10 +6,18 @@ who exports them (e.g. to run on an accelerator) keeps their own values.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The machine caches of consume.py (compiled programs, weights: extract/cachedir.py) go to one directory per test
+# process, never the user's ~/.cache; tests that check them set their own.
+if "XDG_CACHE_HOME" not in os.environ:
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="xdg-cache-")
+    atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 import uuid  # noqa: E402 (after the environment is fixed)
 from collections.abc import Iterator  # noqa: E402

@@ -33,13 +33,17 @@ def _rows_per_task(args, job: Job, files: list[tuple[str, int]]) -> int:
             raise BadInput(f"--rows-per-task: got {args.rows_per_task!r}; use a positive integer or auto") from None
     if not args.accelerator:
         raise BadInput("--accelerator: missing; --rows-per-task auto sizes tasks for an accelerator, e.g. v6e-8")
+    if args.fixed_seconds is not None and not args.fixed_seconds >= 0:
+        raise BadInput(f"--fixed-seconds: got {args.fixed_seconds}; use seconds >= 0 (status's goodput line)")
     if not 0 < args.mfu <= 1 or not args.target_minutes > 0:
         raise BadInput(f"--mfu {args.mfu} / --target-minutes {args.target_minutes}: use an MFU in (0, 1], minutes > 0")
     from extract import costmodel  # the planner's figures, only for auto
     from reporting import pricing
+    from reporting.plan import task_fixed_seconds
 
     try:
-        machine = pricing.load_prices().accelerator(args.accelerator)
+        prices = pricing.load_prices()
+        machine = prices.accelerator(args.accelerator)
     except pricing.PriceError as exc:
         raise BadInput(str(exc)) from exc
     with tempfile.TemporaryDirectory(prefix="plan-model-") as workdir:  # a gs:// model's config and tokenizer
@@ -51,7 +55,9 @@ def _rows_per_task(args, job: Job, files: list[tuple[str, int]]) -> int:
         tokens = costmodel.measure_tokens(job, files, rows, tokenizer_dir, args.sample_rows)
     depth = max(costmodel.computed_layers(job.layers, config.num_hidden_layers))
     rate = machine.peak_flops * args.mfu
-    chosen = costmodel.recommend_rows_per_task(config, depth, tokens, rate, args.target_minutes * 60, job.shard_size)
+    fixed = task_fixed_seconds(job, config, depth, machine, prices, given=args.fixed_seconds)  # at most 2%, as plan.py
+    chosen = costmodel.recommend_rows_per_task(config, depth, tokens, rate, args.target_minutes * 60, job.shard_size,
+                                               fixed_seconds=fixed["warm_s"])  # fmt: skip
     log.info(
         "event=rows_per_task_auto accelerator=%s mfu=%g rows_per_task=%d task_minutes=%.3g tokens_per_row=%.1f",
         args.accelerator, args.mfu, chosen, chosen * costmodel.seconds_per_row(config, depth, tokens, rate) / 60,
@@ -69,6 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--accelerator", help="with --rows-per-task auto: the TPU or GPU machine type, e.g. v6e-8")
     parser.add_argument("--mfu", type=float, default=0.35, help="with auto: assumed MFU (default 0.35)")
     parser.add_argument("--target-minutes", type=float, default=10.0, help="with auto: task length (default 10)")
+    parser.add_argument("--fixed-seconds", type=float, help="with auto: a task's fixed seconds on a warm machine, measured (status's goodput line); default: the platform's figure")
     parser.add_argument("--sample-rows", type=int, default=1024, help="with auto: rows tokenised (default 1024)")
     parser.add_argument("--model-config", help="with auto: config.json when the job's model is not local")
     parser.add_argument("--tokenizer", help="with auto: tokenizer directory when the job's model is not local")

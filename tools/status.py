@@ -23,6 +23,7 @@ import time
 
 from reporting.cost import render_cost, to_finish
 from reporting.fleetview import fleet_snapshot, render_fleet
+from reporting.goodput import render_goodput, with_cost
 from reporting.pricing import PriceError, load_prices
 from objectstore import StoreError, open_store
 from objectstore.counting import CountingStore
@@ -44,6 +45,7 @@ def job_view(store, prices, now: dt.datetime, sample: int | None, cache: RegionC
     else:
         with_fleet_size(view, None)
     view["finish"] = to_finish(fleet["cost"], view["eta_s"], view["eta_range_s"], view["done"])
+    view["goodput"] = with_cost(view["goodput"], fleet["cost"] if fleet["machines"] else None)
     view["requests"] += counted.requests
     for kind, n in counted.counts.items():
         view["requests_by_kind"][kind] = view["requests_by_kind"].get(kind, 0) + n
@@ -54,7 +56,8 @@ def render_text(view: dict, all_machines: bool = False) -> str:
     """The text view: a screenful at any fleet size; `all_machines` lists every machine and holder."""
     fleet = view["fleet"]
     cost = render_cost(fleet["cost"], view["finish"]) if fleet["machines"] else []
-    return "\n".join([render(view, full=all_machines), *cost, *render_fleet(fleet, all_machines=all_machines)])
+    return "\n".join([render(view, full=all_machines), *cost, *render_goodput(view["goodput"]),
+                      *render_fleet(fleet, all_machines=all_machines)])
 
 
 def main(argv: list[str] | None = None) -> int:
