@@ -11,7 +11,7 @@ import pytest
 from extract.phases import ATTEMPTS, counter_name
 from objectstore import open_store
 from taskqueue import layout
-from tests.status.test_cost import DataKeys, ago, build_queue, status
+from tests.status.test_cost import DOLLARS, DataKeys, ago, build_queue, fixed_prices, status  # noqa: F401 (fixed_prices: autouse, the pinned prices the dollars use)
 
 # Two finished tasks' phases in ms, as their done markers' counters carry them (t01 took two attempts).
 T01 = {"imports": 3000, "devices": 500, "weights": 20000, "prepare": 1500, "trace": 2000, "compile": 9000,
@@ -21,7 +21,7 @@ T02 = {"imports": 2000, "devices": 400, "weights": 1000, "prepare": 1200, "trace
 WALL_S = (sum(T01.values()) + sum(T02.values())) / 1000  # 658.0
 STEADY_S = 610.0
 FIXED_S = WALL_S - STEADY_S  # 48.0, over 3 attempts
-WORKING_DOLLARS = 7000 * 8 * 0.48 / 3600 + 1200 * 3.67 / 3600  # the working dollars of tests/status/test_cost.py
+WORKING_DOLLARS = DOLLARS["working"]  # the working dollars of tests/status/test_cost.py
 
 
 def marker_counters(phases: dict[str, int], attempts: int, **others: int) -> str:
