@@ -57,6 +57,10 @@ class CodeSyncError(Exception):
 GENERATED = ("locks", "wheelhouse", "python-mirror", "uv")
 #: What each lock installs beside the package and its extras (startup.sh maps spawn-accelerator to it).
 LOCKS = {"cpu": "jax", "cuda12": "jax[cuda12]", "tpu": "jax[tpu]"}
+#: The lock a machine installs, by its spawn-accelerator (startup/startup.sh's `case "$ACCELERATOR"`).
+LOCK_OF_PLATFORM = {"cpu": "cpu", "gpu": "cuda12", "tpu": "tpu"}
+#: The static uv binary startup.sh runs, under the code prefix (stage_uv).
+UV_OBJECT = "uv/uv"
 #: The machines' glibc. Every image the templates name is Ubuntu 22.04, whose libc6 is glibc 2.35
 #: (https://packages.ubuntu.com/jammy/libc6): the TPU VM runtimes (`v2-alpha-tpuv5-lite`,
 #: `v2-alpha-tpuv6e`, `tpu-ubuntu2204-base`; https://cloud.google.com/tpu/docs/runtimes) and
@@ -552,3 +556,43 @@ def upload_generated(staging: Path, dest_url: str, client=None, use_gcloud: bool
         directory = staging / name
         if directory.is_dir():
             mirror(directory, f"{dest_url.rstrip('/')}/{name}", client=client, use_gcloud=use_gcloud)
+
+
+def environment_missing(store, platform: str) -> list[str]:
+    """What a code prefix (an `objectstore` store opened on it) lacks for machines of `platform` (cpu, gpu, tpu):
+    of `uv/uv` and `locks/<lock>.txt`, the names it does not hold. A prefix made by `upload_code` holds both;
+    one made with `--no-locks` holds neither, and its machines install unpinned."""
+    if platform not in LOCK_OF_PLATFORM:
+        raise CodeSyncError(f"platform {platform!r}: expected one of {', '.join(LOCK_OF_PLATFORM)}")
+    wanted = [UV_OBJECT, f"locks/{LOCK_OF_PLATFORM[platform]}.txt"]
+    return [name for name in wanted if not any(e.name == name for e in store.list_page(name, page_size=1).entries)]
+
+
+def upload_code(
+    source: Path,
+    dest_url: str,
+    excludes: Sequence[str] = (),
+    *,
+    python_version: str = "3.11",
+    extras: Sequence[str] = ("extract",),
+    locks: Sequence[str] | None = tuple(LOCKS),
+    wheelhouse: bool = False,
+    glibc: tuple[int, int] = MACHINE_GLIBC,
+    uv: str | None = None,
+    python_mirror: bool = False,
+    use_gcloud: bool | None = None,
+    client=None,
+) -> None:
+    """What tools/upload_code.py and `gcs-spawner up` do: mirror the checkout (`sync_code`), then, unless `locks`
+    is None, build the environment (the locks, uv/uv, and the wheelhouse and python mirror if asked) in a scratch
+    directory and mirror it next to the code (`upload_generated`). Both halves delete what is stale, so running
+    it again after an interruption finishes the job."""
+    import tempfile
+
+    sync_code(source, dest_url, excludes, client=client, use_gcloud=use_gcloud)
+    if locks is None:
+        return
+    with tempfile.TemporaryDirectory(prefix="upload-code-") as staging:
+        build_environment(source, Path(staging), python_version, extras=extras, locks=locks, wheelhouse=wheelhouse,
+                          glibc=glibc, uv=uv or uv_version(), python_mirror=python_mirror)
+        upload_generated(Path(staging), dest_url, client=client, use_gcloud=use_gcloud)

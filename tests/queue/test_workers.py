@@ -240,7 +240,7 @@ def test_submit_is_idempotent_and_refuses_changed_tasks(tmp_path):
     job = tmp_path / "job.json"
     job.write_text('{"name": "j"}')
     run = lambda: subprocess.run(  # noqa: E731
-        [sys.executable, "tools/submit.py", url, "--job", str(job), "--tasks", str(tasks)],
+        [sys.executable, "tools/submit.py", url, "--job", str(job), "--tasks", str(tasks), "--any-consumer"],
         cwd=REPO, capture_output=True, text=True,
     )
     first, second = run(), run()
