@@ -349,9 +349,13 @@ class _Up:
             self.would(f"send {gapi.request_line(request)}")
             return
         ours = self.record.is_ours(resource)
-        if not ours and exists():
-            raise checks.CheckError(f"{resource.describe()} exists in project {resource.project} and was not made by "
-                                    f"run {self.run.name!r}; delete it, or rename the run")
+        if exists():
+            if not ours:
+                raise checks.CheckError(f"{resource.describe()} exists in project {resource.project} and was not "
+                                        f"made by run {self.run.name!r}; delete it, or rename the run")
+            self.report.existed.append(resource.describe())
+            self.record.created(resource)
+            return
         self.record.intend(resource)
         try:
             send(request)
