@@ -218,12 +218,14 @@ def _phrase(problem: Problem, where: str) -> str:
 
 
 def _read_mapping(path: pathlib.Path, what: str) -> dict:
+    """A YAML file's mapping (a `.json` file is read as JSON: YAML 1.1 would take its `1e-06` for a string)."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text()
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except OSError as err:
         raise RunFileError(f"{what}: cannot read {path}: {err.strerror or err}") from None
-    except yaml.YAMLError as err:
-        raise RunFileError(f"{what}: {path} is not valid YAML/JSON: {err}") from None
+    except (yaml.YAMLError, ValueError) as err:
+        raise RunFileError(f"{what}: {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
     if not isinstance(raw, dict):
         raise RunFileError(f"{what}: {path} must hold a mapping of fields, got {type(raw).__name__}")
     return raw

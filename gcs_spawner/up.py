@@ -143,8 +143,46 @@ class _Up:
             checks.code_environment(run)
         if self.preflight:
             self._preflight()
+        self._names_are_ours()
         self._plan(task_models)
         self.done("validate")
+
+    def _names_are_ours(self) -> None:
+        """The template and group this run would make (VMs) are absent, or this run's own (record.py's contract):
+        a name taken by something else stops `up` here, before anything is made."""
+        if self.run.kind != "vm":
+            return  # TPU VMs: the keeper counts only NAME-NNNN it lists, and the names are the run's own
+        for resource, exists in self._vm_resources():
+            if exists() and not self.record.is_ours(resource):
+                raise checks.CheckError(f"{resource.describe()} exists in project {resource.project} and was not "
+                                        f"made by run {self.run.name!r}; delete it, or rename the run")
+
+    def _vm_resources(self):
+        """(resource, exists) for the run's instance template and group."""
+        from google.api_core import exceptions as api_exceptions
+
+        fleet, project, name = self.run.fields.fleet, self.project, self.run.name
+        zone = fleet.zones[0] if fleet.zones else None
+
+        def probe(get: Callable[[], object]) -> Callable[[], bool]:
+            def exists() -> bool:
+                try:
+                    get()
+                    return True
+                except api_exceptions.NotFound:
+                    return False
+            return exists
+
+        clients = self.clients.compute_clients
+        template = Resource("instance_template", project, name)
+        group = Resource("instance_group", project, name, zone=zone, region=fleet.region)
+        if zone:
+            get_group = lambda: clients().zonal_groups.get(project=project, zone=zone, instance_group_manager=name)  # noqa: E731
+        else:
+            get_group = lambda: clients().regional_groups.get(project=project, region=fleet.region,  # noqa: E731
+                                                              instance_group_manager=name)
+        return [(template, probe(lambda: clients().templates.get(project=project, instance_template=name))),
+                (group, probe(get_group))]
 
     def _job_in_queue(self) -> None:
         import json
@@ -374,37 +412,17 @@ class _Up:
         self.record.created(resource)
 
     def _vm_fleet(self, launch) -> None:
-        from google.api_core import exceptions as api_exceptions
-
         from fleet import compute
 
         fleet, project, name = self.run.fields.fleet, self.project, self.run.name
-        zone = fleet.zones[0] if fleet.zones else None
-        clients = None if self.dry_run else self.clients.compute_clients()
-
-        def found(get: Callable[[], object]) -> Callable[[], bool]:
-            def probe() -> bool:
-                try:
-                    get()
-                    return True
-                except api_exceptions.NotFound:
-                    return False
-            return probe
-
-        template = Resource("instance_template", project, name)
+        (template, template_exists), (group, group_exists) = self._vm_resources()
+        send = (lambda r: self.clients.compute_clients().send(r))
         request = compute.insert_template(project, specs.instance_template(self.run.spec, launch, name))
-        self._create(template, request, found(lambda: clients.templates.get(project=project, instance_template=name)),
-                     lambda r: clients.send(r))
+        self._create(template, request, template_exists, send)
         size = min(fleet.count, max(1, len(self.tasks)))
-        group = Resource("instance_group", project, name, zone=zone, region=fleet.region)
-        request = compute.insert_group(project, name, name, size, zone=zone, region=fleet.region,
+        request = compute.insert_group(project, name, name, size, zone=group.zone, region=fleet.region,
                                        on_failure=fleet.on_failure.upper().replace("-", "_"))
-        if zone:
-            get = lambda: clients.zonal_groups.get(project=project, zone=zone, instance_group_manager=name)  # noqa: E731
-        else:
-            get = lambda: clients.regional_groups.get(project=project, region=fleet.region,  # noqa: E731
-                                                      instance_group_manager=name)
-        self._create(group, request, found(get), lambda r: clients.send(r))
+        self._create(group, request, group_exists, send)
 
     def _queued_resources(self, launch) -> None:
         """The keeper's step makes them: it lists the run's queued resources in every zone and adds only what the
