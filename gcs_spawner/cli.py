@@ -282,9 +282,7 @@ def cmd_export(args) -> int:
     from gcs_spawner.runfile import is_run_file, queue_of
     from objectstore.address import check_address
 
-    source = args.target or args.queue
-    if not source:
-        raise UsageError("give what to export: a run file, a queue, a done marker or a prefix of shards")
+    source = args.source
     if is_run_file(source) and source.endswith((".yaml", ".yml")):
         source = queue_of(source)
     elif not pathlib.Path(source).exists():
@@ -483,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "Export to SAELens's cached-activations directory: a Hugging Face datasets directory with one column "
                 "named after the TransformerLens hook and token_ids, rows of exactly --context-size tokens "
                 "(docs/TRAINING.md).")
-    _add_target(p, "a run file, a queue, a done marker, or a prefix of shards")
+    p.add_argument("source", metavar="RUN|QUEUE", help="a run file, a queue, a done marker, or a prefix of shards")
     p.add_argument("directory", help="where to write it (a local directory)")
     p.add_argument("--format", default="saelens", choices=["saelens"], help="the layout to write (default saelens)")
     p.add_argument("--layer", type=int, required=True,
