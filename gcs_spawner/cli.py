@@ -392,11 +392,14 @@ def cmd_upload_code(args) -> int:
     glibc = tuple(int(part) for part in args.glibc.split(".") if part.isdigit())
     if len(glibc) != 2 or args.glibc.count(".") != 1:
         raise UsageError(f"--glibc {args.glibc!r}: expected a version such as 2.35")
-    codesync.upload_code(
-        args.source, dest, args.exclude, python_version=args.python, extras=[e for e in args.extras.split(",") if e],
-        locks=None if args.no_locks else (args.lock or tuple(codesync.LOCKS)), wheelhouse=args.wheelhouse,
-        glibc=glibc, uv=args.uv_version, python_mirror=args.python_mirror,
-        use_gcloud=False if args.no_gcloud else None)
+    from gcs_spawner.progress import Progress
+
+    with Progress("upload", None, "bytes") as progress:  # files the client uploads; gcloud shows its own
+        codesync.upload_code(
+            args.source, dest, args.exclude, python_version=args.python, extras=[e for e in args.extras.split(",") if e],
+            locks=None if args.no_locks else (args.lock or tuple(codesync.LOCKS)), wheelhouse=args.wheelhouse,
+            glibc=glibc, uv=args.uv_version, python_mirror=args.python_mirror,
+            use_gcloud=False if args.no_gcloud else None, on_file=lambda name, size: progress.advance(size))
     return EX_OK
 
 

@@ -319,12 +319,11 @@ class _Up:
                        + (f" with locks/{lock}.txt and uv/uv" if code.environment else ""))
             self.done("code")
             return
-        with Progress("code", None, "steps") as progress:
+        with Progress("code", None, "bytes") as progress:  # files the client uploads; gcloud shows its own
             codesync.upload_code(
                 self.run.code_source, code.url, code.exclude, python_version=self.run.spec.python,
                 extras=self.run.spec.extras, locks=(lock,) if code.environment else None, wheelhouse=code.wheelhouse,
-                python_mirror=code.python_mirror)
-            progress.advance()
+                python_mirror=code.python_mirror, on_file=lambda name, size: progress.advance(size))
         checks.code_environment(self.run)
         self.done("code")
 

@@ -95,7 +95,9 @@ def parse_args(argv) -> PlanInputs:
     p.add_argument("--model-config", help="the model's config.json, when the job's model is not a local directory")
     p.add_argument("--tokenizer", help="a directory with the model's tokenizer, when the model is not local")
     p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
-    p.add_argument("--machines", type=int, default=32, help="machines in the fleet, for the wall-clock time (default 32)")
+    p.add_argument("--count", dest="machines", type=int, default=32,
+                   help="machines in the fleet, for the wall-clock time (default 32)")
+    p.add_argument("--machines", dest="machines", type=int, help=argparse.SUPPRESS)  # the old name of --count
     p.add_argument("--target-minutes", type=float, default=10.0, help="task length to aim for (default 10)")
     p.add_argument("--heartbeat", type=float, default=30.0, help="spawn.py --heartbeat seconds (default 30)")
     p.add_argument("--storage", default="region", help="bucket location class in the price table (default region)")

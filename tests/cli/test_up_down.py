@@ -5,6 +5,7 @@ an interrupted up followed by down leaves nothing behind."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
@@ -221,3 +222,90 @@ def test_a_real_ctrl_c_after_a_step_then_up_again_creates_nothing_twice(world, s
     assert again.returncode == 0, again.stderr
     assert world.cloud.ours() == TPU_RESOURCES
     assert set(world.cloud.created.values()) == {1} and sorted(world.cloud.created) == CREATED["tpu"]
+
+
+def test_plain_tpu_nodes_are_created_once_and_deleted(world):
+    """`queued: false`: up makes nodes NAME-NNNN in the first zone (no keeper), once; down deletes them."""
+    import yaml
+
+    spec = {**yaml.safe_load((REPO / "templates" / "tpu.yaml").read_text()), "queued": False}
+    run_file = world.run_file("tpu", fleet={"spec": spec, "keeper": False})
+    assert up(run_file) == 0 and up(run_file) == 0
+    nodes = [f"projects/{PROJECT}/locations/us-west4-a/nodes/r1-000{i}" for i in range(3)]
+    assert world.cloud.ours() == nodes
+    assert world.cloud.created == {f"tpu_node/r1-000{i}": 1 for i in range(3)}
+    assert world.cloud.resources[nodes[0]]["schedulingConfig"] == {"spot": True}
+    assert main(["down", str(run_file), "--yes"]) == 0
+    assert world.cloud.ours() == []
+
+
+def _preempt(world, rid: str) -> None:
+    world.cloud.set_queued_resource_state(f"projects/{PROJECT}/locations/us-west4-a/queuedResources/{rid}", "SUSPENDED")
+
+
+def test_keep_replaces_a_preempted_tpu_and_down_deletes_the_replacement_too(world, capsys):
+    run_file = world.run_file("tpu")
+    assert up(run_file) == 0
+    _preempt(world, "r1-0001")
+    assert main(["keep", str(run_file), "--once"]) == 0
+    assert "alive=2 deleted=1 created=1" in capsys.readouterr().out
+    assert f"projects/{PROJECT}/locations/us-west4-a/queuedResources/r1-0003" in world.cloud.ours()
+    recorded = sorted(r.resource.name for r in RunRecord(world.store()).resources())
+    assert recorded == ["r1-0000", "r1-0001", "r1-0002", "r1-0003"]
+    assert main(["down", str(run_file), "--yes"]) == 0
+    assert world.cloud.ours() == []
+
+
+def test_keep_adds_no_machine_once_the_fleet_has_spent_the_limit(world, capsys):
+    """The fleet's cost so far comes from its machine records (reporting/cost.py): one v5litepod-8 spot machine that
+    worked 1,000 hours has spent far more than a 50 $ limit, so a preempted machine is not replaced."""
+    from fleet.machines import make_record, write_record
+
+    run_file = world.run_file("tpu", max_dollars=50.0, plan={"tokens_per_row": 40.0})
+    assert up(run_file) == 0
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    write_record(world.store(), make_record("r1-0000", "working", machine_type="v5litepod-8", provisioning="spot",
+                                            since=now, spent={"working": 3600 * 1000}))
+    _preempt(world, "r1-0001")
+    assert main(["keep", str(run_file), "--once"]) == 0
+    assert "created=0" in capsys.readouterr().out
+    assert f"projects/{PROJECT}/locations/us-west4-a/queuedResources/r1-0003" not in world.cloud.ours()
+
+
+def test_up_uploads_the_code_once_through_the_client_and_reports_progress_in_a_log(world, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """code.upload with a checkout of its own, no gcloud on PATH (so google-cloud-storage syncs it) and no locks
+    (environment: false: compiling them needs the package index): the files land under code.url, a second up
+    uploads nothing, and the log has the step's progress line."""
+    source = tmp_path / "checkout"
+    (source / "fleet").mkdir(parents=True)
+    (source / "spawn.py").write_text("print('spawn')\n")
+    (source / "fleet" / "__init__.py").write_text("")
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if p and not os.path.exists(os.path.join(p, "gcloud"))]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    run_file = world.run_file("tpu", code={"url": f"gs://{world.bucket}/code/fresh", "upload": True,
+                                           "source": str(source), "environment": False})
+    assert up(run_file) == 0
+    assert world.names("code/fresh") == ["fleet/__init__.py", "spawn.py"]
+    assert "event=progress_done step=code done=" in capsys.readouterr().err
+    generations = {e.name: e.generation for e in world.store("code/fresh").list("")}
+    assert up(run_file) == 0
+    assert {e.name: e.generation for e in world.store("code/fresh").list("")} == generations
+
+
+def test_up_on_a_terminal_asks_and_a_no_creates_nothing(world):
+    """stdin a terminal (a pseudo-terminal here): up prints the plan, asks `Proceed? [y/N]` and, answered n, exits
+    1 having made nothing."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-m", "gcs_spawner", "up", str(world.run_file("tpu"))], cwd=REPO,
+                               env=env, stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.close(terminal)
+    os.write(controller, b"n\n")
+    out, err = process.communicate(timeout=120)
+    os.close(controller)
+    assert process.returncode == 1, err
+    assert "considered resources" in out and "Proceed? [y/N]" in err and "not confirmed; nothing was created" in err
+    assert world.cloud.mutations() == [] and world.names() == []
