@@ -98,7 +98,8 @@ def _up_with(handler: InterruptAt, run_file) -> bool:
     """Up with `handler` on the root logger; whether it was interrupted."""
     root = logging.getLogger()
     root.addHandler(handler)
-    level, root.level = root.level, logging.INFO
+    level = root.level
+    root.setLevel(logging.INFO)  # setLevel, not `.level =`: loggers cache whether a level is enabled
     try:
         from gcs_spawner import up as up_module
         from gcs_spawner.runfile import load_run
@@ -109,7 +110,7 @@ def _up_with(handler: InterruptAt, run_file) -> bool:
         return True
     finally:
         root.removeHandler(handler)
-        root.level = level
+        root.setLevel(level)
 
 
 @pytest.mark.parametrize("kind", ["tpu", "vm"])
