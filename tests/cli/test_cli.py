@@ -145,3 +145,20 @@ def test_progress_is_a_line_every_interval_in_a_log_and_a_bar_on_a_terminal():
     with Progress("submit", 100, "tasks", stream=screen) as progress:
         progress.advance(100)
     assert "\r" in screen.getvalue() and "100/100" in screen.getvalue() and "event=" not in screen.getvalue()
+
+
+def test_validate_checks_what_up_would_and_makes_nothing(world, capsys):
+    assert main(["validate", str(world.run_file("vm"))]) == 0
+    assert "valid: run 'r1' (2 x g2-standard-8, 5 tasks)" in capsys.readouterr().out
+    assert world.cloud.mutations() == [] and world.names() == [] and world.names("models/tiny") == []
+    world.store("code/r1").delete("locks/cuda12.txt")
+    assert main(["validate", str(world.run_file("vm"))]) == 65
+    assert "lacks locks/cuda12.txt" in capsys.readouterr().err
+
+
+def test_mirror_copies_a_checkpoint_config_last_and_refuses_a_bucket_typo(world, capsys, tmp_path):
+    assert main(["mirror", str(world.checkpoint), f"gs://{world.bucket}/models/m"]) == 0
+    names = capsys.readouterr().out.split(": ", 1)[1].split()
+    assert names[-1] == "config.json" and sorted(names) == world.names("models/m")
+    assert main(["mirror", str(world.checkpoint), f"gs:/{world.bucket}/models/m2"]) == 65
+    assert world.names("models/m2") == []
