@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list swept regions' done markers too, for the completion curve (as --html does)")
     p.add_argument("--now", metavar="TIME", help="compute the view as of this UTC time (ISO 8601), e.g. for a report")
     p.add_argument("--machines", action="store_true",
-                   help="list every machine, holder, stale lease and failure reason (the default view is capped at a screen)")
+                   help="list every machine, holder, stale lease and failure reason (the default view fits a screen)")
 
     p = command("logs", cmd_logs, "the log tail a machine left in its record (machines/NAME.json)")
     _add_target(p)

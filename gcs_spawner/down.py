@@ -48,7 +48,8 @@ def delete_request(resource: Resource):
         return compute.delete_template(resource.project, resource.name)
     from fleet import tpu
 
-    name = f"{tpu.location(resource.project, resource.zone)}/{'queuedResources' if resource.kind == 'queued_resource' else 'nodes'}/{resource.name}"
+    collection = "queuedResources" if resource.kind == "queued_resource" else "nodes"
+    name = f"{tpu.location(resource.project, resource.zone)}/{collection}/{resource.name}"
     return tpu.delete_queued_resource(name) if resource.kind == "queued_resource" else tpu.delete_node(name)
 
 

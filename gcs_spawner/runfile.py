@@ -75,8 +75,9 @@ class TasksSection(Model):
 
     file: Text | None = Field(None, description="tasks.jsonl (tools/make_tasks.py), from this file")
     rows_per_task: PositiveInt | None = Field(None, description="cut the job's data files into tasks of this many rows")
-    id_prefix: Annotated[Text, Field(pattern=r"^[A-Za-z0-9][-_.A-Za-z0-9]*$"), rule("must be letters, digits, '-', '_' or '.'")] = Field(
-        "t", description="with rows_per_task: task ids are PREFIX + a zero-padded index")
+    id_prefix: Annotated[
+        Text, Field(pattern=r"^[A-Za-z0-9][-_.A-Za-z0-9]*$"), rule("must be letters, digits, '-', '_' or '.'")
+    ] = Field("t", description="with rows_per_task: task ids are PREFIX + a zero-padded index")
 
     @model_validator(mode="after")
     def _one_source(self) -> TasksSection:

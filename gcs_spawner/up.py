@@ -129,9 +129,7 @@ class _Up:
         from gcs_spawner import tasks as tasks_module
 
         run = self.run
-        machine = checks.accelerator(run, self.prices)
-        if machine.hosts > 1 and run.kind == "tpu":
-            log.info("event=multi_host_slices accelerator=%s hosts=%d", run.accelerator, machine.hosts)
+        checks.accelerator(run, self.prices)
         checks.model_config(run)
         self.tasks, task_models = _run_tasks(run, tasks_module)
         self._job_in_queue()
@@ -176,11 +174,11 @@ class _Up:
         clients = self.clients.compute_clients
         template = Resource("instance_template", project, name)
         group = Resource("instance_group", project, name, zone=zone, region=fleet.region)
-        if zone:
-            get_group = lambda: clients().zonal_groups.get(project=project, zone=zone, instance_group_manager=name)  # noqa: E731
-        else:
-            get_group = lambda: clients().regional_groups.get(project=project, region=fleet.region,  # noqa: E731
-                                                              instance_group_manager=name)
+        def get_group() -> object:
+            if zone:
+                return clients().zonal_groups.get(project=project, zone=zone, instance_group_manager=name)
+            return clients().regional_groups.get(project=project, region=fleet.region, instance_group_manager=name)
+
         return [(template, probe(lambda: clients().templates.get(project=project, instance_template=name))),
                 (group, probe(get_group))]
 
@@ -207,19 +205,14 @@ class _Up:
             raise checks.CheckError(f"{self.run.file}: queue: cannot list {self.run.queue}: {err}") from None
 
     def _preflight(self) -> None:
-        from fleet import preflight
-
+        """The pre-flight's findings, each printed; a shortfall stops up unless the run says fleet.force."""
         findings = checks.preflight(self.run, self.project)
         for finding in findings:
             self.say(finding.line())
-        try:
-            preflight.enforce([], force=True)  # enforce prints; the lines are printed above already
-            short = [f for f in findings if f.status == "short"]
-            if short and not self.run.fields.fleet.force:
-                raise preflight.PreflightError("pre-flight found shortfalls (fix them, or set fleet.force: true):\n  "
-                                               + "\n  ".join(f"{f.check}: {f.detail}" for f in short))
-        except preflight.PreflightError as err:
-            raise checks.CheckError(f"{self.run.file}: fleet: {err}") from None
+        short = [f for f in findings if f.status == "short"]
+        if short and not self.run.fields.fleet.force:
+            raise checks.CheckError(f"{self.run.file}: fleet: the pre-flight found shortfalls (fix them, or set "
+                                    "fleet.force: true):\n  " + "\n  ".join(f"{f.check}: {f.detail}" for f in short))
 
     def _plan(self, task_models) -> None:
         from extract.errors import ExtractError

@@ -59,7 +59,8 @@ def check_address(text: str, what: str = "address", *, prefix: bool = True, dire
     if path.exists():
         raise BadAddress(f"{what}: {text!r} is a file, not a directory; give the queue's directory or a gs:// URL")
     first = text.split("/", 1)[0]
-    hint = f"for a bucket write 'gs://{text}'" if _BUCKET.match(first) and "/" in text else "for a bucket write gs://bucket/prefix"
+    hint = (f"for a bucket write 'gs://{text}'" if _BUCKET.match(first) and "/" in text
+            else "for a bucket write gs://bucket/prefix")
     raise BadAddress(f"{what}: {text!r} is neither a gs:// URL nor an existing directory; {hint}, for a local "
                      f"directory create it first (mkdir -p {text})")
 
