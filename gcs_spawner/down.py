@@ -7,6 +7,9 @@ kind, every resource at once. A 404 is a resource already gone (deleted by hand,
 never made because `up` was interrupted before its create). Each one gone is marked `deleted` in the record, so a
 second `down` sends nothing. A job that is not complete (reporting.status's `complete`, the completion rule the
 status page shows) is deleted only when the user says so (`confirm`, or `yes`).
+
+Callers other than the command (tests, the fleet rehearsal) call `down(open_store(run.queue), yes=True)`, with
+the endpoints from FLEET_COMPUTE_ENDPOINT / FLEET_TPU_ENDPOINT or `clients` passed in, as `up.up` takes them.
 """
 
 from __future__ import annotations
