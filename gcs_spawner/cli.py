@@ -102,7 +102,7 @@ def cmd_validate(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
-    from extract.errors import ExtractError
+    from extract.errors import BadInput
     from gcs_spawner import tasks as tasks_module
     from gcs_spawner.checks import CheckError
     from gcs_spawner.runfile import load_run
@@ -116,7 +116,7 @@ def cmd_plan(args) -> int:
     try:
         plan = make_plan(inputs)
         rows = considered_resources(inputs, plan, [run.accelerator, *run.fields.fleet.alternatives], run.spec.spot)
-    except ExtractError as err:
+    except BadInput as err:  # a transient read (TransientIOError) stays a failure, exit 1
         raise CheckError(f"{run.file}: plan: {err}") from None
     if args.json:
         print(json.dumps({**plan, "considered": rows}, indent=1))

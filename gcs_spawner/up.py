@@ -215,7 +215,7 @@ class _Up:
                                     "fleet.force: true):\n  " + "\n  ".join(f"{f.check}: {f.detail}" for f in short))
 
     def _plan(self, task_models) -> None:
-        from extract.errors import ExtractError
+        from extract.errors import BadInput
         from reporting import pricing
         from reporting.considered import considered_resources, render_considered
         from reporting.plan import make_plan, render
@@ -225,7 +225,7 @@ class _Up:
             plan = make_plan(inputs)
             names = [self.run.accelerator, *self.run.fields.fleet.alternatives]
             rows = considered_resources(inputs, plan, names, spot=self.run.spec.spot)
-        except (ExtractError, pricing.PriceError) as err:
+        except (BadInput, pricing.PriceError) as err:  # a transient read (TransientIOError) stays a failure
             raise checks.CheckError(f"{self.run.file}: plan: {err}") from None
         self.report.plan, self.report.considered = plan, rows
         self.say(render(plan))
