@@ -193,8 +193,9 @@ def download_hub_snapshot(
     return pathlib.Path(path)
 
 
-def upload_model_dir(local_dir: str | os.PathLike, dest_url: str) -> list[str]:
-    """Copy a model directory's files into `dest_url`; return the names written.
+def upload_model_dir(local_dir: str | os.PathLike, dest_url: str, on_file=None) -> list[str]:
+    """Copy a model directory's files into `dest_url`; return the names written. `on_file(name, bytes)`, when
+    given, is called after each file (a progress bar).
 
     config.json goes last: `fetch_from_store` treats a prefix without it as not mirrored, so a copy interrupted
     half-way is never loaded as a model.
@@ -212,14 +213,16 @@ def upload_model_dir(local_dir: str | os.PathLike, dest_url: str) -> list[str]:
         # One file in memory at a time: the store interface writes whole objects.
         store.put_file(path.name, path)
         log.info("event=model_file_uploaded dest=%s name=%s bytes=%d", dest_url, path.name, path.stat().st_size)
+        if on_file is not None:
+            on_file(path.name, path.stat().st_size)
     return [p.name for p in ordered]
 
 
-def mirror_hub_snapshot(hub_id: str, dest_url: str, *, revision: str | None = None) -> list[str]:
+def mirror_hub_snapshot(hub_id: str, dest_url: str, *, revision: str | None = None, on_file=None) -> list[str]:
     """Copy a hub snapshot into an object store prefix, so that a fleet reads the bucket instead of the hub."""
     with tempfile.TemporaryDirectory(prefix="mirror-") as scratch:
         local = download_hub_snapshot(hub_id, revision=revision, local_dir=scratch)
-        return upload_model_dir(local, dest_url)
+        return upload_model_dir(local, dest_url, on_file=on_file)
 
 
 # -- safetensors --------------------------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ class CodeSyncError(Exception):
 GENERATED = ("locks", "wheelhouse", "python-mirror", "uv")
 #: What each lock installs beside the package and its extras (startup.sh maps spawn-accelerator to it).
 LOCKS = {"cpu": "jax", "cuda12": "jax[cuda12]", "tpu": "jax[tpu]"}
+#: The lock a machine installs, by its spawn-accelerator (startup/startup.sh's `case "$ACCELERATOR"`).
+LOCK_OF_PLATFORM = {"cpu": "cpu", "gpu": "cuda12", "tpu": "tpu"}
+#: The static uv binary startup.sh runs, under the code prefix (stage_uv).
+UV_OBJECT = "uv/uv"
 #: The machines' glibc. Every image the templates name is Ubuntu 22.04, whose libc6 is glibc 2.35
 #: (https://packages.ubuntu.com/jammy/libc6): the TPU VM runtimes (`v2-alpha-tpuv5-lite`,
 #: `v2-alpha-tpuv6e`, `tpu-ubuntu2204-base`; https://cloud.google.com/tpu/docs/runtimes) and
@@ -197,10 +201,12 @@ class SyncReport:
 
 
 def sync_with_client(
-    source: Path, dest_url: str, excludes: Sequence[str], client, parallel: int = 8, ignored: Sequence[str] = ()
+    source: Path, dest_url: str, excludes: Sequence[str], client, parallel: int = 8, ignored: Sequence[str] = (),
+    on_file=None,
 ) -> SyncReport:
     """Upload new or changed files (by crc32c, or md5 where the listing has no crc32c) and delete
-    objects under the prefix that no longer have a file. Excluded names are left alone remotely."""
+    objects under the prefix that no longer have a file. Excluded names are left alone remotely.
+    `on_file(relative path, bytes)`, when given, is called after each upload (a progress bar)."""
     bucket_name, prefix = split_url(dest_url)
     bucket = client.bucket(bucket_name)
     files = local_files(source, excludes, ignored)
@@ -220,6 +226,8 @@ def sync_with_client(
     def upload(rel: str) -> None:
         bucket.blob(f"{prefix}/{rel}").upload_from_filename(str(files[rel]), checksum="crc32c")
         log.info("event=code_uploaded object=gs://%s/%s/%s", bucket_name, prefix, rel)
+        if on_file is not None:
+            on_file(rel, files[rel].stat().st_size)
 
     def delete(rel: str) -> None:
         bucket.blob(f"{prefix}/{rel}").delete()
@@ -247,6 +255,7 @@ def sync_code(
     client=None,
     gcloud: str | None = None,
     use_gcloud: bool | None = None,
+    on_file=None,
 ) -> SyncReport | None:
     """Mirror the checkout `source` to `dest_url`, without what a worker never needs (DEFAULT_EXCLUDES,
     `extra_excludes`, what git ignores) and without the GENERATED directories, which upload_code
@@ -255,7 +264,8 @@ def sync_code(
     excludes = [*DEFAULT_EXCLUDES, *extra_excludes]
     # Generated next to the code by upload_code, from elsewhere: the mirror neither uploads nor deletes them.
     ignored = [*git_ignored(source), *GENERATED] if source.is_dir() else []
-    return mirror(source, dest_url, excludes, ignored, client=client, gcloud=gcloud, use_gcloud=use_gcloud)
+    return mirror(source, dest_url, excludes, ignored, client=client, gcloud=gcloud, use_gcloud=use_gcloud,
+                  on_file=on_file)
 
 
 def mirror(
@@ -266,9 +276,11 @@ def mirror(
     client=None,
     gcloud: str | None = None,
     use_gcloud: bool | None = None,
+    on_file=None,
 ) -> SyncReport | None:
     """Make `dest_url` hold exactly the files of `source` that `excludes` (globs) and `ignored`
-    (relative paths) leave in; what they match is neither uploaded nor deleted remotely."""
+    (relative paths) leave in; what they match is neither uploaded nor deleted remotely. `on_file` is
+    called per file the client uploads (gcloud shows its own progress)."""
     split_url(dest_url)
     if not source.is_dir():
         raise CodeSyncError(f"source {str(source)!r} is not a directory")
@@ -283,7 +295,7 @@ def mirror(
     if client is None:
         client = storage.Client()
     log.info("event=code_sync method=python source=%s dest=%s", source, dest_url)
-    report = sync_with_client(source, dest_url, excludes, client, ignored=ignored)
+    report = sync_with_client(source, dest_url, excludes, client, ignored=ignored, on_file=on_file)
     log.info(
         "event=code_synced uploaded=%d deleted=%d unchanged=%d dest=%s",
         len(report.uploaded), len(report.deleted), report.unchanged, dest_url,
@@ -544,11 +556,52 @@ def build_environment(
     return made
 
 
-def upload_generated(staging: Path, dest_url: str, client=None, use_gcloud: bool | None = None) -> None:
+def upload_generated(staging: Path, dest_url: str, client=None, use_gcloud: bool | None = None, on_file=None) -> None:
     """Mirror each generated directory (locks/, wheelhouse/, python-mirror/, uv/) to dest_url/<dir>,
     deleting stale objects. Whole: the checkout's exclusions are not theirs (GENERATED's `uv` names the
     binary uv/uv too, and a wheel may be called anything)."""
     for name in GENERATED:
         directory = staging / name
         if directory.is_dir():
-            mirror(directory, f"{dest_url.rstrip('/')}/{name}", client=client, use_gcloud=use_gcloud)
+            mirror(directory, f"{dest_url.rstrip('/')}/{name}", client=client, use_gcloud=use_gcloud, on_file=on_file)
+
+
+def environment_missing(store, platform: str) -> list[str]:
+    """What a code prefix (an `objectstore` store opened on it) lacks for machines of `platform` (cpu, gpu, tpu):
+    of `uv/uv` and `locks/<lock>.txt`, the names it does not hold. A prefix made by `upload_code` holds both;
+    one made with `--no-locks` holds neither, and its machines install unpinned."""
+    if platform not in LOCK_OF_PLATFORM:
+        raise CodeSyncError(f"platform {platform!r}: expected one of {', '.join(LOCK_OF_PLATFORM)}")
+    wanted = [UV_OBJECT, f"locks/{LOCK_OF_PLATFORM[platform]}.txt"]
+    return [name for name in wanted if not any(e.name == name for e in store.list_page(name, page_size=1).entries)]
+
+
+def upload_code(
+    source: Path,
+    dest_url: str,
+    excludes: Sequence[str] = (),
+    *,
+    python_version: str = "3.11",
+    extras: Sequence[str] = ("extract",),
+    locks: Sequence[str] | None = tuple(LOCKS),
+    wheelhouse: bool = False,
+    glibc: tuple[int, int] = MACHINE_GLIBC,
+    uv: str | None = None,
+    python_mirror: bool = False,
+    use_gcloud: bool | None = None,
+    client=None,
+    on_file=None,
+) -> None:
+    """What tools/upload_code.py and `gcs-spawner up` do: mirror the checkout (`sync_code`), then, unless `locks`
+    is None, build the environment (the locks, uv/uv, and the wheelhouse and python mirror if asked) in a scratch
+    directory and mirror it next to the code (`upload_generated`). Both halves delete what is stale, so running
+    it again after an interruption finishes the job."""
+    import tempfile
+
+    sync_code(source, dest_url, excludes, client=client, use_gcloud=use_gcloud, on_file=on_file)
+    if locks is None:
+        return
+    with tempfile.TemporaryDirectory(prefix="upload-code-") as staging:
+        build_environment(source, Path(staging), python_version, extras=extras, locks=locks, wheelhouse=wheelhouse,
+                          glibc=glibc, uv=uv or uv_version(), python_mirror=python_mirror)
+        upload_generated(Path(staging), dest_url, client=client, use_gcloud=use_gcloud, on_file=on_file)

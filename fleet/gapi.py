@@ -39,6 +39,24 @@ class LaunchError(Exception):
     """A Compute or TPU request failed; the message names each request and the API's answer."""
 
 
+#: What to do when Application Default Credentials are missing or expired (google.auth.default's search:
+#: https://cloud.google.com/docs/authentication/application-default-credentials).
+LOGIN_HINT = ("run 'gcloud auth application-default login' (or set GOOGLE_APPLICATION_CREDENTIALS to a service "
+              "account key file)")
+
+
+def credentials_problem(err: BaseException) -> str | None:
+    """One line saying how to log in, when `err` (or what caused it) is a missing or refused credential; else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (auth_exceptions.DefaultCredentialsError, auth_exceptions.RefreshError)):
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return f"no usable Google Cloud credentials ({first[:160]}): {LOGIN_HINT}"
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def client_args(endpoint_env: str) -> dict:
     """Constructor arguments for a Google API client, honouring an endpoint override.
 
@@ -62,8 +80,32 @@ def describe(request: proto.Message) -> dict:
     return {"request": type(request).__name__, "fields": fields}
 
 
-def print_dry_run(batch: Sequence[proto.Message]) -> None:
-    print(json.dumps([describe(r) for r in batch], indent=2, sort_keys=True))
+#: Fields of a request's resource body worth a word in its one-line form (the rest is in `describe`).
+_LINE_FIELDS = ("name", "target_size", "accelerator_type", "instance_template")
+
+
+def request_line(request: proto.Message) -> str:
+    """The request on one line: its type, its path parameters, and the resource's name and size, e.g.
+    `InsertInstanceGroupManagerRequest project=p zone=z instance_group_manager_resource.name=w target_size=8`."""
+    body = type(request).to_dict(request)
+    words = [type(request).__name__]
+    for key, value in body.items():
+        if isinstance(value, (str, int)) and not isinstance(value, bool) and value not in ("", 0):
+            words.append(f"{key}={value}")
+        elif isinstance(value, bool) and value:
+            words.append(f"{key}=true")
+        elif isinstance(value, dict):
+            words += [f"{key}.{field}={value[field]}" for field in _LINE_FIELDS if value.get(field)]
+    return " ".join(words)
+
+
+def print_dry_run(batch: Sequence[proto.Message], bodies: bool = False) -> None:
+    """One line per request (`request_line`); with `bodies`, every request whole as JSON (`describe`)."""
+    if bodies:
+        print(json.dumps([describe(r) for r in batch], indent=2, sort_keys=True))
+        return
+    for request in batch:
+        print(f"would send {request_line(request)}")
 
 
 def target_of(request: proto.Message) -> str:

@@ -23,6 +23,10 @@ more than needed, never fewer, and never more than `count`.
 
 It holds no state between steps that the TPU API does not hold, so it can run anywhere (a laptop,
 a small VM), be stopped and be started again. With `dry_run` it prints what it would send.
+
+`before_create(zone, queued_resource_id)`, when given, runs before each create request is sent: `gcs-spawner`
+records there what it is about to make (write-ahead), so that `down` deletes every queued resource the keeper
+may have made, even one whose create was interrupted before its answer came.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class Keeper:
     count: int
     work: Callable[[], Work]
     dry_run: bool = False
+    before_create: Callable[[str, str], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.zones:
@@ -162,6 +167,8 @@ class Keeper:
                 request = tpu.create_queued_resource(
                     self.project, zone, rid, specs.queued_resource(self.spec, self.launch, self.project, zone, rid)
                 )
+                if self.before_create is not None and not self.dry_run:
+                    self.before_create(zone, rid)
                 try:
                     self._send(request)
                 except gapi.API_ERRORS as err:

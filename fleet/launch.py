@@ -16,10 +16,11 @@ from fleet import compute, gapi, specs, tpu
 log = logging.getLogger(__name__)
 
 
-def _send(batch: list[proto.Message], dry_run: bool, connect: Callable[[], object]) -> list[proto.Message]:
-    """Print the batch (dry run) or send it through the clients `connect()` returns (made once)."""
+def _send(batch: list[proto.Message], dry_run: bool, connect: Callable[[], object], bodies: bool = False) -> list[proto.Message]:
+    """Print the batch (dry run: a line per request, or with `bodies` each whole) or send it through the clients
+    `connect()` returns (made once)."""
     if dry_run:
-        gapi.print_dry_run(batch)
+        gapi.print_dry_run(batch, bodies)
     elif batch:
         try:
             clients = connect()
@@ -41,13 +42,14 @@ def create_template(
     spawn_flags: list[str] | None = None,
     dry_run: bool = False,
     clients: compute.ComputeClients | None = None,
+    bodies: bool = False,
 ) -> list[proto.Message]:
     spec = specs.load_spec(spec_path)
     if not isinstance(spec, specs.VmSpec):
         raise specs.SpecError(f"{spec_path}: kind {spec.kind!r} is not an instance template; use create_tpus.py")
     launch = specs.Launch.make(spec, queue, code, consumer, spawn_flags)
     request = compute.insert_template(project, specs.instance_template(spec, launch, name))
-    return _send([request], dry_run, lambda: clients or compute.ComputeClients.connect())
+    return _send([request], dry_run, lambda: clients or compute.ComputeClients.connect(), bodies)
 
 
 def create_group(
@@ -61,6 +63,7 @@ def create_group(
     dry_run: bool = False,
     clients: compute.ComputeClients | None = None,
     on_failure: str = "REPAIR",
+    bodies: bool = False,
 ) -> list[proto.Message]:
     """A managed instance group named `name` (default: the template's name), or a resize of it."""
     name = name or template
@@ -68,7 +71,7 @@ def create_group(
         request = compute.resize_group(project, name, size, zone=zone, region=region)
     else:
         request = compute.insert_group(project, name, template, size, zone=zone, region=region, on_failure=on_failure)
-    return _send([request], dry_run, lambda: clients or compute.ComputeClients.connect())
+    return _send([request], dry_run, lambda: clients or compute.ComputeClients.connect(), bodies)
 
 
 def tpu_names(prefix: str, count: int, first_index: int = 0) -> list[str]:
@@ -87,6 +90,7 @@ def create_tpus(
     spawn_flags: list[str] | None = None,
     dry_run: bool = False,
     clients: tpu.TpuClients | None = None,
+    bodies: bool = False,
 ) -> list[proto.Message]:
     """`count` times `spec.slices` TPU VMs (slices) named SPEC.name-NNNN, each its own queued resource when
     the spec says so (spot, by default), else its own node; `first_index` numbers the first."""
@@ -101,7 +105,7 @@ def create_tpus(
             batch.append(tpu.create_queued_resource(project, zone, node_id, qr))
         else:
             batch.append(tpu.create_node(project, zone, node_id, specs.tpu_node(spec, launch)))
-    return _send(batch, dry_run, lambda: clients or tpu.TpuClients.connect())
+    return _send(batch, dry_run, lambda: clients or tpu.TpuClients.connect(), bodies)
 
 
 def _matches(resource_id: str, labels: Mapping[str, str], prefix: str | None, want: Mapping[str, str]) -> bool:
@@ -119,6 +123,7 @@ def teardown(
     dry_run: bool = False,
     compute_clients: compute.ComputeClients | None = None,
     tpu_clients: tpu.TpuClients | None = None,
+    bodies: bool = False,
 ) -> list[proto.Message]:
     """Delete the group (its VMs go with it), then the template it used, then TPU queued resources
     (force: their nodes go too) and any remaining nodes whose id starts with `tpu_prefix` and/or
@@ -131,9 +136,9 @@ def teardown(
     sent: list[proto.Message] = []
     connect_compute = lambda: compute_clients or compute.ComputeClients.connect()  # noqa: E731
     if group:
-        sent += _send([compute.delete_group(project, group, zone=zone, region=region)], dry_run, connect_compute)
+        sent += _send([compute.delete_group(project, group, zone=zone, region=region)], dry_run, connect_compute, bodies)
     if template:
-        sent += _send([compute.delete_template(project, template)], dry_run, connect_compute)
+        sent += _send([compute.delete_template(project, template)], dry_run, connect_compute, bodies)
     if not wants_tpus:
         return sent
     want = dict(tpu_labels or {})
@@ -160,4 +165,4 @@ def teardown(
             batch.append(tpu.delete_node(node.name))
     if not batch:
         log.info("event=teardown_no_tpus project=%s zone=%s prefix=%s labels=%s", project, zone, tpu_prefix, want)
-    return sent + _send(batch, dry_run, lambda: tpu_clients)
+    return sent + _send(batch, dry_run, lambda: tpu_clients, bodies)

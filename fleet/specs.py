@@ -6,6 +6,9 @@ A spec describes a machine: `kind: vm` (a Compute Engine instance template) or `
 The tools add where the work is (queue and code URLs) at launch time; all of it reaches the
 machine as instance metadata attributes, named here once (ATTR_*), which `startup/startup.sh`,
 `fleet.service` and `fleet.selfdelete` read.
+
+The API clients' message types (`compute_v1`, `tpu_v2`) are imported only by the functions that build them:
+validating a spec (the run file, `--help`, the schema export) costs no second of client import.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from google.cloud import compute_v1, tpu_v2
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, ValidationError, WithJsonSchema, model_validator
 
 from schemas import CROSS, MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
@@ -269,6 +271,8 @@ def _compute_network(value: str) -> str:
 
 def instance_template(spec: VmSpec, launch: Launch, name: str | None = None) -> compute_v1.InstanceTemplate:
     """A global instance template whose VMs run the startup script and then the worker."""
+    from google.cloud import compute_v1
+
     gpu = spec.jax_flavour == "gpu"
     if spec.spot:
         # DELETE rather than STOP: a stopped spot VM still holds its disk and its group slot.
@@ -321,6 +325,8 @@ def instance_template(spec: VmSpec, launch: Launch, name: str | None = None) -> 
 
 def tpu_node(spec: TpuSpec, launch: Launch, queued_resource_id: str | None = None) -> tpu_v2.Node:
     """A TPU VM node; with `queued_resource_id` it is the node spec inside that queued resource."""
+    from google.cloud import tpu_v2
+
     metadata = launch.metadata(spec, "tpu")
     if queued_resource_id:
         # Lets the node find, from its own metadata, what to delete when it is done.
@@ -354,6 +360,8 @@ def queued_resource(spec: TpuSpec, launch: Launch, project: str, zone: str, reso
     variables in every node's `tpu-env`, from which JAX and libtpu join the K slices into one
     program, while this project runs one independent program per slice (docs/CLOUD.md, "Slices").
     K single-slice queued resources give the same capacity, and a preemption costs one slice."""
+    from google.cloud import tpu_v2
+
     node_spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
         parent=f"projects/{project}/locations/{zone}",
         node_id=resource_id,

@@ -1,5 +1,6 @@
 """Object stores: the one interface the queue, extraction and tools use for GCS or a local directory."""
 
+from objectstore.address import BadAddress, check_address
 from objectstore.base import (
     BadObjectName,
     Blob,
@@ -25,6 +26,7 @@ def open_store(url: str, client=None) -> ObjectStore:
 
 
 __all__ = [
+    "BadAddress",
     "BadObjectName",
     "Blob",
     "Entry",
@@ -34,5 +36,6 @@ __all__ = [
     "PreconditionFailed",
     "StoreError",
     "StoreUnavailable",
+    "check_address",
     "open_store",
 ]

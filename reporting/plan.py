@@ -53,7 +53,38 @@ STARTUP_LISTINGS = 4
 SHARD_WARN_BYTES = 4 * 2**30
 
 
-def parse_args(argv):
+@dataclasses.dataclass
+class PlanInputs:
+    """What the planner takes: tools/plan.py's flags (`parse_args`), or a run file's job, tasks, fleet and `plan`
+    section (gcs_spawner). `job` is a job.json path or a validated `Job`; `task_list` holds tasks already read (a
+    run's), instead of a `tasks` file; `job_label` names the job in the plan's first line."""
+
+    job: str | Job
+    accelerator: str
+    tasks: str | None = None
+    task_list: list[Task] | None = None
+    rows: int | None = None
+    tokens_per_row: float | None = None
+    stats: str | None = None
+    sample_rows: int = 1024
+    model_config: str | None = None
+    tokenizer: str | None = None
+    mfu: float = 0.35
+    machines: int = 32
+    target_minutes: float = 10.0
+    fixed_seconds: float | None = None
+    heartbeat: float = 30.0
+    storage: str = "region"
+    months: float = 1.0
+    warn_output_tb: float = 10.0
+    storage_budget_tb: float | None = None
+    prices: str | None = None
+    json: bool = False
+    job_label: str | None = None
+    stats_source: str | None = None
+
+
+def parse_args(argv) -> PlanInputs:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("job", help="job.json")
     p.add_argument("--accelerator", required=True, help="TPU type (v5litepod-8, v6e-8, v4-8, v5p-8) or GPU machine type")
@@ -65,7 +96,9 @@ def parse_args(argv):
     p.add_argument("--model-config", help="the model's config.json, when the job's model is not a local directory")
     p.add_argument("--tokenizer", help="a directory with the model's tokenizer, when the model is not local")
     p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
-    p.add_argument("--machines", type=int, default=32, help="machines in the fleet, for the wall-clock time (default 32)")
+    p.add_argument("--count", dest="machines", type=int, default=32,
+                   help="machines in the fleet, for the wall-clock time (default 32)")
+    p.add_argument("--machines", dest="machines", type=int, help=argparse.SUPPRESS)  # the old name of --count
     p.add_argument("--target-minutes", type=float, default=10.0, help="task length to aim for (default 10)")
     p.add_argument("--fixed-seconds", type=float, help="a task's fixed seconds on a warm machine, measured (status's goodput line); default: the platform's figure")
     p.add_argument("--heartbeat", type=float, default=30.0, help="spawn.py --heartbeat seconds (default 30)")
@@ -75,7 +108,7 @@ def parse_args(argv):
     p.add_argument("--storage-budget-tb", type=float, help="suggest the token_sample whose output fits this many TB")
     p.add_argument("--prices", help="price table JSON (default: reporting/prices.json)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return p.parse_args(argv)
+    return PlanInputs(**vars(p.parse_args(argv)))
 
 
 def _check_flags(args) -> None:
@@ -101,7 +134,6 @@ def _check_flags(args) -> None:
 
 def _read_stats(args) -> None:
     """--stats fills --rows and --tokens-per-row where they were not given."""
-    args.stats_source = None
     if not args.stats:
         return
     try:
@@ -165,7 +197,7 @@ def estimate_tokens(job: Job, args, tasks, model_dir) -> tuple[costmodel.TokenEs
     files = None
     if tasks is not None:
         rows = sum(t.num_samples for t in tasks)
-        rows_source = f"{len(tasks)} task manifests in {args.tasks}"
+        rows_source = f"{len(tasks)} task manifests in {args.tasks or 'the run'}"
     elif args.rows is not None:
         rows, rows_source = args.rows, args.stats or "given (--rows)"
     else:
@@ -194,8 +226,9 @@ def _upload_requests(shard_bytes: float) -> int:
     return 1 + math.ceil(shard_bytes / RESUMABLE_CHUNK)
 
 
-def make_plan(args) -> dict:
+def make_plan(inputs: PlanInputs) -> dict:
     """The whole plan as a JSON-ready dict; every figure is derived in this function from the inputs shown."""
+    args = dataclasses.replace(inputs)  # _read_stats fills in rows and tokens per row: the caller's inputs stay
     with tempfile.TemporaryDirectory(prefix="plan-model-") as workdir:  # a gs:// model's config and tokenizer
         return _make_plan(args, pathlib.Path(workdir))
 
@@ -206,12 +239,12 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     prices = pricing.load_prices(args.prices)
     machine = prices.accelerator(args.accelerator)
     storage = prices.storage_prices(args.storage)
-    job = load_job(args.job)
+    job = args.job if isinstance(args.job, Job) else load_job(args.job)
     config, config_source, model_dir = costmodel.model_config(job, args.model_config, workdir)
     outputs = costmodel.job_outputs(job, config)
     layers = [output for output in outputs if isinstance(output, int)]
     depth = config.depth_for(outputs)
-    tasks = _tasks(args.tasks) if args.tasks else None
+    tasks = args.task_list if args.task_list is not None else (_tasks(args.tasks) if args.tasks else None)
     tokens, rows_source = estimate_tokens(job, args, tasks, model_dir)
 
     # Compute and time. MFU is useful work over peak: padding and compilation are inside the (1 - MFU).
@@ -264,7 +297,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
                  spot=fixed_hours * machine.spot_per_hour)  # fmt: skip
     wall_hours = rounds * (sum(task_seconds) / n_tasks / 3600) if n_tasks else 0.0
     plan = {
-        "job": args.job,
+        "job": args.job_label or str(args.job),
         "model": {"name": job.model, "config": config_source, "model_type": config.model_type,
                   "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers},
         "layers": list(layers),
@@ -301,7 +334,8 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
         "compute_dollars": {"on_demand": on_demand, "spot": spot},
         "tasks": {
             "count": n_tasks,
-            "from": args.tasks or f"recommended rows_per_task={recommended}",
+            "from": args.tasks or ("the run's tasks" if args.task_list is not None else
+                                   f"recommended rows_per_task={recommended}"),
             "max_rows": rows_per_task,
             "mean_minutes": (sum(task_seconds) / n_tasks / 60) if n_tasks else 0.0,
             "recommended_rows_per_task": recommended,

@@ -12,7 +12,8 @@ rule is written once and every violation reads the same way. This package sits o
 - `invalid(hint)` is a custom check's error; `cross_field(path, text)` the error of a rule over several fields.
 - `problems(error, model)` turns a `ValidationError` into `Problem`s with paths, unknown fields first;
   `summary` puts them in one line, which each caller raises as its own error type (`BadInput`, `SpecError`).
-- `json_schema(model)` is the document written to `docs/schema/` (tools/export_schema.py).
+- `json_schema(model)` is the document written to `docs/schema/` (tools/export_schema.py); `external_ref(name)`
+  refers from one such file to another beside it (the run file's inline job to `job.json`).
 
 Why pydantic rather than msgspec: docs/schema/README.md.
 """
@@ -29,7 +30,7 @@ from pydantic_core import PydanticCustomError
 
 __all__ = [
     "Flag", "Model", "NonNegativeInt", "PositiveInt", "Problem", "Text",
-    "choice", "cross_field", "invalid", "json_schema", "problems", "rule", "summary",
+    "choice", "cross_field", "external_ref", "invalid", "json_schema", "problems", "rule", "summary",
 ]  # fmt: skip
 
 #: Kinds of `Problem`: a field not declared, a required field not given, a value that breaks the field's rule,
@@ -151,6 +152,28 @@ def summary(found: list[Problem], phrase: Callable[[Problem, str], str], prefix:
     return phrase(found[0], where(found[0])) + (f" (also wrong: {', '.join(others)})" if others else "")
 
 
+_EXTERNAL = "x-external-ref"
+
+
+def external_ref(name: str) -> dict[str, str]:
+    """A reference to another schema file beside this one (`job.json`), for a field's `WithJsonSchema`.
+
+    Pydantic resolves every `$ref` it meets among its own definitions, so the reference is written as this
+    marker and turned into `{"$ref": name}` by `json_schema`; a relative `$ref` is resolved from the schema's own
+    location (draft-07, section 8.3), which is how an editor finds the file."""
+    return {_EXTERNAL: name}
+
+
+def _resolve_external(node: Any) -> Any:
+    if isinstance(node, dict):
+        if set(node) == {_EXTERNAL}:
+            return {"$ref": node[_EXTERNAL]}
+        return {key: _resolve_external(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_resolve_external(value) for value in node]
+    return node
+
+
 def json_schema(model: type[BaseModel]) -> str:
     """The JSON Schema of `model` as written to docs/schema/: what an editor validates and completes against.
 
@@ -158,4 +181,4 @@ def json_schema(model: type[BaseModel]) -> str:
     emits for these models all exist there, and `#/$defs/...` references are plain JSON pointers.
     """
     document = {"$schema": "http://json-schema.org/draft-07/schema#"} | model.model_json_schema(mode="validation")
-    return json.dumps(document, indent=2) + "\n"
+    return json.dumps(_resolve_external(document), indent=2) + "\n"

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write the JSON Schemas of the job and the machine specs into docs/schema/, from the models that validate them.
+"""Write the JSON Schemas of the job, the machine specs and the run file into docs/schema/, from the models that
+validate them.
 
 `export_schema.py` rewrites the files; `export_schema.py --check` only says which ones differ from the models
 (exit 1). Editors pick the files up as docs/schema/README.md shows.
@@ -11,11 +12,13 @@ from pathlib import Path
 
 from extract.job import Job
 from fleet.specs import TpuSpec, VmSpec
+from gcs_spawner.runfile import RunFile
 from schemas import json_schema
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "docs" / "schema"
-#: file name -> the model it describes: the job file, and the two kinds of templates/*.yaml.
-MODELS = {"job.json": Job, "vm-spec.json": VmSpec, "tpu-spec.json": TpuSpec}
+#: file name -> the model it describes: the job file, the two kinds of templates/*.yaml, and the run file (which
+#: refers to the other three for its inline job and spec).
+MODELS = {"job.json": Job, "vm-spec.json": VmSpec, "tpu-spec.json": TpuSpec, "run.json": RunFile}
 
 
 def rendered() -> dict[str, str]:

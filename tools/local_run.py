@@ -121,6 +121,8 @@ def main() -> int:
             kept.append(line)
             rows += sum(f["end"] - f["start"] for f in json.loads(line)["files"])
         tasks_file.write_text("\n".join(kept) + "\n")
+    if not queue.startswith("gs://"):
+        pathlib.Path(queue).mkdir(parents=True, exist_ok=True)  # a local queue is a directory that exists
     sh(sys.executable, "tools/submit.py", queue, "--job", str(job_file), "--tasks", str(tasks_file))
 
     step(f"4. {workers} workers drain the queue, each running consume.py per task")
@@ -198,7 +200,7 @@ def main() -> int:
     if acts.sites:
         site, layers = next(iter(acts.sites.items()))
         step(f"8. {site} of layer {layers[0]} for SAELens (docs/TRAINING.md)")
-        sh(sys.executable, "tools/export.py", queue, "--to", "saelens", str(WORK / "saelens"), "--site", site,
+        sh(sys.executable, "tools/export.py", queue, "--format", "saelens", str(WORK / "saelens"), "--site", site,
            "--layer", str(layers[0]), "--context-size", "16")
     return 0
 

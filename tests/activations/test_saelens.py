@@ -61,7 +61,7 @@ def test_export_is_read_by_saelens_cached_activations_store(extracted_job, tmp_p
 
     out = tmp_path / "saelens"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "tools/export.py", str(extracted_job.queue), "--to", "saelens", str(out),
+    result = subprocess.run([sys.executable, "tools/export.py", str(extracted_job.queue), "--format", "saelens", str(out),
                              "--layer", "2", "--context-size", "16"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -54,14 +54,29 @@ def test_create_template_tool_inserts_the_template_through_the_endpoint_override
 
 
 def test_dry_run_prints_the_requests_and_calls_nothing(cloud: FakeCloud, capsys: pytest.CaptureFixture):
-    launch.create_template(VM_SPEC, "proj-a", QUEUE, CODE, dry_run=True)
+    launch.create_template(VM_SPEC, "proj-a", QUEUE, CODE, dry_run=True, bodies=True)
     [printed] = json.loads(capsys.readouterr().out)
     assert printed["request"] == "InsertInstanceTemplateRequest"
     assert printed["fields"]["project"] == "proj-a"
     assert printed["fields"]["instanceTemplateResource"]["name"] == "spawn-worker"
-    launch.create_tpus(TPU_SPEC, "proj-a", "z1", 3, QUEUE, CODE, dry_run=True)
+    launch.create_tpus(TPU_SPEC, "proj-a", "z1", 3, QUEUE, CODE, dry_run=True, bodies=True)
     printed = json.loads(capsys.readouterr().out)
     assert [p["fields"]["queuedResourceId"] for p in printed] == ["spawn-tpu-0000", "spawn-tpu-0001", "spawn-tpu-0002"]
+    assert cloud.requests == []
+
+
+def test_dry_run_prints_one_short_line_per_request(cloud: FakeCloud, capsys: pytest.CaptureFixture):
+    """Without --bodies a dry run is one line per call (before: 58 KB of request bodies for 2 TPUs)."""
+    launch.create_tpus(TPU_SPEC, "proj-a", "z1", 2, QUEUE, CODE, dry_run=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"would send CreateQueuedResourceRequest parent=projects/proj-a/locations/z1 "
+                     f"queued_resource_id=spawn-tpu-000{i}" for i in (0, 1)]
+    launch.create_group("proj-a", "spawn-worker", 8, zone="z1", dry_run=True)
+    assert capsys.readouterr().out == ("would send InsertInstanceGroupManagerRequest zone=z1 project=proj-a "
+                                       "instance_group_manager_resource.name=spawn-worker "
+                                       "instance_group_manager_resource.target_size=8 "
+                                       "instance_group_manager_resource.instance_template="
+                                       "projects/proj-a/global/instanceTemplates/spawn-worker\n")
     assert cloud.requests == []
 
 
@@ -71,7 +86,7 @@ def test_bad_spec_fails_naming_the_field_before_any_call(cloud: FakeCloud, tmp_p
     bad = tmp_path / "vm.yaml"
     bad.write_text(yaml.safe_dump(raw))
     result = tool("tools/create_template.py", str(bad), "--queue", QUEUE, "--code", CODE, "--project", "proj-a")
-    assert result.returncode == 1
+    assert result.returncode == 65
     assert f"{bad}: field 'disk_gb' must be a positive integer, got -5" in result.stderr
     assert cloud.requests == []
 
@@ -91,7 +106,7 @@ def test_zonal_group_insert_then_resize(cloud: FakeCloud, compute_clients: compu
 
 
 def test_regional_group_is_created_without_proactive_redistribution(cloud: FakeCloud):
-    result = tool("tools/create_group.py", "--template", "tmpl", "--name", "fleet-a", "--size", "8", "--region", "europe-west4",
+    result = tool("tools/create_group.py", "--template", "tmpl", "--name", "fleet-a", "--count", "8", "--region", "europe-west4",
                   "--project", "proj-a")
     assert result.returncode == 0, result.stderr
     # The pre-flight could not read the (absent) template: it says so and the tool goes on.
@@ -172,7 +187,8 @@ def test_teardown_deletes_group_then_template_then_tpus_by_prefix(
 
 def test_teardown_dry_run_lists_but_deletes_nothing(cloud: FakeCloud):
     cloud.add("projects/proj-a/locations/z1/nodes/spawn-tpu-0000", {"name": "projects/proj-a/locations/z1/nodes/spawn-tpu-0000"})
-    result = tool("tools/teardown.py", "--tpu-prefix", "spawn-tpu", "--zone", "z1", "--project", "proj-a", "--dry-run")
+    result = tool("tools/teardown.py", "--tpu-prefix", "spawn-tpu", "--zone", "z1", "--project", "proj-a", "--dry-run",
+                  "--bodies")
     assert result.returncode == 0, result.stderr
     assert [p["fields"]["name"] for p in json.loads(result.stdout)] == ["projects/proj-a/locations/z1/nodes/spawn-tpu-0000"]
     assert cloud.mutations() == []

@@ -82,12 +82,12 @@ def test_merge_tool_reads_done_markers_from_gcs(gcs_bucket: str, gcs_client, tmp
     store = open_store(url, client=gcs_client)
     _write_markers(store, url)
     out = tmp_path / "index.json"
-    result = subprocess.run([sys.executable, "tools/merge.py", url, "--out", str(out)], cwd=REPO, capture_output=True,
+    result = subprocess.run([sys.executable, "tools/merge.py", url, "-o", str(out)], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     _check(json.loads(out.read_text()), url)
     with pytest.raises(Exception, match="index.json"):
-        store.read("index.json")  # --out wrote a local file, not the bucket
+        store.read("index.json")  # -o wrote a local file, not the bucket
 
 
 def test_index_spans_more_than_one_listing_page(tmp_path: Path):

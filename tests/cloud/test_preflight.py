@@ -87,7 +87,7 @@ def test_create_tpus_dry_run_prints_the_preflight_and_a_shortfall_stops_it_unles
     argv = ["tools/create_tpus.py", str(REPO / "templates" / "tpu.yaml"), "--count", "2", "--zone", "us-central1-a",
             "--queue", "gs://bkt/jobs/j", "--code", "gs://bkt/code/c", "--project", PROJECT, "--dry-run"]
     stopped = _tool(*argv)
-    assert stopped.returncode == 1
+    assert stopped.returncode == 65
     assert "preflight short      role:self-delete" in stopped.stdout
     assert "lacks roles/tpu.admin" in stopped.stderr
     forced = _tool(*argv, "--force")
@@ -102,8 +102,8 @@ def test_create_group_reads_the_template_back_for_its_preflight(cloud: FakeCloud
         "machineType": "g2-standard-8", "scheduling": {"provisioningModel": "SPOT"},
         "networkInterfaces": [{"accessConfigs": [{"type": "ONE_TO_ONE_NAT"}]}],
         "serviceAccounts": [{"email": SA}], "metadata": {"items": [{"key": "spawn-queue", "value": "gs://bkt/jobs/j"}]}}})
-    result = _tool("tools/create_group.py", "--template", "tmpl", "--size", "3", "--zone", "us-central1-a", "--project", PROJECT)
-    assert result.returncode == 1
+    result = _tool("tools/create_group.py", "--template", "tmpl", "--count", "3", "--zone", "us-central1-a", "--project", PROJECT)
+    assert result.returncode == 65
     assert "quota:CPUS: need 24, only 8 free in us-central1" in result.stderr
     assert not [m for m in cloud.mutations() if "instanceGroupManagers" in m[1]]
 

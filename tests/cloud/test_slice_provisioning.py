@@ -91,7 +91,7 @@ def test_slices_are_independent_single_slice_queued_resources(cloud: FakeCloud, 
     a multislice's MEGASCALE_* tpu-env would make JAX and libtpu expect one 3-slice program, and a
     preemption would take all 3 slices (docs/CLOUD.md, "Slices")."""
     spec = _spec(tmp_path, accelerator_type="v6e-8", runtime_version="v2-alpha-tpuv6e", slices=3)
-    launch.create_tpus(spec, "proj-a", "us-east5-b", 1, QUEUE, CODE, dry_run=True)
+    launch.create_tpus(spec, "proj-a", "us-east5-b", 1, QUEUE, CODE, dry_run=True, bodies=True)
     printed = json.loads(capsys.readouterr().out)
     assert [p["fields"]["queuedResourceId"] for p in printed] == ["spawn-tpu-0000", "spawn-tpu-0001", "spawn-tpu-0002"]
     for request in printed:

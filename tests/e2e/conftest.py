@@ -49,6 +49,8 @@ def tool(*args: str) -> subprocess.CompletedProcess:
 def plan_and_submit(queue: str, job_file: pathlib.Path, rows_per_task: int) -> list[dict]:
     tasks_file = job_file.parent / "tasks.jsonl"
     tool("tools/make_tasks.py", str(job_file), "--rows-per-task", str(rows_per_task), "-o", str(tasks_file))
+    if not queue.startswith("gs://"):
+        pathlib.Path(queue).mkdir(parents=True, exist_ok=True)  # a local queue is a directory that exists
     tool("tools/submit.py", queue, "--job", str(job_file), "--tasks", str(tasks_file))
     return [json.loads(line) for line in tasks_file.read_text().splitlines()]
 

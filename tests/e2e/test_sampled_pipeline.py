@@ -84,7 +84,7 @@ def test_saelens_export_reads_sampled_shards(sampled_run, tmp_path):
     queue = str(work / "queue")
     layer = open_activations(queue).layers[0]
     out = tmp_path / "saelens"
-    result = subprocess.run([sys.executable, "tools/export.py", queue, "--to", "saelens", str(out), "--layer",
+    result = subprocess.run([sys.executable, "tools/export.py", queue, "--format", "saelens", str(out), "--layer",
                              str(layer), "--context-size", "16"], cwd=REPO, capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

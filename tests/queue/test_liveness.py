@@ -106,15 +106,15 @@ def running_batches(store) -> list[str]:
 
 def test_a_submit_refused_for_a_changed_manifest_finishes_its_batch_so_the_queue_drains(tmp_path):
     """The issue's scenario through the tool: a task that exists with another manifest makes
-    `tools/submit.py` exit 2. The batch's other tasks are created, and its marker must not stay
+    `tools/submit.py` exit 65. The batch's other tasks are created, and its marker must not stay
     `running` (before, no worker ever left `drained` and status never said complete)."""
     store = LocalStore(tmp_path / "q")
     submit(store, b"{}", tasks("a", "b"))
     changed = tmp_path / "tasks.jsonl"
     changed.write_text(json.dumps({"id": "b", "rows": 7}) + "\n" + json.dumps({"id": "c"}) + "\n")
-    out = subprocess.run([sys.executable, "tools/submit.py", str(tmp_path / "q"), "--tasks", str(changed)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert out.returncode == 2, out.stderr
+    out = subprocess.run([sys.executable, "tools/submit.py", str(tmp_path / "q"), "--tasks", str(changed),
+                          "--any-consumer"], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 65, out.stderr
     assert "tasks/b.json" in out.stderr and "new id" in out.stderr
     assert running_batches(store) == []
     reason, ran = drain(store)

@@ -235,12 +235,13 @@ def test_an_empty_queue_exits_at_once_and_a_busy_one_after_the_idle_timeout(loca
 
 def test_submit_is_idempotent_and_refuses_changed_tasks(tmp_path):
     url = str(tmp_path / "queue")
+    (tmp_path / "queue").mkdir()  # a local queue is a directory that exists (objectstore/address.py)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{k}", "n": k}) + "\n" for k in range(5)))
     job = tmp_path / "job.json"
     job.write_text('{"name": "j"}')
     run = lambda: subprocess.run(  # noqa: E731
-        [sys.executable, "tools/submit.py", url, "--job", str(job), "--tasks", str(tasks)],
+        [sys.executable, "tools/submit.py", url, "--job", str(job), "--tasks", str(tasks), "--any-consumer"],
         cwd=REPO, capture_output=True, text=True,
     )
     first, second = run(), run()
@@ -248,10 +249,10 @@ def test_submit_is_idempotent_and_refuses_changed_tasks(tmp_path):
     assert "created=0 already_existed=5 job=existing" in second.stdout
     tasks.write_text(json.dumps({"id": "t1", "n": 100}) + "\n")
     changed = run()
-    assert changed.returncode == 2 and "tasks/t1.json already exists with a different manifest" in changed.stderr
+    assert changed.returncode == 65 and "tasks/t1.json already exists with a different manifest" in changed.stderr
     tasks.write_text('{"id": "ok"}\n{"n": 1}\n')
     missing = run()
-    assert missing.returncode == 2 and "tasks.jsonl:2: task is missing field 'id'" in missing.stderr
+    assert missing.returncode == 65 and "tasks.jsonl:2: task is missing field 'id'" in missing.stderr
 
 
 def test_status_counts_pending_leased_stale_done_and_failed(local_queue_url):

@@ -12,10 +12,11 @@ import yaml
 
 from extract.job import Job
 from fleet.specs import TpuSpec, VmSpec
+from gcs_spawner.runfile import RunFile
 from schemas import json_schema
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEMAS = {"job.json": Job, "vm-spec.json": VmSpec, "tpu-spec.json": TpuSpec}
+SCHEMAS = {"job.json": Job, "vm-spec.json": VmSpec, "tpu-spec.json": TpuSpec, "run.json": RunFile}
 JOB = {"data_files": ["/data/*.parquet"], "model": "Qwen/Qwen3-0.6B", "layers": [6, -1], "max_seq_len": 512,
        "batch_size": 8, "shard_size": 256}  # fmt: skip
 

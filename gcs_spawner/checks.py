@@ -1,0 +1,168 @@
+"""What `up` (and `validate`) checks before anything is created, beyond the run file itself (`runfile.load_run`).
+
+Each check raises `CheckError` naming what is wrong and what to do (exit 65), or returns what it found:
+
+- `accelerator`: the fleet's type is one the planner prices (`reporting.pricing`), so that a run never launches
+  machines whose cost nobody could state (a misspelt `v6f-8` stops here, not at the API);
+- `model_config`: the model's config.json is readable (from the mirror, the local source, the run's
+  `plan.model_config`, or the Hub for a Hub source) and its family is one the extraction supports
+  (`extract.config.ModelConfig`);
+- `bucket_writable`: the queue's bucket exists and takes a write (one small object, then deleted);
+- `code_environment`: the code prefix holds `uv/uv` and the lock of the fleet's platform (`fleet.codesync`);
+- `preflight`: the machines' roles, the region's quotas and the bucket's location (`fleet.preflight`).
+
+The job and the tasks are checked by the models `consume.py` uses, in `runfile` and `gcs_spawner.tasks`.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from fleet import specs
+from gcs_spawner.runfile import Run
+from objectstore import NotFound, ObjectStore, StoreError
+
+WRITE_CHECK = "run/write-check"
+
+
+class CheckError(Exception):
+    """A check found the run unable to work as written; the message names the field or resource and the fix."""
+
+
+def accelerator(run: Run, prices_file: str | None = None):
+    """The fleet's accelerator as the planner prices it (`reporting.pricing.Accelerator`)."""
+    from reporting import pricing
+
+    field = "fleet.spec.accelerator_type" if run.kind == "tpu" else "fleet.spec.machine_type"
+    try:
+        return pricing.load_prices(prices_file).accelerator(run.accelerator)
+    except pricing.PriceError as err:
+        raise CheckError(f"{run.file}: {field}: {err}") from None
+
+
+def model_config(run: Run):
+    """The model's architecture (`extract.config.ModelConfig`) from the first readable config.json: the mirror,
+    the local source directory, the run's plan.model_config, or (a Hub source) the Hub's."""
+    from extract.config import ModelConfig
+    from extract.errors import BadInput
+
+    raw, where = _config_json(run)
+    try:
+        return ModelConfig.from_dict(raw, source=where)
+    except BadInput as err:
+        raise CheckError(f"{run.file}: model: {err}") from None
+
+
+def _config_json(run: Run) -> tuple[dict, str]:
+    from objectstore import open_store
+
+    mirror = run.job.model
+    try:
+        return json.loads(open_store(mirror).read("config.json").data), f"{mirror}/config.json"
+    except NotFound:
+        pass  # not mirrored yet: `up` mirrors it from the source
+    except (StoreError, ValueError) as err:
+        raise CheckError(f"{run.file}: job.model: cannot read {mirror}/config.json: {err}") from None
+    source = run.model_source
+    candidates = []
+    if source and pathlib.Path(source).is_dir():
+        candidates.append(pathlib.Path(source) / "config.json")
+    if run.fields.plan.model_config_file:
+        candidates.append(run.file.parent / run.fields.plan.model_config_file)
+    for path in candidates:
+        try:
+            return json.loads(path.read_text()), str(path)
+        except (OSError, ValueError) as err:
+            raise CheckError(f"{run.file}: model: cannot read {path}: {err}") from None
+    if source:
+        return _hub_config(run, source)
+    raise CheckError(f"{run.file}: model: {mirror} holds no config.json and the run names no source to mirror from; "
+                     "give model.source (a Hub id or a local checkpoint) or mirror it first (tools/mirror_model.py)")
+
+
+def _hub_config(run: Run, hub_id: str) -> tuple[dict, str]:
+    """config.json of a Hub model, the one file of it fetched before the mirror step."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(hub_id, "config.json", revision=run.fields.model.revision)
+        return json.loads(pathlib.Path(path).read_text()), f"{hub_id} (Hub) config.json"
+    except ImportError:
+        raise CheckError(f"{run.file}: model.source {hub_id!r} is a Hub id, and huggingface_hub is not installed "
+                         "(pip install .[extract]), or give plan.model_config") from None
+    except Exception as err:  # noqa: BLE001 - the Hub client's errors are many; each is reported as the fix
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise CheckError(f"{run.file}: model.source: cannot read config.json of Hub model {hub_id!r} ({first}); "
+                         "check the id and the network, or give plan.model_config (a local copy)") from None
+
+
+def bucket_writable(store: ObjectStore, what: str = "queue") -> None:
+    """Write and delete one small object under the prefix: the bucket exists and this account may write to it."""
+    from google.api_core import exceptions as api_exceptions
+
+    url = store.url(WRITE_CHECK)
+    try:
+        store.put(WRITE_CHECK, b"gcs-spawner write check\n")
+        store.delete(WRITE_CHECK)
+    except NotFound as err:
+        bucket = url.removeprefix("gs://").split("/", 1)[0]
+        raise CheckError(f"{what}: bucket {bucket} does not exist, or this account cannot see it ({err}); create it "
+                         f"in the machines' region: gcloud storage buckets create gs://{bucket} --location=REGION") from None
+    except StoreError as err:
+        raise CheckError(f"{what}: cannot write {url}: {err}") from None
+    except api_exceptions.Forbidden as err:
+        raise CheckError(f"{what}: this account may not write {url} ({err.message}); grant it "
+                         "roles/storage.objectUser on the bucket") from None
+    except OSError as err:  # a local queue directory that cannot be written
+        raise CheckError(f"{what}: cannot write {url}: {err}") from None
+
+
+def code_environment(run: Run) -> None:
+    """The code prefix holds what the machines' startup runs: uv/uv and locks/<lock>.txt for the run's platform."""
+    from fleet import codesync
+    from objectstore import open_store
+
+    code = run.fields.code.url
+    try:
+        store = open_store(code)
+        if not store.list_page("", page_size=1).entries:
+            raise CheckError(f"{run.file}: code.url: {code} is empty; set code.upload: true, or upload it "
+                             "(tools/upload_code.py)")
+        if not run.fields.code.environment:
+            return
+        missing = codesync.environment_missing(store, run.platform)
+    except StoreError as err:
+        raise CheckError(f"{run.file}: code.url: cannot list {code}: {err}") from None
+    if missing:
+        raise CheckError(
+            f"{run.file}: code.url: {code} lacks {' and '.join(missing)}, which {run.platform} machines install "
+            f"from; upload it with its environment (code.upload: true, or tools/upload_code.py {code}), or set "
+            "code.environment: false to let the machines install unpinned")
+
+
+def preflight_requests(run: Run, project: str):
+    """The pre-flight's view of the fleet, one request per region the fleet may use (`fleet.preflight.Request`)."""
+    from fleet import preflight
+
+    if run.kind == "vm":
+        launch = specs.Launch.make(run.spec, run.queue, run.fields.code.url)
+        template = specs.instance_template(run.spec, launch)
+        zone = run.fields.fleet.zones[0] if run.fields.fleet.zones else None
+        return [preflight.request_for_template(template, run.fields.fleet.count, zone, run.fields.fleet.region)]
+    regions = dict.fromkeys(preflight.region_of(z) for z in run.fields.fleet.zones)
+    first_zone = {region: next(z for z in run.fields.fleet.zones if preflight.region_of(z) == region) for region in regions}
+    return [preflight.request_for_tpus(run.spec, run.machines, first_zone[r], run.queue) for r in regions]
+
+
+def preflight(run: Run, project: str) -> list:
+    """Every pre-flight finding for the fleet (`fleet.preflight.run_checks`), each region's, without repeats."""
+    from fleet import preflight as checks
+
+    findings, seen = [], set()
+    for request in preflight_requests(run, project):
+        for finding in checks.run_checks(project, request):
+            if (finding.check, finding.detail) not in seen:
+                seen.add((finding.check, finding.detail))
+                findings.append(finding)
+    return findings

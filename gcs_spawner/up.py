@@ -1,0 +1,607 @@
+"""`gcs-spawner up RUN`: validate, show the plan, ask, then make everything the run needs, each step idempotent.
+
+The steps, each logged as `event=step_done step=NAME` when it ends:
+
+1. `validate`: the run file (already loaded), the tasks (by the model consume.py uses), the accelerator, the
+   model's config.json and family, the queue's bucket (a write), a job already in the queue (the same, or refused),
+   the code prefix (when the run does not upload it), the pre-flight (roles, quotas, bucket location), and the
+   plan with its considered resources and the spending limit. Nothing is created before this step ends.
+2. `record`: `run/run.json` in the queue (gcs_spawner/record.py).
+3. `mirror`: the model copied into its mirror, unless the mirror already has its config.json (written last).
+4. `code`: the checkout and its environment uploaded (a sync: unchanged files cost a listing), then checked.
+5. `submit`: the job and the tasks, create-only, in batches of SUBMIT_CHUNK tasks (a batch marker each:
+   docs/PROTOCOL.md, "Batches"), so a second `up` finds them all and creates none.
+6. `machines`: VM: the instance template, then the managed instance group (NAME, in its zone or region); TPU:
+   the queued resources through the keeper's own step (fleet/keeper.py: it lists what exists and adds only what
+   is missing), or plain nodes NAME-NNNN. Each create is recorded first (write-ahead) and a 409 on a resource
+   the record holds is taken as done.
+
+Ctrl-C (or SIGTERM) at any point leaves what was made recorded; `up` again continues and creates nothing twice,
+and `down` deletes what is recorded. `dry_run` prints one line per call it would make and makes none.
+
+`up(run, ...)` is the function the command calls: tests and the fleet rehearsal drive it directly, with the API
+endpoints taken from FLEET_COMPUTE_ENDPOINT / FLEET_TPU_ENDPOINT / STORAGE_EMULATOR_HOST as everywhere else
+(fleet/gapi.py), or clients passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+from fleet import specs
+from gcs_spawner import checks
+from gcs_spawner.progress import Progress
+from gcs_spawner.record import Resource, RunRecord
+from gcs_spawner.runfile import Run
+
+log = logging.getLogger("gcs_spawner")
+
+#: Tasks per submit call: each call is one batch (its marker, its regions), and the progress moves per call.
+SUBMIT_CHUNK = 2000
+
+
+class UpError(Exception):
+    """A step failed for a reason other than bad input (the API or the store refused); the message says which."""
+
+
+class Declined(Exception):
+    """The user did not confirm (or could not be asked: no terminal and no --yes)."""
+
+
+@dataclasses.dataclass
+class Clients:
+    """The Compute and TPU clients `up`, `down` and `keep` send through; made on first use from Application Default
+    Credentials, or the FLEET_*_ENDPOINT overrides (fleet/gapi.py), unless passed in."""
+
+    compute: object | None = None
+    tpu: object | None = None
+
+    def compute_clients(self):
+        if self.compute is None:
+            from fleet import compute
+
+            self.compute = compute.ComputeClients.connect()
+        return self.compute
+
+    def tpu_clients(self):
+        if self.tpu is None:
+            from fleet import tpu
+
+            self.tpu = tpu.TpuClients.connect()
+        return self.tpu
+
+
+@dataclasses.dataclass
+class UpReport:
+    plan: dict | None = None
+    considered: list[dict] = dataclasses.field(default_factory=list)
+    steps: list[str] = dataclasses.field(default_factory=list)
+    created: list[str] = dataclasses.field(default_factory=list)  # resources this call created
+    existed: list[str] = dataclasses.field(default_factory=list)  # resources an earlier up had created
+    submitted: dict = dataclasses.field(default_factory=dict)
+    would: list[str] = dataclasses.field(default_factory=list)  # dry run: one line per call
+
+
+def resolve_project(run: Run, project: str | None = None) -> str:
+    from fleet import gapi
+
+    found = project or run.fields.project or gapi.default_project()
+    if not found:
+        raise checks.CheckError(f"{run.file}: project: none given and no default; set project in the run file, "
+                                "or run 'gcloud config set project PROJECT'")
+    return found
+
+
+class _Up:
+    def __init__(self, run: Run, *, project: str | None, dry_run: bool, yes: bool, out: TextIO,
+                 confirm: Callable[[str], bool] | None, clients: Clients | None, preflight: bool, prices: str | None):
+        from objectstore import open_store
+
+        self.run, self.dry_run, self.yes, self.out = run, dry_run, yes, out
+        self.confirm, self.clients = confirm, clients or Clients()
+        self.preflight, self.prices = preflight, prices
+        self.project = resolve_project(run, project)
+        self.store = open_store(run.queue)
+        self.record = RunRecord(self.store)
+        self.report = UpReport()
+        self.tasks: list[tuple[str, bytes]] = []
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def would(self, line: str) -> None:
+        self.report.would.append(line)
+        self.say(f"would {line}")
+
+    def done(self, step: str) -> None:
+        self.report.steps.append(step)
+        log.info("event=step_done step=%s run=%s", step, self.run.name)
+
+    # -- 1. validate -------------------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        from gcs_spawner import tasks as tasks_module
+
+        run = self.run
+        checks.accelerator(run, self.prices)
+        checks.model_config(run)
+        self.tasks, task_models = _run_tasks(run, tasks_module)
+        self._job_in_queue()
+        if self.dry_run:
+            self._bucket_exists()
+        else:
+            checks.bucket_writable(self.store, f"{run.file}: queue")
+        if not run.fields.code.upload:
+            checks.code_environment(run)
+        if self.preflight:
+            self._preflight()
+        self._names_are_ours()
+        self._plan(task_models)
+        self.done("validate")
+
+    def _names_are_ours(self) -> None:
+        """The template and group this run would make (VMs) are absent, or this run's own (record.py's contract):
+        a name taken by something else stops `up` here, before anything is made."""
+        if self.run.kind != "vm":
+            return  # TPU VMs: the keeper counts only NAME-NNNN it lists, and the names are the run's own
+        for resource, exists in self._vm_resources():
+            if exists() and not self.record.is_ours(resource):
+                raise checks.CheckError(f"{resource.describe()} exists in project {resource.project} and was not "
+                                        f"made by run {self.run.name!r}; delete it, or rename the run")
+
+    def _vm_resources(self):
+        """(resource, exists) for the run's instance template and group."""
+        from google.api_core import exceptions as api_exceptions
+
+        fleet, project, name = self.run.fields.fleet, self.project, self.run.name
+        zone = fleet.zones[0] if fleet.zones else None
+
+        def probe(get: Callable[[], object]) -> Callable[[], bool]:
+            def exists() -> bool:
+                try:
+                    get()
+                    return True
+                except api_exceptions.NotFound:
+                    return False
+            return exists
+
+        clients = self.clients.compute_clients
+        template = Resource("instance_template", project, name)
+        group = Resource("instance_group", project, name, zone=zone, region=fleet.region)
+        def get_group() -> object:
+            if zone:
+                return clients().zonal_groups.get(project=project, zone=zone, instance_group_manager=name)
+            return clients().regional_groups.get(project=project, region=fleet.region, instance_group_manager=name)
+
+        return [(template, probe(lambda: clients().templates.get(project=project, instance_template=name))),
+                (group, probe(get_group))]
+
+    def _job_in_queue(self) -> None:
+        import json
+
+        from objectstore import NotFound
+
+        try:
+            stored = json.loads(self.store.read("job.json").data)
+        except NotFound:
+            return
+        if stored != self.run.job_raw:
+            raise checks.CheckError(
+                f"{self.run.file}: job: {self.store.url('job.json')} already holds another job (a queue holds one "
+                "job, and its tasks were made for it); give the run a new queue prefix, or put the stored job back")
+
+    def _bucket_exists(self) -> None:
+        from objectstore import StoreError
+
+        try:
+            self.store.list_page("", page_size=1)
+        except StoreError as err:
+            raise checks.CheckError(f"{self.run.file}: queue: cannot list {self.run.queue}: {err}") from None
+
+    def _preflight(self) -> None:
+        """The pre-flight's findings, each printed; a shortfall stops up unless the run says fleet.force."""
+        findings = checks.preflight(self.run, self.project)
+        for finding in findings:
+            self.say(finding.line())
+        short = [f for f in findings if f.status == "short"]
+        if short and not self.run.fields.fleet.force:
+            raise checks.CheckError(f"{self.run.file}: fleet: the pre-flight found shortfalls (fix them, or set "
+                                    "fleet.force: true):\n  " + "\n  ".join(f"{f.check}: {f.detail}" for f in short))
+
+    def _plan(self, task_models) -> None:
+        from extract.errors import BadInput
+        from reporting import pricing
+        from reporting.considered import considered_resources, render_considered
+        from reporting.plan import make_plan, render
+
+        inputs = plan_inputs(self.run, task_models, self.prices)
+        try:
+            plan = make_plan(inputs)
+            names = [self.run.accelerator, *self.run.fields.fleet.alternatives]
+            rows = considered_resources(inputs, plan, names, spot=self.run.spec.spot)
+        except (BadInput, pricing.PriceError) as err:  # a transient read (TransientIOError) stays a failure
+            raise checks.CheckError(f"{self.run.file}: plan: {err}") from None
+        self.report.plan, self.report.considered = plan, rows
+        self.say(render(plan))
+        self.say("")
+        self.say(render_considered(rows, inputs.machines, self.run.spec.spot, inputs.months))
+        limit = self.run.fields.max_dollars
+        total = plan["total_dollars"]["spot" if self.run.spec.spot else "on_demand"]
+        if limit is not None and total > limit:
+            raise checks.CheckError(
+                f"{self.run.file}: max_dollars: the plan's {'spot' if self.run.spec.spot else 'on-demand'} estimate "
+                f"is {total:,.2f} $, above the limit of {limit:,.2f} $; raise max_dollars, or shrink the job "
+                "(fewer rows, layers or tokens)")
+
+    # -- 2. ask --------------------------------------------------------------------------------------------------
+
+    def ask(self) -> None:
+        if self.yes or self.dry_run:
+            return
+        what = (f"create the {self.run.kind} fleet {self.run.name!r} ({self.run.machines} x {self.run.accelerator}"
+                f"{', spot' if self.run.spec.spot else ''}) in project {self.project}")
+        if self.confirm is None:
+            raise Declined("up asks before it creates anything, and stdin is not a terminal: pass --yes")
+        if not self.confirm(f"{what}. Proceed? [y/N] "):
+            raise Declined("not confirmed; nothing was created")
+
+    # -- 3. record -----------------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        fleet = self.run.fields.fleet
+        summary = {"name": self.run.name, "project": self.project, "kind": self.run.kind, "file": str(self.run.file),
+                   "accelerator": self.run.accelerator, "count": fleet.count, "machines": self.run.machines,
+                   "zones": list(fleet.zones), "region": fleet.region, "spot": self.run.spec.spot,
+                   "code": self.run.fields.code.url, "tasks": len(self.tasks)}
+        if self.dry_run:
+            self.would(f"write {self.store.url('run/run.json')}")
+        else:
+            self.record.begin(summary)
+        self.done("record")
+
+    # -- 4. mirror -----------------------------------------------------------------------------------------------
+
+    def mirror(self) -> None:
+        from objectstore import NotFound, open_store
+
+        run, mirror = self.run, self.run.job.model
+        source = run.model_source
+        try:
+            open_store(mirror).read("config.json")
+            mirrored = True
+        except NotFound:
+            mirrored = False
+        if mirrored or source is None:
+            self.done("mirror")
+            return
+        if self.dry_run:
+            self.would(f"mirror the model {source} into {mirror}")
+            self.done("mirror")
+            return
+        from extract import weights
+
+        if pathlib.Path(source).is_dir():
+            files = [p for p in pathlib.Path(source).iterdir() if p.is_file() and weights.is_model_file(p.name)]
+            total = sum(p.stat().st_size for p in files)
+            with Progress("mirror", total, "bytes") as progress:
+                weights.upload_model_dir(source, mirror, on_file=lambda name, size: progress.advance(size))
+        else:
+            with Progress("mirror", None, "bytes") as progress:
+                weights.mirror_hub_snapshot(source, mirror, revision=run.fields.model.revision,
+                                            on_file=lambda name, size: progress.advance(size))
+        self.done("mirror")
+
+    # -- 5. code -------------------------------------------------------------------------------------------------
+
+    def code(self) -> None:
+        from fleet import codesync
+
+        code = self.run.fields.code
+        if not code.upload:
+            self.done("code")
+            return
+        lock = codesync.LOCK_OF_PLATFORM[self.run.platform]
+        if self.dry_run:
+            self.would(f"upload {self.run.code_source} to {code.url}"
+                       + (f" with locks/{lock}.txt and uv/uv" if code.environment else ""))
+            self.done("code")
+            return
+        with Progress("code", None, "bytes") as progress:  # files the client uploads; gcloud shows its own
+            codesync.upload_code(
+                self.run.code_source, code.url, code.exclude, python_version=self.run.spec.python,
+                extras=self.run.spec.extras, locks=(lock,) if code.environment else None, wheelhouse=code.wheelhouse,
+                python_mirror=code.python_mirror, on_file=lambda name, size: progress.advance(size))
+        checks.code_environment(self.run)
+        self.done("code")
+
+    # -- 6. submit -----------------------------------------------------------------------------------------------
+
+    def submit(self) -> None:
+        from taskqueue.submit import submit
+
+        if self.dry_run:
+            self.would(f"submit {self.store.url('job.json')} and {len(self.tasks)} tasks (create-only, "
+                       f"{-(-len(self.tasks) // SUBMIT_CHUNK)} batches)")
+            self.done("submit")
+            return
+        created = existing = 0
+        with Progress("submit", len(self.tasks), "tasks") as progress:
+            for start in range(0, max(1, len(self.tasks)), SUBMIT_CHUNK):
+                chunk = self.tasks[start:start + SUBMIT_CHUNK]
+                # A done batch of the first chunk means its job.json was created before it (taskqueue.submit).
+                if chunk and self._submitted(chunk):
+                    existing += len(chunk)
+                else:
+                    report = submit(self.store, self.run.job_bytes if start == 0 else None, chunk)
+                    created, existing = created + report.created, existing + report.existing
+                progress.advance(len(chunk))
+        self.report.submitted = {"created": created, "existing": existing, "tasks": len(self.tasks)}
+        log.info("event=submitted run=%s created=%d already_existed=%d", self.run.name, created, existing)
+        self.done("submit")
+
+    def _submitted(self, chunk: list[tuple[str, bytes]]) -> bool:
+        """Whether an earlier `up` submitted this chunk whole: its batch marker (named from its ids) is `done` and
+        did not give up (docs/PROTOCOL.md, "Batches"). One listing instead of a create per task; a marker pruned
+        since (10 minutes after) only means the chunk is submitted again, creating nothing."""
+        from taskqueue import layout
+        from taskqueue.submit import batch_name
+
+        name = batch_name(task_id for task_id, _ in chunk)
+        entry = next((e for e in self.store.list_page(name, page_size=1).entries if e.name == name), None)
+        return (entry is not None and entry.metadata.get("state") == layout.BATCH_DONE
+                and not {"gave_up", "refused"} & set(entry.metadata))
+
+    # -- 7. machines ---------------------------------------------------------------------------------------------
+
+    def machines(self) -> None:
+        launch = specs.Launch.make(self.run.spec, self.run.queue, self.run.fields.code.url)
+        if self.run.kind == "vm":
+            self._vm_fleet(launch)
+        elif self.run.spec.use_queued_resources:
+            self._queued_resources(launch)
+        else:
+            self._tpu_nodes(launch)
+        self.done("machines")
+
+    def _create(self, resource: Resource, request, exists: Callable[[], bool], send: Callable[[object], None]) -> None:
+        """Create `resource` with `request` unless this run already made it (see record.py's contract)."""
+        from google.api_core import exceptions as api_exceptions
+
+        from fleet import gapi
+
+        if self.dry_run:
+            self.would(f"send {gapi.request_line(request)}")
+            return
+        ours = self.record.is_ours(resource)
+        if exists():
+            if not ours:
+                raise checks.CheckError(f"{resource.describe()} exists in project {resource.project} and was not "
+                                        f"made by run {self.run.name!r}; delete it, or rename the run")
+            self.report.existed.append(resource.describe())
+            self.record.created(resource)
+            return
+        self.record.intend(resource)
+        try:
+            send(request)
+        except api_exceptions.Conflict:
+            if not ours:
+                self.record.store.delete(resource.object)
+                raise checks.CheckError(f"{resource.describe()} was made by someone else while this run asked for it; "
+                                        "rename the run") from None
+            self.report.existed.append(resource.describe())
+        except gapi.API_ERRORS as err:
+            raise UpError(f"{type(request).__name__} {resource.describe()}: {err} (fix the cause and run up again: "
+                          "what was made is recorded, and down deletes it)") from None
+        else:
+            self.report.created.append(resource.describe())
+            log.info("event=created resource=%s", resource.describe())
+        self.record.created(resource)
+
+    def _vm_fleet(self, launch) -> None:
+        from fleet import compute
+
+        fleet, project, name = self.run.fields.fleet, self.project, self.run.name
+        (template, template_exists), (group, group_exists) = self._vm_resources()
+        send = (lambda r: self.clients.compute_clients().send(r))
+        request = compute.insert_template(project, specs.instance_template(self.run.spec, launch, name))
+        self._create(template, request, template_exists, send)
+        size = min(fleet.count, max(1, len(self.tasks)))
+        request = compute.insert_group(project, name, name, size, zone=group.zone, region=fleet.region,
+                                       on_failure=fleet.on_failure.upper().replace("-", "_"))
+        self._create(group, request, group_exists, send)
+
+    def _queued_resources(self, launch) -> None:
+        """The keeper's step makes them: it lists the run's queued resources in every zone and adds only what the
+        claimable work needs, up to the count (fleet/keeper.py), recording each before it is sent."""
+        from fleet import keeper
+
+        # A dry run submitted nothing: the keeper is told the run's tasks are all claimable.
+        work = (lambda: keeper.Work(claimable=len(self.tasks), held=0)) if self.dry_run else queue_work(self.store)
+        fleet_keeper = keeper.Keeper(
+            self.clients.tpu_clients(), self.run.spec, launch, self.project, list(self.run.fields.fleet.zones),
+            self.run.machines, work, dry_run=self.dry_run, before_create=self._record_queued)
+        report = fleet_keeper.step()
+        if self.dry_run:  # the keeper printed a line per create (gapi.print_dry_run)
+            self.report.would += [f"send CreateQueuedResourceRequest {c}" for c in report.created]
+            return
+        for created in report.created:
+            zone, rid = created.split("/", 1)
+            self.record.created(Resource("queued_resource", self.project, rid, zone=zone))
+            self.report.created.append(f"queued_resource {rid} ({zone})")
+        self.report.existed += [f"queued_resource {rid}" for rid in report.alive]
+        if report.refused and not report.created and not report.alive:
+            raise UpError(f"every zone refused the queued resources: {'; '.join(report.refused[:3])}")
+
+    def _record_queued(self, zone: str, rid: str) -> None:
+        self.record.intend(Resource("queued_resource", self.project, rid, zone=zone))
+
+    def _tpu_nodes(self, launch) -> None:
+        from google.api_core import exceptions as api_exceptions
+
+        from fleet import launch as launching
+        from fleet import tpu
+
+        zone = self.run.fields.fleet.zones[0]
+        clients = None if self.dry_run else self.clients.tpu_clients()
+        for node_id in launching.tpu_names(self.run.name, min(self.run.machines, max(1, len(self.tasks)))):
+            def exists(node_id=node_id) -> bool:
+                try:
+                    clients.get_node(f"{tpu.location(self.project, zone)}/nodes/{node_id}")
+                    return True
+                except api_exceptions.NotFound:
+                    return False
+            request = tpu.create_node(self.project, zone, node_id, specs.tpu_node(self.run.spec, launch))
+            self._create(Resource("tpu_node", self.project, node_id, zone=zone), request, exists,
+                         lambda r: clients.send(r))
+
+    # -- 8. where to watch -------------------------------------------------------------------------------------
+
+    def where_to_watch(self) -> None:
+        run_file = self.run.file
+        self.say("")
+        if self.dry_run:
+            self.say(f"dry run: {len(self.report.would)} calls shown, none made")
+            return
+        self.say(f"up: run {self.run.name!r} is up ({len(self.report.created)} resources created now, "
+                 f"{len(self.report.existed)} there already). Watch it:")
+        self.say(f"  gcs-spawner status {run_file} --watch            progress, machines, cost, ETA")
+        self.say(f"  gcs-spawner status {run_file} --publish --watch 60   the page at "
+                 f"{self.store.url('status.html')}")
+        if self.run.kind == "tpu" and self.run.fields.fleet.keeper:
+            self.say(f"  gcs-spawner keep {run_file}                     replaces preempted TPU VMs until the queue "
+                     "is drained (anywhere with credentials)")
+        self.say(f"  gcs-spawner logs {run_file} MACHINE              a failed machine's log tail")
+        self.say(f"  gcs-spawner down {run_file}                     deletes what up made; the data stays")
+
+
+def queue_work(store):
+    """What the keeper asks the queue each step (reporting.status.snapshot: a few listings per region): claimable =
+    never claimed, released, or under a lease silent past its TTL; held = under a live lease."""
+    from fleet import keeper
+    from reporting import status
+
+    def work() -> keeper.Work:
+        view = status.snapshot(store)
+        return keeper.Work(claimable=view["pending"] + view["stale"], held=view["leased"])
+
+    return work
+
+
+def plan_inputs(run: Run, task_models, prices: str | None = None):
+    """The planner's inputs for a run: its job and tasks, its accelerator and machines, its `plan` section. A run
+    with a model source is planned from the source (its config.json and tokenizer, or the planner's built-in
+    configs for a Hub id), so that the plan comes before the mirror; without one, from the mirror."""
+    from reporting.plan import PlanInputs
+
+    section = run.fields.plan
+    job = run.job.model_copy(update={"model": run.model_source}) if run.model_source else run.job
+    return PlanInputs(
+        job=job, job_label=f"{run.file} (run {run.name})", accelerator=run.accelerator, task_list=task_models,
+        tokens_per_row=section.tokens_per_row, sample_rows=section.sample_rows,
+        model_config=str(run.file.parent / section.model_config_file) if section.model_config_file else None,
+        tokenizer=str(run.file.parent / section.tokenizer) if section.tokenizer else None, mfu=section.mfu,
+        machines=run.machines, target_minutes=section.target_minutes, fixed_seconds=section.fixed_seconds,
+        months=section.months,
+        storage_budget_tb=section.storage_budget_tb, prices=prices)
+
+
+def _run_tasks(run: Run, tasks_module):
+    """(encoded tasks for submit, Task models) of the run: its tasks file, or its data cut by rows_per_task."""
+    from extract.errors import BadInput, ExtractError
+
+    try:
+        if run.tasks_file is not None:
+            return tasks_module.read_tasks(run.tasks_file)
+        models = tasks_module.make_tasks(run.job, run.fields.tasks.rows_per_task, run.fields.tasks.id_prefix)
+        return tasks_module.encode(models), models
+    except BadInput as err:
+        raise checks.CheckError(f"{run.file}: tasks: {err}") from None
+    except ExtractError as err:
+        raise UpError(f"{run.file}: tasks: reading the data files failed: {err}") from None
+
+
+def up(run: Run, *, project: str | None = None, dry_run: bool = False, yes: bool = False, out: TextIO | None = None,
+       confirm: Callable[[str], bool] | None = None, clients: Clients | None = None, preflight: bool = True,
+       prices: str | None = None) -> UpReport:
+    """Bring the run up (the module docstring's steps). `confirm(question)` asks the user (None: cannot ask, so
+    only `yes` or `dry_run` go on); raises CheckError (bad input: nothing created), Declined, or UpError."""
+    doer = _Up(run, project=project, dry_run=dry_run, yes=yes, out=out or sys.stdout, confirm=confirm, clients=clients,
+               preflight=preflight, prices=prices)
+    doer.validate()
+    doer.ask()
+    doer.begin()
+    doer.mirror()
+    doer.code()
+    doer.submit()
+    doer.machines()
+    doer.where_to_watch()
+    return doer.report
+
+
+def wait_for_machines(store, want: int, timeout_s: float, out: TextIO | None = None,
+                      sleep: Callable[[float], None] = time.sleep) -> int:
+    """Poll the machine records (`machines/`, one listing per 1000) until `want` machines are working or idle, or
+    `timeout_s` passes; the count reached. A progress bar on a terminal, a line every 10 s in a log."""
+    from fleet.machines import PREFIX
+
+    deadline = time.monotonic() + timeout_s
+    up_now = 0
+    with Progress("machines", want, "machines up") as progress:
+        while True:
+            states = [e.metadata.get("state") for e in store.list(PREFIX)]
+            up_now = sum(state in ("working", "idle") for state in states)
+            progress.set(up_now)
+            if up_now >= want or time.monotonic() >= deadline:
+                return up_now
+            sleep(5)
+
+
+def keep(run: Run, *, project: str | None = None, interval_s: float = 60.0, once: bool = False, dry_run: bool = False,
+         clients: Clients | None = None, prices: str | None = None, sleep: Callable[[float], None] = time.sleep):
+    """Keep a TPU run's queued resources alive while its queue has claimable work (fleet/keeper.py), recording each
+    replacement before it is sent, so that `down` deletes it too. At the run's `max_dollars` (the fleet's cost so
+    far from its machine records, reporting/cost.py) it makes no more machines; those alive finish their tasks."""
+    from fleet import keeper
+    from objectstore import open_store
+
+    if run.kind != "tpu" or not run.spec.use_queued_resources:
+        raise checks.CheckError(f"{run.file}: fleet.spec: keep replaces TPU queued resources; this run makes "
+                                f"{'VMs (its group replaces them)' if run.kind == 'vm' else 'plain TPU nodes'}")
+    project = resolve_project(run, project)
+    store = open_store(run.queue)
+    record = RunRecord(store)
+    queue = queue_work(store)
+    limit = run.fields.max_dollars
+
+    def work() -> keeper.Work:
+        left = queue()
+        if limit is not None and left.claimable:
+            spent = spent_dollars(store, prices)
+            if spent >= limit:
+                log.warning("event=budget_reached run=%s spent=%.2f max_dollars=%.2f action=no_new_machines",
+                            run.name, spent, limit)
+                return keeper.Work(claimable=0, held=left.held)
+        return left
+
+    def before_create(zone: str, rid: str) -> None:
+        record.intend(Resource("queued_resource", project, rid, zone=zone))
+
+    launch = specs.Launch.make(run.spec, run.queue, run.fields.code.url)
+    fleet_keeper = keeper.Keeper((clients or Clients()).tpu_clients(), run.spec, launch, project,
+                                 list(run.fields.fleet.zones), run.machines, work, dry_run=dry_run,
+                                 before_create=before_create)
+    return fleet_keeper.run(interval_s, max_steps=1 if once else None, sleep=sleep)
+
+
+def spent_dollars(store, prices: str | None = None) -> float:
+    """What the run's machines have cost so far, from their records (reporting.fleetview, reporting.cost)."""
+    from reporting.fleetview import fleet_snapshot
+    from reporting.pricing import load_prices
+
+    return fleet_snapshot(store, prices=load_prices(prices))["cost"]["total_dollars"]
