@@ -35,14 +35,15 @@ MEMORY_HEADROOM = memory.HEADROOM
 class ShardingRules:
     """One PartitionSpec per tensor role; shapes in the comments use the model's einsum letters."""
 
-    embedding: P  # [V, D]
+    embedding: P  # [V, D], and GPT-2's position table [P, D]
     q_proj: P  # [D, N, H]
     kv_proj: P  # [D, K, H]
     o_proj: P  # [N, H, D]
-    q_bias: P  # [N, H]
-    kv_bias: P  # [K, H]
+    q_bias: P  # [N, H], and OLMo 2's q norm
+    kv_bias: P  # [K, H], and OLMo 2's k norm
     mlp_in: P  # [D, F] gate and up projections
     mlp_out: P  # [F, D] down projection
+    mlp_bias: P  # [F] the up projection's bias (GPT-2, NeoX)
     replicated: P  # norm scales, output bias
     tokens: P  # [B, T]
     activations: P  # [B, T, D], also every returned output ([B, T, F] for the MLP's hidden activations)
@@ -66,6 +67,7 @@ class ShardingRules:
             kv_bias=P(kv_heads, None),
             mlp_in=P(None, ffw),
             mlp_out=P(ffw, None),
+            mlp_bias=P(ffw),
             replicated=P(),
             tokens=P(DATA, None),
             activations=P(DATA, None, None),

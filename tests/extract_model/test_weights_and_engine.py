@@ -206,15 +206,15 @@ def test_flops_per_token_counts_the_weight_matrices_of_computed_layers_only(qwen
 
 def test_random_weight_engine_runs_sharded_on_a_2x2_mesh(qwen3):
     """The accelerator benchmark's path: weights drawn on the devices, already on their shardings."""
-    from extract.config import QwenConfig
+    from extract.config import ModelConfig
 
-    config = QwenConfig.from_file(qwen3.path / "config.json")
+    config = ModelConfig.from_file(qwen3.path / "config.json")
     engine = Engine.with_random_weights(
         config, [0, -1], batch_size=4, max_seq_len=16, compute_dtype="float32", mesh="data=2,model=2",
         devices=jax.devices()[:4],
     )  # fmt: skip
     assert (engine.model_dir / "config.json").is_file()
-    assert QwenConfig.from_file(engine.model_dir / "config.json") == config
+    assert ModelConfig.from_file(engine.model_dir / "config.json") == config
     hidden = engine.forward(np.ones((4, 16), np.int32))
     assert set(hidden) == {0, config.num_hidden_layers}
     final = np.asarray(hidden[config.num_hidden_layers], dtype=np.float32)

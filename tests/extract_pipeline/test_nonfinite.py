@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 
 from extract.batching import Tokenizer
-from extract.reader import open_activations
+from activations.reader import open_activations
 from tests.extract_pipeline.conftest import ConsumeRun
 
 TEXTS = ["the river and the forest", "water § energy", "students learning mathematics", "one two three"]
