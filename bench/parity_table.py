@@ -7,8 +7,12 @@ transformers, forward hooks on its modules, a right-padded batch). Per output, o
 - bfloat16: the smallest cosine to float64 over tokens (ours, then transformers').
 Each cell is the worst over the layers of its site ("hidden" is hidden states 0..L-1, "final norm" is L).
 
-    python bench/parity_table.py            # the six families at small shapes
-    python bench/parity_table.py --real     # Llama-3.1-8B and Gemma-2-2B widths, one and two layers
+    python bench/parity_table.py                    # every family at small shapes
+    python bench/parity_table.py --real             # the released widths (tests/extract_model/families.py, REAL)
+    python bench/parity_table.py --real Pythia-1.4B # some of them
+
+A site a family does not have (NeoX's resid_mid) is "-". Run it niced: the real widths hold a transformers model in
+float32 and float64 and our engine at once (a few GB at the 7B-8B widths).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from activations.format import SITES, HookPoint
-from tests.extract_model.families import FAMILIES, REAL, write_family_model
+from tests.extract_model.families import FAMILIES, REAL, REAL_LENGTHS, real_overrides, write_family_model
 from tests.extract_model.test_family_parity import LENGTHS, cosine, references, run_engine
 
 
@@ -60,29 +64,33 @@ def print_tables(results: dict[str, dict[str, list[float]]]) -> None:
     header = "| model | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS)
     print("float32: max |x - float64| / max |float64|, ours / transformers' float32\n\n" + header)
     for name, worst in results.items():
-        print(f"| {name} | " + " | ".join(f"{worst[c][0]:.1e} / {worst[c][1]:.1e}" for c in COLUMNS) + " |")
+        print(f"| {name} | " + " | ".join(f"{worst[c][0]:.1e} / {worst[c][1]:.1e}" if c in worst else "-"
+                                          for c in COLUMNS) + " |")  # fmt: skip
     print("\nbfloat16: the smallest cosine to float64 over tokens, ours / transformers' bfloat16\n\n" + header)
     for name, worst in results.items():
-        print(f"| {name} | " + " | ".join(f"{worst[c][2]:.5f} / {worst[c][3]:.5f}" for c in COLUMNS) + " |")
+        print(f"| {name} | " + " | ".join(f"{worst[c][2]:.5f} / {worst[c][3]:.5f}" if c in worst else "-"
+                                          for c in COLUMNS) + " |")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--real", action="store_true", help="the released widths instead of the small shapes")
+    parser.add_argument("--real", nargs="*", metavar="NAME", help=f"the released widths: {', '.join(REAL)} (all)")
     args = parser.parse_args()
-    cases = (
-        [(name, REAL[name][0], dict(REAL[name][1], vocab_size=256, num_hidden_layers=layers), [32, 20])
-         for name, layers in (("Llama-3.1-8B", 1), ("Gemma-2-2B", 2))]
-        if args.real else [(family, family, {}, LENGTHS) for family in FAMILIES]
-    )  # fmt: skip
+    if args.real is not None:
+        unknown = sorted(set(args.real) - set(REAL))
+        if unknown:
+            parser.error(f"unknown real shape {', '.join(unknown)}; known: {', '.join(REAL)}")
+        cases = [(name, *real_overrides(name), REAL_LENGTHS) for name in args.real or REAL]
+    else:
+        cases = [(family, family, {}, LENGTHS) for family in FAMILIES]
     results = {}
     for name, model_type, overrides, lengths in cases:
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as scratch:
-            seed = 3 if args.real else 7  # as in the test
+            seed = 3 if args.real is not None else 7  # as in the tests
             model = write_family_model(Path(scratch), model_type, seed=seed, shard_size=None, **overrides)
             layers = model.num_hidden_layers
-            label = f"{name} width, {layers} layer{'s' * (layers > 1)}" if args.real else name
+            label = f"{name} width, {layers} layer{'s' * (layers > 1)}" if args.real is not None else name
             results[label] = measure(model, references(model, lengths))
         print(f"{name}: {time.monotonic() - started:.0f} s", flush=True)
     print_tables(results)
