@@ -26,7 +26,9 @@ import numpy as np
 
 from activations.format import SITES, HookPoint
 from tests.extract_model.families import FAMILIES, REAL, REAL_LENGTHS, real_overrides, write_family_model
-from tests.extract_model.test_family_parity import LENGTHS, cosine, references, run_engine
+from tests.extract_model.test_family_parity import (
+    LENGTHS, bf16_errors, cosine, float32_errors, references, run_engine,
+)
 
 
 def row_name(output, num_hidden_layers: int) -> str:
@@ -35,8 +37,10 @@ def row_name(output, num_hidden_layers: int) -> str:
     return "final norm" if output == num_hidden_layers else "hidden"
 
 
-def measure(model, refs) -> dict[str, list[float]]:
-    """Per row name: [fp32 max rel. error ours, transformers'; bf16 min cosine ours, transformers']."""
+def measure(model, refs) -> tuple[dict[str, list[float]], dict[str, tuple[float, float]]]:
+    """Per row name: [fp32 max rel. error ours, transformers'; bf16 min cosine ours, transformers']; and the
+    summary of the tests' bounds over every output: (lowest, highest) of our float32 error over transformers',
+    of our largest error over the largest value, and of our bf16 mean and worst 1 - cosine over transformers'."""
     ours32, ours16 = run_engine(model, refs, "float32"), run_engine(model, refs, "bfloat16")
     worst: dict[str, list[float]] = {}
     for output in ours32:
@@ -53,14 +57,29 @@ def measure(model, refs) -> dict[str, list[float]]:
         key = row_name(output, model.num_hidden_layers)
         before = worst.get(key, [0.0, 0.0, 1.0, 1.0])
         worst[key] = [max(before[0], rel[0]), max(before[1], rel[1]), min(before[2], cos[0]), min(before[3], cos[1])]
-    return worst
+    f32, bf16 = float32_errors(ours32, refs), bf16_errors(ours16, refs)
+    ratios = {
+        "float32 ours / transformers'": [m / t for m, t, _ in f32.values() if t > 0],
+        "float32 max error / max value": [m / v for m, _, v in f32.values() if v > 0],
+        "bf16 mean e ours / transformers'": [m / t for m, t, _, _ in bf16.values() if t > 0],
+        "bf16 worst e ours / transformers'": [m / t for _, _, m, t in bf16.values() if t > 0],
+    }
+    return worst, {name: (min(values), max(values)) for name, values in ratios.items()}
 
 
 COLUMNS = ["hidden", *SITES, "final norm"]
 
 
-def print_tables(results: dict[str, dict[str, list[float]]]) -> None:
-    """Two markdown tables, a model a row and a site a column: each cell "ours / transformers'"."""
+def print_tables(results: dict[str, dict[str, list[float]]], summaries: dict[str, dict[str, tuple]]) -> None:
+    """The bounds' summary, a model a row; then two markdown tables, a model a row and a site a column: each cell
+    "ours / transformers'"."""
+    names = list(next(iter(summaries.values())))
+    print("| model | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for model, summary in summaries.items():
+        cells = [f"{lo:.1e}–{hi:.1e}" if "value" in name else f"{lo:.2f}–{hi:.2f}"
+                 for name, (lo, hi) in summary.items()]  # fmt: skip
+        print(f"| {model} | " + " | ".join(cells) + " |")
+    print()
     header = "| model | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS)
     print("float32: max |x - float64| / max |float64|, ours / transformers' float32\n\n" + header)
     for name, worst in results.items():
@@ -83,7 +102,7 @@ def main() -> None:
         cases = [(name, *real_overrides(name), REAL_LENGTHS) for name in args.real or REAL]
     else:
         cases = [(family, family, {}, LENGTHS) for family in FAMILIES]
-    results = {}
+    results, summaries = {}, {}
     for name, model_type, overrides, lengths in cases:
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as scratch:
@@ -91,9 +110,9 @@ def main() -> None:
             model = write_family_model(Path(scratch), model_type, seed=seed, shard_size=None, **overrides)
             layers = model.num_hidden_layers
             label = f"{name} width, {layers} layer{'s' * (layers > 1)}" if args.real is not None else name
-            results[label] = measure(model, references(model, lengths))
+            results[label], summaries[label] = measure(model, references(model, lengths))
         print(f"{name}: {time.monotonic() - started:.0f} s", flush=True)
-    print_tables(results)
+    print_tables(results, summaries)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ class ModelConfig:
     qk_norm: str | None = None
     position_table: int = 0  # GPT-2: rows of the learned absolute-position table added to the embeddings (0: none)
     embedding_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the compute dtype
-    query_scale: float = 0.0  # the softmax scale: 1/sqrt(head_dim) (0 here means that), Gemma 1/sqrt(query_pre_attn_scalar)
+    query_scale: float = 0.0  # the softmax scale: 1/sqrt(head_dim) (0 means that), Gemma 1/sqrt(query_pre_attn_scalar)
     attention_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     sliding_rope: Rope | None = None  # Gemma 3: the sliding layers' own RoPE (local base frequency)
     #: config.json as read (for `to_dict`); not part of the architecture's identity.
@@ -374,13 +374,16 @@ def _gpt_neox(f: _Fields, common: dict) -> dict:
     field, block = one_block(f.raw, f.source)
     block.setdefault("rope_theta", f.raw.get("rotary_emb_base", NEOX_ROTARY_BASE))
     block.setdefault("partial_rotary_factor", f.raw.get("rotary_pct", NEOX_ROTARY_PCT))
-    f.refuse_ignored("rope_theta", block["rope_theta"], "its RoPE base is rotary_emb_base or rope_parameters.rope_theta")
+    f.refuse_ignored("rope_theta", block["rope_theta"],
+                     "its RoPE base is rotary_emb_base or rope_parameters.rope_theta")  # fmt: skip
     f.refuse_ignored("partial_rotary_factor", block["partial_rotary_factor"],
                      "its rotated fraction is rotary_pct or rope_parameters.partial_rotary_factor")  # fmt: skip
     # Its rotary embedding (not its attention) takes a head_dim given in config.json.
     rotary_head_dim = f.positive("head_dim") if f.raw.get("head_dim") is not None else head_dim
-    rope = resolve_block(block, field, rotary_head_dim, f.source, max_position_embeddings=f.positive(
-        "max_position_embeddings"), original=f.raw.get("original_max_position_embeddings"), partial_rotary=True)  # fmt: skip
+    rope = resolve_block(
+        block, field, rotary_head_dim, f.source, max_position_embeddings=f.positive("max_position_embeddings"),
+        original=f.raw.get("original_max_position_embeddings"), partial_rotary=True,
+    )  # fmt: skip
     if rope.rotary_dim > head_dim:
         raise f.bad("head_dim", f"makes the RoPE rotate {rope.rotary_dim} values of heads of {head_dim} "
                     "(hidden_size / num_attention_heads); transformers fails on this config too")  # fmt: skip
@@ -601,7 +604,6 @@ def _window(f: _Fields) -> int | None:
     """Mistral's and Phi-3's one window for every layer: `sliding_window`, null for none."""
     window = f.get("sliding_window")
     return None if window is None else f.positive("sliding_window")
-
 
 
 def _qwen_windows(f: _Fields, num_layers: int) -> tuple[int | None, ...]:

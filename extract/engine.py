@@ -246,7 +246,7 @@ class Engine:
                 raise BadInput(f"mesh={mesh!r} must be a string such as 'data=2,model=2', or unset")
             shape = shd.parse_mesh(mesh, len(devices))
         else:
-            shape = shd.choose_mesh_shape(
+            shape = mem.choose_mesh_shape(
                 self.config,
                 len(devices),
                 self.device_memory,

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import re
 
 from extract.config import ModelConfig
 from extract.errors import BadInput
+
+log = logging.getLogger(__name__)
 
 #: Share of a device's usable memory a plan may fill; the rest is for XLA's scratch and this model's error.
 HEADROOM = 0.8
@@ -121,7 +124,7 @@ class StepMemory:
 def weight_bytes(config: ModelConfig, depth: int, compute_bytes: int, model_axis: int = 1) -> int:
     """Weights of the model computing `depth` layers on one device, in the compute dtype: the built model's
     parameters (`parameter_shapes`), each divided by the model axis where the sharding rules split its role."""
-    from extract.sharding import MODEL, ShardingRules  # sharding imports this module
+    from extract.sharding import MODEL, ShardingRules  # imports JAX: only here, where the weights are counted
 
     rules = ShardingRules.for_config(config, model_axis)
     total = 0
@@ -263,3 +266,69 @@ def rows_that_fit(memory: int, headroom: float = HEADROOM, **step) -> int:
     per_row = step_memory(rows=1, **step).total - fixed
     budget = headroom * memory - fixed
     return max(0, int(budget // per_row)) if per_row > 0 else 0
+
+
+# -- the mesh that fits -------------------------------------------------------------------------------------------
+
+
+def replica_bytes(
+    config: ModelConfig,
+    num_layers: int,
+    batch_per_replica: int,
+    seq_len: int,
+    compute_bytes: int,
+    out_bytes: int,
+    num_outputs: float,
+    model_axis_size: int = 1,
+) -> int:
+    """Estimated device memory for one replica: weights of the computed layers plus one micro-batch's step
+    (`extract.memory.step_memory`, with the materialised attention: the largest working set of the kernels)."""
+    return step_memory(
+        config, depth=num_layers, kept=num_outputs, rows=batch_per_replica, seq_len=seq_len,
+        compute_bytes=compute_bytes, out_bytes=out_bytes, model_axis=model_axis_size,
+    ).total  # fmt: skip
+
+
+def choose_mesh_shape(
+    config: ModelConfig,
+    device_count: int,
+    device_memory: int | None,
+    *,
+    num_layers: int,
+    batch_size: int,
+    seq_len: int,
+    compute_bytes: int,
+    out_bytes: int,
+    num_outputs: float,
+) -> tuple[int, int]:
+    """(data, model) for the automatic policy described in the module docstring.
+
+    `device_memory` is one device's usable bytes (`extract.sharding.device_memory_bytes`), None when unknown
+    (treated as ample).
+    """
+    count, memory = device_count, device_memory
+    candidates = [m for m in range(1, count + 1) if count % m == 0]
+    fitting = []
+    for m in candidates:
+        data = count // m
+        need = replica_bytes(
+            config, num_layers, max(1, batch_size // data), seq_len, compute_bytes, out_bytes, num_outputs, m
+        )
+        if memory is None or need <= HEADROOM * memory:
+            fitting.append(m)
+    if not fitting:
+        log.warning(
+            "event=mesh_memory_tight devices=%d device_memory=%s: no layout fits the estimate; using model=%d",
+            count, memory, count,
+        )  # fmt: skip
+        return 1, count
+    # The batch must split evenly over "data"; when it does not, move devices from "data" to "model" until it does
+    # (data=1 always works), which costs speed but never correctness.
+    usable = [m for m in candidates if m >= fitting[0] and batch_size % (count // m) == 0]
+    m = usable[0]
+    if m != fitting[0]:
+        log.info(
+            "event=mesh_for_batch batch_size=%d devices=%d data=%d model=%d: batch_size does not split over data=%d",
+            batch_size, count, count // m, m, count // fitting[0],
+        )  # fmt: skip
+    return count // m, m

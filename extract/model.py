@@ -5,19 +5,15 @@ transformers has no Flax version of these models, so this is ours. One decoder c
 norms, RoPE, learned positions) are written once, and `ModelConfig` says which parts exist and how they behave. Per
 family, the differences are:
 
-| family   | attention                                        | norms (`norm_position`, `norm`)      | MLP            | positions, embedding |
-|----------|--------------------------------------------------|--------------------------------------|----------------|----------------------|
-| GPT-2    | q/k/v/o biases (fused c_attn)                    | before, LayerNorm with bias          | plain, GELU-tanh, biases | learned table |
-| GPT-NeoX | q/k/v/o biases (fused, per head); parallel with the MLP | before, LayerNorm with bias   | plain, GELU, biases | partial RoPE    |
-| Llama    | biases under `attention_bias`                    | before, w                            | SwiGLU         | RoPE (llama3)        |
-| Mistral  | every layer slides                               | before, w                            | SwiGLU         | RoPE                 |
-| Qwen2    | q/k/v biases; windows from `max_window_layers`   | before, w                            | SwiGLU         | RoPE                 |
-| Qwen3    | per-head q/k RMSNorm; biases under `attention_bias` | before, w                         | SwiGLU         | RoPE                 |
-| Phi-3    | fused qkv; every layer slides when set           | before, w                            | SwiGLU (fused) | partial RoPE, LongRoPE |
-| OLMo 2   | q/k RMSNorm over all heads                       | after, w in float32                  | SwiGLU         | RoPE                 |
-| Gemma 1  |                                                  | before, (1 + w)                      | GeGLU (tanh)   | RoPE; × sqrt(D)      |
-| Gemma 2  | soft-capped logits; query_pre_attn_scalar; alternating windows | around, (1 + w)        | GeGLU (tanh)   | RoPE; × sqrt(D)      |
-| Gemma 3  | q/k RMSNorm; query_pre_attn_scalar; 5 sliding : 1 global, local RoPE base | around, (1 + w) | GeGLU (tanh) | RoPE; × sqrt(D)  |
+- GPT-2: q/k/v/o biases; norms before, LayerNorm with bias; plain MLP (GELU-tanh, biases); learned positions.
+- GPT-NeoX: as GPT-2 but exact GELU, attention and MLP in parallel, partial RoPE.
+- Llama, Mistral (every layer slides), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm): norms before, w;
+  SwiGLU; RoPE.
+- Phi-3: as Llama, with partial RoPE and LongRoPE (fused qkv and gate_up tensors are split at load).
+- OLMo 2: norms after the sublayers only, w in float32; q/k RMSNorm over all heads at once; SwiGLU; RoPE.
+- Gemma 1: norms before, (1 + w); GeGLU (tanh); RoPE; embeddings x sqrt(D).
+- Gemma 2: as Gemma 1 with norms around the sublayers, soft-capped logits, query_pre_attn_scalar, alternating
+  windows. Gemma 3: as Gemma 2 with per-head q/k RMSNorm, 5 sliding : 1 global layers and a local RoPE base.
 
 There is no LM head and no KV cache: the model only ever runs one causal forward over a right-padded (or packed)
 batch, and only as deep as needed.
@@ -177,8 +173,10 @@ class Attention(nnx.Module):
         self.v_bias = _zeros((k, h), dtype, "kv_bias") if config.qkv_bias else None
         self.o_bias = _zeros((d,), dtype, "replicated") if config.o_bias else None
         # q/k norms: per head ([H], shared by the heads), or over the whole projection ([heads, H], OLMo 2).
-        q_norm, k_norm = {"head": (((h,), "replicated"), ((h,), "replicated")),
-                          "projection": (((n, h), "q_bias"), ((k, h), "kv_bias"))}.get(config.qk_norm, (None, None))  # fmt: skip
+        q_norm, k_norm = {
+            "head": (((h,), "replicated"), ((h,), "replicated")),
+            "projection": (((n, h), "q_bias"), ((k, h), "kv_bias")),
+        }.get(config.qk_norm, (None, None))
         self.q_norm = _norm(config, q_norm[0], dtype, q_norm[1]) if q_norm else None
         self.k_norm = _norm(config, k_norm[0], dtype, k_norm[1]) if k_norm else None
         self.window = window

@@ -68,7 +68,8 @@ def _per_head(index: int) -> Callable[[ModelConfig], Ranges]:
 
     def ranges(config: ModelConfig) -> Ranges:
         h = config.head_dim
-        return tuple((head * 3 * h + index * h, head * 3 * h + (index + 1) * h) for head in range(config.num_attention_heads))
+        starts = (head * 3 * h + index * h for head in range(config.num_attention_heads))
+        return tuple((start, start + h) for start in starts)
 
     return ranges
 

@@ -82,10 +82,12 @@ REAL = {
     "Gemma-2B": ("gemma", dict(
         hidden_size=2048, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
         hidden_act="gelu", rms_norm_eps=1e-6, max_position_embeddings=8192, rope_theta=10000.0)),
-    # Gemma 3 4B as released: a multimodal config whose text_config gives only what differs from the defaults.
+    # Gemma 3 4B as released: a multimodal config whose text_config gives only what differs from the defaults; its
+    # two layers here are one sliding and one global (with the linear-scaled RoPE), as its 34 alternate 5:1.
     "Gemma-3-4B": ("gemma3", dict(text_config=dict(
         model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, sliding_window=1024,
-        rope_scaling={"factor": 8.0, "rope_type": "linear"}), vision_config=TINY_VISION, mm_tokens_per_image=4)),
+        rope_scaling={"factor": 8.0, "rope_type": "linear"}, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=TINY_VISION, mm_tokens_per_image=4)),
 }  # fmt: skip
 #: The real shapes' layers and sample lengths (the bench's --real and the real_shape tests).
 REAL_LAYERS = {"Llama-3.1-8B": 1, "OLMo-2-7B": 1}  # the widest: one layer; the others two

@@ -80,3 +80,19 @@ def test_weight_memory_is_every_parameter_of_transformers_decoder(family, tmp_pa
     assert mem.weight_bytes(config, config.num_hidden_layers, 2) == 2 * decoder
     # Split over a model axis of 2: the heads and the MLP width (all of them divide 2 here) halve.
     assert mem.weight_bytes(config, config.num_hidden_layers, 2, model_axis=2) < 2 * decoder * 0.75
+
+
+def test_the_engine_hands_gemma2s_soft_cap_to_the_kernel_choice(tmp_path):
+    """cuDNN through JAX cannot soft-cap logits, so on a GPU a Gemma 2 must get the oracle. The engine used to look
+    the cap up under config.json's name on its ModelConfig, found none, and chose cuDNN, whose trace then failed.
+    The device is a GPU's description (no GPU here); the decision is the engine's own."""
+    from types import SimpleNamespace
+
+    model = write_family_model(tmp_path, "gemma2")
+    bf16 = engine(model.path, compute_dtype="bfloat16")
+    h100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    assert bf16.config.attention_softcap == 3.0
+    assert bf16._choose_attention(h100).kernel == "materialised"
+    uncapped = ModelConfig.from_dict({**bf16.config.to_dict(), "attn_logit_softcapping": None})
+    bf16.config = uncapped
+    assert bf16._choose_attention(h100).kernel == "cudnn"

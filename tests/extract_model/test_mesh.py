@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from extract.config import ModelConfig
 from extract.engine import Engine
-from extract.sharding import ShardingRules, choose_mesh_shape, parse_mesh, replica_bytes
+from extract.memory import choose_mesh_shape, replica_bytes
+from extract.sharding import ShardingRules, parse_mesh
 from tests.extract_model.conftest import ragged_batch
 
 LAYERS = [0, 2, -1]
