@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from activations.format import SITES, HookPoint
-from tests.extract_model.families import FAMILIES, REAL, REAL_LENGTHS, real_overrides, write_family_model
+from tests.extract_model.families import FAMILIES, REAL, REAL_LENGTHS, write_family_model, write_real_model
 from tests.extract_model.test_family_parity import (
     LENGTHS, bf16_errors, cosine, float32_errors, references, run_engine,
 )
@@ -99,15 +99,17 @@ def main() -> None:
         unknown = sorted(set(args.real) - set(REAL))
         if unknown:
             parser.error(f"unknown real shape {', '.join(unknown)}; known: {', '.join(REAL)}")
-        cases = [(name, *real_overrides(name), REAL_LENGTHS) for name in args.real or REAL]
+        names, lengths = args.real or list(REAL), REAL_LENGTHS
     else:
-        cases = [(family, family, {}, LENGTHS) for family in FAMILIES]
+        names, lengths = list(FAMILIES), LENGTHS
     results, summaries = {}, {}
-    for name, model_type, overrides, lengths in cases:
+    for name in names:
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as scratch:
-            seed = 3 if args.real is not None else 7  # as in the tests
-            model = write_family_model(Path(scratch), model_type, seed=seed, shard_size=None, **overrides)
+            if args.real is not None:  # the models and seeds of the tests
+                model = write_real_model(Path(scratch), name)
+            else:
+                model = write_family_model(Path(scratch), name, seed=7, shard_size=None)
             layers = model.num_hidden_layers
             label = f"{name} width, {layers} layer{'s' * (layers > 1)}" if args.real is not None else name
             results[label], summaries[label] = measure(model, references(model, lengths))

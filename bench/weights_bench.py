@@ -112,11 +112,13 @@ def main(argv: list[str] | None = None) -> None:
 
             def place(source: Checkpoint) -> float:
                 engine = Engine.__new__(Engine)  # only the placement: mesh, shardings, abstract state
-                engine._configure(1, 64, "bfloat16", "bfloat16")
+                engine._configure(1, 64, "bfloat16", "bfloat16", "auto", None)
                 engine.config = config
-                engine._place([config.num_hidden_layers], None, None)
+                engine._place([config.num_hidden_layers], None, None, None)
                 started = time.perf_counter()
-                load_state(source, engine._abstract_state, engine.mesh, engine._rules, engine._compute_dtype)
+                load_state(
+                    source, engine._abstract_state, engine.mesh, engine._rules, engine._compute_dtype, config=config
+                )
                 return time.perf_counter() - started
 
             old = download + place(Checkpoint(cache))

@@ -94,13 +94,16 @@ REAL_LAYERS = {"Llama-3.1-8B": 1, "OLMo-2-7B": 1}  # the widest: one layer; the 
 REAL_LENGTHS = [32, 20]
 
 
-def real_overrides(name: str) -> tuple[str, dict]:
-    """(model_type, overrides) of a real shape with a small vocabulary and its few layers."""
+def write_real_model(directory: pathlib.Path, name: str, seed: int = 3) -> FamilyModel:
+    """A released shape of REAL (its config alone: nothing of the small configs) with a small vocabulary and its few
+    layers (REAL_LAYERS, else two), saved by transformers as one file."""
     model_type, shape = REAL[name]
     small = dict(vocab_size=256, num_hidden_layers=REAL_LAYERS.get(name, 2))
     if model_type == "gemma3":
-        return model_type, dict(shape, text_config=dict(shape["text_config"], **small))
-    return model_type, dict(shape, **small)
+        shape = dict(shape, text_config=dict(shape["text_config"], **small))
+    else:
+        shape = dict(shape, **small)
+    return write_family_model(directory, model_type, seed=seed, shard_size=None, base={}, **shape)
 
 
 @dataclasses.dataclass
@@ -146,16 +149,23 @@ def _is_norm_scale(name: str) -> bool:
 
 
 def write_family_model(
-    directory: pathlib.Path, model_type: str, *, seed: int = 0, shard_size: str | None = "100KB", **overrides
+    directory: pathlib.Path,
+    model_type: str,
+    *,
+    seed: int = 0,
+    shard_size: str | None = "100KB",
+    base: dict | None = None,
+    **overrides,
 ) -> FamilyModel:
     """A checkpoint saved by transformers' `save_pretrained`, its weights redrawn so that norms and biases are not
-    the identity (a loader that dropped them would pass otherwise). `model_type` is a key of FAMILIES (its small
-    config) or a transformers model_type."""
+    the identity (a loader that dropped them would pass otherwise). The config is `base` (by default the family's
+    small config in FAMILIES, or SMALL) updated with `overrides`."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**FAMILIES.get(model_type, SMALL), **overrides})
+    base = FAMILIES.get(model_type, SMALL) if base is None else base
+    config = AutoConfig.for_model(model_type, **{**base, **overrides})
     config._attn_implementation = "eager"
     with no_init_weights():  # every parameter is drawn below; at a real width transformers' own init is slow
         model = AutoModelForCausalLM.from_config(config)

@@ -29,7 +29,7 @@ import torch
 
 from activations.format import HookPoint, Output, output_key, sites_of
 from extract.engine import Engine
-from tests.extract_model.families import FAMILIES, REAL_LENGTHS, FamilyModel, real_overrides, write_family_model
+from tests.extract_model.families import FAMILIES, REAL_LENGTHS, FamilyModel, write_family_model, write_real_model
 
 FLOAT32_VS_TRANSFORMERS = 4.0
 BF16_MEAN_VS_TRANSFORMERS = 1.5
@@ -147,8 +147,7 @@ def test_every_site_and_hidden_state_matches_transformers_within_the_documented_
 def test_real_shape_every_site_matches_transformers(name, tmp_path: pathlib.Path):
     """The other released widths (families.REAL) run in `bench/parity_table.py --real`; docs/MODEL.md has their
     tables."""
-    model_type, overrides = real_overrides(name)
-    model = write_family_model(tmp_path, model_type, seed=3, shard_size=None, **overrides)
+    model = write_real_model(tmp_path, name)
     refs = references(model, REAL_LENGTHS)
     assert_float32_within_bound(float32_errors(run_engine(model, refs, "float32"), refs))
     assert_bf16_within_bound(bf16_errors(run_engine(model, refs, "bfloat16"), refs))
