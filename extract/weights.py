@@ -247,7 +247,10 @@ def upload_model_dir(local_dir: str | os.PathLike, dest_url: str) -> list[str]:
 
 
 def mirror_hub_snapshot(hub_id: str, dest_url: str, *, revision: str | None = None) -> list[str]:
-    """Copy a hub snapshot into an object store prefix, so that a fleet reads the bucket instead of the hub."""
+    """Copy a hub snapshot into an object store prefix, so that a fleet reads the bucket instead of the hub. Its
+    config.json is read first: a model of a family the engine does not support is refused before any weight is
+    downloaded."""
+    ModelConfig.from_file(download_hub_config(hub_id, revision=revision))
     with tempfile.TemporaryDirectory(prefix="mirror-") as scratch:
         local = download_hub_snapshot(hub_id, revision=revision, local_dir=scratch)
         return upload_model_dir(local, dest_url)

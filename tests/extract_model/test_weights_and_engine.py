@@ -226,26 +226,32 @@ _LOAD_FROM_HUB = """
 import sys
 from extract.engine import Engine
 from extract.errors import BadInput
+from extract.weights import mirror_hub_snapshot
 try:
     engine = Engine(sys.argv[1], [0, -1], batch_size=1, max_seq_len=8, compute_dtype="float32")
     print("loaded", engine.config.model_type, engine.forward([[1, 2, 3]])[0].shape)
 except BadInput as exc:
     print("BadInput", exc)
+try:
+    print("mirrored", mirror_hub_snapshot(sys.argv[1], sys.argv[2]))
+except BadInput as exc:
+    print("BadInput mirror", exc)
 """
 
 
 def load_from_hub(hub, repo: str, tmp_path) -> str:
     env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1",
                HF_HUB_DISABLE_XET="1", JAX_PLATFORMS="cpu")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", _LOAD_FROM_HUB, repo], env=env, capture_output=True, text=True,
-                            timeout=300, cwd=REPO)  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", _LOAD_FROM_HUB, repo, str(tmp_path / "bucket" / repo)], env=env,
+                            capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
 def test_a_hub_model_of_an_unsupported_family_downloads_nothing_but_config_json(qwen2_untied, tmp_path):
-    """config.json is fetched and read first: a Mixtral's weights (tens of GB on the real hub) are never requested.
-    A supported model from the same hub still downloads whole and loads."""
+    """config.json is fetched and read first, by the engine and by the mirror tool: a Mixtral's weights (tens of GB
+    on the real hub) are never requested. A supported model from the same hub still downloads whole, loads and
+    mirrors."""
     from tests.extract_model.fakehub import FakeHub
 
     mixtral = tmp_path / "mixtral"
@@ -257,8 +263,10 @@ def test_a_hub_model_of_an_unsupported_family_downloads_nothing_but_config_json(
     with FakeHub({"acme/mixtral": mixtral, "acme/tiny": qwen2_untied.path}) as hub:
         out = load_from_hub(hub, "acme/mixtral", tmp_path)
         assert out.startswith("BadInput") and "model_type='mixtral' is not supported" in out, out
-        assert hub.downloads("acme/mixtral") == ["config.json"], hub.requests
+        assert "BadInput mirror" in out and not (tmp_path / "bucket" / "acme/mixtral").exists(), out
+        assert set(hub.downloads("acme/mixtral")) == {"config.json"}, hub.requests
         out = load_from_hub(hub, "acme/tiny", tmp_path)
-        assert out.startswith("loaded qwen2 (1, 3, 64)"), out
+        assert out.startswith("loaded qwen2 (1, 3, 64)") and "mirrored" in out, out
         weights = {p.name for p in qwen2_untied.path.glob("*.safetensors")}
         assert weights and weights <= set(hub.downloads("acme/tiny"))
+        assert weights <= {p.name for p in (tmp_path / "bucket" / "acme/tiny").iterdir()}
