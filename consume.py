@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Extract Qwen hidden states for one task (run by spawn.py, or by hand with flags). See docs/EXTRACTION.md."""
+"""Extract a language model's activations (hidden states, hook sites) for one task (run by spawn.py, or by hand with
+flags). The supported families are in docs/MODEL.md; the job in docs/EXTRACTION.md."""
 
 from extract.cli import exit_now, main
 

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from extract import attention, memory  # noqa: E402
 from extract.batching import PACKED_WINDOW_BATCHES, Batch, TokenizedSample, pack_window, shard_token_limit  # noqa: E402
-from extract.config import QwenConfig  # noqa: E402
+from extract.config import ModelConfig  # noqa: E402
 from extract.costmodel import KNOWN_CONFIGS  # noqa: E402
 from extract.engine import Engine, device_peak_flops  # noqa: E402
 from extract.memory import IN_FLIGHT_STEPS, DeviceMemoryError  # noqa: E402
@@ -212,7 +212,7 @@ def matmul_peak(size: int, dtype, device: jax.Device, iters: int = 10) -> float:
     return 2 * size**3 * iters / (time.perf_counter() - started)
 
 
-def _auto_batch(config: QwenConfig, layers, seq_len: int, requested: str, cap: int) -> int:
+def _auto_batch(config: ModelConfig, layers, seq_len: int, requested: str, cap: int) -> int:
     """The largest batch the memory model fits on one device (a multiple of the device count), at most `cap`."""
     device = jax.devices()[0]
     usable = device_memory_bytes(device) or memory.usable_bytes(device.device_kind, device.platform)
@@ -297,7 +297,7 @@ def accelerator_bench(args: argparse.Namespace) -> None:
     each attention kernel side by side: tokens/s, MFU against the published and the measured matmul peak, and the
     device-busy fraction of the consumer's pipeline."""
     raw = QWEN25_7B if args.accel_shape == "qwen2.5-7b" else TINY_SHAPE
-    config = QwenConfig.from_dict(raw, source=f"{args.accel_shape} shape")
+    config = ModelConfig.from_dict(raw, source=f"{args.accel_shape} shape")
     layers = [int(x) for x in args.accel_layers.split(",")]
     device = jax.devices()[0]
     published = device_peak_flops(device)

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 import objectstore  # noqa: E402
 from extract import batching, consumer, data  # noqa: E402
-from extract.config import QwenConfig  # noqa: E402
+from extract.config import ModelConfig  # noqa: E402
 from extract.engine import Engine, normalize_layers  # noqa: E402
 from extract.job import Job, Task, default_buckets  # noqa: E402
 from extract.tiny import write_tiny_tokenizer  # noqa: E402
@@ -98,7 +98,7 @@ class StandInEngine:
     """The engine's interface with no model: `forward` returns the same [batch, T, hidden] device array per bucket
     for every requested layer, so the device side costs nothing and only the host is measured."""
 
-    def __init__(self, model_dir: pathlib.Path, config: QwenConfig, layers: list[int], batch_size: int, out_dtype):
+    def __init__(self, model_dir: pathlib.Path, config: ModelConfig, layers: list[int], batch_size: int, out_dtype):
         self.model_dir = model_dir
         self.config = config
         self.layers = normalize_layers(layers, config.num_hidden_layers)
@@ -191,7 +191,7 @@ class Setup:
 
 
 def make_setup(args: argparse.Namespace, root: pathlib.Path) -> Setup:
-    config = QwenConfig.from_dict(QWEN25_7B, source="Qwen2.5-7B shape")
+    config = ModelConfig.from_dict(QWEN25_7B, source="Qwen2.5-7B shape")
     model_dir = root / "model"
     write_tiny_tokenizer(model_dir, vocab=args.vocab, seed=0, model_max_length=args.max_seq_len)
     (model_dir / "config.json").write_text(json.dumps(QWEN25_7B))

@@ -7,8 +7,12 @@ transformers, forward hooks on its modules, a right-padded batch). Per output, o
 - bfloat16: the smallest cosine to float64 over tokens (ours, then transformers').
 Each cell is the worst over the layers of its site ("hidden" is hidden states 0..L-1, "final norm" is L).
 
-    python bench/parity_table.py            # the six families at small shapes
-    python bench/parity_table.py --real     # Llama-3.1-8B and Gemma-2-2B widths, one and two layers
+    python bench/parity_table.py                    # every family at small shapes
+    python bench/parity_table.py --real             # the released widths (tests/extract_model/families.py, REAL)
+    python bench/parity_table.py --real Pythia-1.4B # some of them
+
+A site a family does not have (NeoX's resid_mid) is "-". Run it niced: the real widths hold a transformers model in
+float32 and float64 and our engine at once (a few GB at the 7B-8B widths).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from activations.format import SITES, HookPoint
-from tests.extract_model.families import FAMILIES, REAL, write_family_model
-from tests.extract_model.test_family_parity import LENGTHS, cosine, references, run_engine
+from tests.extract_model.families import FAMILIES, REAL, REAL_LENGTHS, write_family_model, write_real_model
+from tests.extract_model.test_family_parity import (
+    LENGTHS, bf16_errors, cosine, float32_errors, references, run_engine,
+)
 
 
 def row_name(output, num_hidden_layers: int) -> str:
@@ -31,8 +37,10 @@ def row_name(output, num_hidden_layers: int) -> str:
     return "final norm" if output == num_hidden_layers else "hidden"
 
 
-def measure(model, refs) -> dict[str, list[float]]:
-    """Per row name: [fp32 max rel. error ours, transformers'; bf16 min cosine ours, transformers']."""
+def measure(model, refs) -> tuple[dict[str, list[float]], dict[str, tuple[float, float]]]:
+    """Per row name: [fp32 max rel. error ours, transformers'; bf16 min cosine ours, transformers']; and the
+    summary of the tests' bounds over every output: (lowest, highest) of our float32 error over transformers',
+    of our largest error over the largest value, and of our bf16 mean and worst 1 - cosine over transformers'."""
     ours32, ours16 = run_engine(model, refs, "float32"), run_engine(model, refs, "bfloat16")
     worst: dict[str, list[float]] = {}
     for output in ours32:
@@ -49,43 +57,64 @@ def measure(model, refs) -> dict[str, list[float]]:
         key = row_name(output, model.num_hidden_layers)
         before = worst.get(key, [0.0, 0.0, 1.0, 1.0])
         worst[key] = [max(before[0], rel[0]), max(before[1], rel[1]), min(before[2], cos[0]), min(before[3], cos[1])]
-    return worst
+    f32, bf16 = float32_errors(ours32, refs), bf16_errors(ours16, refs)
+    ratios = {
+        "float32 ours / transformers'": [m / t for m, t, _ in f32.values() if t > 0],
+        "float32 max error / max value": [m / v for m, _, v in f32.values() if v > 0],
+        "bf16 mean e ours / transformers'": [m / t for m, t, _, _ in bf16.values() if t > 0],
+        "bf16 worst e ours / transformers'": [m / t for _, _, m, t in bf16.values() if t > 0],
+    }
+    return worst, {name: (min(values), max(values)) for name, values in ratios.items()}
 
 
 COLUMNS = ["hidden", *SITES, "final norm"]
 
 
-def print_tables(results: dict[str, dict[str, list[float]]]) -> None:
-    """Two markdown tables, a model a row and a site a column: each cell "ours / transformers'"."""
+def print_tables(results: dict[str, dict[str, list[float]]], summaries: dict[str, dict[str, tuple]]) -> None:
+    """The bounds' summary, a model a row; then two markdown tables, a model a row and a site a column: each cell
+    "ours / transformers'"."""
+    names = list(next(iter(summaries.values())))
+    print("| model | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for model, summary in summaries.items():
+        cells = [f"{lo:.1e}–{hi:.1e}" if "value" in name else f"{lo:.2f}–{hi:.2f}"
+                 for name, (lo, hi) in summary.items()]  # fmt: skip
+        print(f"| {model} | " + " | ".join(cells) + " |")
+    print()
     header = "| model | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS)
     print("float32: max |x - float64| / max |float64|, ours / transformers' float32\n\n" + header)
     for name, worst in results.items():
-        print(f"| {name} | " + " | ".join(f"{worst[c][0]:.1e} / {worst[c][1]:.1e}" for c in COLUMNS) + " |")
+        print(f"| {name} | " + " | ".join(f"{worst[c][0]:.1e} / {worst[c][1]:.1e}" if c in worst else "-"
+                                          for c in COLUMNS) + " |")  # fmt: skip
     print("\nbfloat16: the smallest cosine to float64 over tokens, ours / transformers' bfloat16\n\n" + header)
     for name, worst in results.items():
-        print(f"| {name} | " + " | ".join(f"{worst[c][2]:.5f} / {worst[c][3]:.5f}" for c in COLUMNS) + " |")
+        print(f"| {name} | " + " | ".join(f"{worst[c][2]:.5f} / {worst[c][3]:.5f}" if c in worst else "-"
+                                          for c in COLUMNS) + " |")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--real", action="store_true", help="the released widths instead of the small shapes")
+    parser.add_argument("--real", nargs="*", metavar="NAME", help=f"the released widths: {', '.join(REAL)} (all)")
     args = parser.parse_args()
-    cases = (
-        [(name, REAL[name][0], dict(REAL[name][1], vocab_size=256, num_hidden_layers=layers), [32, 20])
-         for name, layers in (("Llama-3.1-8B", 1), ("Gemma-2-2B", 2))]
-        if args.real else [(family, family, {}, LENGTHS) for family in FAMILIES]
-    )  # fmt: skip
-    results = {}
-    for name, model_type, overrides, lengths in cases:
+    if args.real is not None:
+        unknown = sorted(set(args.real) - set(REAL))
+        if unknown:
+            parser.error(f"unknown real shape {', '.join(unknown)}; known: {', '.join(REAL)}")
+        names, lengths = args.real or list(REAL), REAL_LENGTHS
+    else:
+        names, lengths = list(FAMILIES), LENGTHS
+    results, summaries = {}, {}
+    for name in names:
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as scratch:
-            seed = 3 if args.real else 7  # as in the test
-            model = write_family_model(Path(scratch), model_type, seed=seed, shard_size=None, **overrides)
+            if args.real is not None:  # the models and seeds of the tests
+                model = write_real_model(Path(scratch), name)
+            else:
+                model = write_family_model(Path(scratch), name, seed=7, shard_size=None)
             layers = model.num_hidden_layers
-            label = f"{name} width, {layers} layer{'s' * (layers > 1)}" if args.real else name
-            results[label] = measure(model, references(model, lengths))
+            label = f"{name} width, {layers} layer{'s' * (layers > 1)}" if args.real is not None else name
+            results[label], summaries[label] = measure(model, references(model, lengths))
         print(f"{name}: {time.monotonic() - started:.0f} s", flush=True)
-    print_tables(results)
+    print_tables(results, summaries)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,14 @@ sys.path.insert(0, str(REPO))
 
 import objectstore  # noqa: E402
 from bench.host_bench import fake_gcs_server  # noqa: E402
-from extract.config import QwenConfig  # noqa: E402
+from extract.config import ModelConfig  # noqa: E402
 from extract.engine import Engine  # noqa: E402
 from extract.weights import LOAD_WORKERS, Checkpoint, fetch_from_store, load_state, upload_model_dir  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def write_checkpoint(directory: pathlib.Path, layers: int, hidden: int, intermediate: int, vocab: int) -> QwenConfig:
+def write_checkpoint(directory: pathlib.Path, layers: int, hidden: int, intermediate: int, vocab: int) -> ModelConfig:
     """A random bf16 Qwen2-shaped checkpoint written with the repo's own safetensors encoder."""
     from extract.writer import encode_safetensors
 
@@ -72,7 +72,7 @@ def write_checkpoint(directory: pathlib.Path, layers: int, hidden: int, intermed
             p + "mlp.down_proj.weight": dense(hidden, intermediate),
         }  # fmt: skip
     (directory / "model.safetensors").write_bytes(encode_safetensors(tensors, {"format": "pt"}))
-    return QwenConfig.from_dict(config)
+    return ModelConfig.from_dict(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,11 +112,13 @@ def main(argv: list[str] | None = None) -> None:
 
             def place(source: Checkpoint) -> float:
                 engine = Engine.__new__(Engine)  # only the placement: mesh, shardings, abstract state
-                engine._configure(1, 64, "bfloat16", "bfloat16")
+                engine._configure(1, 64, "bfloat16", "bfloat16", "auto", None)
                 engine.config = config
-                engine._place([config.num_hidden_layers], None, None)
+                engine._place([config.num_hidden_layers], None, None, None)
                 started = time.perf_counter()
-                load_state(source, engine._abstract_state, engine.mesh, engine._rules, engine._compute_dtype)
+                load_state(
+                    source, engine._abstract_state, engine.mesh, engine._rules, engine._compute_dtype, config=config
+                )
                 return time.perf_counter() - started
 
             old = download + place(Checkpoint(cache))

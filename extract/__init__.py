@@ -1,1 +1,2 @@
-"""Activation extraction: Qwen hidden states computed with JAX/Flax NNX and written as safetensors shards."""
+"""Activation extraction: hidden states and hook sites of GPT-2, Pythia (GPT-NeoX), Llama, Mistral, Qwen, Phi-3,
+OLMo 2 and Gemma models (`extract.config.FAMILIES`), computed with JAX/Flax NNX and written as safetensors shards."""

@@ -40,7 +40,9 @@ _FLAGS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="consume.py",
-        description="Extract Qwen hidden states for one task's slice of a dataset as safetensors shards.",
+        description="Extract a language model's activations (hidden states, hook sites) for one task's slice of a "
+        "dataset as safetensors shards. Models: GPT-2, Pythia (GPT-NeoX), Llama, Mistral, Qwen2/2.5/3, Phi-3, "
+        "Phi-4-mini, OLMo 2, Gemma 1/2/3 (docs/MODEL.md).",
     )
     for flag, env, help_text in _FLAGS:
         parser.add_argument(flag, help=f"{help_text} (default: ${env})")

@@ -36,7 +36,7 @@ from typing import Any
 from activations.sampling import TokenSampling
 from extract.batching import shard_token_limit
 from activations.format import Output
-from extract.config import ModelConfig, normalize_sites
+from extract.config import ModelConfig
 from extract.errors import BadInput
 from extract.job import Job, Task
 
@@ -139,7 +139,7 @@ def computed_layers(layers: Sequence[int], num_hidden_layers: int) -> tuple[int,
 def job_outputs(job: Job, config: ModelConfig) -> tuple[Output, ...]:
     """What the job stores: its hidden-state indices (as `computed_layers` normalises them), then its hook points."""
     layers = computed_layers(job.layers, config.num_hidden_layers) if job.layers else ()
-    return (*layers, *normalize_sites(job.sites, config.num_hidden_layers))
+    return (*layers, *config.hook_points(job.sites))
 
 
 def output_widths(config: ModelConfig, outputs: Sequence[Output]) -> tuple[int, ...]:
@@ -148,10 +148,11 @@ def output_widths(config: ModelConfig, outputs: Sequence[Output]) -> tuple[int, 
 
 
 def projection_flops_per_token(config: ModelConfig) -> int:
-    """Matmul FLOPs of one decoder layer's projections for one token (2 per multiply-add)."""
+    """Matmul FLOPs of one decoder layer's projections for one token (2 per multiply-add): q, k, v, o and the MLP's
+    matrices (three gated, two plain: `ModelConfig.mlp_projections`)."""
     d, f = config.hidden_size, config.intermediate_size
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    return 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f)
+    return 2 * (d * n * h + 2 * d * k * h + n * h * d + config.mlp_projections * d * f)
 
 
 def attention_flops_per_token_per_key(config: ModelConfig) -> int:

@@ -29,14 +29,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from activations.format import Output, output_key
-from extract import attention
+from extract import attention, costmodel
 from extract import memory as mem
 from extract import sharding as shd
 from extract import weightcache
-from extract.config import ModelConfig, normalize_sites
+from extract.config import ModelConfig
 from extract.errors import BadInput
 from extract.model import DecoderModel
-from extract.weights import Checkpoint, load_state, resolve_model_dir
+from extract.weights import Checkpoint, download_hub_config, is_hub_id, load_state, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +158,21 @@ class Engine:
         started = time.monotonic()
         self._configure(batch_size, max_seq_len, compute_dtype, out_dtype, attention, device_memory)
         from_store = isinstance(model, str) and model.startswith("gs://")
+        if is_hub_id(model):
+            # config.json alone first: a model of a family we do not support is refused before its weights (tens
+            # of GB for some) are downloaded.
+            self._read_config(download_hub_config(model))
         # A gs:// checkpoint's weights are read where they lie (parallel ranged reads); only its small files are cached.
         self.model_dir = resolve_model_dir(model, weights=not from_store)
-        self.config = ModelConfig.from_file(self.model_dir / "config.json")
+        self._read_config(self.model_dir / "config.json")
         # Fail on missing files before any device work.
         checkpoint = Checkpoint.from_store(model) if from_store else Checkpoint(self.model_dir)
         self._place(layers, sites, mesh, devices)
         if from_store:  # then from this machine's copy (extract/weightcache.py), made once the step fits
             checkpoint = weightcache.open_checkpoint(model)
         self._state = load_state(
-            checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype,
-            sandwich_norms=self.config.sandwich_norms,
-        )  # fmt: skip
+            checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype, config=self.config
+        )
         self._log_ready(model, time.monotonic() - started)
 
     @classmethod
@@ -194,6 +197,7 @@ class Engine:
         engine = cls.__new__(cls)
         engine._configure(batch_size, max_seq_len, compute_dtype, out_dtype, attention, device_memory)
         engine.config = config
+        engine._check_positions()
         engine.model_dir = pathlib.Path(tempfile.mkdtemp(prefix="random-model-"))
         (engine.model_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
         engine._place(layers, sites, mesh, devices)
@@ -202,6 +206,21 @@ class Engine:
         return engine
 
     # -- construction ----------------------------------------------------------------------------------------------
+
+    def _read_config(self, path: pathlib.Path) -> None:
+        """The model's architecture (a BadInput for a family or setting we do not support), and whether it computes
+        `max_seq_len` tokens as transformers does."""
+        self.config = ModelConfig.from_file(path)
+        self._check_positions()
+
+    def _check_positions(self) -> None:
+        limit = self.config.max_positions
+        if limit is not None and self.max_seq_len > limit:
+            raise BadInput(
+                f"max_seq_len={self.max_seq_len} is longer than this {self.config.model_type} model computes as its "
+                f"reference does ({limit} positions: GPT-2's position table, or LongRoPE's original context, past "
+                f"which transformers switches to other frequencies); use max_seq_len {limit} or less"
+            )
 
     def _configure(self, batch_size, max_seq_len, compute_dtype, out_dtype, attention_kernel, device_memory) -> None:
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -223,7 +242,7 @@ class Engine:
 
     def _place(self, layers, sites, mesh: str | None, devices) -> None:
         """Choose the mesh and shardings, and build the abstract (shapes-only) model truncated at the deepest layer."""
-        points = normalize_sites(sites, self.config.num_hidden_layers)
+        points = self.config.hook_points(sites)
         self.layers = normalize_layers(layers, self.config.num_hidden_layers, allow_empty=bool(points))
         self.outputs = (*self.layers, *points)
         self.num_computed_layers = self.config.depth_for(self.outputs)
@@ -237,7 +256,7 @@ class Engine:
                 raise BadInput(f"mesh={mesh!r} must be a string such as 'data=2,model=2', or unset")
             shape = shd.parse_mesh(mesh, len(devices))
         else:
-            shape = shd.choose_mesh_shape(
+            shape = mem.choose_mesh_shape(
                 self.config,
                 len(devices),
                 self.device_memory,
@@ -275,8 +294,7 @@ class Engine:
             device.platform,
             self._compute_dtype,
             self.config.head_dim,
-            # Gemma 2's logit soft-cap, under transformers' (and config.json's) name; Qwen has none.
-            softcap=getattr(self.config, "attn_logit_softcapping", None),
+            softcap=self.config.attention_softcap,  # Gemma 2's; the other families have none
             requested=self._requested_attention,
             hopper=capability is None or float(capability) >= 9.0,
         )
@@ -514,15 +532,12 @@ class Engine:
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token up to the deepest requested layer (matmuls only, 2 per multiply-add).
 
-        Projections: 2 * (D*N*H + 2*D*K*H + N*H*D + 3*D*F) per layer. Attention: 2 * 2 * N*H * seq_len per layer
-        for scores and the weighted sum, counted over all seq_len keys because that is what runs (the causal mask
-        is applied to a full score matrix). Embedding lookup, norms and the final norm are not counted.
+        Projections: 2 * (D*N*H + 2*D*K*H + N*H*D + M*D*F) per layer, M the MLP's matrices (3 gated, 2 plain).
+        Attention: 2 * 2 * N*H * seq_len per layer for scores and the weighted sum, counted over all seq_len keys
+        because that is what runs (the causal mask is applied to a full score matrix). Embedding lookup, norms and
+        the final norm are not counted (`extract.costmodel.flops_per_token`, the planner's count).
         """
-        c = self.config
-        d, f, n, k, h = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        projections = 2 * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f)
-        attention = 4 * n * h * seq_len
-        return float(self.num_computed_layers * (projections + attention))
+        return costmodel.flops_per_token(self.config, self.num_computed_layers, seq_len)
 
     def peak_flops(self) -> float | None:
         """Sum of the mesh devices' dense bf16 peak FLOP/s; None when unknown (CPU, unlisted accelerators)."""

@@ -1,12 +1,14 @@
 """Device memory of one extraction step: what must fit on each device, and the largest batch that does.
 
-Pure arithmetic (no JAX), so `tools/plan.py` sizes a job without devices and the engine checks a job before it
-loads any weight. Per device, one step of `rows` rows of `seq_len` tokens holds (`StepMemory`):
+Arithmetic on the config, without devices, so `tools/plan.py` sizes a job on a laptop and the engine checks a job
+before it loads any weight. Per device, one step of `rows` rows of `seq_len` tokens holds (`StepMemory`):
 
-- **weights** of the computed layers only (embedding, `depth` decoder layers, the final norm), in the compute
-  dtype, each tensor divided by the model axis where the engine splits it (`extract.sharding.ShardingRules`: heads
-  when they divide the axis, key/value heads only if the query heads split too, the MLP width, the hidden size of
-  the embedding);
+- **weights** of the computed layers only: every parameter of the model the engine builds for `depth` layers
+  (embedding, GPT-2's position table, the layers with whatever norms, biases and MLP their family has, the final
+  norm when the whole stack is built), counted from its shapes (`nnx.eval_shape`: no memory is allocated), in the
+  compute dtype, each divided by the model axis where `extract.sharding.ShardingRules` splits its role (heads when
+  they divide the axis, key/value heads only if the query heads split too, the MLP width, the hidden size of the
+  embedding);
 - **activations**: the peak inside one decoder layer, the larger of its attention half (residual, normed input,
   q/k/v, their float32 RoPE copies, the attention output and its projection) and its MLP half (residual, normed
   input, gate, up, their product, the projection), per token;
@@ -24,10 +26,15 @@ engine checks the compiled program's own figure (`CompiledMemoryStats`) against 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+import math
 import re
 
 from extract.config import ModelConfig
 from extract.errors import BadInput
+
+log = logging.getLogger(__name__)
 
 #: Share of a device's usable memory a plan may fill; the rest is for XLA's scratch and this model's error.
 HEADROOM = 0.8
@@ -115,21 +122,32 @@ class StepMemory:
 
 
 def weight_bytes(config: ModelConfig, depth: int, compute_bytes: int, model_axis: int = 1) -> int:
-    """Weights of the embedding, `depth` decoder layers and the final norm on one device, in the compute dtype."""
-    d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
-    n, k = config.num_attention_heads, config.num_key_value_heads
-    q_split = _split(n, model_axis)
-    kv_split = _split(k, model_axis) if q_split > 1 else 1
-    ffw = _split(f, model_axis)
-    per_layer = (
-        2 * d * n * h / q_split  # q and o projections
-        + 2 * d * k * h / kv_split  # k and v projections
-        + 3 * d * f / ffw  # gate, up, down
-        + (n + 2 * k) * h + d  # biases (q/k/v, o): small either way
-        + (4 if config.sandwich_norms else 2) * d + 2 * h  # norms (Gemma 2/3: four; Qwen3/Gemma 3: q/k norms)
+    """Weights of the model computing `depth` layers on one device, in the compute dtype: the built model's
+    parameters (`parameter_shapes`), each divided by the model axis where the sharding rules split its role."""
+    from extract.sharding import MODEL, ShardingRules  # imports JAX: only here, where the weights are counted
+
+    rules = ShardingRules.for_config(config, model_axis)
+    total = 0
+    for shape, role in parameter_shapes(config, depth):
+        splits = sum(axis == MODEL for axis in tuple(getattr(rules, role)))
+        total += math.prod(shape) // model_axis**splits
+    return total * compute_bytes
+
+
+@functools.lru_cache(maxsize=32)
+def parameter_shapes(config: ModelConfig, depth: int) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """(shape, sharding role) of every parameter of the model the engine builds to compute `depth` layers, from
+    `nnx.eval_shape` (shapes only; a 28-layer 7B model takes about half a second, so results are kept)."""
+    import jax.numpy as jnp  # only here: the rest of this module is plain arithmetic
+    from flax import nnx
+
+    from extract.model import DecoderModel
+
+    abstract = nnx.eval_shape(lambda: DecoderModel(config, depth, jnp.float32, nnx.Rngs(0)))
+    return tuple(
+        (tuple(variable.get_value().shape), variable.get_metadata()["role"])
+        for _, variable in nnx.to_flat_state(nnx.state(abstract))
     )
-    embedding = config.vocab_size * d / _split(d, model_axis)
-    return int((embedding + depth * per_layer + d) * compute_bytes)
 
 
 def attention_bytes(
@@ -172,7 +190,7 @@ def step_memory(
     tokens = rows * seq_len
     c = compute_bytes
     attention_half = (4 * d + (2 * heads + 2 * kv_heads) * h) * c + (heads + kv_heads) * h * 4  # + float32 RoPE
-    mlp_half = (3 * d + 3 * width) * c
+    mlp_half = (3 * d + config.mlp_projections * width) * c  # gated: gate, up, their product; plain: up, act(up)
     inputs = 3 * 4 * (1 + held_steps)  # token ids, segment ids, positions: int32
     activations = tokens * (max(attention_half, mlp_half) + inputs) if depth else tokens * (d * c + inputs)
     attention = (
@@ -248,3 +266,69 @@ def rows_that_fit(memory: int, headroom: float = HEADROOM, **step) -> int:
     per_row = step_memory(rows=1, **step).total - fixed
     budget = headroom * memory - fixed
     return max(0, int(budget // per_row)) if per_row > 0 else 0
+
+
+# -- the mesh that fits -------------------------------------------------------------------------------------------
+
+
+def replica_bytes(
+    config: ModelConfig,
+    num_layers: int,
+    batch_per_replica: int,
+    seq_len: int,
+    compute_bytes: int,
+    out_bytes: int,
+    num_outputs: float,
+    model_axis_size: int = 1,
+) -> int:
+    """Estimated device memory for one replica: weights of the computed layers plus one micro-batch's step
+    (`extract.memory.step_memory`, with the materialised attention: the largest working set of the kernels)."""
+    return step_memory(
+        config, depth=num_layers, kept=num_outputs, rows=batch_per_replica, seq_len=seq_len,
+        compute_bytes=compute_bytes, out_bytes=out_bytes, model_axis=model_axis_size,
+    ).total  # fmt: skip
+
+
+def choose_mesh_shape(
+    config: ModelConfig,
+    device_count: int,
+    device_memory: int | None,
+    *,
+    num_layers: int,
+    batch_size: int,
+    seq_len: int,
+    compute_bytes: int,
+    out_bytes: int,
+    num_outputs: float,
+) -> tuple[int, int]:
+    """(data, model) for the automatic policy described in the module docstring.
+
+    `device_memory` is one device's usable bytes (`extract.sharding.device_memory_bytes`), None when unknown
+    (treated as ample).
+    """
+    count, memory = device_count, device_memory
+    candidates = [m for m in range(1, count + 1) if count % m == 0]
+    fitting = []
+    for m in candidates:
+        data = count // m
+        need = replica_bytes(
+            config, num_layers, max(1, batch_size // data), seq_len, compute_bytes, out_bytes, num_outputs, m
+        )
+        if memory is None or need <= HEADROOM * memory:
+            fitting.append(m)
+    if not fitting:
+        log.warning(
+            "event=mesh_memory_tight devices=%d device_memory=%s: no layout fits the estimate; using model=%d",
+            count, memory, count,
+        )  # fmt: skip
+        return 1, count
+    # The batch must split evenly over "data"; when it does not, move devices from "data" to "model" until it does
+    # (data=1 always works), which costs speed but never correctness.
+    usable = [m for m in candidates if m >= fitting[0] and batch_size % (count // m) == 0]
+    m = usable[0]
+    if m != fitting[0]:
+        log.info(
+            "event=mesh_for_batch batch_size=%d devices=%d data=%d model=%d: batch_size does not split over data=%d",
+            batch_size, count, count // m, m, count // fitting[0],
+        )  # fmt: skip
+    return count // m, m

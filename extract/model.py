@@ -1,34 +1,41 @@
 """The decoder of every supported family in Flax NNX, truncated at the deepest activation the caller wants.
 
-transformers has no Flax version of these models, so this is ours. One decoder covers Qwen2/2.5/3, Llama, Mistral
-and Gemma 2/3: the blocks they share (attention with its options, the gated MLP, RMSNorm, RoPE) are written once,
-and `ModelConfig` (extract/config.py) says which parts exist and how they behave. Per family, the differences are:
+transformers has no Flax version of these models, so this is ours. One decoder covers every family
+(extract/config.py, `FAMILIES`): the blocks they share (attention with its options, the gated and the plain MLP, the
+norms, RoPE, learned positions) are written once, and `ModelConfig` says which parts exist and how they behave. Per
+family, the differences are:
 
-| family  | attention                                      | norms                              | MLP      | embedding |
-|---------|------------------------------------------------|------------------------------------|----------|-----------|
-| Qwen2   | q/k/v biases; windows from `max_window_layers` | pre-norms, w                       | SwiGLU   | as is     |
-| Qwen3   | q/k RMSNorm; biases under `attention_bias`     | pre-norms, w                       | SwiGLU   | as is     |
-| Llama   | biases under `attention_bias`                  | pre-norms, w                       | SwiGLU   | as is     |
-| Mistral | every layer slides                             | pre-norms, w                       | SwiGLU   | as is     |
-| Gemma 2 | soft-capped logits; query_pre_attn_scalar; alternating windows | pre- and post-norms, (1 + w) | GeGLU (tanh) | × sqrt(D) |
-| Gemma 3 | q/k RMSNorm; query_pre_attn_scalar; 5 sliding : 1 global, local RoPE base | pre- and post-norms, (1 + w) | GeGLU (tanh) | × sqrt(D) |
+- GPT-2: q/k/v/o biases; norms before, LayerNorm with bias; plain MLP (GELU-tanh, biases); learned positions.
+- GPT-NeoX: as GPT-2 but exact GELU, attention and MLP in parallel, partial RoPE.
+- Llama, Mistral (every layer slides), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm): norms before, w;
+  SwiGLU; RoPE.
+- Phi-3: as Llama, with partial RoPE and LongRoPE (fused qkv and gate_up tensors are split at load).
+- OLMo 2: norms after the sublayers only, w in float32; q/k RMSNorm over all heads at once; SwiGLU; RoPE.
+- Gemma 1: norms before, (1 + w); GeGLU (tanh); RoPE; embeddings x sqrt(D).
+- Gemma 2: as Gemma 1 with norms around the sublayers, soft-capped logits, query_pre_attn_scalar, alternating
+  windows. Gemma 3: as Gemma 2 with per-head q/k RMSNorm, 5 sliding : 1 global layers and a local RoPE base.
 
 There is no LM head and no KV cache: the model only ever runs one causal forward over a right-padded (or packed)
 batch, and only as deep as needed.
 
 Outputs (`keep`): hidden states by transformers' `output_hidden_states` index (an int: 0 the embeddings, i the output
 of layer i, `num_hidden_layers` the final norm's output), and hook points (`HookPoint(site, layer)`, layer counted
-from 0) inside a layer, named by `activations.format.SITES`:
+from 0) inside a layer, named by `activations.format.SITES`. With the norms `before` the sublayers ([...] marks the
+norms `around` adds; `after` keeps only those, the sublayers reading the residual stream itself):
 
     resid_pre -> attention_norm -> attention -> [attention_out_norm] = attn_out
     resid_mid = resid_pre + attn_out
-    resid_mid -> mlp_norm = mlp_in -> act(gate) * up = mlp_hidden -> down -> [mlp_out_norm] = mlp_out
+    resid_mid -> mlp_norm = mlp_in -> MLP (its hidden activations: mlp_hidden) -> [mlp_out_norm] = mlp_out
     resid_post = resid_mid + mlp_out
 
-Only what `keep` names is returned; XLA drops what nobody uses.
+In parallel (NeoX), attention and MLP both read resid_pre: mlp_in = mlp_norm(resid_pre), resid_post = resid_pre +
+attn_out + mlp_out, and there is no resid_mid. Only what `keep` names is returned; XLA drops what nobody uses.
+
+Rounding follows the references': norms, RoPE and the activation functions compute in float32 and round to the
+compute dtype once; matmuls and residual additions run in the compute dtype.
 
 Einsum letters: B batch, T query position, S key position, D hidden, N query heads, K key/value heads, G query heads
-per key/value head, H head dim, F MLP intermediate, V vocabulary.
+per key/value head, H head dim, F MLP intermediate, V vocabulary, P positions.
 
 Every parameter carries a `role` (a field name of `ShardingRules`), so placement is data, not code in the layers.
 """
@@ -50,13 +57,25 @@ from extract.sharding import ShardingRules
 
 _init = nnx.initializers.normal(stddev=0.02)
 
-#: The MLP's gate activations (ModelConfig.activation); "gelu_tanh" is GELU's tanh approximation, as
-#: transformers' `gelu_pytorch_tanh` computes it.
-ACTIVATIONS = {
+#: The MLP's activation functions (ModelConfig.activation) in float32; "gelu_tanh" is GELU's tanh approximation
+#: (transformers' `gelu_pytorch_tanh`, and its `gelu_new`).
+_FUNCTIONS = {
     "silu": jax.nn.silu,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
 }
+
+
+def _rounded_once(function):
+    def activation(x: jax.Array) -> jax.Array:
+        return function(x.astype(jnp.float32)).astype(x.dtype)
+
+    return activation
+
+
+#: name -> act(x), computed in float32 and rounded to x's dtype once, as PyTorch's kernels compute transformers'
+#: activations (in bf16 arithmetic, GELU-tanh would round at each of its steps).
+ACTIVATIONS = {name: _rounded_once(function) for name, function in _FUNCTIONS.items()}
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, role: str) -> nnx.Param:
@@ -71,35 +90,50 @@ def _zeros(shape: tuple[int, ...], dtype, role: str) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), role=role)
 
 
-class RMSNorm(nnx.Module):
-    """Normalise in float32. Llama's order (Qwen, Mistral): cast back to the input dtype, then scale by w. Gemma's
-    (`plus_one`): scale by (1 + w) in float32, then cast; w starts at 0."""
+class Norm(nnx.Module):
+    """One norm over the last `len(shape)` axes (`ModelConfig.norm`, extract/config.py's NORMS), in float32:
 
-    def __init__(self, dim: int, eps: float, dtype, plus_one: bool = False):
-        self.scale = (_zeros if plus_one else _ones)((dim,), dtype, "replicated")
-        self.eps = eps
-        self.plus_one = plus_one
+    - `rms`: normalise, cast back to the input dtype, then times w (Llama's order: Qwen, Mistral, Phi-3);
+    - `rms_scale_in_float32`: times w in float32, then cast (OLMo 2);
+    - `rms_one_plus`: times (1 + w) in float32, then cast; w starts at 0 (Gemma);
+    - `layer_norm`: subtract the mean, divide by the standard deviation, times w plus b in float32, then cast
+      (GPT-2, NeoX: PyTorch's LayerNorm kernel rounds once).
+    """
+
+    def __init__(self, shape: tuple[int, ...], kind: str, eps: float, dtype, role: str = "replicated"):
+        self.scale = (_zeros if kind == "rms_one_plus" else _ones)(shape, dtype, role)
+        self.bias = _zeros(shape, dtype, role) if kind == "layer_norm" else None
+        self.kind, self.eps, self.axes = kind, eps, tuple(range(-len(shape), 0))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.plus_one:
-            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
-        return self.scale[...] * normed.astype(x.dtype)
+        if self.kind == "layer_norm":
+            x32 = x32 - jnp.mean(x32, axis=self.axes, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=self.axes, keepdims=True) + self.eps)
+        if self.kind == "rms":
+            return self.scale[...] * normed.astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        if self.kind == "rms_one_plus":
+            return (normed * (1.0 + scale)).astype(x.dtype)
+        if self.kind == "layer_norm":
+            return (normed * scale + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        return (normed * scale).astype(x.dtype)
 
 
-def _norm(config: ModelConfig, dim: int, dtype) -> RMSNorm:
-    return RMSNorm(dim, config.rms_norm_eps, dtype, plus_one=config.norm_plus_one)
+def _norm(config: ModelConfig, shape: tuple[int, ...], dtype, role: str = "replicated") -> Norm:
+    return Norm(shape, config.norm, config.norm_eps, dtype, role)
 
 
 def rope_tables(seq_len: int, rope: Rope) -> tuple[jax.Array, jax.Array]:
-    """sin, cos of shape [T, H/2] in float32 for positions 0..T-1 (right padding keeps positions from 0)."""
+    """sin, cos of shape [T, R/2] in float32 for positions 0..T-1 (right padding keeps positions from 0); R is the
+    rotated part of a head (`Rope.rotary_dim`)."""
     return packed_rope_tables(jnp.arange(seq_len), rope)
 
 
 def packed_rope_tables(positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
-    """sin, cos of shape [..., H/2] in float32 for the positions' shape ([T], or [B, T] for packed rows, whose
-    positions restart at 0 per document). Both carry the RoPE's attention scaling (YaRN's), as transformers' do."""
+    """sin, cos of shape [..., R/2] in float32 for the positions' shape ([T], or [B, T] for packed rows, whose
+    positions restart at 0 per document). Both carry the RoPE's attention scaling (YaRN's, LongRoPE's), as
+    transformers' do."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inverse_frequency_array())
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     if rope.attention_scaling != 1.0:
@@ -107,21 +141,24 @@ def packed_rope_tables(positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax
     return sin, cos
 
 
-def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array, scale: float = 1.0) -> jax.Array:
-    """Rotate-half RoPE on [B, T, heads, H], computed in float32 so bf16 runs do not round the angles.
+def apply_rope(x: jax.Array, sin: jax.Array | None, cos: jax.Array | None, scale: float = 1.0) -> jax.Array:
+    """Rotate-half RoPE on [B, T, heads, H], computed in float32 so bf16 runs do not round the angles. Only the
+    first R values of each head rotate (R = 2 * sin.shape[-1]; all of H but for a partial RoPE); the rest pass
+    through. No tables (a model without RoPE): only the scale.
 
     `scale` folds the attention's softmax scale into the queries here, in float32, where it costs B*T*N*H multiplies
     instead of B*N*T*S on the scores.
     """
     x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = x32[..., :half], x32[..., half:]
-    if sin.ndim == 2:  # [T, H/2], shared by every row
-        sin, cos = sin[None, :, None, :], cos[None, :, None, :]
-    else:  # [B, T, H/2], per-row positions of packed documents
-        sin, cos = sin[:, :, None, :], cos[:, :, None, :]
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return (rotated * scale if scale != 1.0 else rotated).astype(x.dtype)
+    if sin is not None:
+        half = sin.shape[-1]
+        x1, x2, passed = x32[..., :half], x32[..., half : 2 * half], x32[..., 2 * half :]
+        if sin.ndim == 2:  # [T, R/2], shared by every row
+            sin, cos = sin[None, :, None, :], cos[None, :, None, :]
+        else:  # [B, T, R/2], per-row positions of packed documents
+            sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+        x32 = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, passed], axis=-1)
+    return (x32 * scale if scale != 1.0 else x32).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -135,13 +172,18 @@ class Attention(nnx.Module):
         self.k_bias = _zeros((k, h), dtype, "kv_bias") if config.qkv_bias else None
         self.v_bias = _zeros((k, h), dtype, "kv_bias") if config.qkv_bias else None
         self.o_bias = _zeros((d,), dtype, "replicated") if config.o_bias else None
-        self.q_norm = _norm(config, h, dtype) if config.qk_norm else None
-        self.k_norm = _norm(config, h, dtype) if config.qk_norm else None
+        # q/k norms: per head ([H], shared by the heads), or over the whole projection ([heads, H], OLMo 2).
+        q_norm, k_norm = {
+            "head": (((h,), "replicated"), ((h,), "replicated")),
+            "projection": (((n, h), "q_bias"), ((k, h), "kv_bias")),
+        }.get(config.qk_norm, (None, None))
+        self.q_norm = _norm(config, q_norm[0], dtype, q_norm[1]) if q_norm else None
+        self.k_norm = _norm(config, k_norm[0], dtype, k_norm[1]) if k_norm else None
         self.window = window
         self.scale = config.query_scale
         self.softcap = config.attention_softcap
 
-    def __call__(self, x: jax.Array, sin: jax.Array, cos: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, sin, cos, segment_ids: jax.Array | None = None) -> jax.Array:
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
         k = jnp.einsum("BSD,DKH->BSKH", x, self.k_proj[...])
         v = jnp.einsum("BSD,DKH->BSKH", x, self.v_proj[...])
@@ -158,57 +200,77 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """The gated MLP: down(act(gate(x)) * up(x)). Returns the output and the hidden activations act(gate) * up."""
+    """`gated`: down(act(gate x) * up x); `plain`: down(act(up x + b)) + b (ModelConfig.mlp). Returns the output
+    and the hidden activations (what goes into the down-projection)."""
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _param(rngs, (d, f), dtype, "mlp_in")
+        self.gate_proj = _param(rngs, (d, f), dtype, "mlp_in") if config.mlp == "gated" else None
         self.up_proj = _param(rngs, (d, f), dtype, "mlp_in")
         self.down_proj = _param(rngs, (f, d), dtype, "mlp_out")
+        self.up_bias = _zeros((f,), dtype, "mlp_bias") if config.mlp_bias else None
+        self.down_bias = _zeros((d,), dtype, "replicated") if config.mlp_bias else None
         self.activation = config.activation
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...])
         up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...])
-        hidden = ACTIVATIONS[self.activation](gate) * up
-        return jnp.einsum("BTF,FD->BTD", hidden, self.down_proj[...]), hidden
+        if self.up_bias is not None:
+            up = up + self.up_bias[...]
+        if self.gate_proj is not None:
+            hidden = ACTIVATIONS[self.activation](jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...])) * up
+        else:
+            hidden = ACTIVATIONS[self.activation](up)
+        out = jnp.einsum("BTF,FD->BTD", hidden, self.down_proj[...])
+        if self.down_bias is not None:
+            out = out + self.down_bias[...]
+        return out, hidden
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP, each added to the residual stream; Gemma also norms each one's output."""
+    """Attention and MLP, each added to the residual stream, with the norms where the family puts them
+    (`ModelConfig.norm_position`: the norms of `NORM_POSITIONS`), one after the other or in parallel (NeoX)."""
 
     def __init__(self, config: ModelConfig, window: int | None, dtype, rngs: nnx.Rngs):
-        d = config.hidden_size
-        self.attention_norm = _norm(config, d, dtype)
+        norms = config.layer_norms
+
+        def norm(name: str) -> Norm | None:
+            return _norm(config, (config.hidden_size,), dtype) if name in norms else None
+
+        self.attention_norm = norm("attention_norm")
         self.attention = Attention(config, window, dtype, rngs)
-        self.attention_out_norm = _norm(config, d, dtype) if config.sandwich_norms else None
-        self.mlp_norm = _norm(config, d, dtype)
+        self.attention_out_norm = norm("attention_out_norm")
+        self.mlp_norm = norm("mlp_norm")
         self.mlp = MLP(config, dtype, rngs)
-        self.mlp_out_norm = _norm(config, d, dtype) if config.sandwich_norms else None
+        self.mlp_out_norm = norm("mlp_out_norm")
+        self.parallel = config.parallel_residual
+
+    @staticmethod
+    def _maybe(norm: Norm | None, x: jax.Array) -> jax.Array:
+        return x if norm is None else norm(x)
 
     def __call__(
-        self, x: jax.Array, sin: jax.Array, cos: jax.Array, segment_ids: jax.Array | None = None
+        self, x: jax.Array, sin, cos, segment_ids: jax.Array | None = None
     ) -> dict[str, jax.Array]:
-        """Every site of this layer (activations.format.SITES) by name; the caller keeps what it needs."""
+        """Every site of this layer (activations.format.SITES; no resid_mid in parallel) by name; the caller keeps
+        what it needs."""
         sites = {"resid_pre": x}
         with jax.named_scope("attention"):
-            attn_out = self.attention(self.attention_norm(x), sin, cos, segment_ids)
-            if self.attention_out_norm is not None:
-                attn_out = self.attention_out_norm(attn_out)
-            sites["attn_out"] = attn_out
-            sites["resid_mid"] = x = x + attn_out
+            attn_out = self.attention(self._maybe(self.attention_norm, x), sin, cos, segment_ids)
+            sites["attn_out"] = attn_out = self._maybe(self.attention_out_norm, attn_out)
+            if not self.parallel:
+                sites["resid_mid"] = x = x + attn_out
         with jax.named_scope("mlp"):
-            sites["mlp_in"] = self.mlp_norm(x)
+            sites["mlp_in"] = self._maybe(self.mlp_norm, x)
             mlp_out, sites["mlp_hidden"] = self.mlp(sites["mlp_in"])
-            if self.mlp_out_norm is not None:
-                mlp_out = self.mlp_out_norm(mlp_out)
-            sites["mlp_out"] = mlp_out
-            sites["resid_post"] = x + mlp_out
+            sites["mlp_out"] = mlp_out = self._maybe(self.mlp_out_norm, mlp_out)
+            # NeoX adds mlp_out + attn_out first, then the residual (GPTNeoXLayer): the same order, the same rounding.
+            sites["resid_post"] = (mlp_out + attn_out) + x if self.parallel else x + mlp_out
         return sites
 
 
 class DecoderModel(nnx.Module):
-    """Embedding, the first `num_layers` decoder layers, and the final norm only when `num_layers` is the full stack.
+    """Embedding (and GPT-2's position table), the first `num_layers` decoder layers, and the final norm only when
+    `num_layers` is the full stack.
 
     `__call__(token_ids, keep)` returns {output: activations} for each hidden-state index (int, transformers'
     `output_hidden_states` numbering) and hook point (`HookPoint`) in `keep`.
@@ -226,12 +288,16 @@ class DecoderModel(nnx.Module):
         if not 0 <= num_layers <= config.num_hidden_layers:
             raise ValueError(f"num_layers={num_layers} outside 0..{config.num_hidden_layers}")
         self.config = config
-        self.embedding = _param(rngs, (config.vocab_size, config.hidden_size), dtype, "embedding")
+        d = config.hidden_size
+        self.embedding = _param(rngs, (config.vocab_size, d), dtype, "embedding")
+        self.position_embedding = (
+            _param(rngs, (config.position_table, d), dtype, "embedding") if config.position_table else None
+        )
         self.layers = nnx.List(
             [DecoderLayer(config, config.sliding_windows[i], dtype, rngs) for i in range(num_layers)]
         )
         full_stack = num_layers == config.num_hidden_layers
-        self.final_norm = _norm(config, config.hidden_size, dtype) if full_stack else None
+        self.final_norm = _norm(config, (d,), dtype) if full_stack else None
         # Static: pins the residual stream to the batch split so XLA never gathers activations across "data".
         self.activation_sharding = NamedSharding(mesh, rules.activations) if mesh is not None and rules else None
 
@@ -240,12 +306,15 @@ class DecoderModel(nnx.Module):
             return x
         return jax.lax.with_sharding_constraint(x, self.activation_sharding)
 
-    def _rope_tables(self, token_ids, segment_ids, positions) -> dict[Rope, tuple[jax.Array, jax.Array]]:
-        """sin, cos for each distinct RoPE of the built layers (Gemma 3 has two)."""
+    def _rope_tables(self, token_ids, segment_ids, positions) -> dict[Rope | None, tuple]:
+        """sin, cos for each distinct RoPE of the built layers (Gemma 3 has two; a model without RoPE none)."""
         ropes = {self.config.layer_rope(i) for i in range(len(self.layers))}
-        if segment_ids is None:
-            return {rope: rope_tables(token_ids.shape[1], rope) for rope in ropes}
-        return {rope: packed_rope_tables(positions, rope) for rope in ropes}
+        tables: dict[Rope | None, tuple] = {None: (None, None)}
+        for rope in ropes - {None}:
+            tables[rope] = (
+                rope_tables(token_ids.shape[1], rope) if segment_ids is None else packed_rope_tables(positions, rope)
+            )
+        return tables
 
     def __call__(
         self,
@@ -255,10 +324,13 @@ class DecoderModel(nnx.Module):
         positions: jax.Array | None = None,
     ) -> dict[Output, jax.Array]:
         """Packed rows pass `segment_ids` (the document of each token, [B, T]) and `positions` (its position within
-        that document): attention stays inside a document and RoPE restarts at every document."""
+        that document): attention stays inside a document and positions restart at every document."""
         final_index = self.config.num_hidden_layers
         with jax.named_scope("embedding"):
             x = jnp.take(self.embedding[...], token_ids, axis=0)
+            if self.position_embedding is not None:  # GPT-2: the learned position table, added
+                where = jnp.arange(token_ids.shape[1]) if segment_ids is None else positions
+                x = x + jnp.take(self.position_embedding[...], where, axis=0)
             if self.config.embedding_scale:  # Gemma: sqrt(D) rounded to the compute dtype first, as transformers does
                 x = x * jnp.asarray(self.config.hidden_size**0.5, dtype=x.dtype)
             x = self._pin(x)
@@ -281,7 +353,3 @@ class DecoderModel(nnx.Module):
             with jax.named_scope("final_norm"):
                 kept[final_index] = self._pin(self.final_norm(x))
         return kept
-
-
-#: The name other modules were written against, when Qwen was the only family.
-QwenModel = DecoderModel

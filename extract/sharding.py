@@ -2,9 +2,10 @@
 
 Policy. Every local device joins one mesh. Batches are split over "data". Over "model" we split attention heads
 and the MLP intermediate dimension (tensor parallelism), each only where its size divides the axis; key/value heads
-that are fewer than the axis, or do not divide it, stay replicated. The automatic choice is pure data parallelism
-whenever one replica (weights plus one micro-batch's activations) fits a device, because that needs no collectives
-at all; otherwise the smallest model axis that makes it fit.
+that are fewer than the axis, or do not divide it, stay replicated. The automatic choice
+(`extract.memory.choose_mesh_shape`, beside the memory model it rests on) is pure data parallelism whenever one
+replica (weights plus one micro-batch's activations) fits a device, because that needs no collectives at all;
+otherwise the smallest model axis that makes it fit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from extract import memory
 from extract.config import ModelConfig
 from extract.errors import BadInput
 
@@ -27,22 +27,20 @@ log = logging.getLogger(__name__)
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 
-#: Fraction of a device's memory the automatic choice may plan for; XLA needs the rest for scratch and fragmentation.
-MEMORY_HEADROOM = memory.HEADROOM
-
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """One PartitionSpec per tensor role; shapes in the comments use the model's einsum letters."""
 
-    embedding: P  # [V, D]
+    embedding: P  # [V, D], and GPT-2's position table [P, D]
     q_proj: P  # [D, N, H]
     kv_proj: P  # [D, K, H]
     o_proj: P  # [N, H, D]
-    q_bias: P  # [N, H]
-    kv_bias: P  # [K, H]
+    q_bias: P  # [N, H], and OLMo 2's q norm
+    kv_bias: P  # [K, H], and OLMo 2's k norm
     mlp_in: P  # [D, F] gate and up projections
     mlp_out: P  # [F, D] down projection
+    mlp_bias: P  # [F] the up projection's bias (GPT-2, NeoX)
     replicated: P  # norm scales, output bias
     tokens: P  # [B, T]
     activations: P  # [B, T, D], also every returned output ([B, T, F] for the MLP's hidden activations)
@@ -66,6 +64,7 @@ class ShardingRules:
             kv_bias=P(kv_heads, None),
             mlp_in=P(None, ffw),
             mlp_out=P(ffw, None),
+            mlp_bias=P(ffw),
             replicated=P(),
             tokens=P(DATA, None),
             activations=P(DATA, None, None),
@@ -127,68 +126,6 @@ def device_memory_bytes(device: jax.Device) -> int | None:
     return int(limit) if limit else None
 
 
-def replica_bytes(
-    config: ModelConfig,
-    num_layers: int,
-    batch_per_replica: int,
-    seq_len: int,
-    compute_bytes: int,
-    out_bytes: int,
-    num_outputs: float,
-    model_axis_size: int = 1,
-) -> int:
-    """Estimated device memory for one replica: weights of the computed layers plus one micro-batch's step
-    (`extract.memory.step_memory`, with the materialised attention: the largest working set of the kernels)."""
-    return memory.step_memory(
-        config, depth=num_layers, kept=num_outputs, rows=batch_per_replica, seq_len=seq_len,
-        compute_bytes=compute_bytes, out_bytes=out_bytes, model_axis=model_axis_size,
-    ).total  # fmt: skip
-
-
-def choose_mesh_shape(
-    config: ModelConfig,
-    device_count: int,
-    device_memory: int | None,
-    *,
-    num_layers: int,
-    batch_size: int,
-    seq_len: int,
-    compute_bytes: int,
-    out_bytes: int,
-    num_outputs: float,
-) -> tuple[int, int]:
-    """(data, model) for the automatic policy described in the module docstring.
-
-    `device_memory` is one device's usable bytes (`device_memory_bytes`), None when unknown (treated as ample).
-    """
-    count, memory = device_count, device_memory
-    candidates = [m for m in range(1, count + 1) if count % m == 0]
-    fitting = []
-    for m in candidates:
-        data = count // m
-        need = replica_bytes(
-            config, num_layers, max(1, batch_size // data), seq_len, compute_bytes, out_bytes, num_outputs, m
-        )
-        if memory is None or need <= MEMORY_HEADROOM * memory:
-            fitting.append(m)
-    if not fitting:
-        log.warning(
-            "event=mesh_memory_tight devices=%d device_memory=%s: no layout fits the estimate; using model=%d",
-            count, memory, count,
-        )  # fmt: skip
-        return 1, count
-    # The batch must split evenly over "data"; when it does not, move devices from "data" to "model" until it does
-    # (data=1 always works), which costs speed but never correctness.
-    usable = [m for m in candidates if m >= fitting[0] and batch_size % (count // m) == 0]
-    m = usable[0]
-    if m != fitting[0]:
-        log.info(
-            "event=mesh_for_batch batch_size=%d devices=%d data=%d model=%d: batch_size does not split over data=%d",
-            batch_size, count, count // m, m, count // fitting[0],
-        )  # fmt: skip
-    return count // m, m
-
-
 def mesh_summary(mesh: Mesh) -> str:
     return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
 
@@ -198,11 +135,9 @@ __all__ = [
     "DATA",
     "MODEL",
     "ShardingRules",
-    "choose_mesh_shape",
     "default_devices",
     "device_memory_bytes",
     "make_mesh",
     "mesh_summary",
     "parse_mesh",
-    "replica_bytes",
 ]

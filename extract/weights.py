@@ -17,6 +17,7 @@ represent bfloat16, the dtype most checkpoints ship in; `ml_dtypes` (a JAX depen
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -28,7 +29,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -38,7 +39,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 import objectstore
+from extract import names
+from extract.config import ModelConfig
 from extract.errors import BadInput, TransientIOError
+from extract.names import Stored
 from extract.sharding import ShardingRules
 
 log = logging.getLogger(__name__)
@@ -97,9 +101,17 @@ def resolve_model_dir(
     path = pathlib.Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
-    if _HUB_ID.match(model) and not model.startswith("."):
+    if is_hub_id(model):
         return download_hub_snapshot(model, revision=revision)
     raise BadInput(f"model={model!r} is not an existing directory, a gs:// directory or a hub id (org/name)")
+
+
+def is_hub_id(model: str) -> bool:
+    """`org/name`, which is not an existing local directory: a Hugging Face hub id."""
+    return (
+        isinstance(model, str) and bool(_HUB_ID.match(model)) and not model.startswith(".")
+        and not pathlib.Path(model).expanduser().is_dir()
+    )  # fmt: skip
 
 
 def default_cache_dir(url: str) -> pathlib.Path:
@@ -175,22 +187,41 @@ def download_hub_snapshot(
 ) -> pathlib.Path:
     """`snapshot_download` restricted to MODEL_FILE_PATTERNS; hub errors become BadInput or TransientIOError."""
     from huggingface_hub import snapshot_download
+
+    with _hub_errors(hub_id, revision):
+        path = snapshot_download(
+            hub_id, revision=revision, allow_patterns=list(MODEL_FILE_PATTERNS), local_dir=local_dir
+        )
+    return pathlib.Path(path)
+
+
+@contextlib.contextmanager
+def _hub_errors(hub_id: str, revision: str | None) -> Iterator[None]:
+    """A missing repo, revision or file is a BadInput; a network failure a TransientIOError."""
     from huggingface_hub.errors import (
         DisabledRepoError,
         HFValidationError,
+        RemoteEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
     try:
-        path = snapshot_download(
-            hub_id, revision=revision, allow_patterns=list(MODEL_FILE_PATTERNS), local_dir=local_dir
-        )
-    except (RepositoryNotFoundError, RevisionNotFoundError, DisabledRepoError, HFValidationError) as exc:
+        yield
+    except (RepositoryNotFoundError, RevisionNotFoundError, DisabledRepoError, HFValidationError,
+            RemoteEntryNotFoundError) as exc:  # fmt: skip
         raise BadInput(f"model={hub_id!r} (revision={revision!r}) is not available on the hub: {exc}") from exc
     except OSError as exc:  # network failures, timeouts, offline mode without a cached copy
         raise TransientIOError(f"model={hub_id!r}: downloading from the hub failed: {exc}") from exc
-    return pathlib.Path(path)
+
+
+def download_hub_config(hub_id: str, *, revision: str | None = None) -> pathlib.Path:
+    """A hub model's config.json alone (`hf_hub_download`), so that it can be checked before the weights are
+    downloaded; hub errors become BadInput or TransientIOError as in `download_hub_snapshot`."""
+    from huggingface_hub import hf_hub_download
+
+    with _hub_errors(hub_id, revision):
+        return pathlib.Path(hf_hub_download(hub_id, "config.json", revision=revision))
 
 
 def upload_model_dir(local_dir: str | os.PathLike, dest_url: str, on_file=None) -> list[str]:
@@ -219,7 +250,10 @@ def upload_model_dir(local_dir: str | os.PathLike, dest_url: str, on_file=None) 
 
 
 def mirror_hub_snapshot(hub_id: str, dest_url: str, *, revision: str | None = None, on_file=None) -> list[str]:
-    """Copy a hub snapshot into an object store prefix, so that a fleet reads the bucket instead of the hub."""
+    """Copy a hub snapshot into an object store prefix, so that a fleet reads the bucket instead of the hub. Its
+    config.json is read first: a model of a family the engine does not support is refused before any weight is
+    downloaded."""
+    ModelConfig.from_file(download_hub_config(hub_id, revision=revision))
     with tempfile.TemporaryDirectory(prefix="mirror-") as scratch:
         local = download_hub_snapshot(hub_id, revision=revision, local_dir=scratch)
         return upload_model_dir(local, dest_url, on_file=on_file)
@@ -317,7 +351,6 @@ class Checkpoint:
         checkpoint.tensors = {}
         for file in files:
             checkpoint.tensors.update(read_safetensors_header(file, checkpoint.store))
-        checkpoint.prefix = "model." if any(name.startswith("model.") for name in checkpoint.tensors) else ""
         return checkpoint
 
     def __init__(self, model_dir: pathlib.Path):
@@ -341,105 +374,85 @@ class Checkpoint:
         self.tensors: dict[str, TensorLocation] = {}
         for file in files:
             self.tensors.update(read_safetensors_header(file))
-        # Checkpoints saved from the bare decoder (Qwen2Model, LlamaModel, ...) carry no "model." prefix.
-        self.prefix = "model." if any(name.startswith("model.") for name in self.tensors) else ""
 
-    def read(self, name: str) -> np.ndarray:
-        """A read-only memory map of one tensor (no copy until the caller converts it)."""
+    def read(self, name: str, rows: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
+        """One tensor, or the [start, end) `rows` of it (along its first axis, concatenated in order: one part of
+        a fused tensor). Local files: a read-only memory map (no copy until the caller converts it), or the rows
+        copied out of it; a store: ranged reads of exactly those bytes."""
         location = self.tensors.get(name)
         if location is None:
             raise BadInput(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
         if location.dtype is None:
             raise BadInput(f"tensor {name} in {location.file.name} has a dtype that is not a float type")
+        if rows is not None and (not location.shape or any(not 0 <= a < b <= location.shape[0] for a, b in rows)):
+            raise BadInput(f"tensor {name} has shape {location.shape}, too small for the rows {list(rows)} the config needs")
         if self.store is not None:
-            return self._read_ranges(name, location)
+            return self._read_ranges(name, location, rows)
         try:
             if not location.shape or 0 in location.shape:
                 return np.zeros(location.shape, location.dtype)
-            return np.memmap(
+            whole = np.memmap(
                 location.file, dtype=location.dtype, mode="r", offset=location.offset, shape=location.shape
             )
         except OSError as exc:
             raise TransientIOError(f"tensor {name} in {location.file} could not be read: {exc}") from exc
+        if rows is None:
+            return whole
+        return whole[rows[0][0] : rows[0][1]] if len(rows) == 1 else np.concatenate([whole[a:b] for a, b in rows])
 
-
-    def _read_ranges(self, name: str, location: TensorLocation) -> np.ndarray:
-        nbytes = location.dtype.itemsize * int(np.prod(location.shape, dtype=np.int64))
+    def _read_ranges(
+        self, name: str, location: TensorLocation, rows: Sequence[tuple[int, int]] | None = None
+    ) -> np.ndarray:
+        row_bytes = location.dtype.itemsize * int(np.prod(location.shape[1:], dtype=np.int64))
+        spans = [(a * row_bytes, b * row_bytes) for a, b in rows] if rows is not None else [
+            (0, location.dtype.itemsize * int(np.prod(location.shape, dtype=np.int64)))]  # fmt: skip
+        nbytes = sum(end - start for start, end in spans)
         buffer = np.empty(nbytes, dtype=np.uint8)
         view = memoryview(buffer)
+        # Each span lands after the previous ones in the buffer, cut into pieces of at most READ_PIECE_BYTES.
+        pieces, at = [], 0
+        for start, end in spans:
+            for lo in range(start, end, READ_PIECE_BYTES):
+                hi = min(end, lo + READ_PIECE_BYTES)
+                pieces.append((lo, hi, at))
+                at += hi - lo
 
-        def piece(lo: int) -> None:
-            hi = min(nbytes, lo + READ_PIECE_BYTES)
+        def piece(lo: int, hi: int, at: int) -> None:
             data = self.store.read_range(str(location.file), location.offset + lo, location.offset + hi)
             if len(data) != hi - lo:
                 raise TransientIOError(f"tensor {name} in {self.store.url(str(location.file))}: short read at {lo}")
-            view[lo:hi] = data
+            view[at : at + hi - lo] = data
 
         if self._pool is None:
             # Shared by every tensor being loaded: pieces never wait on other pieces, so callers may block on them.
             self._pool = ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="weights-read")
         try:
-            for future in [self._pool.submit(piece, lo) for lo in range(0, nbytes, READ_PIECE_BYTES)]:
+            for future in [self._pool.submit(piece, *p) for p in pieces]:
                 future.result()
         except objectstore.StoreError as exc:
             where = self.store.url(str(location.file))
             raise TransientIOError(f"tensor {name} in {where} could not be read: {exc}") from exc
-        return buffer.view(location.dtype).reshape(location.shape)
+        shape = location.shape if rows is None else (sum(b - a for a, b in rows), *location.shape[1:])
+        return buffer.view(location.dtype).reshape(shape)
 
 
 # -- parameters ---------------------------------------------------------------------------------------------------
 
-_LAYER_TENSORS = {
-    ("attention_norm", "scale"): "input_layernorm.weight",
-    ("attention", "q_proj"): "self_attn.q_proj.weight",
-    ("attention", "k_proj"): "self_attn.k_proj.weight",
-    ("attention", "v_proj"): "self_attn.v_proj.weight",
-    ("attention", "o_proj"): "self_attn.o_proj.weight",
-    ("attention", "q_bias"): "self_attn.q_proj.bias",
-    ("attention", "k_bias"): "self_attn.k_proj.bias",
-    ("attention", "v_bias"): "self_attn.v_proj.bias",
-    ("attention", "o_bias"): "self_attn.o_proj.bias",
-    ("attention", "q_norm", "scale"): "self_attn.q_norm.weight",
-    ("attention", "k_norm", "scale"): "self_attn.k_norm.weight",
-    ("mlp", "gate_proj"): "mlp.gate_proj.weight",
-    ("mlp", "up_proj"): "mlp.up_proj.weight",
-    ("mlp", "down_proj"): "mlp.down_proj.weight",
-}
-#: The other norms of a layer, by `ModelConfig.sandwich_norms`. Gemma's `post_attention_layernorm` is the norm on the
-#: attention's output; Llama's (Qwen's, Mistral's) is the MLP's input norm, which Gemma calls
-#: `pre_feedforward_layernorm`.
-_NORM_TENSORS = {
-    False: {("mlp_norm", "scale"): "post_attention_layernorm.weight"},
-    True: {
-        ("attention_out_norm", "scale"): "post_attention_layernorm.weight",
-        ("mlp_norm", "scale"): "pre_feedforward_layernorm.weight",
-        ("mlp_out_norm", "scale"): "post_feedforward_layernorm.weight",
-    },
-}
 
-
-def checkpoint_name(path: Sequence, prefix: str, sandwich_norms: bool = False) -> str:
-    """The Hugging Face tensor name of one model parameter path."""
-    if tuple(path) == ("embedding",):
-        return f"{prefix}embed_tokens.weight"
-    if tuple(path) == ("final_norm", "scale"):
-        return f"{prefix}norm.weight"
-    if len(path) >= 3 and path[0] == "layers":
-        key = tuple(path[2:])
-        suffix = _LAYER_TENSORS.get(key) or _NORM_TENSORS[sandwich_norms].get(key)
-        if suffix is not None:
-            return f"{prefix}layers.{path[1]}.{suffix}"
-    raise KeyError(f"model parameter {'/'.join(map(str, path))} has no checkpoint tensor")
-
-
-def to_model_layout(name: str, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """torch Linear weights are [out, in]; the model keeps them [in, ..., out-split] for its einsums."""
-    if name.endswith("_proj.weight"):
-        if tensor.ndim != 2:
-            raise BadInput(f"tensor {name} has shape {tensor.shape}; a linear weight must be 2-D")
+def to_model_layout(stored: Stored, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A checkpoint tensor (its rows already chosen) in the model's layout: torch Linear weights are [out, in] and
+    are transposed, GPT-2's Conv1D weights are [in, out] already (a fused one's columns chosen here); then reshaped
+    to the model's [in, ..., out-split]."""
+    if stored.layout in ("linear", "conv1d") and tensor.ndim != 2:
+        raise BadInput(f"tensor {stored.name} has shape {tensor.shape}; a linear weight must be 2-D")
+    if stored.layout == "linear":
         tensor = tensor.T
+    elif stored.layout == "conv1d" and stored.ranges is not None:
+        if any(not 0 <= a < b <= tensor.shape[1] for a, b in stored.ranges):
+            raise BadInput(f"tensor {stored.name} has shape {tensor.shape}, too small for the config's columns")
+        tensor = np.concatenate([tensor[:, a:b] for a, b in stored.ranges], axis=1)
     if tensor.size != int(np.prod(shape, dtype=np.int64)):
-        raise BadInput(f"tensor {name} has shape {tensor.shape}, which does not fit the config's shape {shape}")
+        raise BadInput(f"tensor {stored.name} has shape {tensor.shape}, which does not fit the config's shape {shape}")
     return tensor.reshape(shape)
 
 
@@ -451,20 +464,22 @@ def load_state(
     dtype,
     workers: int = LOAD_WORKERS,
     *,
-    sandwich_norms: bool = False,
+    config: ModelConfig,
 ) -> nnx.State:
     """Fill `abstract_state` (from `nnx.eval_shape`) with checkpoint tensors placed on their shardings.
 
     `workers` tensors are read, converted and placed at once, so reads (ranged, from a store) overlap
-    conversion and transfer; the host holds at most that many tensors. `sandwich_norms` says which names the
-    layers' norms have (`ModelConfig.sandwich_norms`: Gemma's)."""
+    conversion and transfer; the host holds at most that many tensors. `config` says which tensor holds each
+    parameter (extract/names.py: the family's names, its norms by position, the parts of fused tensors)."""
     target_dtype = np.dtype(dtype)
+    prefix = names.prefix_for(config, checkpoint.tensors)
 
     def place(path, variable) -> jax.Array:
-        name = checkpoint_name(path, checkpoint.prefix, sandwich_norms)
+        stored = names.tensor_for(config, path, prefix)
         shape = tuple(variable.get_value().shape)
         sharding = NamedSharding(mesh, getattr(rules, variable.get_metadata()["role"]))
-        host = to_model_layout(name, checkpoint.read(name), shape)
+        rows = stored.ranges if stored.layout != "conv1d" else None  # Conv1D parts are columns: read whole
+        host = to_model_layout(stored, checkpoint.read(stored.name, rows), shape)
         # astype copies out of the memory map (and converts); skip the copy when the layout already matches.
         host = np.ascontiguousarray(host.astype(target_dtype, copy=False))
         placed = jax.device_put(host, sharding)

@@ -15,7 +15,7 @@ A job on a Hub model or dataset can be planned without the Hub:
     plan.py job.json --accelerator v6e-8 --rows 9672101 --tokens-per-row 1040
 
 (the model's config.json comes from --model-config, a local or gs:// checkpoint directory, whose weights are never
-read, or a built-in copy for a few Qwen ids).
+read, or a built-in copy for a few Hub ids: extract/costmodel.py, KNOWN_CONFIGS).
 The formulas are in extract/costmodel.py, the prices in reporting/prices.json (dated; --prices for another copy).
 """
 

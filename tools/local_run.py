@@ -159,7 +159,7 @@ def main() -> int:
 
     step("6. read the activations back")
     from activations.format import output_key
-    from extract.reader import open_activations
+    from activations.reader import open_activations
     from objectstore import open_store
     from taskqueue import layout
 

@@ -81,7 +81,7 @@ def test_a_stock_machine_boots_from_the_bucket_alone_and_a_broken_wheelhouse_end
 
 def _boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(world: Rehearsal,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from extract.reader import open_activations
+    from activations.reader import open_activations
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", world.uploader.url)  # the activations, read back from here
     [task] = world.submit_job("j1")

@@ -57,7 +57,7 @@ def plan_and_submit(queue: str, job_file: pathlib.Path, rows_per_task: int) -> l
 
 def committed_samples(queue: str) -> tuple[dict[int, dict[str, np.ndarray]], int]:
     """Every sample the done markers commit, by sample id, and how many sample ids appeared more than once."""
-    from extract.reader import open_activations
+    from activations.reader import open_activations
 
     store = open_store(queue)
     samples: dict[int, dict[str, np.ndarray]] = {}

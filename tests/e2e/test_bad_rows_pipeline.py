@@ -27,7 +27,7 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_tasks_with_bad_rows_finish_and_status_and_merge_count_the_skipped_rows(tmp_path, tiny_model):
-    from extract.reader import open_activations
+    from activations.reader import open_activations
 
     data = [
         write_invalid_utf8_parquet(tmp_path / "a-mixed.parquet", MIXED),

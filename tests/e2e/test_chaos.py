@@ -18,7 +18,7 @@ from tests.workers import REPO, Workers, lease_holders, markers
 
 
 def test_chaos_loses_and_doubles_nothing(tmp_path, gcs, gcs_client, gcs_bucket, tiny_model, capsys):
-    from extract.reader import open_activations
+    from activations.reader import open_activations
     from extract.tiny import write_fineweb_like_parquet
 
     rng = random.Random(2026)

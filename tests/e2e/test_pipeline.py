@@ -22,7 +22,7 @@ def test_local_run_keeping_mlp_out_and_attn_out_reads_back_every_sample_into_the
     from sae_lens.training.activations_store import ActivationsStore
 
     from activations.loader import ActivationLoader
-    from extract.reader import open_activations
+    from activations.reader import open_activations
 
     work = tmp_path / "run"
     result = subprocess.run(

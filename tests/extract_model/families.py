@@ -20,20 +20,33 @@ VOCAB = 300
 
 #: Small configs that make each family's differences matter at a few tokens: windows shorter than the samples,
 #: scaled RoPE with a short original context, a soft-cap below the logits' size, a query scale that is not
-#: 1/sqrt(head_dim), Gemma 3's local RoPE base and a 1:1 pattern over 3 layers.
+#: 1/sqrt(head_dim), Gemma 3's local RoPE base and a 1:1 pattern over 3 layers; partial rotary (NeoX, and Phi-4-mini's
+#: 0.75 with LongRoPE, whose original context 32 holds the longest sample); one key/value head (Gemma's MQA).
 SMALL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
              vocab_size=VOCAB, max_position_embeddings=256)  # fmt: skip
+#: Gemma 3's multimodal models need a vision tower; this one is as small as it accepts and never runs (text only).
+TINY_VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+GEMMA3_TEXT = dict(SMALL, head_dim=32, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=24,
+                   rope_theta=100000.0, rope_local_base_freq=500.0, rope_scaling={"rope_type": "linear", "factor": 4.0})
 FAMILIES: dict[str, dict] = {
-    "qwen2": dict(SMALL, use_sliding_window=True, sliding_window=5, max_window_layers=1),
-    "qwen3": dict(SMALL, head_dim=32),
+    "gpt2": dict(SMALL, n_inner=128),
+    "gpt_neox": dict(SMALL, rotary_pct=0.5, rotary_emb_base=5000),
     "llama": dict(SMALL, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "mistral": dict(SMALL, sliding_window=5),
+    "qwen2": dict(SMALL, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "qwen3": dict(SMALL, head_dim=32),
+    "phi3": dict(SMALL, sliding_window=5, partial_rotary_factor=0.75, original_max_position_embeddings=32,
+                 pad_token_id=0, rope_scaling={"type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 4.0],
+                                               "long_factor": [8.0] * 6}),
+    "olmo2": dict(SMALL, rope_theta=500000.0, pad_token_id=0),
+    "gemma": dict(SMALL, head_dim=32, num_key_value_heads=1, hidden_act="gelu"),
     "gemma2": dict(SMALL, head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=3.0),
-    "gemma3_text": dict(SMALL, head_dim=32, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=24,
-                        rope_theta=100000.0, rope_local_base_freq=500.0,
-                        rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "gemma3_text": GEMMA3_TEXT,
+    "gemma3": dict(text_config=dict(GEMMA3_TEXT, model_type="gemma3_text"), vision_config=TINY_VISION,
+                   mm_tokens_per_image=4),
 }  # fmt: skip
 
 #: Released models' shapes (their config.json, with a small vocabulary and few layers: the width is what matters).
@@ -47,7 +60,50 @@ REAL = {
         hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
         query_pre_attn_scalar=256, attn_logit_softcapping=50.0, sliding_window=4096, rms_norm_eps=1e-6,
         max_position_embeddings=8192, rope_theta=10000.0)),
+    "GPT-2 small": ("gpt2", dict(n_embd=768, n_head=12, n_positions=1024, layer_norm_epsilon=1e-5,
+                                 activation_function="gelu_new")),
+    "Pythia-1.4B": ("gpt_neox", dict(
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=16, rotary_pct=0.25, rotary_emb_base=10000,
+        use_parallel_residual=True, hidden_act="gelu", layer_norm_eps=1e-5, max_position_embeddings=2048)),
+    "Phi-3-mini": ("phi3", dict(
+        hidden_size=3072, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, original_max_position_embeddings=4096, rope_theta=10000.0, sliding_window=2047,
+        pad_token_id=0)),
+    # Phi-4-mini's LongRoPE factors are a released list of 48; these are of its shape and range.
+    "Phi-4-mini": ("phi3", dict(
+        hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, original_max_position_embeddings=4096, rope_theta=10000.0,
+        partial_rotary_factor=0.75, sliding_window=262144, pad_token_id=0, rope_scaling={
+            "type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(48)],
+            "long_factor": [1.0 + 0.5 * i for i in range(48)]})),
+    "OLMo-2-7B": ("olmo2", dict(
+        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, rope_theta=500000.0, pad_token_id=0)),
+    "Gemma-2B": ("gemma", dict(
+        hidden_size=2048, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+        hidden_act="gelu", rms_norm_eps=1e-6, max_position_embeddings=8192, rope_theta=10000.0)),
+    # Gemma 3 4B as released: a multimodal config whose text_config gives only what differs from the defaults; its
+    # two layers here are one sliding and one global (with the linear-scaled RoPE), as its 34 alternate 5:1.
+    "Gemma-3-4B": ("gemma3", dict(text_config=dict(
+        model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, sliding_window=1024,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"}, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=TINY_VISION, mm_tokens_per_image=4)),
 }  # fmt: skip
+#: The real shapes' layers and sample lengths (the bench's --real and the real_shape tests).
+REAL_LAYERS = {"Llama-3.1-8B": 1, "OLMo-2-7B": 1}  # the widest: one layer; the others two
+REAL_LENGTHS = [32, 20]
+
+
+def write_real_model(directory: pathlib.Path, name: str, seed: int = 3) -> FamilyModel:
+    """A released shape of REAL (its config alone: nothing of the small configs) with a small vocabulary and its few
+    layers (REAL_LAYERS, else two), saved by transformers as one file."""
+    model_type, shape = REAL[name]
+    small = dict(vocab_size=256, num_hidden_layers=REAL_LAYERS.get(name, 2))
+    if model_type == "gemma3":
+        shape = dict(shape, text_config=dict(shape["text_config"], **small))
+    else:
+        shape = dict(shape, **small)
+    return write_family_model(directory, model_type, seed=seed, shard_size=None, base={}, **shape)
 
 
 @dataclasses.dataclass
@@ -56,10 +112,21 @@ class FamilyModel:
     torch_model: torch.nn.Module  # float32, eager attention
     num_hidden_layers: int
 
+    @property
+    def sites(self) -> list[str]:
+        """The hook sites transformers' layers of this family have (no resid_mid where attention and MLP are
+        parallel)."""
+        return [site for site in SITES if site in _site_modules(decoder_layers(self.torch_model)[0])]
+
+    @property
+    def vocab_size(self) -> int:
+        config = self.torch_model.config
+        return getattr(config, "text_config", config).vocab_size
+
     def every_output(self) -> list[Output]:
         """Every hidden state and every site of every layer."""
         layers = range(self.num_hidden_layers)
-        return [*range(self.num_hidden_layers + 1), *(HookPoint(site, layer) for layer in layers for site in SITES)]
+        return [*range(self.num_hidden_layers + 1), *(HookPoint(site, layer) for layer in layers for site in self.sites)]
 
     def reference(self, token_ids: list[int], dtype: torch.dtype = torch.float32) -> dict[Output, np.ndarray]:
         """transformers' activations for one unpadded sample, every output, as float64 numpy [T, width], from the
@@ -76,35 +143,56 @@ class FamilyModel:
             self.torch_model.to(torch.float32)
 
 
+def _is_norm_scale(name: str) -> bool:
+    leaf = name.rsplit(".", 2)[-2:]
+    return leaf[-1] == "weight" and ("norm" in leaf[0] or leaf[0].startswith("ln_"))
+
+
 def write_family_model(
-    directory: pathlib.Path, model_type: str, *, seed: int = 0, shard_size: str | None = "100KB", **overrides
+    directory: pathlib.Path,
+    model_type: str,
+    *,
+    seed: int = 0,
+    shard_size: str | None = "100KB",
+    base: dict | None = None,
+    **overrides,
 ) -> FamilyModel:
     """A checkpoint saved by transformers' `save_pretrained`, its weights redrawn so that norms and biases are not
-    the identity (a loader that dropped them would pass otherwise)."""
+    the identity (a loader that dropped them would pass otherwise). The config is `base` (by default the family's
+    small config in FAMILIES, or SMALL) updated with `overrides`."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**FAMILIES.get(model_type, SMALL), **overrides})
+    base = FAMILIES.get(model_type, SMALL) if base is None else base
+    config = AutoConfig.for_model(model_type, **{**base, **overrides})
     config._attn_implementation = "eager"
     with no_init_weights():  # every parameter is drawn below; at a real width transformers' own init is slow
         model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if _is_norm_scale(name):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.1 if param.shape[-1] < 1024 else 0.02)
     model.eval()
     model.save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
-    return FamilyModel(directory, model, config.num_hidden_layers)
+    text = getattr(config, "text_config", config)
+    return FamilyModel(directory, model, text.num_hidden_layers)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """transformers' decoder layers: `model.layers` (GPT-2: `transformer.h`; a multimodal Gemma 3's language model)."""
+    base = model.base_model
+    base = getattr(base, "language_model", base)
+    return base.layers if hasattr(base, "layers") else base.h
 
 
 def reference_outputs(model: torch.nn.Module, token_ids: list[int], num_hidden_layers: int) -> dict[Output, np.ndarray]:
     """Every hidden state (`output_hidden_states`) and every hook site (forward hooks), as float64 numpy [T, width]."""
     captured: dict[Output, torch.Tensor] = {}
     with contextlib.ExitStack() as hooks:
-        for layer, block in enumerate(model.model.layers):
+        for layer, block in enumerate(decoder_layers(model)):
             for site, (module, kind) in _site_modules(block).items():
                 hooks.enter_context(_hook(module, kind, captured, HookPoint(site, layer)))
         with torch.inference_mode():
@@ -115,18 +203,33 @@ def reference_outputs(model: torch.nn.Module, token_ids: list[int], num_hidden_l
 
 
 def _site_modules(block: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
-    """Where each site is in transformers' decoder layer: (module, "input" or "output"). Gemma's
-    `post_attention_layernorm` norms the attention's output; Llama's (Qwen's, Mistral's) is the MLP's input norm."""
-    sandwich = hasattr(block, "pre_feedforward_layernorm")
-    return {
+    """Where each site is in transformers' decoder layer, by its module layout: (module, "input" or "output").
+
+    The attention's output is the norm on it where there is one (Gemma 2 and 3, OLMo 2: `post_attention_layernorm`
+    when a `post_feedforward_layernorm` exists), else the attention's; likewise the MLP's. The residual stream
+    between them is the input of the MLP's pre-norm (Llama's `post_attention_layernorm`, Gemma's
+    `pre_feedforward_layernorm`, GPT-2's `ln_2`), or of the MLP itself where it has none (OLMo 2); NeoX's layers in
+    parallel have no such stream."""
+    attention = next(getattr(block, n) for n in ("self_attn", "attention", "attn") if hasattr(block, n))
+    mlp = block.mlp
+    down = next(getattr(mlp, n) for n in ("down_proj", "dense_4h_to_h", "c_proj") if hasattr(mlp, n))
+    post_norms = hasattr(block, "post_feedforward_layernorm")
+    if post_norms:
+        pre_mlp = getattr(block, "pre_feedforward_layernorm", None)
+    else:
+        pre_mlp = getattr(block, "post_attention_layernorm", None) or getattr(block, "ln_2")
+    sites = {
         "resid_pre": (block, "input"),
-        "attn_out": (block.post_attention_layernorm, "output") if sandwich else (block.self_attn, "output"),
-        "resid_mid": (block.pre_feedforward_layernorm if sandwich else block.post_attention_layernorm, "input"),
-        "mlp_in": (block.mlp, "input"),
-        "mlp_hidden": (block.mlp.down_proj, "input"),
-        "mlp_out": (block.post_feedforward_layernorm, "output") if sandwich else (block.mlp, "output"),
+        "attn_out": (block.post_attention_layernorm, "output") if post_norms else (attention, "output"),
+        "resid_mid": (pre_mlp if pre_mlp is not None else mlp, "input"),
+        "mlp_in": (mlp, "input"),
+        "mlp_hidden": (down, "input"),
+        "mlp_out": (block.post_feedforward_layernorm, "output") if post_norms else (mlp, "output"),
         "resid_post": (block, "output"),
     }
+    if getattr(block, "use_parallel_residual", False):
+        del sites["resid_mid"]
+    return sites
 
 
 @contextlib.contextmanager
@@ -150,3 +253,21 @@ def _hook(module: torch.nn.Module, kind: str, captured: dict, key: HookPoint):
         yield
     finally:
         handle.remove()
+
+
+def respell(directory: pathlib.Path, old: str, new: str) -> None:
+    """Rename the checkpoint's tensors from prefix `old` to `new`, in place (its safetensors files and index): the
+    same weights as another version of transformers would have saved them."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        save_file({new + k[len(old):] if k.startswith(old) else k: v for k, v in tensors.items()}, str(path),
+                  metadata={"format": "pt"})  # fmt: skip
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {new + k[len(old):] if k.startswith(old) else k: v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data))

@@ -41,7 +41,7 @@ def test_unknown_model_type_names_the_field_and_the_supported_ones(qwen2_untied,
     config = json.loads((path / "config.json").read_text())
     config["model_type"] = "mixtral"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BadInput, match=r"model_type='mixtral'.*qwen2 .*qwen3 .*llama .*mistral .*gemma2 .*gemma3_text"):
+    with pytest.raises(BadInput, match=r"model_type='mixtral'.*gpt2 .*gpt_neox .*llama .*mistral .*qwen2 .*qwen3 .*phi3 .*olmo2 .*gemma .*gemma2 .*gemma3_text .*gemma3 "):
         engine(path)
 
 

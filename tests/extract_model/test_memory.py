@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from extract import memory as mem
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.engine import Engine
 from extract.errors import EX_DATAERR, exit_code_for
 from extract.sharding import MODEL, ShardingRules
@@ -25,7 +25,7 @@ QWEN25_7B = {
 }  # fmt: skip
 
 
-def step(config: QwenConfig, **overrides) -> dict:
+def step(config: ModelConfig, **overrides) -> dict:
     shape = dict(config=config, depth=4, kept=2, compute_bytes=4, out_bytes=2, kernel="materialised")
     shape.update(overrides)
     return shape
@@ -35,7 +35,7 @@ def test_float32_estimate_bounds_what_xla_allocates_for_the_step():
     """XLA's buffer assignment for the compiled step (arguments, outputs, scratch) is the independent figure, at
     lengths where the MLP dominates and where the attention's T² does. The estimate must not be below it, nor far
     above (float32 only: XLA's CPU backend widens bf16 matmuls to float32, which no accelerator does)."""
-    config = QwenConfig.from_dict(SMALL)
+    config = ModelConfig.from_dict(SMALL)
     engine = Engine.with_random_weights(
         config, [2, 4], batch_size=2, max_seq_len=1024, compute_dtype="float32", devices=jax.devices()[:1],
     )  # fmt: skip
@@ -47,7 +47,7 @@ def test_float32_estimate_bounds_what_xla_allocates_for_the_step():
 
 
 def test_rows_that_fit_is_the_largest_row_count_whose_step_fits():
-    config = QwenConfig.from_dict(QWEN25_7B)
+    config = ModelConfig.from_dict(QWEN25_7B)
     shape = step(config, depth=18, kept=4, compute_bytes=2, seq_len=2048, packed=True)
     for kernel, memory in itertools.product(("materialised", "cudnn", "splash"), (16, 24, 60, 80, 141)):
         shape["kernel"] = kernel
@@ -66,7 +66,7 @@ def test_rows_that_fit_is_the_largest_row_count_whose_step_fits():
 def test_weight_split_is_the_sharding_rule(model_axis):
     """memory.py cannot import the JAX-side ShardingRules; its split factors must be the same ones."""
     for raw in (SMALL, QWEN25_7B, {**SMALL, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 32}):
-        config = QwenConfig.from_dict(raw)
+        config = ModelConfig.from_dict(raw)
         rules = ShardingRules.for_config(config, model_axis)
         q_split = mem._split(config.num_attention_heads, model_axis)
         assert (MODEL in tuple(rules.q_proj)) == (q_split > 1)

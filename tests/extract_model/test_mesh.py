@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.engine import Engine
-from extract.sharding import ShardingRules, choose_mesh_shape, parse_mesh, replica_bytes
+from extract.memory import choose_mesh_shape, replica_bytes
+from extract.sharding import ShardingRules, parse_mesh
 from tests.extract_model.conftest import ragged_batch
 
 LAYERS = [0, 2, -1]
@@ -58,7 +59,7 @@ def test_mesh_layout_matches_single_device(mesh, qwen2_untied, tokens, four_devi
 
 
 def test_tensor_parallel_splits_heads_and_mlp_but_replicates_too_few_kv_heads(qwen2_untied):
-    config = QwenConfig.from_file(qwen2_untied.path / "config.json")
+    config = ModelConfig.from_file(qwen2_untied.path / "config.json")
     four = ShardingRules.for_config(config, 4)  # 4 query heads, 2 kv heads
     assert four.q_proj == P(None, "model", None) and four.o_proj == P("model", None, None)
     assert four.kv_proj == P(None, None, None), "2 kv heads cannot split over 4 devices"
@@ -89,7 +90,7 @@ GIB = 1024**3
 
 
 def choose(device_memory, device_count=4, batch_size=16, seq_len=512):
-    config = QwenConfig.from_dict(QWEN25_7B)
+    config = ModelConfig.from_dict(QWEN25_7B)
     return choose_mesh_shape(
         config, device_count, device_memory, num_layers=config.num_hidden_layers, batch_size=batch_size,
         seq_len=seq_len, compute_bytes=2, out_bytes=2, num_outputs=1,
@@ -102,7 +103,7 @@ def test_seven_billion_replica_fits_a_large_device_so_pure_data_parallel():
 
 
 def test_seven_billion_on_small_devices_uses_the_smallest_model_axis_that_fits():
-    c = QwenConfig.from_dict(QWEN25_7B)
+    c = ModelConfig.from_dict(QWEN25_7B)
     d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
     per_layer = d * c.num_attention_heads * h * 2 + 2 * d * c.num_key_value_heads * h + 3 * d * f
     weight_bytes = 2 * (c.vocab_size * d + c.num_hidden_layers * per_layer)  # bf16, no LM head

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.errors import BadInput
 from tests.extract_model.conftest import TinyModel, write_tiny_model
 from tests.extract_model.test_numerics import FLOAT32_ATOL, compare_float32, one_device_engine
@@ -67,6 +67,14 @@ HONOURED = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64, "rope_theta": 500000.0,
     }},
+    # LongRoPE at lengths within its original context: the short factors, and the attention factor from the lengths.
+    "longrope": {"rope_parameters": {
+        "rope_type": "longrope", "short_factor": [1.0, 1.5, 2, 3, 4, 5, 6, 7], "long_factor": [9.0] * 8,
+        "original_max_position_embeddings": 64}},
+    "longrope-explicit-factor-and-top-level-original-length": {
+        "original_max_position_embeddings": 32, "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 7 + [2.0], "long_factor": [9.0] * 8, "factor": 3.0,
+            "original_max_position_embeddings": 128}},
 }  # fmt: skip
 
 
@@ -74,16 +82,26 @@ HONOURED = {
 def test_rope_settings_resolve_to_transformers_frequencies_and_scaling(case, tmp_path):
     config = {**BASE, **HONOURED[case]}
     inverse, scaling, _, hf = transformers_reading(tmp_path, config)
-    rope = QwenConfig.from_dict(config).rope
+    rope = ModelConfig.from_dict(config).rope
     assert rope.rope_type == hf.rope_parameters["rope_type"]
     np.testing.assert_allclose(rope.inverse_frequency_array(), inverse, rtol=2e-7, atol=0)
     assert rope.attention_scaling == pytest.approx(scaling, rel=1e-12)
 
 
+def test_longrope_is_honoured_only_up_to_its_original_context(tmp_path):
+    """transformers switches to the long factors once a call's longest position passes the original context, so the
+    frequencies are those of one regime only up to it: the limit the engine holds max_seq_len to."""
+    for case, limit in (("longrope", 64), ("longrope-explicit-factor-and-top-level-original-length", 32)):
+        config = ModelConfig.from_dict({**BASE, **HONOURED[case]})
+        assert config.rope.max_positions == config.max_positions == limit
+        assert config.rope.attention_scaling > 1.1
+    assert ModelConfig.from_dict(BASE).max_positions is None
+
+
 def test_scaled_rope_settings_really_change_the_frequencies(tmp_path):
     """The honoured cases are not all the default in disguise."""
     default, _, _, _ = transformers_reading(tmp_path, {**BASE, "rope_theta": 1000000.0})
-    yarn = QwenConfig.from_dict({**BASE, **HONOURED["v4-yarn"]}).rope
+    yarn = ModelConfig.from_dict({**BASE, **HONOURED["v4-yarn"]}).rope
     assert yarn.attention_scaling > 1.1 and not np.allclose(yarn.inverse_frequency_array(), default)
 
 
@@ -94,10 +112,9 @@ REFUSED = {
         "rope_scaling=.* and rope_parameters=.* disagree",
     ),
     "dynamic": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type='dynamic'.*batch"),
-    "longrope": (
-        {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                             "original_max_position_embeddings": 64}},  # fmt: skip
-        r"rope_parameters\.rope_type='longrope'",
+    "longrope-factors-of-the-wrong-length": (
+        {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 7, "long_factor": [2.0] * 8}},
+        r"rope_parameters\.short_factor must list 8 positive numbers",
     ),
     "unknown-type": ({"rope_parameters": {"rope_type": "weird"}}, r"rope_type='weird'.*does not know it"),
     "partial-rotary-factor": ({"rope_parameters": {"partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
@@ -114,7 +131,7 @@ REFUSED = {
 def test_rope_settings_not_honoured_exactly_are_refused_naming_the_field(case):
     fields, needle = REFUSED[case]
     with pytest.raises(BadInput, match=needle):
-        QwenConfig.from_dict({**BASE, **fields}, source="m/config.json")
+        ModelConfig.from_dict({**BASE, **fields}, source="m/config.json")
 
 
 def test_the_issue_config_is_yarn_at_theta_ten_thousand_in_transformers(tmp_path):
@@ -184,7 +201,7 @@ WINDOWS = {
 def test_sliding_windows_per_layer_are_transformers_ones(case, tmp_path):
     config = {**BASE, **WINDOWS[case]}
     _, _, windows, _ = transformers_reading(tmp_path, config)
-    assert QwenConfig.from_dict(config).sliding_windows == windows
+    assert ModelConfig.from_dict(config).sliding_windows == windows
 
 
 WINDOWS_REFUSED = {
@@ -210,7 +227,7 @@ def test_window_settings_transformers_cannot_run_are_refused_naming_the_field(ca
     fields, needle = WINDOWS_REFUSED[case]
     config = {**BASE, **fields}
     with pytest.raises(BadInput, match=needle):
-        QwenConfig.from_dict(config)
+        ModelConfig.from_dict(config)
     # transformers itself fails on each of these, when reading the config or running the model.
     from transformers import Qwen2ForCausalLM
 

@@ -206,16 +206,67 @@ def test_flops_per_token_counts_the_weight_matrices_of_computed_layers_only(qwen
 
 def test_random_weight_engine_runs_sharded_on_a_2x2_mesh(qwen3):
     """The accelerator benchmark's path: weights drawn on the devices, already on their shardings."""
-    from extract.config import QwenConfig
+    from extract.config import ModelConfig
 
-    config = QwenConfig.from_file(qwen3.path / "config.json")
+    config = ModelConfig.from_file(qwen3.path / "config.json")
     engine = Engine.with_random_weights(
         config, [0, -1], batch_size=4, max_seq_len=16, compute_dtype="float32", mesh="data=2,model=2",
         devices=jax.devices()[:4],
     )  # fmt: skip
     assert (engine.model_dir / "config.json").is_file()
-    assert QwenConfig.from_file(engine.model_dir / "config.json") == config
+    assert ModelConfig.from_file(engine.model_dir / "config.json") == config
     hidden = engine.forward(np.ones((4, 16), np.int32))
     assert set(hidden) == {0, config.num_hidden_layers}
     final = np.asarray(hidden[config.num_hidden_layers], dtype=np.float32)
     assert np.isfinite(final).all() and final.std() > 0
+
+
+#: Loads a hub model in a fresh interpreter (huggingface_hub reads HF_ENDPOINT at import) and prints what happened.
+_LOAD_FROM_HUB = """
+import sys
+from extract.engine import Engine
+from extract.errors import BadInput
+from extract.weights import mirror_hub_snapshot
+try:
+    engine = Engine(sys.argv[1], [0, -1], batch_size=1, max_seq_len=8, compute_dtype="float32")
+    print("loaded", engine.config.model_type, engine.forward([[1, 2, 3]])[0].shape)
+except BadInput as exc:
+    print("BadInput", exc)
+try:
+    print("mirrored", mirror_hub_snapshot(sys.argv[1], sys.argv[2]))
+except BadInput as exc:
+    print("BadInput mirror", exc)
+"""
+
+
+def load_from_hub(hub, repo: str, tmp_path) -> str:
+    env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_XET="1", JAX_PLATFORMS="cpu")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", _LOAD_FROM_HUB, repo, str(tmp_path / "bucket" / repo)], env=env,
+                            capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_a_hub_model_of_an_unsupported_family_downloads_nothing_but_config_json(qwen2_untied, tmp_path):
+    """config.json is fetched and read first, by the engine and by the mirror tool: a Mixtral's weights (tens of GB
+    on the real hub) are never requested. A supported model from the same hub still downloads whole, loads and
+    mirrors."""
+    from tests.extract_model.fakehub import FakeHub
+
+    mixtral = tmp_path / "mixtral"
+    mixtral.mkdir()
+    (mixtral / "config.json").write_text('{"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2}')
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (mixtral / shard).write_bytes(b"\0" * 2**20)
+    (mixtral / "tokenizer.json").write_text("{}")
+    with FakeHub({"acme/mixtral": mixtral, "acme/tiny": qwen2_untied.path}) as hub:
+        out = load_from_hub(hub, "acme/mixtral", tmp_path)
+        assert out.startswith("BadInput") and "model_type='mixtral' is not supported" in out, out
+        assert "BadInput mirror" in out and not (tmp_path / "bucket" / "acme/mixtral").exists(), out
+        assert set(hub.downloads("acme/mixtral")) == {"config.json"}, hub.requests
+        out = load_from_hub(hub, "acme/tiny", tmp_path)
+        assert out.startswith("loaded qwen2 (1, 3, 64)") and "mirrored" in out, out
+        weights = {p.name for p in qwen2_untied.path.glob("*.safetensors")}
+        assert weights and weights <= set(hub.downloads("acme/tiny"))
+        assert weights <= {p.name for p in (tmp_path / "bucket" / "acme/tiny").iterdir()}

@@ -17,7 +17,7 @@ from extract import data
 from extract.batching import Tokenizer, batches_for_slice
 from extract.errors import BadInput
 from extract.job import Job, ResumeState, Task
-from extract.reader import open_activations
+from activations.reader import open_activations
 from extract.writer import MAX_LISTED_SKIPPED, ProgressLog, ShardWriter
 from tests.extract_pipeline.conftest import ConsumeRun, base_job
 

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from extract.reader import open_activations
+from activations.reader import open_activations
 from extract.writer import crc32c_b64
 from tests.extract_pipeline.conftest import REPO, ConsumeRun, base_job, wait_for_records, write_json
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.memory import HEADROOM, weight_bytes
 from tests.extract_pipeline.conftest import REPO, TIMEOUT_S, ConsumeRun, base_job
 
@@ -19,7 +19,7 @@ def test_step_too_large_for_the_device_exits_65_naming_batch_size_and_max_seq_le
     spec = ConsumeRun(workdir=tmp_path, job=job, task=task, output=str(tmp_path / "out"))
     # An artificially small device: the tiny model's bf16 weights fit with 10% to spare, a step of 128-token rows
     # does not (its attention scores alone are more).
-    config = QwenConfig.from_file(tiny_models["qwen2"] / "config.json")
+    config = ModelConfig.from_file(tiny_models["qwen2"] / "config.json")
     limit = int(weight_bytes(config, config.num_hidden_layers, 2) * 1.1 / HEADROOM)
     proc = run_consume(spec, env={"EXTRACT_DEVICE_MEMORY": str(limit)})
     assert proc.returncode == 65, proc.stderr

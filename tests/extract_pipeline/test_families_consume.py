@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from activations.format import SITES, HookPoint
-from extract.reader import open_activations
+from activations.reader import open_activations
 from extract.tiny import write_tiny_tokenizer
 from tests.extract_model.families import write_family_model
 from tests.extract_model.test_family_parity import assert_float32_within_bound

@@ -14,8 +14,8 @@ import shutil
 import numpy as np
 
 from extract.batching import Tokenizer
+from activations.reader import open_activations
 from extract.phases import is_goodput_counter
-from extract.reader import open_activations
 from tests.extract_pipeline.conftest import ConsumeRun
 
 TEXTS = ["the river and the forest", "water § energy", "students learning mathematics", "one two three"]

@@ -7,7 +7,7 @@ import numpy as np
 
 from extract.consumer import RunInputs, run
 from extract.job import Job, Task
-from extract.reader import open_activations
+from activations.reader import open_activations
 from tests.extract_pipeline.conftest import base_job
 
 FLOAT32_ATOL = 1e-5  # tests/extract_model/test_numerics.py's bound for a change of row layout

@@ -17,7 +17,7 @@ import pytest
 
 from extract.consumer import RunInputs, load_engine, run
 from extract.job import Job, Task
-from extract.reader import open_activations
+from activations.reader import open_activations
 from tests.extract_pipeline.conftest import ConsumeRun, base_job, wait_for_records, write_json
 
 SAMPLING = {"token_sample": 0.3, "drop_first": 2, "sample_seed": 7}

@@ -11,7 +11,7 @@ import numpy as np
 
 import objectstore
 from extract.batching import WINDOW_BATCHES, TokenizedSample, make_batches, window_bounds, window_start
-from extract.reader import open_activations
+from activations.reader import open_activations
 from extract.writer import ProgressLog, ShardWriter, crc32c_b64
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

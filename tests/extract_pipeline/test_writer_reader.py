@@ -12,7 +12,7 @@ import pytest
 import objectstore
 from extract.batching import TokenizedSample, make_batches
 from extract.cli import EX_TEMPFAIL, exit_code_for
-from extract.reader import ActivationsError, open_activations
+from activations.reader import ActivationsError, open_activations
 from extract.writer import ProgressLog, ShardWriter, crc32c_b64, decode_safetensors, encode_safetensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -345,6 +345,34 @@ def test_plan_for_a_gemma2_transcoder_job_counts_each_sites_width_and_depth(tmp_
     assert plan["compute"]["flops"] == pytest.approx(13 * 1000 * (p * 500 + 4 * 8 * 256 * 500**2))
 
 
+def test_plan_for_gpt2_and_pythia_jobs_counts_their_plain_mlp_and_refuses_a_site_pythia_lacks(tmp_path):
+    """GPT-2 small as released spells its sizes n_embd, n_layer, n_head; its MLP is two matrices (no gate), 4 x 768
+    wide. Pythia's attention and MLP run in parallel, so it has no resid_mid: the plan refuses it by name."""
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
+                                "vocab_size": 50257, "activation_function": "gelu_new"}))  # fmt: skip
+    job = {"model": "openai-community/gpt2", "data_files": ["x.parquet"], "max_seq_len": 1024, "batch_size": 8,
+           "shard_size": 64, "layers": [6], "sites": {"mlp_hidden": [5]}}  # fmt: skip
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    result = run_tool("tools/plan.py", str(job_file), "--model-config", str(gpt2), "--accelerator", "v6e-8",
+                      "--rows", "1000", "--tokens-per-row", "500", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["model"]["model_type"] == "gpt2" and plan["layers_computed"] == 6
+    assert plan["output"]["bytes_per_token"] == (768 + 3072) * 2 + 4  # hidden state 6 and the 3072-wide mlp_hidden
+    p = 2 * (768 * 12 * 64 + 2 * 768 * 12 * 64 + 12 * 64 * 768 + 2 * 768 * 3072)  # q, k, v, o; up and down
+    assert plan["compute"]["flops"] == pytest.approx(6 * 1000 * (p * 500 + 4 * 12 * 64 * 500**2))
+    pythia = tmp_path / "pythia.json"
+    pythia.write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 2048, "num_hidden_layers": 24,
+                                  "num_attention_heads": 16, "intermediate_size": 8192, "vocab_size": 50304,
+                                  "rotary_pct": 0.25, "use_parallel_residual": True}))  # fmt: skip
+    job_file.write_text(json.dumps({**job, "model": "EleutherAI/pythia-1.4b", "sites": {"resid_mid": [3]}}))
+    result = run_tool("tools/plan.py", str(job_file), "--model-config", str(pythia), "--accelerator", "v6e-8",
+                      "--rows", "1000", "--tokens-per-row", "500")  # fmt: skip
+    assert result.returncode == 65 and "'resid_mid' is not a hook site of gpt_neox" in result.stderr, result.stderr
+
+
 def test_shard_bytes_cuts_shards_as_the_writer_does():
     # 2 layers x 64 x 2 bytes + 4 = 260 bytes a token; shard_bytes 2600 is 10 tokens, so at 3 tokens a row a shard
     # holds 3 rows. Blocks of shard_size 8 rows are cut into 3 + 3 + 2: a task of 20 rows is 8 + 8 + 4 rows,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from extract import memory
-from extract.config import QwenConfig
+from extract.config import ModelConfig
 from extract.costmodel import KNOWN_CONFIGS
 from tests.plan.test_plan import QWEN25_7B_JOB, run_tool
 
@@ -27,7 +27,7 @@ def test_plan_sizes_the_batch_to_the_chip_and_warns_naming_batch_size_when_it_do
     assert m["attention"] == "splash" and m["mesh"] == {"data": 8, "model": 1} and m["fits"]
     largest = m["max_batch_size"]
     assert largest % 8 == 0 and m["max_tokens_per_step"] == largest * 2048
-    config = QwenConfig.from_dict(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"])
+    config = ModelConfig.from_dict(KNOWN_CONFIGS["Qwen/Qwen2.5-7B"])
     shape = dict(config=config, depth=18, kept=4, seq_len=2048, compute_bytes=2, out_bytes=2, kernel="splash")
     budget = memory.HEADROOM * 16 * 2**30
     assert memory.step_memory(rows=largest // 8, **shape).total <= budget < memory.step_memory(

@@ -10,7 +10,7 @@ import socket
 import numpy as np
 import pytest
 
-from extract.reader import open_activations
+from activations.reader import open_activations
 from tests.extract_pipeline.conftest import (  # noqa: F401 (fixtures)
     ConsumeRun,
     base_job,
