@@ -90,7 +90,7 @@ def test_mirror_tool_uploads_to_gcs_and_engine_loads_from_gs_url(qwen3, gcs_clie
 def test_mirror_tool_refuses_a_directory_that_is_not_a_model(tmp_path):
     (tmp_path / "empty").mkdir()
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "mirror_model.py"), str(tmp_path / "empty"), "gs://b/models/d"],
+        [sys.executable, os.path.join(REPO, "tools", "mirror_model.py"), str(tmp_path / "empty"), "gs://a-bucket/models/d"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 65
