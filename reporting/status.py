@@ -24,7 +24,7 @@ import time
 from objectstore import ObjectStore, StoreError
 from objectstore.base import Entry
 from objectstore.counting import CountingStore
-from taskqueue import layout
+from taskqueue import completion, layout
 from taskqueue.lease import FINISHED, HELD, RELEASED, sum_metadata_counters
 from taskqueue.slice import SLICES
 
@@ -130,7 +130,10 @@ def snapshot(
             break
     submitting = _running(after)
     view["submitting"] = [first for first, _ in submitting]
-    view["complete"] = view["complete"] and steady and not submitting
+    # The one completion rule (taskqueue/completion.py), which the keeper and `down` read from here.
+    progress = completion.Progress(total=view["total"], unfinished=view.pop("unfinished"), submitting=len(submitting),
+                                   steady=steady, counted_all=not view["estimate"])  # fmt: skip
+    view["complete"] = progress.complete
     view["blockers"] = blockers(view, [e for e in after.values() if e.metadata.get("state") != layout.BATCH_DONE], now)
     view["requests"] = counted.requests
     view["requests_by_kind"] = dict(sorted(counted.counts.items()))
@@ -147,7 +150,7 @@ def _listed(
     history: bool,
 ) -> dict:
     """The view from the listings of the regions, given the batches running before them; its
-    `complete` says only that every task counted has a marker (`snapshot` adds the batches)."""
+    `unfinished` counts the tasks without a marker (`snapshot` adds the batches and decides `complete`)."""
     splits, swept_markers = _regions(counted)
     ends = {r: (splits[i + 1] if i + 1 < len(splits) else None) for i, r in enumerate(splits)}
 
@@ -311,8 +314,8 @@ def _listed(
             [*counter_texts, *(swept_markers[r]["counters"] for r in swept if "counters" in swept_markers[r])]
         ).items())),
         # From markers only: swept regions count their done markers and dead letters (the sweep listed
-        # them), open ones are listed; `snapshot` adds the batches.
-        "complete": total > 0 and (not open_regions or (listed is open_regions and remaining == 0)),
+        # them), open ones are listed; `snapshot` decides `complete` from it and the batches.
+        "unfinished": remaining,
         "regions": {"total": len(splits), "swept": len(swept), "open": len(open_regions), "listed": len(listed)},
     }
 

@@ -8,7 +8,8 @@ name would shadow the fleet package it imports.)
 preferred. Every --interval seconds: deletes SUSPENDED and FAILED queued resources named
 SPEC.name-NNNN and creates replacements up to --count (times the spec's `slices`) only while
 claimable tasks outnumber the alive machines that hold no lease (fleet/keeper.py); stops once
-every task has a done marker or a dead letter. Runs anywhere with credentials.
+the queue is complete as status says it (every task has a done marker or a dead letter, and no
+batch is still being submitted). Runs anywhere with credentials.
 """
 
 import argparse
@@ -23,12 +24,13 @@ from reporting import status
 
 def queue_work(queue: str):
     """A callable reading what the queue has left (reporting.status.snapshot: a few listings per region):
-    claimable = never claimed, released, or under a lease silent past its TTL; held = under a live lease."""
+    claimable = never claimed, released, or under a lease silent past its TTL; held = under a live lease;
+    complete = status's completion rule (taskqueue/completion.py), the only thing that stops the keeper."""
     store = open_store(queue)
 
     def work() -> keeper.Work:
         view = status.snapshot(store)
-        return keeper.Work(claimable=view["pending"] + view["stale"], held=view["leased"])
+        return keeper.Work(claimable=view["pending"] + view["stale"], held=view["leased"], complete=view["complete"])
 
     return work
 
