@@ -66,6 +66,7 @@ class _Handler(BaseHTTPRequestHandler):
             body=body,
         )
         fake = self.server.fake
+        self.server.served += 1
         response = fake._injected_failure(request) or fake.handle(request)
         try:
             self.send_response(response.status)
@@ -86,6 +87,7 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, fake: "FakeHTTPServer", address: tuple[str, int]):
         self.fake = fake
+        self.served = 0  # requests this listener answered (a fleet rehearsal counts them per machine)
         super().__init__(address, _Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -101,6 +103,7 @@ class FakeHTTPServer(abc.ABC):
         self._failures: list[_Failure] = []
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._listeners: list[Listener] = []
 
     @abc.abstractmethod
     def handle(self, request: Request) -> Response:
@@ -114,7 +117,19 @@ class FakeHTTPServer(abc.ABC):
         self._thread.start()
         return self
 
+    def listen(self, address: tuple[str, int] = ("127.0.0.1", 0)) -> "Listener":
+        """Another socket answering for this same fake (its state, its `requests`), e.g. inside a
+        rehearsal machine's own network namespace: open it from a thread in that namespace."""
+        listener = Listener(_Server(self, address))
+        with self.lock:
+            self._listeners.append(listener)
+        return listener.start()
+
     def stop(self) -> None:
+        with self.lock:
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener.stop()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -148,3 +163,30 @@ class FakeHTTPServer(abc.ABC):
 
     def failure_response(self, status: int) -> Response:
         return Response.json(status, {"error": {"code": status, "message": f"injected failure {status}"}})
+
+
+class Listener:
+    """One more socket of a fake (FakeHTTPServer.listen): its URL, and how many requests it answered."""
+
+    def __init__(self, server: _Server):
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def start(self) -> "Listener":
+        self._thread.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def served(self) -> int:
+        return self._server.served
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join()
