@@ -424,6 +424,38 @@ class LateGcloud:
             (self.root / "usr/bin" / tool).symlink_to(f"../lib/google-cloud-sdk/bin/{tool}")
 
 
+def missing_tools() -> list[str]:
+    """What this machine lacks for a rehearsal, each said as what to do about it."""
+    missing = [tool for tool in ("mmdebstrap", "gcloud", "unshare", "nsenter", "ip") if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        missing.append("root")
+    elif shutil.which("unshare"):
+        probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "true"], capture_output=True,
+                               text=True, timeout=60)
+        if probe.returncode != 0:
+            missing.append(f"the right to make namespaces (unshare: {probe.stderr.strip()[-200:]})")
+    try:
+        rootfs.host_release()
+    except rootfs.RootfsError as err:
+        missing.append(f"a Debian host ({err})")
+    return missing
+
+
+def skip_or_fail_without_the_tools() -> None:
+    """A rehearsal test's first line: skip saying what is missing, except in CI (BOOT_REHEARSAL=required
+    or CI set), where a missing piece fails it."""
+    import pytest
+
+    missing = missing_tools()
+    if not missing:
+        return
+    message = (f"the boot rehearsal needs {'; '.join(missing)} (`make rehearsal-tools` installs the tools; "
+               f"the namespaces need root with CAP_SYS_ADMIN)")
+    if os.environ.get("BOOT_REHEARSAL") == "required" or os.environ.get("CI"):
+        pytest.fail(f"{message}; CI must run it (BOOT_REHEARSAL=required or CI is set)")
+    pytest.skip(f"{message}; skipped on this machine")
+
+
 def remove_in_background(paths: list[Path]) -> None:
     """Remove the machines' disks (a gigabyte and more each: venv, uv's cache, wheels, code; tens of
     thousands of files, minutes on a loaded machine) without holding up the caller: a test worker

@@ -14,53 +14,22 @@ missing piece fails it."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import threading
 
 import pytest
 
-from tests.boot import rootfs
 from tests.boot.rehearsal import (BUCKET, GROUP, PROJECT, ZONE, LateGcloud, Rehearsal, first_claim_time, release_host,
-                                  report, standin_release)
+                                  report, skip_or_fail_without_the_tools, standin_release)
 from tests.fakegcs.server import Preconditions
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-def _missing() -> list[str]:
-    """What this machine lacks for the rehearsal, each said as what to do about it."""
-    missing = [tool for tool in ("mmdebstrap", "gcloud", "unshare", "nsenter", "ip") if shutil.which(tool) is None]
-    if os.geteuid() != 0:
-        missing.append("root")
-    elif shutil.which("unshare"):
-        probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "true"], capture_output=True,
-                               text=True, timeout=60)
-        if probe.returncode != 0:
-            missing.append(f"the right to make namespaces (unshare: {probe.stderr.strip()[-200:]})")
-    try:
-        rootfs.host_release()
-    except rootfs.RootfsError as err:
-        missing.append(f"a Debian host ({err})")
-    return missing
-
-
-def _required() -> bool:
-    return os.environ.get("BOOT_REHEARSAL") == "required" or bool(os.environ.get("CI"))
 
 
 @pytest.fixture
 def world(tmp_path) -> Rehearsal:
     """One machine world (namespaces, fakes, the upload) for the one test below: pytest-xdist may hand
     tests of a module to different workers, so the costly set-up is never shared between tests."""
-    missing = _missing()
-    if missing:
-        message = (f"the boot rehearsal needs {'; '.join(missing)} (`make rehearsal-tools` installs the tools; "
-                   f"the namespaces need root with CAP_SYS_ADMIN)")
-        if _required():
-            pytest.fail(f"{message}; CI must run it (BOOT_REHEARSAL=required or CI is set)")
-        pytest.skip(f"{message}; skipped on this machine")
+    skip_or_fail_without_the_tools()
     with Rehearsal(tmp_path, disks=2) as rehearsal:
         release, listing = standin_release(rehearsal.lower)
         url, stop = release_host(release)
