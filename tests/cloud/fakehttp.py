@@ -101,8 +101,7 @@ class FakeHTTPServer(abc.ABC):
         self.lock = threading.RLock()
         self.requests: list[Request] = []
         self._failures: list[_Failure] = []
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._main: Listener | None = None
         self._listeners: list[Listener] = []
 
     @abc.abstractmethod
@@ -112,14 +111,13 @@ class FakeHTTPServer(abc.ABC):
     def start(self, address: tuple[str, int] = ("127.0.0.1", 0)):
         """Serve on `address` (default: a free port on 127.0.0.1; the boot rehearsal's metadata
         server takes the metadata server's own, 169.254.169.254:80)."""
-        self._server = _Server(self, address)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
+        self._main = self.listen(address)
         return self
 
     def listen(self, address: tuple[str, int] = ("127.0.0.1", 0)) -> "Listener":
-        """Another socket answering for this same fake (its state, its `requests`), e.g. inside a
-        rehearsal machine's own network namespace: open it from a thread in that namespace."""
+        """A socket answering for this fake (its state, its `requests`); `start` opens the first, and
+        more may follow, e.g. inside a rehearsal machine's own network namespace (open it from a
+        thread in that namespace)."""
         listener = Listener(_Server(self, address))
         with self.lock:
             self._listeners.append(listener)
@@ -127,19 +125,13 @@ class FakeHTTPServer(abc.ABC):
 
     def stop(self) -> None:
         with self.lock:
-            listeners, self._listeners = self._listeners, []
+            listeners, self._listeners, self._main = self._listeners, [], None
         for listener in listeners:
             listener.stop()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join()
-            self._server = None
 
     @property
     def host(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        return self._main.host
 
     @property
     def url(self) -> str:
@@ -166,7 +158,7 @@ class FakeHTTPServer(abc.ABC):
 
 
 class Listener:
-    """One more socket of a fake (FakeHTTPServer.listen): its URL, and how many requests it answered."""
+    """One socket of a fake (FakeHTTPServer.listen): its URL, and how many requests it answered."""
 
     def __init__(self, server: _Server):
         self._server = server
@@ -177,9 +169,13 @@ class Listener:
         return self
 
     @property
-    def url(self) -> str:
+    def host(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"{host}:{port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}"
 
     @property
     def served(self) -> int:
