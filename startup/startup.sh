@@ -13,9 +13,11 @@
 # anything; start the worker as the systemd unit spawn-worker.
 # Network steps are retried with backoff, and apt waits for the dpkg lock that first-boot updaters hold.
 #
-# Any failure writes the record `failed` (reason and log tail) to QUEUE/machines/NAME.json and
-# deletes the machine (python -m fleet.selfdelete, else one REST call with curl and the metadata
-# server's token: no virtualenv, no gcloud needed), so a broken boot never idles on the bill.
+# Any failure writes the record `failed` (reason and log tail) to QUEUE/machines/NAME.json (gcloud,
+# else one JSON API upload with curl and the metadata server's token) and deletes the machine (python
+# -m fleet.selfdelete, else one REST call the same way: no virtualenv, no gcloud needed), so a broken
+# boot never idles on the bill and never vanishes without saying why. A snap gcloud still being seeded
+# is waited for (bounded); a queue bucket that does not exist ends the boot before the install.
 #
 # Everything job-specific comes from instance attributes that tools/create_*.py set:
 #   spawn-code         gs:// URL of the code (tools/upload_code.py)          required
@@ -27,7 +29,8 @@
 #
 # STARTUP_ROOT (tests only) prefixes every path this script writes; GCE_METADATA_HOST
 # (host[:port]) points it at another metadata server; FLEET_COMPUTE_ENDPOINT and FLEET_TPU_ENDPOINT
-# at other Compute and TPU APIs (as for fleet/); STARTUP_RETRY_DELAY_S shortens backoffs.
+# at other Compute and TPU APIs (as for fleet/), STORAGE_EMULATOR_HOST at another storage JSON API;
+# STARTUP_RETRY_DELAY_S shortens backoffs; STARTUP_SNAP_SEED_TIMEOUT_S bounds the snap wait (600).
 set -Eeuo pipefail
 
 ROOT="${STARTUP_ROOT:-}"

@@ -199,3 +199,23 @@ def test_a_member_pointed_at_a_prefix_with_no_job_records_why_and_leaves_its_gro
     assert [e.name for e in typo.list("")] == ["machines/spawn-worker-e5f6.json"]  # its record, nothing else
     assert [(c.method, c.path) for c in cloud.calls() if c.method == "POST"] == [("POST", f"/compute/v1/{group}/deleteInstances")]
     assert cloud.resources[group]["targetSize"] == 0
+
+
+def test_a_member_whose_self_delete_fails_records_failed_not_deleting(tmp_path: Path, metadata_server: FakeMetadata, cloud):
+    """A group member that cannot delete itself stays up (fleet/selfdelete.py: a group would recreate a
+    stopped one): its record says why, not `deleting`, so status shows what still costs money."""
+    group = "projects/p/zones/us-central1-a/instanceGroupManagers/spawn-worker"
+    cloud.add(group, {"name": "spawn-worker", "targetSize": 1})
+    metadata_server.values.update(gce_vm("p", "us-central1-a", "spawn-worker-g7h8", {
+        "created-by": "projects/1/zones/us-central1-a/instanceGroupManagers/spawn-worker"}))
+    cloud.fail_next(100, 403, path_contains="/deleteInstances")  # the role is missing
+    queue = tmp_path / "queue"
+    store = open_store(str(queue))
+    submit(store, b"{}", [("t1", json.dumps({"id": "t1"}).encode())])
+    worker = _spawn(queue, "--on-empty", "delete", "--preemption-watch", "off")
+    output, _ = worker.communicate(timeout=120)
+    assert worker.returncode == 0, output
+    assert "event=self_delete_failed" in output and "action=stay_up" in output
+    record = json.loads(store.read("machines/spawn-worker-g7h8.json").data)
+    assert record["state"] == "failed" and record["reason"].startswith("self_delete_failed: "), record
+    assert output.index("state=deleting") < output.index("event=self_delete_failed") < output.index("state=failed")
