@@ -38,7 +38,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 import threading
@@ -82,6 +81,7 @@ class Run:
     api: Listener | None = None
     thread: threading.Thread | None = None
     requests: int = 0
+    saved_log: str | None = None  # the worker's log as the machine ended (its disk goes afterwards)
 
     @property
     def name(self) -> str:
@@ -89,6 +89,8 @@ class Run:
 
     def log(self) -> str:
         """The worker's log (the journal's stand-in), read from the disk's upper layer, up or not."""
+        if self.saved_log is not None:
+            return self.saved_log
         path = self.disk.path / "upper/var/log/spawn-worker.service.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
@@ -159,18 +161,21 @@ class Fleet:
         (self.world.workdir / f"console-{run.name}-boot{run.boot}.log").write_text(run.console)
 
     def halt(self, run: Run, why: str) -> None:
-        """The machine stops: every process in its namespaces dies; its disk stays for its logs."""
+        """The machine stops: every process in its namespaces dies; its worker's log and request count
+        are kept (its disk is removed with the rehearsal)."""
         with self.lock:
             if run.ended is not None:
                 return
             run.ended, run.end = time.time(), why
+        if run.ns is not None:
+            run.ns.stop()
         run.count_requests()
+        run.saved_log = run.log()
+        (self.world.workdir / f"worker-{run.name}-boot{run.boot}.log").write_text(run.saved_log)
         for server in (run.metadata, run.gcs, run.api):
             if server is not None:
                 with contextlib.suppress(Exception):
                     server.stop()
-        if run.ns is not None:
-            run.ns.stop()
 
     def preempt(self, run: Run) -> None:
         """A spot VM's preemption: the notice, up to PREEMPTION_NOTICE_S for the worker to hand its task
@@ -397,15 +402,15 @@ def main(argv: list[str] | None = None) -> int:
         report = rehearse(workdir, args.machines, args.tasks, args.late)
     except RehearsalError as err:
         print(f"fleet rehearsal failed: {err} (consoles and logs: {workdir})", file=sys.stderr)
-        args.keep = True
         return 1
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
     print("\n".join(report.lines()))
     problems = check(report)
     for problem in problems:
         print(f"PROBLEM {problem}")
+    if problems or args.keep:
+        print(f"consoles and logs: {workdir}")
+    else:
+        remove_in_background([workdir])  # gigabytes of disks: the shell need not wait for them
     return 1 if problems else 0
 
 
