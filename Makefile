@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: run test clean browser rehearsal-tools
+.PHONY: run test clean browser rehearsal-tools rehearsal
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ rehearsal-tools:
 		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap iproute2 >/dev/null; } || \
 		echo "could not install mmdebstrap and iproute2: the boot rehearsal (tests/boot) will skip"; \
 	fi
+
+# The whole fleet rehearsed (tests/boot/fleet.py): a group of 3 rehearsal machines on the tiny model,
+# a preemption, a second `up`, a late submit, every machine deleting itself, `down`; its figures
+# (per machine and the wall time) are in docs/CLOUD.md. Needs root, as the boot rehearsal does.
+# `make test` runs it at a smaller size (tests/boot/test_fleet.py).
+rehearsal: $(VENV)/.test-installed rehearsal-tools
+	$(PY) -m tests.boot.fleet
 
 test: $(VENV)/.test-installed browser rehearsal-tools
 	$(PY) -m pytest -n 2

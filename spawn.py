@@ -17,7 +17,11 @@ _recorder = None  # this machine's fleet.machines.MachineRecorder, once machine_
 def self_delete() -> None:
     from fleet.selfdelete import delete_self
 
-    delete_self()
+    if not delete_self() and _recorder is not None:
+        # Still up (a group member that cannot delete itself stays up, fleet/selfdelete.py): the
+        # record says so instead of `deleting`, so status shows why this machine is still billed.
+        _recorder.set("failed", reason="self_delete_failed: this machine could not delete itself; check its service "
+                                       "account's roles (docs/CLOUD.md, IAM), then run tools/teardown.py")  # fmt: skip
 
 
 def _on_maintenance(value: str) -> None:

@@ -5,8 +5,11 @@ capacity never came), and nothing replaces it (https://cloud.google.com/tpu/docs
 https://cloud.google.com/tpu/docs/spot). Each `step()`:
 
 1. asks `work()` what is left: `claimable` tasks (no live lease: never claimed, released, or whose
-   holder went silent past its TTL) and `held` ones (a live lease); with neither, the keeper is
-   done (the machines delete themselves);
+   holder went silent past its TTL), `held` ones (a live lease), and whether the queue is
+   `complete` by the completion rule that status reads (taskqueue/completion.py: every task
+   finished, nothing submitting, `batches/` steady). Only `complete` stops the keeper (the
+   machines delete themselves): nothing claimable and nothing held is not the end while a batch
+   is still being submitted. The fleet package never imports the queue: the tool gives `work()`;
 2. lists the queued resources named `<spec.name>-NNNN` in every zone of `zones`;
 3. deletes the SUSPENDED and FAILED ones (with force, taking any node along);
 4. creates replacements, but only for work that the alive machines cannot take: a machine that
@@ -56,10 +59,12 @@ class KeeperError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """What the queue has left: tasks a machine could claim now, and tasks under a live lease."""
+    """What the queue has left: tasks a machine could claim now, tasks under a live lease, and
+    whether the queue is complete (taskqueue.completion's rule, as `work()` read it)."""
 
     claimable: int
     held: int
+    complete: bool
 
     @property
     def remaining(self) -> int:
@@ -80,7 +85,8 @@ class StepReport:
 
     @property
     def drained(self) -> bool:
-        return self.work.remaining <= 0
+        """The queue is complete: the keeper stops (never on counts alone, which miss a submit under way)."""
+        return self.work.complete
 
 
 def replacements(count: int, alive: int, work: Work) -> int:
@@ -135,7 +141,8 @@ class Keeper:
     def step(self) -> StepReport:
         report = StepReport(work=self.work())
         if report.drained:
-            log.info("event=keeper_drained claimable=0 held=0 action=stop")
+            log.info("event=keeper_drained complete=true claimable=%d held=%d action=stop", report.work.claimable,
+                     report.work.held)  # fmt: skip
             return report
         by_zone = {zone: self._mine(zone) for zone in self.zones}
         used = set()
@@ -189,7 +196,7 @@ class Keeper:
         return report
 
     def run(self, interval_s: float = 60.0, max_steps: int | None = None, sleep: Callable[[float], None] = time.sleep) -> StepReport:
-        """Step every `interval_s` until the queue is drained (or `max_steps`)."""
+        """Step every `interval_s` until the queue is complete (or `max_steps`)."""
         steps = 0
         while True:
             report = self.step()

@@ -422,7 +422,7 @@ class _Up:
         from fleet import keeper
 
         # A dry run submitted nothing: the keeper is told the run's tasks are all claimable.
-        work = (lambda: keeper.Work(claimable=len(self.tasks), held=0)) if self.dry_run else queue_work(self.store)
+        work = (lambda: keeper.Work(claimable=len(self.tasks), held=0, complete=False)) if self.dry_run else queue_work(self.store)
         fleet_keeper = keeper.Keeper(
             self.clients.tpu_clients(), self.run.spec, launch, self.project, list(self.run.fields.fleet.zones),
             self.run.machines, work, dry_run=self.dry_run, before_create=self._record_queued)
@@ -482,13 +482,14 @@ class _Up:
 
 def queue_work(store):
     """What the keeper asks the queue each step (reporting.status.snapshot: a few listings per region): claimable =
-    never claimed, released, or under a lease silent past its TTL; held = under a live lease."""
+    never claimed, released, or under a lease silent past its TTL; held = under a live lease; complete = status's
+    completion rule (taskqueue/completion.py), the only thing that stops the keeper."""
     from fleet import keeper
     from reporting import status
 
     def work() -> keeper.Work:
         view = status.snapshot(store)
-        return keeper.Work(claimable=view["pending"] + view["stale"], held=view["leased"])
+        return keeper.Work(claimable=view["pending"] + view["stale"], held=view["leased"], complete=view["complete"])
 
     return work
 
@@ -586,7 +587,7 @@ def keep(run: Run, *, project: str | None = None, interval_s: float = 60.0, once
             if spent >= limit:
                 log.warning("event=budget_reached run=%s spent=%.2f max_dollars=%.2f action=no_new_machines",
                             run.name, spent, limit)
-                return keeper.Work(claimable=0, held=left.held)
+                return keeper.Work(claimable=0, held=left.held, complete=left.complete)
         return left
 
     def before_create(zone: str, rid: str) -> None:

@@ -24,7 +24,7 @@ import time
 from objectstore import ObjectStore, StoreError
 from objectstore.base import Entry
 from objectstore.counting import CountingStore
-from taskqueue import layout
+from taskqueue import completion, layout
 from reporting import goodput
 from taskqueue.lease import FINISHED, HELD, RELEASED, sum_metadata_counters
 from taskqueue.slice import SLICES
@@ -131,7 +131,10 @@ def snapshot(
             break
     submitting = _running(after)
     view["submitting"] = [first for first, _ in submitting]
-    view["complete"] = view["complete"] and steady and not submitting
+    # The one completion rule (taskqueue/completion.py), which the keeper and `down` read from here.
+    progress = completion.Progress(total=view["total"], unfinished=view.pop("unfinished"), submitting=len(submitting),
+                                   steady=steady, counted_all=not view["estimate"])  # fmt: skip
+    view["complete"] = progress.complete
     unfinished = [e for e in after.values() if e.metadata.get("state") != layout.BATCH_DONE]
     view["blockers"] = blockers(view, unfinished, now)
     # How many of each kind there are: `blockers` names at most MAX_BLOCKERS of a kind (and only the
@@ -152,7 +155,7 @@ def _listed(
     history: bool,
 ) -> dict:
     """The view from the listings of the regions, given the batches running before them; its
-    `complete` says only that every task counted has a marker (`snapshot` adds the batches)."""
+    `unfinished` counts the tasks without a marker (`snapshot` adds the batches and decides `complete`)."""
     splits, swept_markers = _regions(counted)
     ends = {r: (splits[i + 1] if i + 1 < len(splits) else None) for i, r in enumerate(splits)}
 
@@ -319,8 +322,8 @@ def _listed(
         "counters": dict(sorted(counters.items())),
         "goodput": goodput.summary(phase_counters),
         # From markers only: swept regions count their done markers and dead letters (the sweep listed
-        # them), open ones are listed; `snapshot` adds the batches.
-        "complete": total > 0 and (not open_regions or (listed is open_regions and remaining == 0)),
+        # them), open ones are listed; `snapshot` decides `complete` from it and the batches.
+        "unfinished": remaining,
         "regions": {"total": len(splits), "swept": len(swept), "open": len(open_regions), "listed": len(listed)},
     }
 

@@ -13,9 +13,11 @@
 # anything; start the worker as the systemd unit spawn-worker.
 # Network steps are retried with backoff, and apt waits for the dpkg lock that first-boot updaters hold.
 #
-# Any failure writes the record `failed` (reason and log tail) to QUEUE/machines/NAME.json and
-# deletes the machine (python -m fleet.selfdelete, else one REST call with curl and the metadata
-# server's token: no virtualenv, no gcloud needed), so a broken boot never idles on the bill.
+# Any failure writes the record `failed` (reason and log tail) to QUEUE/machines/NAME.json (gcloud,
+# else one JSON API upload with curl and the metadata server's token) and deletes the machine (python
+# -m fleet.selfdelete, else one REST call the same way: no virtualenv, no gcloud needed), so a broken
+# boot never idles on the bill and never vanishes without saying why. A snap gcloud still being seeded
+# is waited for (bounded); a queue bucket that does not exist ends the boot before the install.
 #
 # Everything job-specific comes from instance attributes that tools/create_*.py set:
 #   spawn-code         gs:// URL of the code (tools/upload_code.py)          required
@@ -27,7 +29,8 @@
 #
 # STARTUP_ROOT (tests only) prefixes every path this script writes; GCE_METADATA_HOST
 # (host[:port]) points it at another metadata server; FLEET_COMPUTE_ENDPOINT and FLEET_TPU_ENDPOINT
-# at other Compute and TPU APIs (as for fleet/); STARTUP_RETRY_DELAY_S shortens backoffs.
+# at other Compute and TPU APIs (as for fleet/), STORAGE_EMULATOR_HOST at another storage JSON API;
+# STARTUP_RETRY_DELAY_S shortens backoffs; STARTUP_SNAP_SEED_TIMEOUT_S bounds the snap wait (600).
 set -Eeuo pipefail
 
 ROOT="${STARTUP_ROOT:-}"
@@ -36,6 +39,9 @@ PATH="${PATH}:/snap/bin"
 METADATA_HOST="${GCE_METADATA_HOST:-metadata.google.internal}"
 COMPUTE_API="${FLEET_COMPUTE_ENDPOINT:-https://compute.googleapis.com}"
 TPU_API="${FLEET_TPU_ENDPOINT:-https://tpu.googleapis.com}"
+# The Cloud Storage JSON API for the records' REST fallback; STORAGE_EMULATOR_HOST is the variable the
+# Python clients on the machine honour too.
+STORAGE_API="${STORAGE_EMULATOR_HOST:-https://storage.googleapis.com}"
 CODE_DIR="/opt/fleet/code"
 VENV_DIR="/opt/fleet/venv"
 UV_VENV="/opt/fleet/uv"          # holds a pip-installed uv when neither the bucket nor the image has one
@@ -49,6 +55,8 @@ APT_LOCK_TIMEOUT_S=900
 WORKER_FAILURE_LIMIT=5
 WORKER_FAILURE_WINDOW_S=900
 LOG_TAIL_LINES=40
+# How long the boot waits for snapd to seed (and so mount a snap gcloud) before it goes on without.
+SNAP_SEED_TIMEOUT_S="${STARTUP_SNAP_SEED_TIMEOUT_S:-600}"
 
 PHASE="metadata"
 MACHINE=""
@@ -57,6 +65,7 @@ CODE_URL=""
 ACCELERATOR=""
 PERMISSIONS=""   # the permission check's verdict once it is unverified (fleet/selfdelete.py)
 LAST_STATE=""
+RECORD_WRITTEN=false   # whether the last record() reached the bucket (gcloud or REST)
 UV=""
 MACHINE_TYPE=""
 PROVISIONING=""
@@ -198,6 +207,7 @@ meta_value() {
 record() {
   local state="$1" reason="${2:-}" tail="${3:-}" body at now_s spent="" spent_listed="" key
   LAST_STATE="$state"
+  RECORD_WRITTEN=false
   if [[ -z "$MACHINE" || "$QUEUE_URL" != gs://?* ]]; then
     log "event=record_skipped state=${state} reason=no_queue_or_name"
     return 0
@@ -235,12 +245,86 @@ record() {
   if [[ -n "$TPU_WORKER" ]]; then listed+=",host=$(meta_value "$TPU_WORKER")"; fi
   if [[ -n "$reason" ]]; then listed+=",reason=$(meta_value "$reason")"; fi
   if [[ -n "$PERMISSIONS" ]]; then listed+=",permissions=$(meta_value "$PERMISSIONS")"; fi
-  if printf '%s\n' "$body" | gcloud storage cp --content-type=application/json \
-    "--custom-metadata=${listed:0:1000}" - "${QUEUE_URL%/}/machines/${MACHINE}.json"; then
+  listed="${listed:0:1000}"
+  local object="${QUEUE_URL%/}/machines/${MACHINE}.json"
+  if command -v gcloud >/dev/null && printf '%s\n' "$body" | gcloud storage cp --content-type=application/json \
+    "--custom-metadata=${listed}" - "$object"; then
     log "event=machine_record machine=${MACHINE} state=${state}"
+    RECORD_WRITTEN=true
+  elif rest_upload "$object" "$body" "$listed"; then
+    # gcloud missing (a snap not seeded yet, an image without it) or failing: the same object and
+    # metadata through the JSON API with the metadata server's token, as the REST delete does.
+    log "event=machine_record machine=${MACHINE} state=${state} method=rest"
+    RECORD_WRITTEN=true
   else
     log "event=machine_record_failed machine=${MACHINE} state=${state}"
+    RECORD_WRITTEN=false
   fi
+}
+
+# url_encode TEXT: TEXT percent-encoded for a URL's query (unreserved characters and '/' kept).
+url_encode() {
+  local text="$1" out="" char i
+  for ((i = 0; i < ${#text}; i++)); do
+    char="${text:i:1}"
+    if [[ "$char" =~ [A-Za-z0-9._~/-] ]]; then out+="$char"; else out+="$(printf '%%%02X' "'$char")"; fi
+  done
+  printf '%s' "$out"
+}
+
+# rest_upload gs://BUCKET/NAME BODY LISTED: one JSON API multipart upload (objects.insert with
+# uploadType=multipart: the object's resource, its custom metadata included, and its bytes in one
+# request; https://cloud.google.com/storage/docs/json_api/v1/objects/insert,
+# https://cloud.google.com/storage/docs/uploading-objects) with the machine's token. LISTED is
+# record's k=v,k=v metadata. No gcloud and no virtualenv needed: curl and the metadata server.
+rest_upload() {
+  local url="$1" body="$2" listed="$3" bucket name pair metadata="" boundary="spawn-record-boundary"
+  bucket="${url#gs://}"
+  name="${bucket#*/}"
+  bucket="${bucket%%/*}"
+  local IFS=,
+  for pair in $listed; do
+    metadata+="${metadata:+, }$(json_string "${pair%%=*}"): $(json_string "${pair#*=}")"
+  done
+  unset IFS
+  local resource multipart
+  resource="{\"name\": $(json_string "$name"), \"contentType\": \"application/json\", \"metadata\": {${metadata}}}"
+  multipart="--${boundary}"$'\r\n'"Content-Type: application/json; charset=UTF-8"$'\r\n\r\n'"${resource}"$'\r\n'
+  multipart+="--${boundary}"$'\r\n'"Content-Type: application/json"$'\r\n\r\n'"${body}"$'\n\r\n'"--${boundary}--"$'\r\n'
+  api_call POST "${STORAGE_API}/upload/storage/v1/b/${bucket}/o?uploadType=multipart&name=$(url_encode "$name")" \
+    "$multipart" "multipart/related; boundary=${boundary}" >/dev/null
+}
+
+# bucket_missing gs://BUCKET/...: true only when the JSON API says the bucket does not exist (a
+# listing answers 404 for a missing bucket and never for an existing one; objects.list needs only
+# storage.objects.list, which the machine has: https://cloud.google.com/storage/docs/json_api/v1/objects/list).
+bucket_missing() {
+  local bucket="${1#gs://}" token status
+  bucket="${bucket%%/*}"
+  token="$(access_token)" || return 1
+  status="$(curl --silent --output /dev/null --write-out '%{http_code}' --retry 4 --retry-connrefused --max-time 60 \
+    --header "Authorization: Bearer ${token}" "${STORAGE_API}/storage/v1/b/${bucket}/o?maxResults=1")" || return 1
+  [[ "$status" == 404 ]]
+}
+
+# wait_for_gcloud: on Ubuntu 24.04 and the TPU and ML images gcloud is a snap that snapd seeds in the
+# background at first boot, and the guest agent no longer orders startup scripts after that
+# (GoogleCloudPlatform/guest-agent#84): wait, bounded, for `snap wait system seed.loaded`, as Google's
+# own boot scripts do (GoogleCloudPlatform/opentelemetry-operations-collector#619). True when gcloud is
+# then on PATH; without it the records go over REST and the code sync fails with a reason.
+wait_for_gcloud() {
+  if command -v snap >/dev/null && ! command -v gcloud >/dev/null; then
+    log "event=snap_seed_wait timeout_s=${SNAP_SEED_TIMEOUT_S}"
+    if ! timeout "$SNAP_SEED_TIMEOUT_S" snap wait system seed.loaded; then
+      log "event=snap_seed_wait_failed timeout_s=${SNAP_SEED_TIMEOUT_S}"
+    fi
+  fi
+  if command -v gcloud >/dev/null; then
+    log "event=gcloud path=$(command -v gcloud)"
+    return 0
+  fi
+  log "event=gcloud_missing path=${PATH}"
+  return 1
 }
 
 # access_token: the machine's service-account token from the metadata server
@@ -256,14 +340,15 @@ access_token() {
   fi
 }
 
-# api_call METHOD URL [JSON]: one Google API request with the machine's token, retried by curl on
-# 408, 429, 5xx and timeouts (curl --retry); the answer's body on stdout when the status is 2xx.
+# api_call METHOD URL [BODY [CONTENT_TYPE]]: one Google API request with the machine's token, retried
+# by curl on 408, 429, 5xx and timeouts (curl --retry); the answer's body on stdout when the status is
+# 2xx. BODY is JSON unless CONTENT_TYPE says otherwise.
 api_call() {
-  local method="$1" url="$2" body="${3:-}" token response status
+  local method="$1" url="$2" body="${3:-}" content_type="${4:-application/json}" token response status
   token="$(access_token)" || return 1
   local args=(--silent --show-error --retry 4 --retry-connrefused --max-time 60 --request "$method"
     --header "Authorization: Bearer ${token}" --write-out '\n%{http_code}')
-  if [[ -n "$body" ]]; then args+=(--header 'Content-Type: application/json' --data "$body"); fi
+  if [[ -n "$body" ]]; then args+=(--header "Content-Type: ${content_type}" --data-binary "$body"); fi
   response="$(curl "${args[@]}" "$url")" || {
     log "event=api_call_failed method=${method} url=${url} error=curl_exit_$?"
     return 1
@@ -459,9 +544,20 @@ boot() {
       fail "bad_attribute: spawn-accelerator=${ACCELERATOR} (expected cpu, gpu or tpu)"
       ;;
   esac
+  wait_for_gcloud || true
   record booting
+  if [[ "$RECORD_WRITTEN" != true ]] && bucket_missing "$QUEUE_URL"; then
+    # A typo in spawn-queue's bucket: no record can be written anywhere it would be read, so the
+    # reason goes to the console and the journal, and the machine goes before it installs anything.
+    PHASE="queue"
+    local bucket="${QUEUE_URL#gs://}"
+    fail "queue_bucket_missing: bucket gs://${bucket%%/*} of spawn-queue=${QUEUE_URL} does not exist (check the queue URL)"
+  fi
 
   PHASE="code_sync"
+  if ! command -v gcloud >/dev/null; then
+    fail "gcloud_missing: no gcloud on PATH after waiting ${SNAP_SEED_TIMEOUT_S}s for snap seeding (the image needs the Google Cloud CLI)"
+  fi
   # Only this machine's wheelhouse: --exclude is a Python regular expression on the relative path
   # (https://cloud.google.com/sdk/gcloud/reference/storage/rsync); cuda12's alone is gigabytes.
   log "event=code_sync source=${CODE_URL} dest=${CODE_DIR} wheelhouse=${lock}"

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from objectstore import open_store
 from taskqueue.claims import default_poll_max
 from taskqueue.clock import Clock
+from taskqueue.completion import QueueMissing
 from taskqueue.slice import Follower, SliceOptions
 from taskqueue.spawner import SpawnOptions, Spawner, resolve_consumer
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+EX_BAD_INPUT = 65  # the queue URL names no queue (no job.json, no bucket): STYLE's "bad input"
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -46,6 +48,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=3, help="failed attempts before a task is dead-lettered")
     p.add_argument("--max-tasks", type=int, default=None, help="exit after this many tasks")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for leased work before exiting")
+    p.add_argument(
+        "--job-wait", type=float, default=60.0, metavar="SECONDS",
+        help="seconds to wait for the queue's job.json and a first task before calling the queue URL wrong: "
+        "record failed, exit 65 (default 60; docs/PROTOCOL.md, 'A queue is where its job is')",
+    )  # fmt: skip
     p.add_argument(
         "--stuck-after", type=float, default=None, metavar="SECONDS",
         help="stop a consumer that wrote no progress record and no output line for this long; the attempt "
@@ -137,6 +144,7 @@ def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner | 
             slice=role,
             stuck_after_s=args.stuck_after,
             max_task_s=args.max_task_time,
+            job_wait_s=args.job_wait,
         )
     except ValueError as exc:
         parser().error(str(exc))
@@ -171,6 +179,8 @@ def run(
         watcher = watch_preemption(lambda: spawner.request_stop("preempted"), args.preemption_watch == "on")
     try:
         reason = spawner.run()
+    except QueueMissing as err:
+        return _no_queue(spawner, err, args.on_empty != "exit", self_delete)
     finally:
         if watcher is not None:
             watcher.stop()
@@ -189,3 +199,16 @@ def run(
             reason = "preempted" if spawner.stop_reason == "preempted" else f"stopped ({spawner.stop_reason})"
         spawner.tell_state("exited", reason=reason)
     return 0
+
+
+def _no_queue(spawner: Spawner, err: QueueMissing, delete: bool, self_delete: Callable[[], None] | None) -> int:
+    """The queue URL names no queue: one line naming it (no traceback), the machine record `failed`
+    with that line (where the bucket exists: the record lives in the queue prefix, the one object
+    written there), and with --on-empty delete the machine deletes itself, so a fleet launched at a
+    typo stops costing money with its reason on record. Exit 65: a restart would find the same."""
+    logging.getLogger("taskqueue.cli").error("event=no_queue queue=%s reason=%r", spawner.store.root_url, str(err))
+    print(f"spawn.py: {err}", file=sys.stderr)
+    spawner.tell_state("failed", reason=str(err))
+    if delete and self_delete is not None:
+        self_delete()
+    return EX_BAD_INPUT

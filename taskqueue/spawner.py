@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 
 from objectstore import NotFound, ObjectStore, StoreError
-from taskqueue import layout
+from taskqueue import completion, layout
 from taskqueue.claims import Claim, Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.process import ConsumerSlot, pump_output
@@ -111,6 +111,9 @@ class SpawnOptions:
     #: no output line), or running this long in all, and count the attempt as failed. None: never.
     stuck_after_s: float | None = None
     max_task_s: float | None = None
+    #: How long a worker waits for the queue's job.json (and a first task) before it calls the queue
+    #: URL wrong (taskqueue.completion.wait_for_job): covers a fleet started before its submit.
+    job_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.consumer:
@@ -124,6 +127,8 @@ class SpawnOptions:
             )
         if self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be at least 1, got {self.max_attempts}")
+        if self.job_wait_s < 0:
+            raise ValueError(f"--job-wait must be 0 or more seconds, got {self.job_wait_s}")
         for flag, value in (("--stuck-after", self.stuck_after_s), ("--max-task-time", self.max_task_s)):
             if value is not None and value <= 0:
                 raise ValueError(f"{flag} must be a positive number of seconds (leave it out to disable), got {value}")
@@ -196,8 +201,14 @@ class Spawner:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> str:
-        """Drain the queue. Returns why it stopped: drained, idle, max_tasks or stopped."""
+        """Drain the queue. Returns why it stopped: drained, idle, max_tasks or stopped. Raises
+        completion.QueueMissing, having claimed and written nothing, when the queue URL names no
+        queue (no job.json within `job_wait_s`, or no bucket): never `drained` on a typo."""
         log.info("event=worker_start worker=%s queue=%s", self.options.worker, self.store.root_url)
+        self._job = completion.wait_for_job(self.store, self.options.job_wait_s, self.clock, self._stop)
+        if self._job is None:
+            log.info("event=worker_exit worker=%s reason=stopped waiting_for=job", self.options.worker)
+            return "stopped"
         handled = 0
         self.tell_state("idle")
         for claim in self.claimer:
@@ -212,6 +223,8 @@ class Spawner:
                 self.claimer.exit_reason = "max_tasks"
                 break
         reason = "stopped" if self._stop.is_set() else self.claimer.exit_reason
+        if reason == "drained":
+            reason = self._confirm_drained()
         if self.board is not None:
             try:
                 self.board.close(reason)  # the followers exit too
@@ -219,6 +232,18 @@ class Spawner:
                 log.error("event=slice_close_failed error=%s", exc)
         log.info("event=worker_exit worker=%s reason=%s %s", self.options.worker, reason, self.tally.fields())
         return reason
+
+    def _confirm_drained(self) -> str:
+        """`drained` only when the completion rule (taskqueue.completion) holds on this worker's view:
+        every region swept (nothing unfinished), no batch running, `batches/` unchanged across the
+        claimer's last look, and a task submitted (wait_for_job saw one, and tasks are never deleted).
+        The claimer's drain check is that rule on its listings; a view that fails it says why, and
+        the worker leaves `idle` instead, which never claims the queue is finished."""
+        progress = completion.Progress(total=1, unfinished=0, submitting=len(self.claimer.view.running))
+        if progress.complete:
+            return "drained"
+        log.error("event=drain_refused worker=%s why=%r", self.options.worker, progress.why_not())
+        return "idle"
 
     def run_options(self) -> RunOptions:
         o = self.options

@@ -9,7 +9,8 @@ name would shadow the fleet package it imports.)
 and a repeated `--zone a --zone b` are the same: zones to create in, the first preferred. Every --interval seconds:
 deletes SUSPENDED and FAILED queued resources named SPEC.name-NNNN and creates replacements up to --count (times
 the spec's `slices`) only while claimable tasks outnumber the alive machines that hold no lease (fleet/keeper.py);
-stops once every task has a done marker or a dead letter. Runs anywhere with credentials. Exit codes: 0 done,
+stops once the queue is complete as status says it (taskqueue/completion.py: every task has a done marker or a dead
+letter, and no batch is still being submitted). Runs anywhere with credentials. Exit codes: 0 done,
 1 the API refused, 2 usage, 65 a bad spec or address.
 """
 

@@ -249,21 +249,10 @@ class Rehearsal:
         self.stop()
 
     def _prepare(self, disk: Disk) -> None:
-        """What the image has that the root filesystem lacks: the guest environment's pieces (stood in),
-        /etc/hosts naming the metadata server as GCE's does, and gcloud configured for these endpoints."""
-        root = self.ns.view(disk)
-        for name in ("systemctl", "google-startup-script"):
-            shutil.copy(IMAGE / name, root / "usr/local/sbin" / name)
-        with (root / "etc/hosts").open("a") as hosts:
-            hosts.write("169.254.169.254 metadata.google.internal metadata\n")
-        write_config(root / "root/.config/gcloud", storage=self.gcs.url, compute=self.cloud.url, tpu=self.cloud.url,
-                     project=PROJECT)
+        prepare_disk(self.ns.view(disk), self.gcs.url, self.cloud.url)
 
     def machine_env(self) -> dict[str, str]:
-        return {"PATH": MACHINE_PATH, "HOME": "/root", "LANG": "C.UTF-8",
-                "STORAGE_EMULATOR_HOST": self.gcs.url, "FLEET_COMPUTE_ENDPOINT": self.cloud.url,
-                "FLEET_TPU_ENDPOINT": self.cloud.url, "FLEET_CRM_ENDPOINT": self.cloud.url,
-                "STARTUP_RETRY_DELAY_S": "1"}
+        return machine_env(self.gcs.url, self.cloud.url)
 
     def uploader_env(self, scratch: Path) -> dict[str, str]:
         config = write_config(scratch / "uploader-gcloud", storage=self.uploader.url, project=PROJECT)
@@ -293,11 +282,18 @@ class Rehearsal:
 
     def submit_job(self, job_name: str, rows: int = 8) -> list[str]:
         """A tiny Qwen model and a FineWeb-like parquet file into the bucket, planned and submitted as one task."""
+        job, tasks = self.stage_job(job_name, rows, rows)
+        self.tool("tools/submit.py", f"gs://{BUCKET}/jobs/{job_name}", "--job", str(job), "--tasks", str(tasks))
+        return [json.loads(line)["id"] for line in tasks.read_text().splitlines()]
+
+    def stage_job(self, job_name: str, rows: int, rows_per_task: int, files: int = 1) -> tuple[Path, Path]:
+        """A tiny Qwen model and FineWeb-like parquet files in the bucket (through the real gcloud), the
+        job.json that names them and its tasks planned by tools/make_tasks.py: (job.json, tasks.jsonl)."""
         from extract.tiny import write_fineweb_like_parquet, write_tiny_qwen
 
         scratch = self.workdir / f"job-{job_name}"
         model = write_tiny_qwen(scratch / "model", "qwen2", hidden=32, layers=2, heads=4, kv_heads=2, vocab=320)
-        data = write_fineweb_like_parquet(scratch / "data", 1, rows, seed=1)
+        data = write_fineweb_like_parquet(scratch / "data", files, rows, seed=1)
         gcloud = shutil.which("gcloud")
         env = self.uploader_env(self.workdir)
         for local, remote in ((model, f"models/tiny-{job_name}"), (scratch / "data", f"data/{job_name}")):
@@ -307,28 +303,26 @@ class Rehearsal:
                "data_files": [f"gs://{BUCKET}/data/{job_name}/{Path(p).name}" for p in data],
                "layers": [1, -1], "max_seq_len": 48, "batch_size": 4, "shard_size": 4, "buckets": [16, 48]}
         (scratch / "job.json").write_text(json.dumps(job))
-        self.tool("tools/make_tasks.py", str(scratch / "job.json"), "--rows-per-task", str(rows), "-o",
+        self.tool("tools/make_tasks.py", str(scratch / "job.json"), "--rows-per-task", str(rows_per_task), "-o",
                   str(scratch / "tasks.jsonl"))
-        self.tool("tools/submit.py", f"gs://{BUCKET}/jobs/{job_name}", "--job", str(scratch / "job.json"),
-                  "--tasks", str(scratch / "tasks.jsonl"))
-        return [json.loads(line)["id"] for line in (scratch / "tasks.jsonl").read_text().splitlines()]
+        return scratch / "job.json", scratch / "tasks.jsonl"
 
     # -- the machine's side
 
-    def set_machine(self, name: str, code: str, job: str) -> None:
+    def set_machine(self, name: str, code: str, job: str, queue: str | None = None, spawn_flags: list[str] = (),
+                    drop: tuple[str, ...] = ()) -> None:
         """The metadata of a member of managed instance group GROUP, launched from templates/vm.yaml
-        as tools/create_template.py would (fleet.specs.Launch), with a CPU lock."""
+        as tools/create_template.py would (fleet.specs.Launch), with a CPU lock; `queue` (a gs:// URL)
+        replaces jobs/JOB, `spawn_flags` go after the spec's, the attributes in `drop` are left out."""
         from fleet.specs import Launch, load_spec
 
         spec = load_spec(REPO / "templates" / "vm.yaml")
-        launch = Launch.make(spec, f"gs://{BUCKET}/jobs/{job}", f"gs://{BUCKET}/{code}")
+        launch = Launch.make(spec, queue or f"gs://{BUCKET}/jobs/{job}", f"gs://{BUCKET}/{code}",
+                             spawn_flags=[*spec.spawn_flags, *spawn_flags])
         attributes = {**launch.metadata(spec, "cpu"),
                       "created-by": f"projects/123456789012/zones/{ZONE}/instanceGroupManagers/{GROUP}"}
-        values = gce_vm(PROJECT, ZONE, name, attributes)
-        values.update({"instance/machine-type": f"projects/123456789012/machineTypes/{spec.machine_type}",
-                       "instance/scheduling/provisioning-model": "SPOT",
-                       "instance/service-accounts/default/token": json.dumps(
-                           {"access_token": TOKEN, "expires_in": 3599, "token_type": "Bearer"})})
+        values = instance_metadata(name, {k: v for k, v in attributes.items() if k not in drop},
+                                   spec.machine_type, spot=True)
         with self.metadata.changed:
             self.metadata.values.clear()
             self.metadata.values.update(values)
@@ -373,6 +367,93 @@ class Rehearsal:
     def worker_log(self, disk: Disk) -> str:
         path = self.ns.view(disk) / "var/log/spawn-worker.service.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def prepare_disk(root: Path, gcs_url: str, cloud_url: str) -> None:
+    """What the image has that the root filesystem lacks: the guest environment's pieces (stood in),
+    /etc/hosts naming the metadata server as GCE's does, and gcloud configured for these endpoints."""
+    for name in ("systemctl", "google-startup-script"):
+        shutil.copy(IMAGE / name, root / "usr/local/sbin" / name)
+    with (root / "etc/hosts").open("a") as hosts:
+        hosts.write("169.254.169.254 metadata.google.internal metadata\n")
+    write_config(root / "root/.config/gcloud", storage=gcs_url, compute=cloud_url, tpu=cloud_url, project=PROJECT)
+
+
+def machine_env(gcs_url: str, cloud_url: str) -> dict[str, str]:
+    """The startup-script runner's environment: the Python clients' endpoints (a real unit would not
+    inherit them), shorter backoffs, and the systemctl stand-in's restart pause in seconds."""
+    return {"PATH": MACHINE_PATH, "HOME": "/root", "LANG": "C.UTF-8",
+            "STORAGE_EMULATOR_HOST": gcs_url, "FLEET_COMPUTE_ENDPOINT": cloud_url,
+            "FLEET_TPU_ENDPOINT": cloud_url, "FLEET_CRM_ENDPOINT": cloud_url,
+            "STARTUP_RETRY_DELAY_S": "1", "STANDIN_RESTART_SEC": "1"}
+
+
+def instance_metadata(name: str, attributes: dict[str, str], machine_type: str, spot: bool) -> dict[str, str]:
+    """What a GCE VM's metadata server holds for instance `name`, with the service account's token."""
+    values = gce_vm(PROJECT, ZONE, name, attributes)
+    values.update({"instance/machine-type": f"projects/123456789012/machineTypes/{machine_type.rsplit('/', 1)[-1]}",
+                   "instance/scheduling/provisioning-model": "SPOT" if spot else "STANDARD",
+                   "instance/service-accounts/default/token": json.dumps(
+                       {"access_token": TOKEN, "expires_in": 3599, "token_type": "Bearer"})})
+    return values
+
+
+class LateGcloud:
+    """gcloud as a snap that snapd seeds after the boot has begun (Ubuntu 24.04, the TPU and ML images;
+    GoogleCloudPlatform/guest-agent#84), on a machine's disk seen from outside (`root`): the image's
+    /usr/bin/gcloud is gone, `snap` is the stand-in (tests/boot/image/snap), and `seed()` puts gcloud at
+    /snap/bin/gcloud and marks the seeding done, as snapd would. `restore()` puts the disk back."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        for tool in ("gcloud", "gsutil"):
+            (root / "usr/bin" / tool).unlink()
+        shutil.copy(IMAGE / "snap", root / "usr/bin/snap")
+
+    def seed(self) -> None:
+        (self.root / "snap/bin").mkdir(parents=True, exist_ok=True)
+        (self.root / "snap/bin/gcloud").symlink_to("/usr/lib/google-cloud-sdk/bin/gcloud")
+        (self.root / "var/lib/snapd").mkdir(parents=True, exist_ok=True)
+        (self.root / "var/lib/snapd/seeded").touch()
+
+    def restore(self) -> None:
+        shutil.rmtree(self.root / "snap", ignore_errors=True)
+        shutil.rmtree(self.root / "var/lib/snapd", ignore_errors=True)
+        (self.root / "usr/bin/snap").unlink(missing_ok=True)
+        for tool in ("gcloud", "gsutil"):
+            (self.root / "usr/bin" / tool).symlink_to(f"../lib/google-cloud-sdk/bin/{tool}")
+
+
+def missing_tools() -> list[str]:
+    """What this machine lacks for a rehearsal, each said as what to do about it."""
+    missing = [tool for tool in ("mmdebstrap", "gcloud", "unshare", "nsenter", "ip") if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        missing.append("root")
+    elif shutil.which("unshare"):
+        probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "true"], capture_output=True,
+                               text=True, timeout=60)
+        if probe.returncode != 0:
+            missing.append(f"the right to make namespaces (unshare: {probe.stderr.strip()[-200:]})")
+    try:
+        rootfs.host_release()
+    except rootfs.RootfsError as err:
+        missing.append(f"a Debian host ({err})")
+    return missing
+
+
+def skip_or_fail_without_the_tools() -> None:
+    """A rehearsal test's first line: skip saying what is missing, except in CI (BOOT_REHEARSAL=required
+    or CI set), where a missing piece fails it."""
+    import pytest
+
+    missing = missing_tools()
+    if not missing:
+        return
+    message = (f"the boot rehearsal needs {'; '.join(missing)} (`make rehearsal-tools` installs the tools; "
+               f"the namespaces need root with CAP_SYS_ADMIN)")
+    if os.environ.get("BOOT_REHEARSAL") == "required" or os.environ.get("CI"):
+        pytest.fail(f"{message}; CI must run it (BOOT_REHEARSAL=required or CI is set)")
+    pytest.skip(f"{message}; skipped on this machine")
 
 
 def remove_in_background(paths: list[Path]) -> None:

@@ -2,7 +2,9 @@
 fake Google APIs boots the real startup.sh from its metadata and, from the bucket alone (code, uv, the
 interpreter, the wheels, all put there by the real tools/upload_code.py through the real gcloud),
 claims a task, extracts it with a tiny model, writes the done marker and leaves its group; a machine
-whose wheelhouse is broken records why and leaves its group too.
+whose wheelhouse is broken records why and leaves its group too. Then the ways a boot or a worker can
+end that a first real fleet would meet, each ending in a reason and a delete: gcloud arriving late as
+a snap with a typo in the queue prefix, a queue bucket that does not exist, a worker that keeps failing.
 
 Needs a Debian host, root with the right to make namespaces (a container without CAP_SYS_ADMIN has
 not), mmdebstrap, iproute2 and gcloud (`make rehearsal-tools`); elsewhere it skips saying what is
@@ -12,51 +14,22 @@ missing piece fails it."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
+import threading
 
 import pytest
 
-from tests.boot import rootfs
-from tests.boot.rehearsal import BUCKET, GROUP, PROJECT, ZONE, Rehearsal, first_claim_time, release_host, report, standin_release
+from tests.boot.rehearsal import (BUCKET, GROUP, PROJECT, ZONE, LateGcloud, Rehearsal, first_claim_time, release_host,
+                                  report, skip_or_fail_without_the_tools, standin_release)
 from tests.fakegcs.server import Preconditions
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-def _missing() -> list[str]:
-    """What this machine lacks for the rehearsal, each said as what to do about it."""
-    missing = [tool for tool in ("mmdebstrap", "gcloud", "unshare", "nsenter", "ip") if shutil.which(tool) is None]
-    if os.geteuid() != 0:
-        missing.append("root")
-    elif shutil.which("unshare"):
-        probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "true"], capture_output=True,
-                               text=True, timeout=60)
-        if probe.returncode != 0:
-            missing.append(f"the right to make namespaces (unshare: {probe.stderr.strip()[-200:]})")
-    try:
-        rootfs.host_release()
-    except rootfs.RootfsError as err:
-        missing.append(f"a Debian host ({err})")
-    return missing
-
-
-def _required() -> bool:
-    return os.environ.get("BOOT_REHEARSAL") == "required" or bool(os.environ.get("CI"))
 
 
 @pytest.fixture
 def world(tmp_path) -> Rehearsal:
     """One machine world (namespaces, fakes, the upload) for the one test below: pytest-xdist may hand
     tests of a module to different workers, so the costly set-up is never shared between tests."""
-    missing = _missing()
-    if missing:
-        message = (f"the boot rehearsal needs {'; '.join(missing)} (`make rehearsal-tools` installs the tools; "
-                   f"the namespaces need root with CAP_SYS_ADMIN)")
-        if _required():
-            pytest.fail(f"{message}; CI must run it (BOOT_REHEARSAL=required or CI is set)")
-        pytest.skip(f"{message}; skipped on this machine")
+    skip_or_fail_without_the_tools()
     with Rehearsal(tmp_path, disks=2) as rehearsal:
         release, listing = standin_release(rehearsal.lower)
         url, stop = release_host(release)
@@ -77,6 +50,10 @@ def test_a_stock_machine_boots_from_the_bucket_alone_and_a_broken_wheelhouse_end
     _stock_image_has_nothing_the_boot_could_lean_on(world)
     _boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(world, monkeypatch)
     _broken_wheelhouse_ends_in_a_failed_record_with_its_log_tail_and_a_delete(world)
+    # Every way a boot or a worker can end says why (issue 36), on the same disks: reboots, warm.
+    _late_snap_gcloud_is_waited_for_and_a_typo_in_the_queue_prefix_ends_failed_naming_it(world)
+    _a_queue_bucket_that_does_not_exist_ends_the_boot_before_the_install(world)
+    _a_worker_that_keeps_failing_ends_in_a_record_and_a_delete_not_a_loop(world)
 
 
 def _boots_from_the_bucket_alone_claims_extracts_and_leaves_its_group(world: Rehearsal,
@@ -154,3 +131,69 @@ def _stock_image_has_nothing_the_boot_could_lean_on(world: Rehearsal) -> None:
     assert not list(lower.glob("usr/bin/uv*")) and not (lower / "opt/fleet").exists()
     assert not list(lower.glob("usr/lib/python3*/ensurepip/__init__.py"))
     assert (lower / "usr/bin/curl").exists() and list(lower.glob("usr/bin/python3.*"))
+
+
+def _late_snap_gcloud_is_waited_for_and_a_typo_in_the_queue_prefix_ends_failed_naming_it(world: Rehearsal) -> None:
+    """gcloud seeded as a snap 15 s into the boot (the race of GoogleCloudPlatform/guest-agent#84: the
+    boot used to give up without a record), and spawn-queue pointing at jobs/j1x, where no job is:
+    the boot waits for the seeding and goes on; the worker waits --job-wait for a job, then records
+    `failed` naming the URL, writes nothing else there, and the machine leaves its group."""
+    disk = world.disks[0]
+    late = LateGcloud(world.ns.view(disk))
+    world.set_machine("spawn-worker-0003", "code/run1", "j1", queue=f"gs://{BUCKET}/jobs/j1x", spawn_flags=["--job-wait", "5"])
+    before = len(world.worker_log(disk))  # the disk's log goes on from its earlier boots
+    seeding = threading.Timer(15, late.seed)
+    seeding.start()
+    try:
+        boot = world.boot(disk, "late gcloud, typo in the prefix")
+    finally:
+        seeding.cancel()
+        seeding.join()
+    late.restore()
+    assert boot.status == 0, boot.console[-6000:]
+    assert boot.marks["booting"] - boot.marks["startup_script_start"] >= 14, boot.console[-3000:]
+    assert "event=snap_seed_wait timeout_s=600" in boot.console and "event=gcloud path=/snap/bin/gcloud" in boot.console
+    delete = world.wait_for_delete("spawn-worker-0003", timeout=180)
+    log = world.worker_log(disk)[before:]
+    assert delete is not None, f"no deleteInstances; worker log:\n{log[-4000:]}"
+    record, listed = _record(world, "j1x", "spawn-worker-0003")
+    assert record["state"] == "failed" and listed["state"] == "failed", record
+    assert record["reason"].startswith(f"no job at gs://{BUCKET}/jobs/j1x: check the queue URL"), record
+    assert {"booting"} <= set(record["spent"]) and "reason=drained" not in log and "queue drained" not in log
+    assert list(world.objects("jobs/j1x/")) == ["jobs/j1x/machines/spawn-worker-0003.json"]  # no queue object
+    assert "event=service_exited unit=spawn-worker.service status=65" in log and "event=service_restart" not in log
+
+
+def _a_queue_bucket_that_does_not_exist_ends_the_boot_before_the_install(world: Rehearsal) -> None:
+    """A typo in spawn-queue's bucket: the booting record cannot land, the JSON API says the bucket is
+    not there, and the machine leaves before the sync, the install or a worker (it used to go on, start
+    the worker and crash-loop on a NotFound traceback with no record)."""
+    disk = world.disks[1]
+    world.set_machine("spawn-worker-0004", "code/run1", "j1", queue=f"gs://{BUCKET}-typo/jobs/j1")
+    boot = world.boot(disk, "queue bucket missing")
+    assert boot.status == 1, boot.console[-6000:]
+    assert (f"event=boot_failed phase=queue reason=queue_bucket_missing: bucket gs://{BUCKET}-typo of "
+            f"spawn-queue=gs://{BUCKET}-typo/jobs/j1 does not exist (check the queue URL)") in boot.console
+    assert "event=code_sync" not in boot.console and "event=installed" not in boot.console
+    assert world.wait_for_delete("spawn-worker-0004", timeout=60) is not None
+    assert not (world.ns.view(disk) / "etc/systemd/system/spawn-worker.service").exists()
+
+
+def _a_worker_that_keeps_failing_ends_in_a_record_and_a_delete_not_a_loop(world: Rehearsal) -> None:
+    """A worker that fails at every start (no spawn-consumer attribute: fleet.service refuses), under
+    the unit's Restart=on-failure (the systemctl stand-in restarts it, 1 s apart): the fifth failure's
+    ExecStopPost records `failed` with the reason, disables the unit and deletes the machine."""
+    disk = world.disks[0]
+    world.set_machine("spawn-worker-0005", "code/run1", "j1", drop=("spawn-consumer",))
+    before = len(world.worker_log(disk))
+    boot = world.boot(disk, "worker crash loop")
+    assert boot.status == 0, boot.console[-6000:]
+    delete = world.wait_for_delete("spawn-worker-0005", timeout=300)
+    log = world.worker_log(disk)[before:]
+    assert delete is not None, f"no deleteInstances; worker log:\n{log[-6000:]}"
+    record, listed = _record(world, "j1", "spawn-worker-0005")
+    assert (record["state"], listed["state"]) == ("failed", "failed")
+    assert record["reason"].startswith("worker_crash_loop: 5 failures in 900s, last exit-code exited=1"), record
+    exits = [line for line in log.splitlines() if "event=service_exited" in line]
+    assert "'spawn-consumer' is not set" in log and "event=start_limit_hit" not in log
+    assert len(exits) == 5 and all(" status=1 " in line for line in exits), exits

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import re
+import string
+from typing import Protocol
 
 from tests.cloud import apischema
 from tests.cloud.fakehttp import FakeHTTPServer, Request, Response
@@ -39,6 +42,22 @@ _APIS = ((COMPUTE, "compute.v1"), (TPU, "tpu.v2"), (CRM, "cloudresourcemanager.v
          (STORAGE, "storage.v1"))
 _STATUS_NAMES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
                  412: "FAILED_PRECONDITION", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+
+
+#: The project number in the `created-by` attribute Compute Engine gives a group's members
+#: (https://cloud.google.com/compute/docs/instance-groups/getting-info-about-migs#checking_if_a_vm_is_part_of_a_mig).
+PROJECT_NUMBER = "123456789012"
+
+
+class Machines(Protocol):
+    """Whatever runs the instances a fake instance group makes (tests/boot/fleet.py boots each as a
+    rehearsal machine). Called with the fake's lock held: start work, never wait for it."""
+
+    def created(self, instance: str, resource: dict) -> None:
+        """`instance` ("projects/P/zones/Z/instances/N") exists now: boot it from `resource`."""
+
+    def deleted(self, instance: str) -> None:
+        """`instance` was deleted through the API: shut it down."""
 
 
 class _ApiError(Exception):
@@ -63,6 +82,17 @@ class FakeCloud(FakeHTTPServer):
         self.resource_policies: dict[str, dict] = {}
         #: Answers of this fake that Google's schema refuses (tests/cloud/apischema.py); must stay empty.
         self.schema_breaks: list[str] = []
+        #: When set, zonal instance groups keep members as a managed instance group does, and each
+        #: member's start and end go to it: a group's insert or resize makes members from its template
+        #: up to its target size, named `baseInstanceName-xxxx` (the API reference's
+        #: instanceGroupManagers.baseInstanceName: a hyphen and four random characters appended);
+        #: deleteInstances, a smaller size and the group's delete remove them; a member that stops by
+        #: itself (`stopped`, as a preempted spot VM does) is recreated under its name when the group's
+        #: defaultActionOnFailure is REPAIR (https://cloud.google.com/compute/docs/instance-groups/about-repairing-vms-in-a-mig).
+        #: Without it, groups are a target size and nothing more.
+        self.machines: Machines | None = None
+        self._members: dict[str, list[str]] = {}  # group path -> its members' instance paths, oldest first
+        self._names = random.Random(36)
 
     # -- helpers for tests
 
@@ -84,6 +114,81 @@ class FakeCloud(FakeHTTPServer):
 
     def failure_response(self, status: int) -> Response:
         return self._error(_ApiError(status, f"injected failure {status}"), tpu=False)
+
+    def members(self, group: str) -> list[str]:
+        """The instance paths of `group`'s members (with `machines` set), oldest first."""
+        with self.lock:
+            return list(self._members.get(group, []))
+
+    def stopped(self, instance: str) -> str | None:
+        """`instance` stopped without a delete request (a preempted spot VM whose termination action
+        is DELETE): it is gone, and its group, if it repairs, makes it again under the same name.
+        Returns the group that recreated it, or None."""
+        with self.lock:
+            self.resources.pop(instance, None)
+            for group, members in self._members.items():
+                if instance in members:
+                    policy = self.resources.get(group, {}).get("instanceLifecyclePolicy", {})
+                    if policy.get("defaultActionOnFailure", "REPAIR") != "REPAIR":
+                        members.remove(instance)
+                        return None
+                    self._make_member(group, instance.rsplit("/", 1)[1], replacing=instance)
+                    return group
+        return None
+
+    # -- managed instance group members (with `machines`)
+
+    def _template_of(self, group: str) -> dict:
+        return self._template_of_body(self.resources[group])
+
+    def _template_of_body(self, group: dict) -> dict:
+        path = group["instanceTemplate"].split("/compute/v1/", 1)[-1]
+        if path not in self.resources:
+            raise _ApiError(404, f"The resource '{path}' was not found (the group's instanceTemplate)")
+        return self.resources[path]
+
+    def _fill(self, group: str) -> None:
+        """Make members up to the group's target size, or remove the newest beyond it."""
+        if self.machines is None:
+            return
+        if "/zones/" not in group:
+            raise _ApiError(400, "the fake keeps members of zonal groups only")
+        members = self._members.setdefault(group, [])
+        resource = self.resources[group]
+        while len(members) < resource["targetSize"]:
+            taken = {m.rsplit("/", 1)[1] for ms in self._members.values() for m in ms}
+            while True:
+                suffix = "".join(self._names.choice(string.ascii_lowercase + string.digits) for _ in range(4))
+                name = f"{resource.get('baseInstanceName') or resource['name']}-{suffix}"
+                if name not in taken:
+                    break
+            self._make_member(group, name)
+        while len(members) > resource["targetSize"]:
+            self._remove_member(group, members[-1])
+
+    def _make_member(self, group: str, name: str, replacing: str | None = None) -> None:
+        project, zone, group_name = group.split("/")[1], group.split("/")[3], group.rsplit("/", 1)[1]
+        properties = self._template_of(group).get("properties", {})
+        path = f"projects/{project}/zones/{zone}/instances/{name}"
+        created_by = f"projects/{PROJECT_NUMBER}/zones/{zone}/instanceGroupManagers/{group_name}"
+        resource = {
+            "kind": "compute#instance", "id": str(next(self._ids)), "name": name, "status": "RUNNING",
+            "zone": f"projects/{project}/zones/{zone}",
+            "machineType": f"projects/{project}/zones/{zone}/machineTypes/{properties.get('machineType', 'n2-standard-4')}",
+            "scheduling": dict(properties.get("scheduling", {})),
+            "labels": dict(properties.get("labels", {})),
+            "metadata": {"items": [*properties.get("metadata", {}).get("items", []), {"key": "created-by", "value": created_by}]},
+        }  # fmt: skip
+        self.resources[path] = resource
+        members = self._members.setdefault(group, [])
+        if replacing is None:
+            members.append(path)
+        self.machines.created(path, resource)
+
+    def _remove_member(self, group: str, instance: str) -> None:
+        self._members[group].remove(instance)
+        if self.resources.pop(instance, None) is not None and self.machines is not None:
+            self.machines.deleted(instance)
 
     # -- dispatch
 
@@ -197,7 +302,11 @@ class FakeCloud(FakeHTTPServer):
                 resource = dict(body)
                 if rest == "instanceGroupManagers":
                     resource["targetSize"] = int(body.get("targetSize", 0))
+                    if self.machines is not None:
+                        self._template_of_body(body)  # 404 before anything is made, as the API answers
                 self.resources[target] = resource
+                if rest == "instanceGroupManagers":
+                    self._fill(target)
                 return self._compute_operation("insert", target, scope)
             item = re.fullmatch(r"(instanceTemplates|instanceGroupManagers|instances|routers|subnetworks)/([^/]+)(?:/(\w+))?",
                                 rest)
@@ -210,7 +319,18 @@ class FakeCloud(FakeHTTPServer):
             if verb is None and method == "GET":
                 return Response.json(200, self.resources[target])
             if verb is None and method == "DELETE":
+                if target in self._members:  # a group's delete takes its members along
+                    for member in list(self._members[target]):
+                        self._remove_member(target, member)
+                    del self._members[target]
                 del self.resources[target]
+                for group, members in self._members.items():
+                    if target in members:  # a member deleted by itself: its group makes a new one
+                        members.remove(target)
+                        if self.machines is not None:
+                            self.machines.deleted(target)
+                        self._fill(group)
+                        break
                 return self._compute_operation("delete", target, scope)
             if collection == "routers" and method == "PATCH" and verb is None:
                 # routers.patch: the fields sent replace the router's (`gcloud compute routers nats create`
@@ -222,12 +342,17 @@ class FakeCloud(FakeHTTPServer):
                 return self._compute_operation("setPrivateIpGoogleAccess", target, scope)
             if collection == "instanceGroupManagers" and method == "POST" and verb == "resize":
                 self.resources[target]["targetSize"] = int(request.query["size"])
+                self._fill(target)
                 return self._compute_operation("compute.instanceGroupManagers.resize", target, scope)
             if collection == "instanceGroupManagers" and method == "POST" and verb == "deleteInstances":
-                for member in body.get("instances", []):
-                    self.resources.pop(f"projects/{scope.split('/')[1]}/{member}", None)
                 group = self.resources[target]
                 group["targetSize"] = max(0, group["targetSize"] - len(body.get("instances", [])))
+                for member in body.get("instances", []):
+                    path = f"projects/{scope.split('/')[1]}/{member}"
+                    if path in self._members.get(target, []):
+                        self._remove_member(target, path)
+                    else:
+                        self.resources.pop(path, None)
                 return self._compute_operation("compute.instanceGroupManagers.deleteInstances", target, scope)
         raise self._unsupported(request)
 

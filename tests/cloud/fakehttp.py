@@ -66,6 +66,7 @@ class _Handler(BaseHTTPRequestHandler):
             body=body,
         )
         fake = self.server.fake
+        self.server.served += 1
         response = fake._injected_failure(request) or fake.handle(request)
         try:
             self.send_response(response.status)
@@ -86,6 +87,7 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, fake: "FakeHTTPServer", address: tuple[str, int]):
         self.fake = fake
+        self.served = 0  # requests this listener answered (a fleet rehearsal counts them per machine)
         super().__init__(address, _Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -99,8 +101,8 @@ class FakeHTTPServer(abc.ABC):
         self.lock = threading.RLock()
         self.requests: list[Request] = []
         self._failures: list[_Failure] = []
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._main: Listener | None = None
+        self._listeners: list[Listener] = []
 
     @abc.abstractmethod
     def handle(self, request: Request) -> Response:
@@ -109,22 +111,27 @@ class FakeHTTPServer(abc.ABC):
     def start(self, address: tuple[str, int] = ("127.0.0.1", 0)):
         """Serve on `address` (default: a free port on 127.0.0.1; the boot rehearsal's metadata
         server takes the metadata server's own, 169.254.169.254:80)."""
-        self._server = _Server(self, address)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
+        self._main = self.listen(address)
         return self
 
+    def listen(self, address: tuple[str, int] = ("127.0.0.1", 0)) -> "Listener":
+        """A socket answering for this fake (its state, its `requests`); `start` opens the first, and
+        more may follow, e.g. inside a rehearsal machine's own network namespace (open it from a
+        thread in that namespace)."""
+        listener = Listener(_Server(self, address))
+        with self.lock:
+            self._listeners.append(listener)
+        return listener.start()
+
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join()
-            self._server = None
+        with self.lock:
+            listeners, self._listeners, self._main = self._listeners, [], None
+        for listener in listeners:
+            listener.stop()
 
     @property
     def host(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        return self._main.host
 
     @property
     def url(self) -> str:
@@ -148,3 +155,34 @@ class FakeHTTPServer(abc.ABC):
 
     def failure_response(self, status: int) -> Response:
         return Response.json(status, {"error": {"code": status, "message": f"injected failure {status}"}})
+
+
+class Listener:
+    """One socket of a fake (FakeHTTPServer.listen): its URL, and how many requests it answered."""
+
+    def __init__(self, server: _Server):
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def start(self) -> "Listener":
+        self._thread.start()
+        return self
+
+    @property
+    def host(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"{host}:{port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}"
+
+    @property
+    def served(self) -> int:
+        return self._server.served
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join()

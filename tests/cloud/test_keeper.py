@@ -36,7 +36,7 @@ def _keeper(tpu_clients, count: int, work: list[keeper.Work], zones=(ZONE_A, ZON
 
 
 def _free(claimable: int) -> list[keeper.Work]:
-    return [keeper.Work(claimable=claimable, held=0)]
+    return [keeper.Work(claimable=claimable, held=0, complete=False)]
 
 
 def _running_fleet(cloud: FakeCloud, tpu_clients, count: int, *preempted: str) -> tuple[keeper.Keeper, list[keeper.Work], keeper.StepReport]:
@@ -86,7 +86,7 @@ def test_keeper_moves_away_from_a_zone_whose_resource_failed(cloud: FakeCloud, t
 
 def test_keeper_stops_when_the_queue_is_drained_and_creates_nothing(cloud: FakeCloud, tpu_clients):
     fleet_keeper, work, _ = _running_fleet(cloud, tpu_clients, 2, "spawn-tpu-0001")
-    work[0] = keeper.Work(claimable=0, held=0)
+    work[0] = keeper.Work(claimable=0, held=0, complete=True)
     before = len(cloud.calls())
     report = fleet_keeper.run(interval_s=0, max_steps=5)
     assert report.drained and report.created == [] and report.deleted == []
@@ -123,7 +123,7 @@ def test_keeper_creates_nothing_in_a_tail_held_by_others(cloud: FakeCloud, tpu_c
     cleaned up but not replaced, since its replacement could only boot, idle out and delete itself."""
     fleet_keeper, work, first = _running_fleet(cloud, tpu_clients, 4, "spawn-tpu-0000", "spawn-tpu-0001")
     assert len(first.created) == 4
-    work[0] = keeper.Work(claimable=0, held=2)  # the two survivors hold the last two tasks
+    work[0] = keeper.Work(claimable=0, held=2, complete=False)  # the two survivors hold the last two tasks
     report = fleet_keeper.step()
     assert report.deleted == ["spawn-tpu-0000", "spawn-tpu-0001"] and report.created == []
     assert len(report.alive) == 2
@@ -134,11 +134,11 @@ def test_keeper_replaces_only_for_work_the_idle_machines_cannot_take(cloud: Fake
     fleet_keeper, work, _ = _running_fleet(cloud, tpu_clients, 4, "spawn-tpu-0000")
     # 3 alive, 2 of them holding a task (1 idle); 3 claimable: the idle one takes 1, 2 more are needed,
     # but only 1 fits under --count.
-    work[0] = keeper.Work(claimable=3, held=2)
+    work[0] = keeper.Work(claimable=3, held=2, complete=False)
     assert fleet_keeper.step().created == [f"{ZONE_A}/spawn-tpu-0004"]
     # 4 alive, 3 holding, 1 idle, 1 claimable: the idle machine takes it.
     cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0001"), "SUSPENDED")
-    work[0] = keeper.Work(claimable=1, held=2)
+    work[0] = keeper.Work(claimable=1, held=2, complete=False)
     report = fleet_keeper.step()
     assert report.deleted == ["spawn-tpu-0001"] and report.created == []
 
@@ -148,7 +148,7 @@ def test_keeper_replaces_only_for_work_the_idle_machines_cannot_take(cloud: Fake
     [(4, 0, 10, 0, 4), (4, 2, 10, 2, 2), (4, 2, 0, 2, 0), (4, 2, 1, 2, 1), (4, 3, 1, 2, 0), (4, 4, 9, 4, 0), (4, 1, 0, 5, 0)],
 )
 def test_replacements_cover_claimable_work_beyond_idle_machines(count, alive, claimable, held, wanted):
-    assert keeper.replacements(count, alive, keeper.Work(claimable=claimable, held=held)) == wanted
+    assert keeper.replacements(count, alive, keeper.Work(claimable=claimable, held=held, complete=False)) == wanted
 
 
 def test_keeper_in_a_simulated_tail_launches_only_while_claimable_work_waits(cloud: FakeCloud, tpu_clients, capsys):
@@ -160,7 +160,7 @@ def test_keeper_in_a_simulated_tail_launches_only_while_claimable_work_waits(clo
     tasks_left, duration, idle_limit = 10, 3, 2
     running: dict[str, int] = {}  # queued resource -> intervals left on its task
     idle: dict[str, int] = {}  # queued resource -> intervals it found nothing to claim
-    work = [keeper.Work(claimable=tasks_left, held=0)]
+    work = [keeper.Work(claimable=tasks_left, held=0, complete=False)]
     fleet_keeper = _keeper(tpu_clients, 4, work, zones=(ZONE_A,))
     timeline = []
     for interval in range(30):
@@ -169,7 +169,7 @@ def test_keeper_in_a_simulated_tail_launches_only_while_claimable_work_waits(clo
             cloud.set_queued_resource_state(_qr(ZONE_A, victim), "SUSPENDED")
             del running[victim]
             tasks_left += 1
-        work[0] = keeper.Work(claimable=tasks_left, held=len(running))
+        work[0] = keeper.Work(claimable=tasks_left, held=len(running), complete=not tasks_left and not running)
         report = fleet_keeper.step()
         created = [c.rsplit("/", 1)[1] for c in report.created]
         timeline.append((interval, work[0], len(report.alive), created))
@@ -193,7 +193,7 @@ def test_keeper_in_a_simulated_tail_launches_only_while_claimable_work_waits(clo
         print("\ninterval claimable held alive created")
         for interval, seen, alive, created in timeline:
             print(f"{interval:8d} {seen.claimable:9d} {seen.held:4d} {alive:5d} {','.join(created) or '-'}")
-    assert timeline[-1][1] == keeper.Work(0, 0)  # drained
+    assert timeline[-1][1] == keeper.Work(0, 0, complete=True)  # drained
     # Every creation answered claimable work beyond the idle machines; none came once nothing was claimable.
     for _, seen, alive, created in timeline:
         if created:
@@ -237,3 +237,42 @@ def test_zones_are_accepted_comma_separated_or_repeated():
         sys.path.remove(str(REPO / "tools"))
     assert fleetctl.zone_list(["us-west4-a,us-east5-b", "us-central2-b", "us-west4-a"]) == [
         "us-west4-a", "us-east5-b", "us-central2-b"]
+
+
+def test_keeper_goes_on_while_a_batch_is_being_submitted_and_stops_on_statuss_complete(cloud: FakeCloud, tpu_clients,
+                                                                                       gcs_bucket: str, gcs_client):
+    """Nothing claimable and nothing held is not the end while a submit is under way (its batch
+    marker `running`, its tasks not created yet): status says complete False, so the keeper keeps
+    watching (it used to stop at `claimable=0 held=0`). Once the batch is finished and its task
+    done, status's complete stops it: one rule (taskqueue/completion.py) for both."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import fleetctl
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    from reporting.status import snapshot
+    from taskqueue.submit import batch_name, begin_batch
+
+    queue = f"gs://{gcs_bucket}/jobs/late"
+    store = open_store(queue)
+    submit(store, b"{}", [("t1", json.dumps({"id": "t1"}).encode())])
+    options = ClaimOptions(worker="w", lease_ttl_s=60, idle_timeout_s=0.2, poll_min_s=0.01, poll_max_s=0.05)
+    for claim in Claimer(store, options):
+        claim.lease.complete([], 0.0)
+    name = batch_name(["t2"])
+    begin_batch(store, name, {"first": "t2", "last": "t2", "tasks": "1"})  # a submit that has begun, no task yet
+    view = snapshot(store)
+    assert (view["pending"], view["leased"], view["complete"]) == (0, 0, False)
+
+    fleet_keeper = keeper.Keeper(tpu_clients, specs.load_spec(TPU_SPEC), specs.Launch.make(specs.load_spec(TPU_SPEC), queue, "gs://bkt/code/c"),
+                                 PROJECT, [ZONE_A], 2, fleetctl.queue_work(queue))  # fmt: skip
+    report = fleet_keeper.run(interval_s=0, max_steps=3)
+    assert not report.drained and report.work == keeper.Work(claimable=0, held=0, complete=False)
+    assert len(cloud.calls("GET", "/queuedResources")) == 3  # it went on looking, step after step
+
+    submit(store, None, [("t2", json.dumps({"id": "t2"}).encode())])  # the submit finishes its batch
+    assert fleet_keeper.step().work.claimable == 1  # and its task is claimable: no stop
+    for claim in Claimer(store, options):
+        claim.lease.complete([], 0.0)
+    report = fleet_keeper.run(interval_s=0, max_steps=3)
+    assert report.drained and report.work == keeper.Work(claimable=0, held=0, complete=True)

@@ -76,7 +76,7 @@ def test_preempted_worker_releases_its_lease_within_10_s_and_the_attempt_is_not_
     metadata_server.values.update(gce_vm("p", "us-central1-a", "w-1"))
     queue = tmp_path / "queue"
     store = open_store(str(queue))
-    submit(store, None, [("t1", json.dumps({"id": "t1", "outputs": 12, "sleep": 0.3}).encode())])
+    submit(store, b"{}", [("t1", json.dumps({"id": "t1", "outputs": 12, "sleep": 0.3}).encode())])
 
     worker = _spawn(queue, "--worker-id", "w-preempted", "--preemption-watch", "on")
     try:
@@ -109,7 +109,7 @@ def test_maintenance_notice_keeps_the_worker_going_until_sigterm_then_it_release
     metadata_server.values.update(gce_vm("p", "us-central1-a", "gpu-1", {"spawn-accelerator": "gpu"}))
     queue = tmp_path / "queue"
     store = open_store(str(queue))
-    submit(store, None, [("t1", json.dumps({"id": "t1", "outputs": 200, "sleep": 0.1}).encode())])
+    submit(store, b"{}", [("t1", json.dumps({"id": "t1", "outputs": 200, "sleep": 0.1}).encode())])
 
     worker = _spawn(queue, "--worker-id", "w-maint", "--preemption-watch", "on")
     try:
@@ -139,7 +139,7 @@ def test_worker_writes_its_machine_record_on_each_state_change(tmp_path: Path, m
     metadata_server.values.update(gce_vm("p", "us-central1-a", "w-7", {"spawn-accelerator": "cpu", "spawn-code": "gs://b/code/v3"}))
     queue = tmp_path / "queue"
     store = open_store(str(queue))
-    submit(store, None, [(t, json.dumps({"id": t, "outputs": 2, "sleep": 1.0}).encode()) for t in ("t1", "t2")])
+    submit(store, b"{}", [(t, json.dumps({"id": t, "outputs": 2, "sleep": 1.0}).encode()) for t in ("t1", "t2")])
 
     # The first state and the final one are written at once; working/idle changes go out with the
     # beat (docs/PROTOCOL.md, "Machine records"), here every 0.2 s, so each task of a second shows.
@@ -165,7 +165,7 @@ def test_group_whose_queue_is_drained_ends_at_size_zero(tmp_path: Path, metadata
     cloud.add(group, {"name": "spawn-worker", "targetSize": 2})
     queue = tmp_path / "queue"
     store = open_store(str(queue))
-    submit(store, None, [("t1", json.dumps({"id": "t1"}).encode())])
+    submit(store, b"{}", [("t1", json.dumps({"id": "t1"}).encode())])
     for member in ("spawn-worker-a1b2", "spawn-worker-c3d4"):
         cloud.add(f"projects/p/zones/us-central1-a/instances/{member}", {"name": member})
         metadata_server.values.clear()
@@ -178,3 +178,44 @@ def test_group_whose_queue_is_drained_ends_at_size_zero(tmp_path: Path, metadata
     calls = [(c.method, c.path) for c in cloud.calls() if c.method == "POST"]
     assert calls == [("POST", f"/compute/v1/{group}/deleteInstances")] * 2
     assert not [k for k in cloud.resources if "/instances/" in k]
+
+
+def test_a_member_pointed_at_a_prefix_with_no_job_records_why_and_leaves_its_group(tmp_path: Path, metadata_server: FakeMetadata, cloud):
+    """A typo in the queue prefix (jobs/j1x for jobs/j1): the member never reports drained, writes no
+    queue object there, records `failed` naming the URL, and leaves its group (billing stops)."""
+    group = "projects/p/zones/us-central1-a/instanceGroupManagers/spawn-worker"
+    cloud.add(group, {"name": "spawn-worker", "targetSize": 1})
+    cloud.add("projects/p/zones/us-central1-a/instances/spawn-worker-e5f6", {"name": "spawn-worker-e5f6"})
+    metadata_server.values.update(gce_vm("p", "us-central1-a", "spawn-worker-e5f6", {
+        "created-by": "projects/1/zones/us-central1-a/instanceGroupManagers/spawn-worker"}))
+    submit(open_store(str(tmp_path / "jobs" / "j1")), b"{}", [("t1", json.dumps({"id": "t1"}).encode())])
+    typo = open_store(str(tmp_path / "jobs" / "j1x"))
+    worker = _spawn(tmp_path / "jobs" / "j1x", "--on-empty", "delete", "--preemption-watch", "off", "--job-wait", "0.3")
+    output, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 65, output
+    assert "reason=drained" not in output and "queue drained" not in output
+    record = json.loads(typo.read("machines/spawn-worker-e5f6.json").data)
+    assert record["state"] == "failed" and record["reason"].startswith(f"no job at {typo.root_url}: check the queue URL")
+    assert [e.name for e in typo.list("")] == ["machines/spawn-worker-e5f6.json"]  # its record, nothing else
+    assert [(c.method, c.path) for c in cloud.calls() if c.method == "POST"] == [("POST", f"/compute/v1/{group}/deleteInstances")]
+    assert cloud.resources[group]["targetSize"] == 0
+
+
+def test_a_member_whose_self_delete_fails_records_failed_not_deleting(tmp_path: Path, metadata_server: FakeMetadata, cloud):
+    """A group member that cannot delete itself stays up (fleet/selfdelete.py: a group would recreate a
+    stopped one): its record says why, not `deleting`, so status shows what still costs money."""
+    group = "projects/p/zones/us-central1-a/instanceGroupManagers/spawn-worker"
+    cloud.add(group, {"name": "spawn-worker", "targetSize": 1})
+    metadata_server.values.update(gce_vm("p", "us-central1-a", "spawn-worker-g7h8", {
+        "created-by": "projects/1/zones/us-central1-a/instanceGroupManagers/spawn-worker"}))
+    cloud.fail_next(100, 403, path_contains="/deleteInstances")  # the role is missing
+    queue = tmp_path / "queue"
+    store = open_store(str(queue))
+    submit(store, b"{}", [("t1", json.dumps({"id": "t1"}).encode())])
+    worker = _spawn(queue, "--on-empty", "delete", "--preemption-watch", "off")
+    output, _ = worker.communicate(timeout=120)
+    assert worker.returncode == 0, output
+    assert "event=self_delete_failed" in output and "action=stay_up" in output
+    record = json.loads(store.read("machines/spawn-worker-g7h8.json").data)
+    assert record["state"] == "failed" and record["reason"].startswith("self_delete_failed: "), record
+    assert output.index("state=deleting") < output.index("event=self_delete_failed") < output.index("state=failed")

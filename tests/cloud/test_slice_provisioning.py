@@ -17,6 +17,7 @@ from fleet.metadata import MetadataClient
 from fleet.service import ServiceConfigError, worker_argv
 from fleet.slice import COORDINATOR_PORT, HostRole, endpoint_addresses, host_role
 from objectstore import open_store
+from taskqueue.claims import ClaimOptions, Claimer
 from taskqueue.submit import submit
 from tests.cloud.fakecloud import FakeCloud
 from tests.cloud.fakemetadata import FakeMetadata, tpu_vm
@@ -118,7 +119,10 @@ def test_slices_may_delete_themselves_when_idle(tmp_path: Path):
 def test_a_slice_deletes_itself_once_from_its_leader(tmp_path: Path):
     """Leader and follower both run `--on-empty delete`; only the leader's self-delete hook runs."""
     queue = str(tmp_path / "queue")
-    submit(open_store(queue), b"{}", [])
+    store = open_store(queue)
+    submit(store, b"{}", [("t1", b'{"id": "t1"}')])  # one task, finished: the queue is drained (a job with none is no queue)
+    for claim in Claimer(store, ClaimOptions(worker="earlier", idle_timeout_s=0.1, poll_min_s=0.01, poll_max_s=0.05)):
+        claim.lease.complete([], 0.0)
     marker = tmp_path / "deleted-by"
     hook = (
         "import sys, taskqueue.cli as c; "

@@ -17,6 +17,7 @@ import pytest
 from tests.cloud.conftest import StubBin
 from tests.cloud.fakecloud import FakeCloud
 from tests.cloud.fakemetadata import FakeMetadata, gce_vm, tpu_vm
+from tests.fakegcs.server import FakeGCS
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "startup" / "startup.sh"
@@ -25,7 +26,7 @@ SHELLCHECK = REPO / ".venv" / "bin" / "shellcheck"
 # The only real programs the script may run; everything else it calls is a stub, so a real
 # gcloud, uv, python or apt-get on this machine can never be reached.
 REAL_TOOLS = ("bash", "curl", "cat", "sha256sum", "mkdir", "rm", "install", "cp", "tee", "tail", "date", "tr",
-              "sleep", "env", "flock", "dirname", "chmod")
+              "sleep", "env", "flock", "dirname", "chmod", "timeout")
 TOKEN = "ya29.machine-token"
 # The stub gcloud's rsync: copy SRC to DEST but for the relative paths that the regular expression
 # matches from their start.
@@ -49,8 +50,9 @@ def test_startup_script_is_shellcheck_clean():
 class Boot:
     """One machine's disk (root/) and tools (stubs), booted by running the script."""
 
-    def __init__(self, tmp_path: Path, stubs: StubBin, metadata: FakeMetadata, cloud: FakeCloud):
+    def __init__(self, tmp_path: Path, stubs: StubBin, metadata: FakeMetadata, cloud: FakeCloud, storage: FakeGCS):
         self.root = tmp_path / "root"
+        self.storage = storage  # the JSON API the records' REST fallback writes to (bucket `bkt`)
         self.root.mkdir()
         self.stubs = stubs
         self.metadata = metadata
@@ -80,6 +82,7 @@ class Boot:
               exclude='$^'; for a in "$@"; do case "$a" in --exclude=*) exclude="${a#*=}";; esac; done
               {PYTHON} "$STUB_DIR/rsync_copy.py" "$FAKE_BUCKET_CODE" "${@: -1}" "$exclude"
             elif [[ "$1 $2" == "storage cp" ]]; then
+              if [[ -n "${RECORD_FAILS:-}" ]]; then echo "ERROR: (gcloud.storage.cp) $RECORD_FAILS" >&2; exit 1; fi
               url="${@: -1}"; cat > "$FAKE_RECORDS/${url##*/}"
               printf '%s\n' "$url" >> "$FAKE_RECORDS/.history"; for a in "$@"; do case "$a" in --custom-metadata=*) printf '%s\n' "${a#*=}" >> "$FAKE_RECORDS/.history";; esac; done
             fi
@@ -126,6 +129,7 @@ class Boot:
             "GCE_METADATA_HOST": self.metadata.host,
             "FLEET_COMPUTE_ENDPOINT": self.cloud.url,
             "FLEET_TPU_ENDPOINT": self.cloud.url,
+            "STORAGE_EMULATOR_HOST": self.storage.url,
             "FAKE_BUCKET_CODE": str(self.bucket),
             "FAKE_RECORDS": str(self.records),
             "DPKG_LOCK": str(self.dpkg_lock),
@@ -161,7 +165,12 @@ class Boot:
 
 @pytest.fixture
 def boot(tmp_path: Path, stubs: StubBin, metadata_server: FakeMetadata, cloud: FakeCloud) -> Boot:
-    return Boot(tmp_path, stubs, metadata_server, cloud)
+    storage = FakeGCS().start()
+    storage.create_bucket("bkt")
+    try:
+        yield Boot(tmp_path, stubs, metadata_server, cloud, storage)
+    finally:
+        storage.stop()
 
 
 def _record_call(name: str) -> list[str]:
@@ -449,3 +458,57 @@ def test_a_boot_that_fails_without_gcloud_or_virtualenv_deletes_the_machine_over
     assert all(c.headers["authorization"] == f"Bearer {TOKEN}" for c in made)
     assert not set(gone) & set(boot.cloud.resources)
     assert TOKEN not in result.stderr  # the token is never logged
+    # The machine did not vanish without a word: its records went through the JSON API (multipart
+    # objects.insert with the token), the last one `failed`, with the reason in the listing too.
+    [stored] = [o for n, o in boot.storage.storage.buckets["bkt"].objects.items() if n.startswith("jobs/j1/machines/")]
+    record = json.loads(stored.data)
+    assert (record["state"], record["phase"]) == ("failed", "code_sync") and record["reason"].startswith("gcloud_missing: ")
+    assert "event=gcloud_missing" in record["log_tail"] and stored.metadata["state"] == "failed"
+    assert stored.metadata["reason"].startswith("gcloud_missing: ") and stored.content_type == "application/json"
+    assert "state=booting method=rest" in result.stderr and "state=failed method=rest" in result.stderr
+
+
+def test_a_snap_gcloud_that_arrives_late_is_waited_for_and_the_boot_goes_on(boot: Boot):
+    """Ubuntu 24.04 and the TPU images seed gcloud as a snap after the startup script has begun
+    (GoogleCloudPlatform/guest-agent#84): the boot waits for the seeding, bounded, then uses it."""
+    shutil.move(boot.stubs.dir / "gcloud", boot.stubs.dir / "gcloud-snap")  # not there yet
+    # snapd: `snap wait system seed.loaded` returns once seeding is done, here 2 s in, and the seeding
+    # is what puts gcloud on PATH.
+    boot.stubs.add("snap", """
+        [[ "$*" == "wait system seed.loaded" ]] || { echo "snap stub: $*" >&2; exit 1; }
+        sleep 2; cp "$STUB_DIR/gcloud-snap" "$STUB_DIR/gcloud"
+    """)
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-snap", ATTRS))
+    result = boot.run()
+    assert result.returncode == 0, result.stderr
+    calls = boot.stubs.calls()
+    assert calls[0] == ["snap", "wait", "system", "seed.loaded"]
+    assert boot.states() == ["booting", "installing"] and calls[-1] == ["systemctl", "start", "spawn-worker.service"]
+    assert "event=snap_seed_wait timeout_s=600" in result.stderr and "event=gcloud path=" in result.stderr
+
+
+def test_a_snap_that_never_seeds_ends_the_boot_with_a_record_over_rest_after_the_bound(boot: Boot):
+    (boot.stubs.dir / "gcloud").unlink()
+    boot.stubs.add("snap", "sleep 30\n")  # seeding hangs
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-hang", ATTRS))
+    boot.cloud.add("projects/p/zones/us-central1-a/instances/w-hang", {"name": "w-hang"})
+    started = time.monotonic()
+    result = boot.run(STARTUP_SNAP_SEED_TIMEOUT_S="1")
+    assert result.returncode == 1 and time.monotonic() - started < 20, result.stderr
+    record = json.loads(boot.storage.storage.buckets["bkt"].objects["jobs/j1/machines/w-hang.json"].data)
+    assert record["state"] == "failed" and record["reason"].startswith("gcloud_missing: no gcloud on PATH after waiting 1s")
+    assert boot.cloud.mutations() == [("DELETE", "/compute/v1/projects/p/zones/us-central1-a/instances/w-hang")]
+
+
+def test_a_queue_bucket_that_does_not_exist_ends_the_boot_before_the_install(boot: Boot):
+    """A typo in spawn-queue's bucket: no record can land (the bucket is not there), so the reason
+    goes to the console, and the machine deletes itself before the sync, the install or a worker."""
+    boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-nob", {**ATTRS, "spawn-queue": "gs://bkt-typo/jobs/j1"}))
+    boot.cloud.add("projects/p/zones/us-central1-a/instances/w-nob", {"name": "w-nob"})
+    result = boot.run(RECORD_FAILS="HTTPError 404: The specified bucket does not exist.")
+    assert result.returncode == 1, result.stderr
+    assert ("event=boot_failed phase=queue reason=queue_bucket_missing: bucket gs://bkt-typo of "
+            "spawn-queue=gs://bkt-typo/jobs/j1 does not exist (check the queue URL)") in result.stderr
+    assert boot.cloud.mutations() == [("DELETE", "/compute/v1/projects/p/zones/us-central1-a/instances/w-nob")]
+    assert not [c for c in boot.stubs.calls() if c[:3] == ["gcloud", "storage", "rsync"] or c[0] in ("uv", "systemctl")]
+    assert not boot.unit.exists()

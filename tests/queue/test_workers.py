@@ -216,13 +216,14 @@ def test_failed_attempts_are_retried_then_dead_lettered_with_every_error(local_q
     assert all(e["exit_code"] == 1 and "failing attempt" in e["error"] for e in letter["errors"])
 
 
-def test_an_empty_queue_exits_at_once_and_a_busy_one_after_the_idle_timeout(local_queue_url, local_workers):
+def test_a_job_with_no_task_is_never_drained_and_a_busy_queue_exits_after_the_idle_timeout(local_queue_url, local_workers):
     url, workers = local_queue_url, local_workers
-    submit_tasks(url, [])
+    submit_tasks(url, [])  # job.json alone: nothing submitted (docs/PROTOCOL.md, "A queue is where its job is")
     started = time.monotonic()
-    workers.start("empty")
-    assert workers.wait(timeout=20) == {"empty": 0}
-    assert time.monotonic() - started < 10 and "reason=drained" in workers.log("empty")
+    workers.start("empty", "--job-wait", "1")
+    assert workers.wait(timeout=20) == {"empty": 65}
+    assert time.monotonic() - started < 10 and f"no task at {open_store(url).root_url}" in workers.log("empty")
+    assert "reason=drained" not in workers.log("empty") and not open_store(url).list_page("swept/").entries
     submit_tasks(url, [{"id": "long", "outputs": 1, "sleep": 12}])
     workers.start("holder", "--lease-ttl", "30", "--heartbeat", "0.5")
     wait_for(lambda: lease_body(url, "long"), 10, "the claim")

@@ -122,7 +122,7 @@ def test_a_worker_that_sees_the_preemption_notice_records_it_and_leaves_the_flee
                               "instance/scheduling/provisioning-model": "SPOT"})  # fmt: skip
         queue = tmp_path / "queue"
         store = open_store(str(queue))
-        submit(store, None, [("t1", json.dumps({"id": "t1", "outputs": 50, "sleep": 0.2}).encode())])
+        submit(store, b"{}", [("t1", json.dumps({"id": "t1", "outputs": 50, "sleep": 0.2}).encode())])
         consumer = f"{sys.executable} {REPO / 'tests' / 'queue' / 'consumer.py'}"
         worker = subprocess.Popen(
             [sys.executable, "spawn.py", str(queue), "--consumer", consumer, "--lease-ttl", "60", "--heartbeat", "0.3",
