@@ -245,11 +245,7 @@ def test_keeper_goes_on_while_a_batch_is_being_submitted_and_stops_on_statuss_co
     marker `running`, its tasks not created yet): status says complete False, so the keeper keeps
     watching (it used to stop at `claimable=0 held=0`). Once the batch is finished and its task
     done, status's complete stops it: one rule (taskqueue/completion.py) for both."""
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import fleetctl
-    finally:
-        sys.path.remove(str(REPO / "tools"))
+    from gcs_spawner.up import queue_work  # what `gcs-spawner keep` and tools/fleetctl.py give the keeper
     from reporting.status import snapshot
     from taskqueue.submit import batch_name, begin_batch
 
@@ -265,7 +261,7 @@ def test_keeper_goes_on_while_a_batch_is_being_submitted_and_stops_on_statuss_co
     assert (view["pending"], view["leased"], view["complete"]) == (0, 0, False)
 
     fleet_keeper = keeper.Keeper(tpu_clients, specs.load_spec(TPU_SPEC), specs.Launch.make(specs.load_spec(TPU_SPEC), queue, "gs://bkt/code/c"),
-                                 PROJECT, [ZONE_A], 2, fleetctl.queue_work(queue))  # fmt: skip
+                                 PROJECT, [ZONE_A], 2, queue_work(store))  # fmt: skip
     report = fleet_keeper.run(interval_s=0, max_steps=3)
     assert not report.drained and report.work == keeper.Work(claimable=0, held=0, complete=False)
     assert len(cloud.calls("GET", "/queuedResources")) == 3  # it went on looking, step after step
