@@ -138,7 +138,8 @@ def numpy_reference(
     shards") written in plain numpy on one thread, as fast as numpy allows: batches of one layer of local shards, the
     rows `ActivationLoader(paths, layers=layer, batch_size=..., shuffle_tokens=capacity, seed=..., epochs=...,
     hold=..., dtype="bfloat16")` gives for rank 0 of 1 without filters, as raw 16-bit words (float32 with `widen`,
-    as `dtype="float32"` gives them).
+    as `dtype="float32"` gives them: gathered a cache-sized chunk at a time and widened from there, by numpy's cast,
+    so that the stored bits never go through memory).
 
     Each shard's layer is mapped (its pages faulted in 64 KiB at a time by a touch) and stays where it is: a slot
     holds (shard, row), so a row is copied once, by one `np.take` per shard straight into the batch, its rows
@@ -160,6 +161,7 @@ def numpy_reference(
     out_row = np.zeros(batch_size, np.int64)
     batches = [np.zeros((batch_size, width), np.uint16) for _ in range(2)]
     wides = [np.zeros((batch_size, width), np.float32) for _ in range(2)] if widen else None
+    chunk = np.zeros(max(1, (256 << 10) // (width * 2)), record)
     made = 0
 
     def mapped(path: str, offset: int, n: int) -> np.ndarray:
@@ -177,20 +179,23 @@ def numpy_reference(
 
     def gather(count: int, held: dict[int, np.ndarray]) -> np.ndarray:
         nonlocal made
-        batch = batches[made % 2]
-        rows = batch.view(record)[:, 0]
-        order = np.argsort(out_group[:count], kind="stable")
+        made += 1
+        batch = batches[made % 2] if wides is None else wides[made % 2]
+        rows = batch.view(record)[:, 0] if wides is None else None
+        keys = out_group[:count] - out_group[:count].min()  # radix-sorted as 16-bit keys (shards of one batch)
+        order = np.argsort(keys.astype(np.uint16) if keys.max() < 1 << 16 else keys, kind="stable")
         sources, picked = out_source[:count][order], out_row[:count][order]
         cuts = [0, *(np.flatnonzero(sources[1:] != sources[:-1]) + 1).tolist(), count]
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             source = spill_rows if sources[lo] < 0 else held[int(sources[lo])]
-            np.take(source, picked[lo:hi], out=rows[lo:hi], mode="clip")  # "raise" buffers `out`
-        made += 1
-        if wides is None:
-            return batch[:count]
-        wide = wides[made % 2][:count]
-        np.left_shift(batch[:count], 16, out=wide.view(np.uint32), dtype=np.uint32)
-        return wide
+            if rows is not None:
+                np.take(source, picked[lo:hi], out=rows[lo:hi], mode="clip")  # "raise" buffers `out`
+                continue
+            for at in range(lo, hi, len(chunk)):  # widened a cache-sized chunk at a time
+                m = min(len(chunk), hi - at)
+                np.take(source, picked[at : at + m], out=chunk[:m], mode="clip")
+                np.copyto(batch[at : at + m], chunk[:m].view(np.uint16).reshape(m, width).view(BF16), casting="unsafe")
+        return batch[:count]
 
     def let_go(held: dict[int, np.ndarray], ended: dict[int, int], rows_out: int, filled: int) -> None:
         for place in [place for place, end in ended.items() if rows_out - end >= hold * capacity]:
