@@ -290,20 +290,18 @@ def numpy_copies(paths: list[str], layer: int, batch_size: int, capacity: int, s
                 batch = batches[made % 2].view(record)[:, 0]
 
 
-#: Bytes of each memcpy: larger than the shuffle buffer (and than the 190 MB above which this machine's glibc
-#: copies with non-temporal stores), so it is the rate of one core copying memory that is in no cache.
-MEMCPY_BYTES = 256 << 20
-
-
-def memcpy_windows(payload: float) -> Iterator[float]:
-    """Windows of about `payload` GB copied by np.copyto (one memcpy call each) between two 256 MiB arrays; yields
-    the GB copied."""
-    source, target = np.ones(MEMCPY_BYTES, np.uint8), np.ones(MEMCPY_BYTES, np.uint8)
-    copies = max(1, round(payload * 1e9 / MEMCPY_BYTES))
+def memcpy_windows(payload: float, size: int) -> Iterator[float]:
+    """Windows of about `payload` GB copied by np.copyto (one memcpy call each) between two arrays of `size` bytes;
+    yields the GB copied. At 256 MiB (the default) a copy is larger than the shuffle buffer and than any cache, so
+    it is the rate of one core copying memory; glibc copies a block that large with non-temporal stores (above
+    `x86_non_temporal_threshold`, 190 MB on this machine), which no copy of a 7 KiB row gets. `--memcpy-mib 64`
+    measures a copy glibc makes with ordinary stores, as a row's is."""
+    source, target = np.ones(size, np.uint8), np.ones(size, np.uint8)
+    copies = max(1, round(payload * 1e9 / size))
     while True:
         for _ in range(copies):
             np.copyto(target, source)
-        yield copies * MEMCPY_BYTES / 1e9
+        yield copies * size / 1e9
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -312,8 +310,9 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and np.array_equal(*raw)
 
 
-def side_by_side(paths: list[str], capacity: int, repeats: int, dtype: str, hold: float, copies: bool
-                 ) -> tuple[dict[str, list[tuple[float, float]]], list[float], int]:  # fmt: skip
+def side_by_side(
+    paths: list[str], capacity: int, repeats: int, dtype: str, hold: float, copies: bool, memcpy_bytes: int = 256 << 20
+) -> tuple[dict[str, list[tuple[float, float]]], list[float], int]:
     """The loader, `numpy_reference` and one core's memcpy (and `numpy_copies` with `copies`) in this one process,
     in steady state, without end: windows of one epoch of the stream (fill, steady swaps and drain in their
     proportions at this length) are timed from each in turn, the order rotating every repeat. First, a little more
@@ -344,7 +343,7 @@ def side_by_side(paths: list[str], capacity: int, repeats: int, dtype: str, hold
             stored = (theirs.view(np.uint32) >> 16).astype(np.uint16) if widen else theirs
             if sorted(map(bytes, plain)) != sorted(map(bytes, stored)):
                 raise SystemExit(f"numpy_copies' batch {k} holds other rows than the reference's")
-    copier = memcpy_windows(tokens * HIDDEN * BF16.itemsize / 1e9)
+    copier = memcpy_windows(tokens * HIDDEN * BF16.itemsize / 1e9, memcpy_bytes)
     next(copier)  # its arrays' first touch
 
     def window(name: str) -> tuple[float, float]:
@@ -369,7 +368,7 @@ def side_by_side(paths: list[str], capacity: int, repeats: int, dtype: str, hold
 
 
 def print_side_by_side(results: dict[str, list[tuple[float, float]]], loads: list[float], compared: int,
-                       capacity: int, shards: int, dtype: str, hold: float) -> None:  # fmt: skip
+                       capacity: int, shards: int, dtype: str, hold: float, memcpy_mib: int) -> None:  # fmt: skip
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
 
@@ -380,7 +379,8 @@ def print_side_by_side(results: dict[str, list[tuple[float, float]]], loads: lis
     per_cpu = {name: [cpu for _, cpu in results[name]] for name in names}
     versus_numpy = [a / b for a, b in zip(per_cpu["loader"], per_cpu["numpy"])]
     versus_memcpy = {name: [a / b for a, b in zip(per_cpu[name], per_cpu["memcpy"])] for name in names[:-1]}
-    print(f"loader against numpy_reference and one core's memcpy: tmpfs, shuffle on, {capacity}-token buffer, hold "
+    print(f"loader against numpy_reference and one core's memcpy ({memcpy_mib} MiB copies): tmpfs, shuffle on, "
+          f"{capacity}-token buffer, hold "
           f"{hold:g}, {dtype} batches of 4096, windows of one epoch ({shards} shards) in rotating order; the "
           f"reference emitted the loader's first {compared} batches exactly")  # fmt: skip
     header = "".join(f" {name + ' GB/s':>18s} {'per CPU-s':>9s}" for name in names)
@@ -445,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hold", type=float, default=3.0, help="the loader's (and the reference's) hold")
     parser.add_argument("--copies", action="store_true",
                         help="also time numpy_copies, the buffer of copies the loader used before (two copies a row)")
+    parser.add_argument("--memcpy-mib", type=int, default=256, help="bytes of each memcpy in the side-by-side, MiB")
     parser.add_argument("--reference-only", action="store_true",
                         help="only the side-by-side: the loader, numpy_reference and memcpy")
     args = parser.parse_args(argv)
@@ -463,12 +464,12 @@ def main(argv: list[str] | None = None) -> None:
         named = many_names(shm_paths, args.names)
         load_before = os.getloadavg()[0]
         versus, loads, compared = side_by_side(named, args.shuffle_tokens, args.repeats, args.dtype, args.hold,
-                                               args.copies)  # fmt: skip
+                                               args.copies, args.memcpy_mib << 20)  # fmt: skip
         if args.reference_only:
             print(f"shape: layer 16 of {len(named)} shards ({args.shards} files x {args.names} names) of {args.tokens} "
                   f"tokens x d={HIDDEN} bf16 on tmpfs, batch 4096; cores={cores}; load average {load_before:.1f} "
                   f"before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
-            print_side_by_side(versus, loads, compared, args.shuffle_tokens, len(named), args.dtype, args.hold)
+            print_side_by_side(versus, loads, compared, args.shuffle_tokens, len(named), args.dtype, args.hold, args.memcpy_mib)
             return
         disk_paths = [str(p) for p in make_shards(disk, args.shards, args.tokens, seed=0)]
         for place, paths in (("tmpfs", shm_paths), ("local disk", disk_paths)):
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.epochs} epochs per figure; cores={cores}; load average {load_before:.1f} before, {load_after:.1f} "
           "after")  # fmt: skip
     print()
-    print_side_by_side(versus, loads, compared, args.shuffle_tokens, len(named), args.dtype, args.hold)
+    print_side_by_side(versus, loads, compared, args.shuffle_tokens, len(named), args.dtype, args.hold, args.memcpy_mib)
     print()
     print(f"{'source':16s} {'shuffle':>7s} {'tokens/s':>10s} {'GB/s':>6s} {'GB per CPU-s':>13s}")
     for place, shuffle, tokens_s, gb_s, gb_cpu in rows:
