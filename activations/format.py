@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -361,7 +362,7 @@ class ShardHeader:
         """The hidden-state indices the shard holds."""
         return parse_layers(self.metadata, self.tensors)
 
-    @property
+    @functools.cached_property
     def outputs(self) -> tuple[Output, ...]:
         """Every hidden state and hook point the shard holds, in storage order."""
         return parse_outputs(self.metadata, self.tensors)

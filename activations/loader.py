@@ -701,15 +701,18 @@ class ActivationLoader:
         order = _stable_order(self._out_group[:count])
         sources, rows = self._out_source[:count][order], self._out_row[:count][order]
         cuts = [0, *(np.flatnonzero(sources[1:] != sources[:-1]) + 1).tolist(), count]
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
-            source = int(sources[lo])
-            if source < 0:  # spilled rows: whole rows (every layer) at once
-                self._put(batch, lo, self._spill_rows, rows[lo:hi])
-            elif len(self.layers) == 1:
-                self._put(batch, lo, self._held[source].records[0], rows[lo:hi])
-            else:
+        whole = None if self._fused else _records(batch)
+        for lo, hi, source in zip(cuts[:-1], cuts[1:], sources[cuts[:-1]].tolist()):
+            if source >= 0 and len(self.layers) > 1:
                 for i, layer in enumerate(self._held[source].records):
                     _records(batch[:, i])[lo:hi] = layer[rows[lo:hi]]
+                continue
+            # Spilled rows are whole rows (every layer) at once; a held shard's, of its one layer.
+            records = self._spill_rows if source < 0 else self._held[source].records[0]
+            if whole is not None:  # mode="clip": see _put
+                np.take(records, rows[lo:hi], out=whole[lo:hi], mode="clip")
+            else:
+                self._put(batch, lo, records, rows[lo:hi])
         for labels in (tokens, positions):
             if labels is not None:
                 labels[:count] = labels[:count][order]
