@@ -276,6 +276,8 @@ class ActivationLoader:
                        and self.stored_dtype in (numpy_dtype("bfloat16"), np.dtype(np.float16)))  # fmt: skip
         layer_bytes = self._row_shape[1] * self._raw.itemsize
         self._chunk = np.empty(max(1, _CHUNK_BYTES // layer_bytes), dtype=np.dtype((np.void, layer_bytes)))
+        # The same bytes as stored values [rows, 1, d], what `_put` widens from.
+        self._chunk_values = self._chunk.view(self._raw).reshape(len(self._chunk), 1, -1).view(self.stored_dtype)
         self._reset(epoch=0)
 
     # -- public API ---------------------------------------------------------------------------------------------
@@ -663,7 +665,8 @@ class ActivationLoader:
         if self.shuffle and count:
             self._gather(batch, tokens, positions, count)
             self._rows_out += count
-            self._let_go()
+            if self._drain is None:  # while the buffer drains, no shard enters: they all go at the epoch's end
+                self._let_go()
         return batch, tokens, positions, count
 
     def _enter(self, slots: np.ndarray, source: _ShardRows, picked: np.ndarray) -> None:
@@ -734,11 +737,14 @@ class ActivationLoader:
         if not self._fused:
             np.take(source, picked, out=_records(batch)[at : at + len(picked)], mode="clip")
             return
-        step = len(self._chunk)
+        chunk, values, step = self._chunk, self._chunk_values, len(self._chunk)
         for lo in range(0, len(picked), step):
             m = min(step, len(picked) - lo)
-            np.take(source, picked[lo : lo + m], out=self._chunk[:m], mode="clip")
-            self._finish(self._chunk[:m], batch[at + lo : at + lo + m])
+            np.take(source, picked[lo : lo + m], out=chunk[:m], mode="clip")
+            out = batch[at + lo : at + lo + m]
+            np.copyto(out, values[:m], casting="unsafe")
+            if self._norm is not None:
+                self._normalise(out)
 
     def _finish(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Rows as records of the stored bits into `out`, float32 [m, 1, d]: widened exactly (a cast numpy runs
@@ -746,10 +752,14 @@ class ActivationLoader:
         stored = rows.view(self._raw).reshape(len(rows), 1, self.hidden_size).view(self.stored_dtype)
         np.copyto(out, stored, casting="unsafe")
         if self._norm is not None:
-            shift, scale = self._norm
-            if self.normalize == "standardize":
-                np.subtract(out, shift, out=out)
-            np.multiply(out, scale, out=out)
+            self._normalise(out)
+
+    def _normalise(self, rows: np.ndarray) -> None:
+        """(rows - shift) * scale in place."""
+        shift, scale = self._norm
+        if self.normalize == "standardize":
+            np.subtract(rows, shift, out=rows)
+        np.multiply(rows, scale, out=rows)
 
     def _let_go(self) -> None:
         """Shards whose last row entered `hold` x C emitted rows ago: the rows of theirs still in the buffer are
@@ -824,10 +834,7 @@ class ActivationLoader:
         if not self._fused and (self._norm is not None or rows.dtype != self.dtype):
             wide = self._widen(rows)
             if self._norm is not None:
-                shift, scale = self._norm
-                if self.normalize == "standardize":
-                    np.subtract(wide, shift, out=wide)
-                np.multiply(wide, scale, out=wide)
+                self._normalise(wide)
             rows = wide.astype(self.dtype, copy=False)
         if len(self.outputs) == 1:
             rows = rows[:, 0]
