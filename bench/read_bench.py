@@ -147,7 +147,8 @@ def numpy_reference(
     slots as it takes rows from the current shard, notes the rows they held and points them at the new rows; a
     batch's noted rows are gathered grouped by shard (the epoch's order), in draw order within one. A shard whose
     last row entered `hold` x C emitted rows ago has its rows still in the buffer copied into the spill (a buffer
-    of copies, slot for slot) and is unmapped. At an epoch's end the buffer leaves in one random permutation.
+    of copies, slot for slot) and is unmapped. At an epoch's end the buffer leaves in one random permutation (and
+    the shards still held go with it).
     Batches alternate between two arrays (the consumer drops each before asking for the next but one)."""
     where = [shard_rows(path, layer) for path in paths]
     width = where[0][2]
@@ -239,10 +240,9 @@ def numpy_reference(
             m = min(batch_size - at, filled - gone)
             note(drain[gone : gone + m], at)
             at, gone = at + m, gone + m
-            if at == batch_size or gone == filled:
+            if at == batch_size or gone == filled:  # no shard is let go while the buffer drains
                 yield gather(at, held)
-                rows_out, at = rows_out + at, 0
-                let_go(held, ended, rows_out, filled)
+                at = 0
 
 
 def numpy_copies(paths: list[str], layer: int, batch_size: int, capacity: int, seed: int) -> Iterator[np.ndarray]:
