@@ -313,7 +313,7 @@ class ActivationLoader:
         row = len(self.layers) * self._row_shape[1] * self._raw.itemsize
         shard = (tokens // self.world_size + 1) * (row + 8)
         held = math.ceil(self.hold * self.capacity) * (row + 8) + shard if self.capacity else 0
-        per_slot = row + 4 + 8 + 4 + 8 + 1 + 8  # the spill's row, its shard, row, group, row held, spilled, ids
+        per_slot = row + 4 + 8 + 4 + 8 + 4 + 4  # the spill's row; group, row, source, where; token id, position
         batch = self.batch_size * len(self.layers) * self.hidden_size * max(self.dtype.itemsize, 4)
         return (self.readahead + 1) * shard + held + self.capacity * per_slot + 2 * (batch + self.batch_size * row)
 
