@@ -225,15 +225,10 @@ def test_where_buffered_rows_wait_changes_nothing_emitted(written, case):
         assert len(got) == len(held)
         for k, ((rows, ids), (want, want_ids)) in enumerate(zip(got, held)):
             assert np.array_equal(rows, want) and np.array_equal(ids, want_ids), f"hold={hold}: batch {k} differs"
+    if CASES[case].get("epochs", 1) > 1:
+        return  # the grouping is checked on the one-epoch cases, where each batch's epoch is the first
     starts = np.cumsum([0] + [record["tokens"] for record in written.records])
-    shards, per_epoch = len(written.records), sum(len(b[1]) for b in held) // CASES[case].get("epochs", 1)
-    seen = 0
+    place = np.argsort(np.random.default_rng([3, 0, 0]).permutation(len(written.records)))  # epoch 0's order
     for rows, _ in held:
-        keys = Written.row_key(rows[:, 0].view(ml_dtypes.bfloat16))
-        epoch = seen // per_epoch if not CASES[case].get("drop_last") else None
-        seen += len(keys)
-        shard = np.searchsorted(starts, keys, side="right") - 1
-        if epoch is None:
-            continue
-        place = np.argsort(np.random.default_rng([3, epoch, 0]).permutation(shards))[shard]
-        assert (np.diff(place) >= 0).all(), "a batch's rows are not grouped by shard in the epoch's order"
+        shard = np.searchsorted(starts, Written.row_key(rows[:, 0].view(ml_dtypes.bfloat16)), side="right") - 1
+        assert (np.diff(place[shard]) >= 0).all(), "a batch's rows are not grouped by shard in the epoch's order"
