@@ -24,9 +24,11 @@ computed from the stored values (after the cast to the output dtype), so they de
 Shards written before the statistics existed simply lack the `stats.` tensors.
 
 A job that stores only some positions (`token_sample`, `drop_first`: activations.sampling) writes shards of format
-`activations/v2`: the same tensors plus `positions`, and its sampling in the metadata (`sampling`, JSON). Without
-`positions`, a token's position is its row's offset within its sample (every position is stored), which is what a
-reader computes for v1 shards.
+`activations/v2`: the same tensors plus `positions`, and its sampling in the metadata (`sampling`, JSON). In a shard
+that stores every position (v1), a token's position is its row's offset within its sample, which is what a reader
+computes for it. Whether a shard is sampled is read from its metadata (`sampling`, or the format v2), never guessed
+from the tensors: a sampled shard without `positions` is refused (`check_sampled`), since reading it as unsampled
+would give its rows the wrong positions.
 
 A job with `dtype: fp8` stores each layer as fp8 e4m3 (`F8_E4M3`, 1 byte a value) with a float32 scale per token
 (`scale.layer_<L>`, [n_tokens]): value = fp8 × scale, the scale being the token's largest magnitude / 448, so no
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -340,10 +343,14 @@ class ShardHeader:
 
     @classmethod
     def parse(cls, head: bytes) -> "ShardHeader":
+        """The header of a well-formed shard; ShardFormatError otherwise (a sampled shard without `positions`
+        included: `check_sampled`)."""
         header, data_start = parse_header(head)
         raw = header.pop("__metadata__", {}) or {}
         tensors = {name: TensorSpec.parse(name, spec, data_start) for name, spec in header.items()}
-        return cls(tensors, parse_metadata(raw))
+        metadata = parse_metadata(raw)
+        check_sampled(metadata, {name: (spec.dtype, spec.shape) for name, spec in tensors.items()})
+        return cls(tensors, metadata)
 
     def tensor(self, name: str) -> TensorSpec:
         if name not in self.tensors:
@@ -355,7 +362,7 @@ class ShardHeader:
         """The hidden-state indices the shard holds."""
         return parse_layers(self.metadata, self.tensors)
 
-    @property
+    @functools.cached_property
     def outputs(self) -> tuple[Output, ...]:
         """Every hidden state and hook point the shard holds, in storage order."""
         return parse_outputs(self.metadata, self.tensors)
@@ -388,7 +395,8 @@ class ShardHeader:
 
     @property
     def sampled(self) -> bool:
-        """True when the shard stores only some positions and says which (`positions`)."""
+        """True when the shard stores only some positions and says which (`positions`; `parse` checked that a shard
+        whose metadata records sampling has them)."""
         return POSITIONS in self.tensors
 
     def scale(self, output: Output) -> TensorSpec | None:
@@ -436,6 +444,29 @@ def parse_outputs(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> tu
     else:
         points = [o for o in map(output_of_key, tensors) if isinstance(o, HookPoint)]
     return (*parse_layers(metadata, tensors), *sorted(points, key=output_order))
+
+
+def records_sampling(metadata: Mapping[str, Any]) -> bool:
+    """Whether a shard's (parsed) metadata says it stores only some positions: a `sampling` entry, or format v2."""
+    return "sampling" in metadata or metadata.get("format") == FORMAT_SAMPLED
+
+
+def check_sampled(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
+    """A shard whose metadata records sampling must hold `positions`, int32, one per token: without it nothing says
+    which position each row is, and reading it as a shard of every position would give its rows the wrong ones
+    (the drop_first and positions filters would keep the wrong rows). `tensors`: name -> (dtype, shape)."""
+    if POSITIONS not in tensors:
+        if records_sampling(metadata):
+            recorded = metadata.get("sampling", f"format {metadata.get('format')}")
+            raise ShardFormatError(f"its metadata records token sampling ({json.dumps(recorded)}) but it holds no "
+                                   f"{POSITIONS!r} tensor, so its rows' positions are unknown; re-extract it (the "
+                                   "writer stores positions with every sampled shard)")  # fmt: skip
+        return
+    dtype, shape = tensors[POSITIONS]
+    tokens = tuple(tensors["token_ids"][1]) if "token_ids" in tensors else tuple(shape)
+    if dtype != CODES["I32"] or tuple(shape) != tokens:
+        raise ShardFormatError(f"{POSITIONS} is {dtype} {list(shape)}; the format stores int32 {list(tokens)}, one "
+                               "per token")  # fmt: skip
 
 
 def document_positions(offsets: np.ndarray) -> np.ndarray:

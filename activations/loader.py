@@ -19,41 +19,57 @@ What it does, in order:
    (as the job's `sites`); or hook points (`HookPoint`) and indices mixed in `layers`, e.g. a transcoder's
    `[HookPoint("mlp_in", 3), HookPoint("mlp_out", 3)]`: each row then holds them all, of one token.
 3. **Ranged reads.** Per shard: the header (one ranged read), then only the selected outputs' rows of this rank (and
-   `token_ids`/`offsets` when a filter or `return_token_ids` needs them). gs://: cut into parts of `part_bytes`
-   read in parallel by `threads` I/O threads, the object store's ranged GETs, each part copied once from the
-   response into the shard's array. Local files: the rows' byte range is mapped (mmap, faulted in by the fetching
-   thread), so rows are copied once, from the page cache into the buffer or the batch. `readahead` shards are
-   fetched ahead of the one being consumed, across epoch boundaries. With `cache_dir`, fetched gs:// ranges are kept on local disk
-   (least recently used ranges deleted beyond `cache_bytes`).
+   `token_ids`, `positions` or `offsets` when a filter or `return_token_ids`/`return_positions` needs them). gs://:
+   cut into parts of `part_bytes` read in parallel by `threads` I/O threads, the object store's ranged GETs, each
+   part copied once from the response into the shard's array. Local files: the rows' byte range is mapped (mmap,
+   faulted in by the fetching thread), so rows are copied once, from the page cache into the batch. `readahead`
+   shards are fetched ahead of the one being consumed, across epoch boundaries. With `cache_dir`, fetched gs://
+   ranges are kept on local disk (least recently used ranges deleted beyond `cache_bytes`).
 4. **Token filters.** `drop_token_ids`, `drop_first` (the first k positions of every document) and `positions`
    (keep positions lo <= p < hi of every document) select the rows that enter the stream. A position is the token's
    place in its document: a sampled shard (a job with `token_sample`/`drop_first`) stores it (`positions`, read for
-   these filters in place of `offsets`), so the filters mean the same on sampled and unsampled shards.
+   these filters in place of `offsets`), so the filters mean the same on sampled and unsampled shards. A shard whose
+   metadata records sampling but holds no `positions` is refused, naming it (activations.format.check_sampled).
 5. **Shuffle buffer.** With `shuffle_tokens=C`, the first C rows of the stream fill a buffer; then each step takes
    the next `batch_size` rows of the stream, puts them into C distinct slots drawn uniformly at random, and emits the
-   rows those slots held, as the batch. At the end of an epoch's stream the buffer drains in random order. See
-   docs/TRAINING.md ("Mixing") for what this gives: a row stays in the buffer a geometric number of steps with mean
-   C / batch_size, so two tokens of one document, which enter together, leave on average about C rows apart.
+   rows those slots held, as the batch. At the end of an epoch's stream the buffer drains in random order. Within a
+   batch, rows are grouped by the shard they came from (shards in the epoch's order, a shard's rows in the order
+   their slots were drawn): see "Rows stay in their shards" below. See docs/TRAINING.md ("Mixing") for what this
+   gives: a row stays in the buffer a geometric number of steps with mean C / batch_size, so two tokens of one
+   document, which enter together, leave on average about C rows apart.
 6. **Output.** numpy, torch or JAX arrays in `dtype`, optionally normalised with the statistics the writer stored
    (`normalize="mean_norm"`: x · sqrt(d) / E‖x‖ as SAELens's `expected_average_only_in` does it; `"standardize"`:
-   (x - mean) / std per dimension), with no estimation pass.
+   (x - mean) / std per dimension), with no estimation pass. `return_token_ids=True` adds each row's token id;
+   `return_positions=True` adds its token id and its position in its document (the shard's `positions` for a
+   sampled job, its offset in its document otherwise).
 
-Memory bound (`memory_bound_bytes`): (readahead + 1) shards' selected rows for this rank, the shuffle buffer
-(C × layers × d in the stored dtype), and two output batches. A shard's rows are held once: parts are read into
-its array (or its file's pages are mapped), rows are copied from it into the buffer or the batch, and it is dropped
-when consumed. A local shard's mapped rows are the page cache's pages, which the kernel may reclaim, not the
-process's own memory.
+Rows stay in their shards. A buffer slot holds where its row is, not a copy of it: the shard's rows, as read (a local
+shard's mapped pages, a remote one's array), stay held while their rows may still be in the buffer, and each batch
+is gathered straight from them, one `np.take` per shard. So a row is copied once, from where it was read into the
+batch: a buffer of copies would copy it twice (into its slot, then into the batch), and on one core those two copies
+are most of the loader's CPU (docs/TRAINING.md, "Speed"). A shard is held until `hold` x C rows have been emitted
+after its last one entered the buffer; the rows of it still in the buffer then (a fraction of about e^-hold) are
+copied into their slots of a buffer of copies (the spill), and the shard is dropped. Emitting each shard's rows with
+one gather is why a batch's rows come grouped by shard: in draw order, they would have to be gathered first and
+copied again. The batch is the same set of rows either way (the same slots, drawn with the same random state), and
+which rows are in the spill changes nothing emitted: rows are grouped by the shard they came from, wherever they are.
+
+Memory bound (`memory_bound_bytes`): the shards' rows held for the buffer (about `hold` x C rows, and the shard that
+straddles that boundary) and `readahead + 1` shards' selected rows for this rank, the spill (C × layers × d in the
+stored dtype), and two output batches. A local shard's held rows are mappings of its file, the page cache's pages,
+which the kernel may reclaim (and read again when they are gathered), not the process's own memory.
 
 Batches are assembled in the caller's thread (numpy's gathers release the GIL), so `state_dict()` always describes
 the position after the last batch returned. A batch is assembled in place: each row is copied once into it (from
-its buffer slot, or from its shard without the shuffle), rows move as opaque records (one memcpy each), and the
-array is one an earlier batch used once nothing holds that batch any more (`_ReusedArrays`), so the kernel does
-not zero fresh pages for every batch.
+its shard or the spill), rows move as opaque records (one memcpy each), and the array is one an earlier batch used
+once nothing holds that batch any more (`_ReusedArrays`), so the kernel does not zero fresh pages for every batch;
+float32 output is widened into reused arrays the same way.
 
 Resume: a `state_dict()` lists, for every row in the buffer, the shard and row it came from; `load_state_dict()`
-reads those shards back (`readahead + 1` at a time) and puts each row in its slot. The rows of one shard come in
-slot order, not row order, so nothing here assumes a shard's picked rows are sorted: `_copy_rows` checks for a run
-of consecutive rows before it copies one (tests/activations/test_loader_resume.py resumes from every checkpoint).
+reads those shards back (`readahead + 1` at a time) and copies each row into its slot of the spill. The rows of one
+shard come in slot order, not row order, so nothing here assumes a shard's picked rows are sorted: `_copy_rows`
+checks for a run of consecutive rows before it copies one (tests/activations/test_loader_resume.py resumes from every
+checkpoint).
 """
 
 from __future__ import annotations
@@ -111,21 +127,17 @@ class TokenFilter:
     def needs_offsets(self) -> bool:
         return self.drop_first > 0 or self.positions != (0, None)
 
-    def kept(
-        self, lo: int, hi: int, token_ids: np.ndarray | None, offsets: np.ndarray | None,
-        positions: np.ndarray | None = None,
-    ) -> np.ndarray:  # fmt: skip
-        """Indices (relative to `lo`) of the rows [lo, hi) of a shard that are kept. `positions` (rows [lo, hi) of a
-        sampled shard's `positions`) gives each row's position in its document; without it, `offsets` does."""
-        keep = np.ones(hi - lo, dtype=bool)
+    def kept(self, rows: int, token_ids: np.ndarray | None, positions: np.ndarray | None) -> np.ndarray:
+        """Indices of the `rows` rows of a slice of a shard that are kept, given their token ids (when
+        `needs_token_ids`) and their positions in their documents (when `needs_offsets`)."""
+        keep = np.ones(rows, dtype=bool)
         if self.drop_token_ids:
             keep &= ~np.isin(token_ids, np.fromiter(self.drop_token_ids, dtype=np.int64))
         if self.needs_offsets:
-            position = positions if positions is not None else _row_positions(lo, hi, offsets)
             first, last = self.positions
-            keep &= position >= max(first, self.drop_first)
+            keep &= positions >= max(first, self.drop_first)
             if last is not None:
-                keep &= position < last
+                keep &= positions < last
         return np.flatnonzero(keep)
 
 
@@ -145,6 +157,7 @@ class _ShardRows:
     data: list[np.ndarray]  # per layer [hi - lo, d], the stored bits as unsigned integers of the stored width
     # (a local shard's are mappings of its file: the page cache's pages, not a copy)
     token_ids: np.ndarray | None  # [hi - lo]
+    positions: np.ndarray | None  # [hi - lo] int32: each row's position in its document (when asked for)
     kept: np.ndarray  # int64 indices into the slice, in order
     records: list[np.ndarray] = dataclasses.field(init=False)  # per layer, `data`'s rows as opaque records
 
@@ -180,6 +193,8 @@ class ActivationLoader:
         normalize: str | None = None,
         stats: dict[int, LayerStats] | None = None,
         return_token_ids: bool = False,
+        return_positions: bool = False,
+        hold: float = 3.0,
         threads: int = 8,
         readahead: int = 4,
         part_bytes: int = 8 << 20,
@@ -200,6 +215,8 @@ class ActivationLoader:
                                     "or pass shuffle=False")  # fmt: skip
         if epochs is not None and epochs < 1:
             raise LoaderConfigError(f"epochs must be at least 1 (or None for no end), got {epochs}")
+        if not hold >= 0:
+            raise LoaderConfigError(f"hold must be at least 0 (buffers of rows a shard is held for), got {hold}")
         self.source = source
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -213,6 +230,9 @@ class ActivationLoader:
         self.dtype = numpy_dtype(dtype)
         self.normalize = normalize
         self.return_token_ids = return_token_ids
+        self.return_positions = return_positions
+        self._labels = return_token_ids or return_positions  # token ids travel with the rows
+        self.hold = float(hold)
         self.readahead = max(0, readahead)
         self.part_bytes = max(1 << 16, part_bytes)
         self._client = client
@@ -250,6 +270,14 @@ class ActivationLoader:
         self._orders: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self._batches = _ReusedArrays((batch_size, *self._row_shape), self._raw)
+        self._widened = _ReusedArrays((batch_size, len(self.outputs), self.hidden_size), np.dtype(np.float32))
+        # float32 batches of one output are widened as they are gathered, a chunk of rows at a time (`_put`).
+        self._fused = (len(self.outputs) == 1 and not self._scaled and self.dtype == np.float32
+                       and self.stored_dtype in (numpy_dtype("bfloat16"), np.dtype(np.float16)))  # fmt: skip
+        layer_bytes = self._row_shape[1] * self._raw.itemsize
+        self._chunk = np.empty(max(1, _CHUNK_BYTES // layer_bytes), dtype=np.dtype((np.void, layer_bytes)))
+        # The same bytes as stored values [rows, 1, d], what `_put` widens from.
+        self._chunk_values = self._chunk.view(self._raw).reshape(len(self._chunk), 1, -1).view(self.stored_dtype)
         self._reset(epoch=0)
 
     # -- public API ---------------------------------------------------------------------------------------------
@@ -258,10 +286,10 @@ class ActivationLoader:
         return self
 
     def __next__(self) -> Any:
-        rows = self._next_rows()
-        if rows is None:
+        batch = self._next_rows()
+        if batch is None:
             raise StopIteration
-        return self._convert(*rows)
+        return self._convert(*batch)
 
     def __enter__(self) -> "ActivationLoader":
         return self
@@ -278,13 +306,16 @@ class ActivationLoader:
 
     def memory_bound_bytes(self) -> int:
         """Bytes the loader holds at most (see the module docstring); the largest shard is taken from the source's
-        records (index or done markers) when they give token counts, else from the first shard."""
+        records (index or done markers) when they give token counts, else from the first shard. A local shard's
+        held rows are counted although they are the page cache's (mapped), not the process's own."""
         known = [ref.tokens for ref in self.shards if ref.tokens is not None]
         tokens = max(known) if known else self._first_tokens
         row = len(self.layers) * self._row_shape[1] * self._raw.itemsize
-        shard = (tokens // self.world_size + 1) * (row + 4)
-        batch = self.batch_size * len(self.layers) * self.hidden_size * self.dtype.itemsize
-        return (self.readahead + 1) * shard + self.capacity * (row + 12) + 2 * (batch + self.batch_size * row)
+        shard = (tokens // self.world_size + 1) * (row + 8)
+        held = math.ceil(self.hold * self.capacity) * (row + 8) + shard if self.capacity else 0
+        per_slot = row + 4 + 8 + 4 + 8 + 4 + 4  # the spill's row; group, row, source, where; token id, position
+        batch = self.batch_size * len(self.layers) * self.hidden_size * max(self.dtype.itemsize, 4)
+        return (self.readahead + 1) * shard + held + self.capacity * per_slot + 2 * (batch + self.batch_size * row)
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch returned, JSON-able: epoch, stream position, the shuffle buffer's
@@ -300,8 +331,8 @@ class ActivationLoader:
             "rng": self._rng.bit_generator.state,
             "filled": len(live),
             "draining": self._drain is not None,
-            "buffer_shard": self._src_shard[live].tolist(),
-            "buffer_row": self._src_row[live].tolist(),
+            "buffer_shard": self._order(self._epoch)[self._group[live]].tolist(),
+            "buffer_row": (self._lo_of[self._group[live]] + self._local[live]).tolist(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -330,22 +361,26 @@ class ActivationLoader:
         self._filled = len(shards)
         if state.get("draining"):
             self._drain = np.arange(self._filled)
-        self._src_shard[: self._filled] = shards
-        self._src_row[: self._filled] = rows
+        place_in_order = np.empty(len(self.shards), dtype=np.int32)
+        place_in_order[self._order(self._epoch)] = np.arange(len(self.shards), dtype=np.int32)
+        self._group[: self._filled] = place_in_order[shards]
+        self._source[: self._filled] = -1  # every row is read back into its slot of the spill
+        self._where[: self._filled] = np.arange(self._filled)
         # The slots a shard refills are in buffer order, so its rows come in any order: `_copy_rows` checks for a
         # run of consecutive rows instead of assuming one (#26: rows {5, 3, 4} were read as 3, 4, 5).
         distinct = [int(shard) for shard in np.unique(shards)]
         for fetched in self._fetch_in_turn(distinct):
             slots = np.flatnonzero(shards == fetched.shard)
             local = rows[slots] - fetched.lo
+            self._lo_of[place_in_order[fetched.shard]] = fetched.lo
+            self._local[slots] = local
             if len(local) and not 0 <= local.min() <= local.max() < len(fetched.data[0]):
                 raise LoaderConfigError(f"state names rows {rows[slots].min()}..{rows[slots].max()} of shard "
                                         f"{fetched.url}, outside this rank's rows {fetched.lo}.."
                                         f"{fetched.lo + len(fetched.data[0]) - 1}; it is damaged")  # fmt: skip
-            for target, source in zip(self._buffer_layers, fetched.records):
+            for target, source in zip(self._spill_layers, fetched.records):
                 _copy_rows(target, slots, source, local)
-            if self._tokens is not None:
-                self._tokens[slots] = fetched.token_ids[local]
+            self._copy_labels(slots, fetched, local)
 
     # -- epochs and the stream ----------------------------------------------------------------------------------
 
@@ -361,18 +396,37 @@ class ActivationLoader:
         self._emitted = 0
         self._current: _ShardRows | None = None
         self._rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
-        if not hasattr(self, "_buffer"):
-            self._buffer = np.empty((self.capacity, *self._row_shape), dtype=self._raw)
-            # Rows move as opaque records (one memcpy each), whole to be emitted, a layer at a time to be placed.
-            self._buffer_rows = _records(self._buffer)
-            self._buffer_layers = [_records(self._buffer[:, i]) for i in range(len(self.layers))]
-            self._src_shard = np.zeros(self.capacity, dtype=np.int32)
-            self._src_row = np.zeros(self.capacity, dtype=np.int64)
-            self._tokens = np.zeros(self.capacity, dtype=np.int32) if self.return_token_ids else None
+        if not hasattr(self, "_spill"):
+            capacity, batch = self.capacity, self.batch_size
+            # Per slot: its row's shard, as its place in the epoch's order (the batch's grouping), and its row in
+            # that shard's slice for this rank (with `_lo_of`, what the state lists); where the row is now: in the
+            # held shard of that place (`_source`, its row `_where` there) or in the spill (-1, its slot).
+            self._group = np.zeros(capacity, dtype=np.int32)
+            self._local = np.zeros(capacity, dtype=np.int64)
+            self._source = np.zeros(capacity, dtype=np.int32)
+            self._where = np.zeros(capacity, dtype=np.int64)
+            self._tokens = np.zeros(capacity, dtype=np.int32) if self._labels else None
+            self._positions = np.zeros(capacity, dtype=np.int32) if self.return_positions else None
+            # The spill: copies of the rows whose shard is no longer held (and every row after a resume). Rows move
+            # as opaque records (one memcpy each): whole to be emitted, a layer at a time to be copied in.
+            self._spill = np.empty((capacity, *self._row_shape), dtype=self._raw)
+            self._spill_rows = _records(self._spill)
+            self._spill_layers = [_records(self._spill[:, i]) for i in range(len(self.layers))]
+            # The rows a batch takes from the buffer, in draw order, until it is gathered: its group, its source (a
+            # held shard's place in the order, or -1: the spill), and its row there.
+            self._out_group = np.zeros(batch, dtype=np.int32)
+            self._out_source = np.zeros(batch, dtype=np.int32)
+            self._out_row = np.zeros(batch, dtype=np.int64)
         self._filled = 0
         # At the epoch's end the buffer leaves in one random permutation of its slots, `_drained` of them gone.
         self._drain: np.ndarray | None = None
         self._drained = 0
+        # Shards whose rows may be in the buffer, by place in the epoch's order; when each one's last row entered
+        # (rows emitted so far, `_rows_out`), for those the stream has left.
+        self._held: dict[int, _ShardRows] = {}
+        self._ended: dict[int, int] = {}
+        self._rows_out = 0
+        self._lo_of = np.zeros(len(self.shards), dtype=np.int64)  # by place: the first row of this rank's slice
 
     def _live_slots(self) -> np.ndarray:
         """The buffer's slots that hold rows not yet emitted: in leaving order while it drains."""
@@ -417,13 +471,19 @@ class ActivationLoader:
 
     def _take(self, limit: int) -> tuple[_ShardRows, np.ndarray] | None:
         """Up to `limit` next rows of the stream, from one shard: (the shard's rows, the picked indices into them,
-        increasing); None once the epoch's stream has ended."""
+        increasing); None once the epoch's stream has ended. With the shuffle, a shard the stream reads is held
+        (`_held`) and, once the stream leaves it, stamped with the rows emitted so far (`_ended`)."""
         while not self._stream_ended():
             current = self._shard_rows()
             if self._j < len(current.kept):
                 picked = current.kept[self._j : self._j + limit]
+                if self.shuffle:
+                    self._held[self._k] = current
+                    self._lo_of[self._k] = current.lo
                 self._j += len(picked)
                 return current, picked
+            if self._k in self._held:
+                self._ended[self._k] = self._rows_out
             self._k, self._j, self._current = self._k + 1, 0, None
         return None
 
@@ -468,13 +528,14 @@ class ActivationLoader:
             else:
                 data.append(self._reader.map_local(ref.url, start, end - start).view(self._raw).reshape(hi - lo, self.hidden_size))
         token_ids = offsets = positions = None
-        if self.filter.needs_token_ids or self.return_token_ids:
+        if self.filter.needs_token_ids or self._labels:
             token_ids = np.empty(hi - lo, dtype=np.int32)
             reads += self._read_rows(ref.url, header.tensor("token_ids").rows(lo, hi)[0], token_ids)
-        if self.filter.needs_offsets and header.sampled:  # a sampled shard says where its tokens are
+        needs_positions = self.filter.needs_offsets or self.return_positions
+        if needs_positions and header.sampled:  # a sampled shard says where its tokens are (format.check_sampled)
             positions = np.empty(hi - lo, dtype=np.int32)
             reads += self._read_rows(ref.url, header.tensor(POSITIONS).rows(lo, hi)[0], positions)
-        elif self.filter.needs_offsets:
+        elif needs_positions:
             spec = header.tensor("offsets")
             offsets = np.empty(spec.shape, dtype=np.int64)
             reads += self._read_rows(ref.url, spec.start, offsets)
@@ -482,10 +543,12 @@ class ActivationLoader:
             read.result()
         for join in joins:
             join()
-        if offsets is not None and (len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != n
-                                    or (np.diff(offsets) < 0).any()):  # fmt: skip
-            raise ShardFormatError(f"offsets {_ends(offsets)} do not cut its {n} tokens into documents")
-        return _ShardRows(ref.url, shard, lo, data, token_ids, self.filter.kept(lo, hi, token_ids, offsets, positions))
+        if offsets is not None:
+            if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != n or (np.diff(offsets) < 0).any():
+                raise ShardFormatError(f"offsets {_ends(offsets)} do not cut its {n} tokens into documents")
+            positions = _row_positions(lo, hi, offsets).astype(np.int32)
+        kept = self.filter.kept(hi - lo, token_ids, positions)
+        return _ShardRows(ref.url, shard, lo, data, token_ids, positions if self.return_positions else None, kept)
 
     def _fp8_rows(
         self, url: str, header: ShardHeader, output: Output, lo: int, hi: int, out: np.ndarray
@@ -536,22 +599,25 @@ class ActivationLoader:
 
     # -- batches ------------------------------------------------------------------------------------------------
 
-    def _next_rows(self) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """The next batch as stored bits, [m, layers, d], with its token ids; None when the last epoch ends."""
+    def _next_rows(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None:
+        """The next batch as stored bits, [m, layers, d], with its token ids and positions (when asked for); None
+        when the last epoch ends."""
         while self.epochs is None or self._epoch < self.epochs:
-            rows, tokens, count = self._fill_batch()
+            rows, tokens, positions, count = self._fill_batch()
             if count and (not self.drop_last or count == self.batch_size):
                 self._emitted += 1
-                return rows[:count], None if tokens is None else tokens[:count]
+                return rows[:count], *(None if labels is None else labels[:count] for labels in (tokens, positions))
             self._reset(self._epoch + 1)  # this epoch's stream and buffer are used up
         return None
 
-    def _fill_batch(self) -> tuple[np.ndarray, np.ndarray | None, int]:
-        """A batch assembled in place: (rows [batch_size, layers, d], token ids, how many rows were filled). Each row
-        is copied once into it: from its buffer slot, or straight from its shard when there is no shuffle."""
-        batch = self._batches.take()
-        records = _records(batch)
-        tokens = np.empty(self.batch_size, dtype=np.int32) if self.return_token_ids else None
+    def _fill_batch(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]:
+        """A batch assembled in place: (rows [batch_size, layers, d], token ids, positions, how many rows were
+        filled). Each row is copied once into it: from its shard (held, or straight from the stream when there is
+        no shuffle) or from the spill. With the shuffle, the steps only note which rows leave (`_leave`); the batch
+        is gathered once they are all known (`_gather`), and shards the buffer no longer needs are let go after."""
+        batch = self._widened.take() if self._fused else self._batches.take()
+        tokens = np.empty(self.batch_size, dtype=np.int32) if self._labels else None
+        positions = np.empty(self.batch_size, dtype=np.int32) if self.return_positions else None
         count = 0
         while count < self.batch_size:
             need = self.batch_size - count
@@ -560,17 +626,22 @@ class ActivationLoader:
                 if piece is None:
                     break
                 source, picked = piece
-                for i, rows in enumerate(source.records):
-                    _copy_rows(records if len(self.layers) == 1 else _records(batch[:, i]),
-                               slice(count, count + len(picked)), rows, picked)  # fmt: skip
+                if len(self.layers) == 1:
+                    run = _run(picked)
+                    self._put(batch, count, source.records[0], run if run is not None else picked)
+                else:
+                    for i, rows in enumerate(source.records):
+                        _copy_rows(_records(batch[:, i]), slice(count, count + len(picked)), rows, picked)
                 if tokens is not None:
                     tokens[count : count + len(picked)] = source.token_ids[picked]
+                if positions is not None:
+                    positions[count : count + len(picked)] = source.positions[picked]
                 count += len(picked)
                 continue
             if not self._stream_ended() and self._filled < self.capacity:
                 piece = self._take(self.capacity - self._filled)
                 if piece is not None:
-                    self._place(slice(self._filled, self._filled + len(piece[1])), *piece)
+                    self._enter(np.arange(self._filled, self._filled + len(piece[1])), *piece)
                     self._filled += len(piece[1])
                 continue
             if not self._stream_ended():
@@ -578,7 +649,8 @@ class ActivationLoader:
                 if piece is None:
                     continue
                 slots = self._rng.choice(self.capacity, len(piece[1]), replace=False)
-                self._swap(slots, *piece, records, tokens, count)
+                self._leave(slots, tokens, positions, count)
+                self._enter(slots, *piece)
                 count += len(slots)
                 continue
             # The epoch's stream has ended: the buffer leaves in one random order, each row read once, none moved.
@@ -587,49 +659,125 @@ class ActivationLoader:
             if self._drained == len(self._drain):
                 break
             slots = self._drain[self._drained : self._drained + need]
-            self._emit(slots, records, tokens, count)
+            self._leave(slots, tokens, positions, count)
             self._drained += len(slots)
             count += len(slots)
-        return batch, tokens, count
+        if self.shuffle and count:
+            self._gather(batch, tokens, positions, count)
+            self._rows_out += count
+            if self._drain is None:  # while the buffer drains, no shard enters: they all go at the epoch's end
+                self._let_go()
+        return batch, tokens, positions, count
 
-    def _place(self, slots: np.ndarray | slice, source: _ShardRows, picked: np.ndarray) -> None:
-        """Rows `picked` of a shard into the buffer's `slots`, a layer at a time."""
-        for target, rows in zip(self._buffer_layers, source.records):
-            _copy_rows(target, slots, rows, picked)
-        self._src_shard[slots] = source.shard
-        self._src_row[slots] = source.lo + picked
+    def _enter(self, slots: np.ndarray, source: _ShardRows, picked: np.ndarray) -> None:
+        """Rows `picked` of a held shard into the buffer's `slots`: where they are, not copies of them."""
+        self._group[slots] = self._source[slots] = self._k
+        self._local[slots] = self._where[slots] = picked
+        self._copy_labels(slots, source, picked)
+
+    def _copy_labels(self, slots: np.ndarray, source: _ShardRows, picked: np.ndarray) -> None:
         if self._tokens is not None:
             self._tokens[slots] = source.token_ids[picked]
+        if self._positions is not None:
+            self._positions[slots] = source.positions[picked]
 
-    def _swap(self, slots: np.ndarray, source: _ShardRows, picked: np.ndarray, records: np.ndarray,
-              tokens: np.ndarray | None, at: int) -> None:  # fmt: skip
-        """A steady-state step: the rows at `slots` into the batch from `at` on, and rows `picked` of a shard into
-        those slots. Done a few hundred KiB of slots at a time, each chunk emitted and then refilled while its slots'
-        cache lines are still in the core's cache: refilling all slots after emitting all of them would find them
-        evicted (a batch is 29 MB at the 7B width) and read each slot from memory a second time before overwriting
-        it. The slots are distinct, so the chunks' order changes nothing emitted or kept."""
-        run = _run(picked)
-        rows = [layer[run] for layer in source.records] if run is not None else None
-        step = max(1, _SWAP_CHUNK_BYTES // records.itemsize)
-        for lo in range(0, len(slots), step):
-            hi = min(lo + step, len(slots))
-            chunk = slots[lo:hi]
-            np.take(self._buffer_rows, chunk, out=records[at + lo : at + hi], mode="clip")  # see _emit for the mode
-            for i, target in enumerate(self._buffer_layers):
-                target[chunk] = rows[i][lo:hi] if rows is not None else source.records[i][picked[lo:hi]]
+    def _leave(self, slots: np.ndarray, tokens: np.ndarray | None, positions: np.ndarray | None, at: int) -> None:
+        """The buffer's rows at `slots` leave as the batch's rows from `at` on: noted (group, source, row there), to
+        be gathered by `_gather`, and their labels copied. A slot may be refilled, and even leave again, before the
+        batch is gathered: its spill row and its held shard stay as they were until then (`_let_go` runs after)."""
+        end = at + len(slots)
+        # mode="clip": see _gather; the slots are valid by construction (drawn from, or a permutation of, the
+        # buffer's filled slots).
+        np.take(self._group, slots, out=self._out_group[at:end], mode="clip")
+        np.take(self._source, slots, out=self._out_source[at:end], mode="clip")
+        np.take(self._where, slots, out=self._out_row[at:end], mode="clip")
         if tokens is not None:
-            np.take(self._tokens, slots, out=tokens[at : at + len(slots)], mode="clip")
-            self._tokens[slots] = source.token_ids[picked]
-        self._src_shard[slots] = source.shard
-        self._src_row[slots] = source.lo + picked
+            np.take(self._tokens, slots, out=tokens[at:end], mode="clip")
+        if positions is not None:
+            np.take(self._positions, slots, out=positions[at:end], mode="clip")
 
-    def _emit(self, slots: np.ndarray, records: np.ndarray, tokens: np.ndarray | None, at: int) -> None:
-        """The buffer's rows at `slots` into the batch's rows from `at` on."""
-        # mode="clip" because with the default ("raise") numpy gathers into a temporary and copies that into `out`;
-        # the slots are valid by construction (drawn from, or a permutation of, the buffer's filled slots).
-        np.take(self._buffer_rows, slots, out=records[at : at + len(slots)], mode="clip")
-        if tokens is not None:
-            np.take(self._tokens, slots, out=tokens[at : at + len(slots)], mode="clip")
+    def _gather(self, batch: np.ndarray, tokens: np.ndarray | None, positions: np.ndarray | None, count: int) -> None:
+        """The batch's `count` rows, noted by `_leave` in draw order, gathered grouped by the shard they came from
+        (shards in the epoch's order, a shard's rows in draw order): one `np.take` per run of rows in one place (a
+        held shard, or the spill) straight into the batch, so each row is copied once. Its labels are put in the
+        same order."""
+        order = _stable_order(self._out_group[:count])
+        sources, rows = self._out_source[:count][order], self._out_row[:count][order]
+        cuts = [0, *(np.flatnonzero(sources[1:] != sources[:-1]) + 1).tolist(), count]
+        whole = None if self._fused else _records(batch)
+        for lo, hi, source in zip(cuts[:-1], cuts[1:], sources[cuts[:-1]].tolist()):
+            if source >= 0 and len(self.layers) > 1:
+                for i, layer in enumerate(self._held[source].records):
+                    _records(batch[:, i])[lo:hi] = layer[rows[lo:hi]]
+                continue
+            # Spilled rows are whole rows (every layer) at once; a held shard's, of its one layer.
+            records = self._spill_rows if source < 0 else self._held[source].records[0]
+            if whole is not None:  # mode="clip": see _put
+                np.take(records, rows[lo:hi], out=whole[lo:hi], mode="clip")
+            else:
+                self._put(batch, lo, records, rows[lo:hi])
+        for labels in (tokens, positions):
+            if labels is not None:
+                labels[:count] = labels[:count][order]
+
+    def _put(self, batch: np.ndarray, at: int, source: np.ndarray, picked: np.ndarray | slice) -> None:
+        """Rows `picked` of `source` (whole rows as records) into the batch's rows from `at` on, each copied once.
+        Stored bits: one gather straight into the batch (`np.take` with mode="clip": with the default, "raise",
+        numpy gathers into a temporary and copies that into `out`; the rows are valid by construction, slots or rows
+        of a held shard's slice). Widened to float32 (`_fused`): a cache-sized chunk at a time, gathered into
+        `_chunk` and widened (and normalised) from there into the batch, so the stored bits never go through memory
+        on their way; a run of consecutive rows is widened straight from where it is."""
+        if isinstance(picked, slice):
+            n = picked.stop - picked.start
+            if self._fused:
+                self._finish(source[picked], batch[at : at + n])
+            else:
+                _records(batch)[at : at + n] = source[picked]
+            return
+        if not self._fused:
+            np.take(source, picked, out=_records(batch)[at : at + len(picked)], mode="clip")
+            return
+        chunk, values, step = self._chunk, self._chunk_values, len(self._chunk)
+        for lo in range(0, len(picked), step):
+            m = min(step, len(picked) - lo)
+            np.take(source, picked[lo : lo + m], out=chunk[:m], mode="clip")
+            out = batch[at + lo : at + lo + m]
+            np.copyto(out, values[:m], casting="unsafe")
+            if self._norm is not None:
+                self._normalise(out)
+
+    def _finish(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Rows as records of the stored bits into `out`, float32 [m, 1, d]: widened exactly (a cast numpy runs
+        without the GIL), then normalised in place while they are in cache."""
+        stored = rows.view(self._raw).reshape(len(rows), 1, self.hidden_size).view(self.stored_dtype)
+        np.copyto(out, stored, casting="unsafe")
+        if self._norm is not None:
+            self._normalise(out)
+
+    def _normalise(self, rows: np.ndarray) -> None:
+        """(rows - shift) * scale in place."""
+        shift, scale = self._norm
+        if self.normalize == "standardize":
+            np.subtract(rows, shift, out=rows)
+        np.multiply(rows, scale, out=rows)
+
+    def _let_go(self) -> None:
+        """Shards whose last row entered `hold` x C emitted rows ago: the rows of theirs still in the buffer are
+        copied into their slots of the spill, and the shard is dropped (a fraction of about e^-hold of its rows:
+        each emitted row leaves a given slot with probability 1/C)."""
+        horizon = self.hold * self.capacity
+        for place in [place for place, ended in self._ended.items() if self._rows_out - ended >= horizon]:
+            held = self._held.pop(place)
+            del self._ended[place]
+            slots = np.flatnonzero(self._source[: self._filled] == place)
+            picked = self._where[slots]
+            step = len(self._chunk)
+            for target, rows in zip(self._spill_layers, held.records):
+                for lo in range(0, len(slots), step):  # through a cache-sized chunk: no temporary of them all
+                    chunk = self._chunk[: min(step, len(slots) - lo)]
+                    np.take(rows, picked[lo : lo + len(chunk)], out=chunk, mode="clip")
+                    target[slots[lo : lo + len(chunk)]] = chunk
+            self._source[slots], self._where[slots] = -1, slots
 
     # -- output -------------------------------------------------------------------------------------------------
 
@@ -681,22 +829,31 @@ class ActivationLoader:
                 totals[output].add(LayerStats.of(self._decode(rows.data[i][rows.kept])))
         return totals
 
-    def _convert(self, rows: np.ndarray, tokens: np.ndarray | None) -> Any:
-        rows = self._decode(rows)
-        if self._norm is not None or rows.dtype != self.dtype:
-            wide = as_float32(rows)
+    def _convert(self, rows: np.ndarray, tokens: np.ndarray | None, positions: np.ndarray | None) -> Any:
+        rows = rows if self._fused else self._decode(rows)  # fused: widened and normalised as it was gathered
+        if not self._fused and (self._norm is not None or rows.dtype != self.dtype):
+            wide = self._widen(rows)
             if self._norm is not None:
-                shift, scale = self._norm
-                if self.normalize == "standardize":
-                    wide = wide - shift
-                wide = wide * scale
+                self._normalise(wide)
             rows = wide.astype(self.dtype, copy=False)
         if len(self.outputs) == 1:
             rows = rows[:, 0]
         out = _to_framework(rows, self.output, self.device)
-        if not self.return_token_ids:
-            return out
-        return out, _to_framework(tokens, self.output, self.device)
+        if positions is not None:
+            return out, *(_to_framework(labels, self.output, self.device) for labels in (tokens, positions))
+        if tokens is not None and self.return_token_ids:
+            return out, _to_framework(tokens, self.output, self.device)
+        return out
+
+    def _widen(self, rows: np.ndarray) -> np.ndarray:
+        """[m, outputs, d] rows as float32, in an array reused once nothing holds it (`_ReusedArrays`): a fresh array
+        of a batch's size would cost the kernel a pass zeroing its pages (58 MB at the 7B width). bfloat16 is the top
+        half of a float32, so it widens exactly by an integer shift (which numpy runs without the GIL)."""
+        if rows.dtype == np.float32:  # stored as float32 (the batch's own array), or fp8's product: normalised in place
+            return rows
+        wide = self._widened.take()[: len(rows)]
+        np.copyto(wide, rows, casting="unsafe")  # exact from bfloat16 and float16
+        return wide
 
 
 @contextlib.contextmanager
@@ -745,9 +902,17 @@ def _records(rows: np.ndarray) -> np.ndarray:
     return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))[:, 0]
 
 
-#: Bytes of slots `_swap` emits and refills at a time: a chunk must stay in a core's L2 cache (512 KiB here)
-#: between the two, while the Python call overhead per chunk stays small beside its copies.
-_SWAP_CHUNK_BYTES = 384 << 10
+def _stable_order(keys: np.ndarray) -> np.ndarray:
+    """np.argsort(keys, kind="stable"), by numpy's radix sort when the keys span fewer than 2^16 values (a batch's
+    shards, nearly always): about 6 times faster on a batch's keys than its merge sort of int32."""
+    if len(keys) and int(keys.max()) - int(keys.min()) < 1 << 16:
+        low = keys.min()
+        return np.argsort((keys - low).astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
+
+
+#: Bytes of rows gathered into `_chunk` before they are widened: small enough to stay in a core's L2 cache.
+_CHUNK_BYTES = 256 << 10
 
 
 def _run(picked: np.ndarray) -> slice | None:

@@ -38,6 +38,7 @@ from activations.format import (
     Output,
     ShardFormatError,
     ShardHeader,
+    check_sampled,
     crc32c_b64,
     decode_safetensors,
     dequantize,
@@ -265,10 +266,12 @@ def load_shard(ref: ShardRef, client: Any = None) -> Shard:
     if ref.crc32c is not None and crc32c_b64(payload) != ref.crc32c:
         raise ActivationsError(f"shard {ref.url}: crc32c {crc32c_b64(payload)} differs from its record's {ref.crc32c}")
     try:
-        tensors, metadata = decode_safetensors(payload)
+        tensors, raw = decode_safetensors(payload)
+        metadata = parse_metadata(raw)
+        check_sampled(metadata, {name: (array.dtype, array.shape) for name, array in tensors.items()})
     except ShardFormatError as exc:
         raise ActivationsError(f"shard {ref.url}: {exc}") from exc
-    return Shard(ref=ref, tensors=tensors, metadata=parse_metadata(metadata))
+    return Shard(ref=ref, tensors=tensors, metadata=metadata)
 
 
 class Activations:

@@ -21,6 +21,13 @@ rows of exactly `context_size` (documents concatenated, as SAELens's own cache d
 A sampled job's shards (token_sample, drop_first) export the same way: a row then holds stored tokens of several
 documents, not consecutive text; SAELens's cache trains on single tokens and shuffles them, so nothing depends on
 a row being contiguous (the summary says `sampled`).
+
+Positions. SAELens's cache has no place for a token's position in its document: `CacheActivationsRunner` writes the
+hook's column and `token_ids` only, and `load_cached_activation_dataset` formats just those two columns
+(`set_format(columns=[hook_name, "token_ids"])`), so `get_raw_llm_batch` returns (activations, token ids). The
+export adds a third column, `positions` (`Sequence(Value("int32"), length=context_size)`, each token's position in
+its document: a sampled job's stored positions, else its offset in its document), which SAELens leaves unread and
+`datasets.load_from_disk(directory)["positions"]` gives back.
 """
 
 from __future__ import annotations
@@ -71,8 +78,8 @@ def data_provider(loader: ActivationLoader) -> Iterator[Any]:
                                 "ActivationLoader(..., layers=L, output='torch')")  # fmt: skip
     if loader.epochs is not None:
         raise LoaderConfigError("SAELens draws batches until its token budget is spent; pass epochs=None")
-    if loader.return_token_ids:
-        raise LoaderConfigError("SAELens takes activations only; pass return_token_ids=False")
+    if loader.return_token_ids or loader.return_positions:
+        raise LoaderConfigError("SAELens takes activations only; pass return_token_ids=False, return_positions=False")
     return iter(loader)
 
 
@@ -88,7 +95,7 @@ def export_cached_activations(
     if dtype not in ("float32", "float16"):
         raise LoaderConfigError(f"dtype {dtype!r}: SAELens's Array2D cache holds float32 or float16")
     loader = ActivationLoader(source, layers=layer, site=site, batch_size=context_size, shuffle=False,
-                              drop_last=True, return_token_ids=True, dtype=dtype, client=client)  # fmt: skip
+                              drop_last=True, return_positions=True, dtype=dtype, client=client)  # fmt: skip
     reference = loader.shards[0].url
     from activations.reader import read_header
 
@@ -100,6 +107,7 @@ def export_cached_activations(
     features = datasets.Features({
         hook: datasets.Array2D(shape=(context_size, loader.hidden_size), dtype=dtype),
         "token_ids": datasets.Sequence(datasets.Value("int32"), length=context_size),
+        "positions": datasets.Sequence(datasets.Value("int32"), length=context_size),
     })  # fmt: skip
 
     import tempfile
@@ -110,8 +118,8 @@ def export_cached_activations(
     with tempfile.TemporaryDirectory(prefix="saelens-export-") as scratch:
         arrow = pathlib.Path(scratch) / "rows.arrow"
         with ArrowWriter(features=features, path=str(arrow), writer_batch_size=rows_per_write) as writer:
-            for activations, token_ids in loader:
-                writer.write({hook: activations, "token_ids": token_ids.astype(np.int32)})
+            for activations, token_ids, positions in loader:
+                writer.write({hook: activations, "token_ids": token_ids.astype(np.int32), "positions": positions})
             writer.finalize()
         loader.close()
         dataset = datasets.Dataset.from_file(str(arrow))

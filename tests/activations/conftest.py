@@ -12,6 +12,7 @@ import pytest
 
 import objectstore
 from extract.batching import TokenizedSample, make_batches
+from activations.sampling import TokenSampling
 from extract.writer import ProgressLog, ShardWriter
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -45,8 +46,11 @@ def activation_of(token_number: np.ndarray, layer: int, rng: np.random.Generator
 
 
 def write_task(
-    root: pathlib.Path, task: str, lengths: list[int], *, shard_size: int, seed: int, first_token: int = 0
-) -> tuple[list[dict], np.ndarray, np.ndarray]:
+    root: pathlib.Path, task: str, lengths: list[int], *, shard_size: int, seed: int, first_token: int = 0,
+    sampling: TokenSampling | None = None,
+) -> tuple[list[dict], np.ndarray, np.ndarray]:  # fmt: skip
+    """A task's shards and done marker, written by the real ShardWriter (with `sampling`, only the positions it
+    keeps); returns its records, and the token ids and positions of every token of its documents (kept or not)."""
     rng = np.random.default_rng(seed)
     queue = objectstore.open_store(str(root))  # the queue's store: its children share its bookkeeping
     store = queue.child(f"out/{task}")
@@ -61,7 +65,7 @@ def write_task(
     writer = ShardWriter(
         store=store, layers=LAYERS, out_dtype=BF16, start=0, end=len(lengths), shard_size=shard_size,
         metadata={"format": "activations/v1", "hidden_size": str(HIDDEN), "layers": json.dumps(list(LAYERS))},
-        progress=ProgressLog(None), streams=2,
+        progress=ProgressLog(None), streams=2, sampling=sampling,
     )  # fmt: skip
     for batch in make_batches(samples, batch_size=4, buckets=(8, 16, 64), pad_id=0):
         if batch.token_ids is None:
@@ -99,6 +103,30 @@ def written(tmp_path_factory) -> Written:
     acts = open_activations(str(root))
     layers = {layer: acts.layer(layer) for layer in LAYERS}
     return Written(root, records, np.concatenate(ids), np.concatenate(positions), layers)
+
+
+@dataclasses.dataclass
+class SampledJob:
+    """A job written with token sampling: which tokens were stored, and the truth about every token."""
+
+    root: pathlib.Path
+    records: list[dict]
+    stored: np.ndarray  # the running numbers of the stored tokens, in slice order
+    token_ids: np.ndarray  # by running number: every token of the documents, stored or not
+    positions: np.ndarray  # by running number: its position in its document
+
+
+@pytest.fixture(scope="session")
+def sampled(tmp_path_factory) -> SampledJob:
+    """One task of documents of 0 to 40 tokens written with `token_sample` 0.5 and `drop_first` 1 (format v2:
+    the shards hold `positions`), about 200 stored tokens in 7 shards."""
+    root = tmp_path_factory.mktemp("sampled")
+    lengths = [int(n) for n in np.random.default_rng(8).integers(0, 40, 20)]
+    sampling = TokenSampling(0.5, 1, 7)
+    records, ids, positions = write_task(root, "t0", lengths, shard_size=3, seed=3, sampling=sampling)
+    starts = np.cumsum([0, *lengths])
+    stored = np.concatenate([starts[i] + sampling.kept(3000 + i, n) for i, n in enumerate(lengths)])
+    return SampledJob(root, records, stored, ids, positions)
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ import pytest
 
 from activations.format import LayerStats
 from activations.loader import ActivationLoader, LoaderConfigError
+from activations.reader import open_activations
 from tests.activations.conftest import HIDDEN, LAYERS, Written
 from tests.workers import REPO
 
@@ -281,3 +282,49 @@ def test_batches_the_caller_keeps_are_never_overwritten_and_dropped_ones_are_reu
     tensors = list(make(output="torch"))
     assert all(np.array_equal(t.view(torch.int16).numpy().view(np.uint16), c.view(np.uint16))
                for t, c in zip(tensors, copies, strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(shuffle_tokens=32), dict(shuffle_tokens=32, hold=0), dict(shuffle_tokens=24, drop_first=1, hold=0.5),
+     dict(shuffle=False), dict(shuffle=False, drop_token_ids=[0, 1, 2])],
+)  # fmt: skip
+@pytest.mark.parametrize("normalize", [None, "mean_norm", "standardize"])
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_float32_batches_are_the_stored_bits_widened_then_normalised(written, options, normalize, chunk_rows,
+                                                                     monkeypatch):  # fmt: skip
+    """float32 batches of one layer are widened (and normalised) a chunk at a time as they are gathered: the same
+    values as the stored bfloat16 stream widened, then shifted and scaled in float32. At these rows' width a batch
+    is one chunk; chunks of 3 rows are the case of real widths (36 rows of 7 KiB a chunk)."""
+    if chunk_rows:
+        import activations.loader
+
+        monkeypatch.setattr(activations.loader, "_CHUNK_BYTES", chunk_rows * HIDDEN * 2)
+
+    def stream(dtype: str) -> list[np.ndarray]:
+        with ActivationLoader(str(written.root), layers=3, batch_size=8, seed=6, epochs=2, dtype=dtype,
+                              normalize=normalize if dtype == "float32" else None, **options) as loader:  # fmt: skip
+            return [np.array(batch) for batch in loader]
+
+    widened, stored = stream("float32"), stream("bfloat16")
+    assert len(widened) == len(stored) > 10
+    stats = open_activations(str(written.root)).stats()[3]
+    for got, bits in zip(widened, stored):
+        want = bits.astype(np.float32)
+        if normalize == "mean_norm":
+            want = want * np.float32(np.sqrt(HIDDEN) / stats.mean_norm)
+        elif normalize == "standardize":
+            want = (want - stats.mean.astype(np.float32)) * (1.0 / np.maximum(stats.std, 1e-6)).astype(np.float32)
+        assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_a_batchs_rows_are_ordered_by_numpys_stable_sort_of_their_shards_whatever_the_span():
+    """The batch's grouping sorts its rows' shard places by radix when they span under 2^16 values, else by numpy's
+    merge sort: the same order either way, at the boundary too."""
+    from activations.loader import _stable_order
+
+    rng = np.random.default_rng(1)
+    for low, span in [(0, 0), (0, 5), (100_000, 30), (7, (1 << 16) - 1), (7, 1 << 16), (0, 70_000)]:
+        keys = (low + rng.integers(0, span + 1, 3000)).astype(np.int32)
+        keys[:2] = low, low + span  # the span's ends are in the batch
+        assert np.array_equal(_stable_order(keys), np.argsort(keys, kind="stable")), (low, span)

@@ -3,7 +3,7 @@ loader, gives the rest of that run bit for bit (activations and token ids).
 
 Exhaustive over the checkpoints of small jobs (every one, not chosen ones: #26's bug hit 1-15% of them, and the
 first checkpoints of every epoch when the buffer is smaller than a shard), and randomized with hypothesis over shard
-sizes, batch and buffer sizes, ranks, filters, epochs and checkpoint positions.
+sizes, batch and buffer sizes, ranks, filters, epochs, how long shards are held (`hold`) and checkpoint positions.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def assert_resumes_exactly(make, batches: list[Batch], state: dict, checkpoint: 
 
 CASES = {
     "buffer-smaller-than-a-shard": dict(batch_size=3, shuffle_tokens=7),
+    "every-row-spilled": dict(batch_size=4, shuffle_tokens=10, hold=0),
     "buffer-larger-than-the-dataset": dict(batch_size=16, shuffle_tokens=300),
     "buffer-equal-to-the-batch": dict(batch_size=8, shuffle_tokens=8),
     "rank-1-of-3": dict(batch_size=4, shuffle_tokens=12, rank=1, world_size=3),
@@ -175,6 +176,7 @@ def jobs(draw):
         drop_first=draw(st.integers(0, 2)),
         layers=draw(st.sampled_from([0, [0, 1], [1, 0]])),
         readahead=draw(st.integers(0, 2)),
+        hold=draw(st.sampled_from([0, 0.25, 1, 3])),
     )
     return shard_tokens, documents, options
 
@@ -206,19 +208,27 @@ def test_resume_at_random_checkpoints_of_random_jobs_is_exact(job, data):
 
 
 @pytest.mark.parametrize("case", ["buffer-smaller-than-a-shard", "filters", "three-epochs-drop-last"])
-def test_steps_emitted_and_refilled_in_chunks_give_the_stream_of_whole_steps(written, case, monkeypatch):
-    """A steady-state step is emitted and refilled a chunk of slots at a time (`_swap`); at these rows' width a
-    step is one chunk, so a chunk of one row here is the case of the 7B width (about 54 rows a chunk)."""
-    import activations.loader
+def test_where_buffered_rows_wait_changes_nothing_emitted(written, case):
+    """Rows wait in their shards until `hold` x C rows have left after their shard's last, then in the spill: hold=0
+    spills every row as soon as its shard is read, a huge hold none. The stream is the same bit for bit, and each
+    batch lists its rows grouped by shard, in the epoch's order of shards."""
 
-    def stream() -> list[Batch]:
+    def stream(hold: float) -> list[Batch]:
         with ActivationLoader(str(written.root), layers=list(LAYERS), seed=3, dtype="bfloat16", return_token_ids=True,
-                              **CASES[case]) as loader:  # fmt: skip
+                              hold=hold, **CASES[case]) as loader:  # fmt: skip
             return [(np.asarray(a).view(np.uint16), np.asarray(t)) for a, t in loader]
 
-    whole = stream()
-    monkeypatch.setattr(activations.loader, "_SWAP_CHUNK_BYTES", 1)
-    chunked = stream()
-    assert len(chunked) == len(whole) > 10
-    for (got, got_ids), (want, want_ids) in zip(chunked, whole):
-        assert np.array_equal(got, want) and np.array_equal(got_ids, want_ids)
+    held = stream(1e9)
+    assert len(held) > 10
+    for hold in (0, 0.5, 3):
+        got = stream(hold)
+        assert len(got) == len(held)
+        for k, ((rows, ids), (want, want_ids)) in enumerate(zip(got, held)):
+            assert np.array_equal(rows, want) and np.array_equal(ids, want_ids), f"hold={hold}: batch {k} differs"
+    if CASES[case].get("epochs", 1) > 1:
+        return  # the grouping is checked on the one-epoch cases, where each batch's epoch is the first
+    starts = np.cumsum([0] + [record["tokens"] for record in written.records])
+    place = np.argsort(np.random.default_rng([3, 0, 0]).permutation(len(written.records)))  # epoch 0's order
+    for rows, _ in held:
+        shard = np.searchsorted(starts, Written.row_key(rows[:, 0].view(ml_dtypes.bfloat16)), side="right") - 1
+        assert (np.diff(place[shard]) >= 0).all(), "a batch's rows are not grouped by shard in the epoch's order"

@@ -80,3 +80,9 @@ def test_export_is_read_by_saelens_cached_activations_store(extracted_job, tmp_p
     assert np.array_equal(acts.numpy(), expected)
     assert np.array_equal(token_ids.numpy(), reference.token_ids()[: 4 * 16])
     assert summary["rows"] == reference.num_tokens // 16
+    # SAELens has no place for positions and reads only its two columns; the export's third one holds them.
+    import datasets
+
+    positions = np.asarray(datasets.load_from_disk(str(out))["positions"])
+    assert positions.shape == (summary["rows"], 16)
+    assert np.array_equal(positions.reshape(-1), reference.positions()[: summary["rows"] * 16])
