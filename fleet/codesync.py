@@ -242,7 +242,11 @@ def sync_with_client(
 
 
 def gcloud_argv(gcloud: str, source: Path, dest_url: str, excludes: Sequence[str], ignored: Sequence[str] = ()) -> list[str]:
-    argv = [gcloud, "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects"]
+    """`gcloud storage rsync` comparing content, as the client sync does (crc32c): by default it copies a file
+    whose modification time differs from the object's, and a fresh clone, or the environment staged anew in a
+    scratch directory at every upload, has new times for the same bytes; --checksums-only compares hashes
+    instead (https://cloud.google.com/sdk/gcloud/reference/storage/rsync)."""
+    argv = [gcloud, "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects", "--checksums-only"]
     if excludes or ignored:
         argv.append(f"--exclude={exclude_regex(excludes, ignored)}")
     return [*argv, str(source), dest_url.rstrip("/")]
@@ -345,9 +349,9 @@ def uv_version() -> str:
     return match.group(1)
 
 
-def _run(argv: Sequence[str], what: str) -> str:
+def _run(argv: Sequence[str], what: str, cwd: Path | None = None) -> str:
     log.info("event=%s argv=%s", what, " ".join(argv))
-    result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    result = subprocess.run(list(argv), capture_output=True, text=True, check=False, cwd=cwd)
     if result.returncode != 0:
         raise CodeSyncError(f"{what}: {' '.join(argv[:4])} ... exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
     return result.stdout
@@ -361,15 +365,19 @@ def compile_lock(
     index_args: Sequence[str] = (),
 ) -> Path:
     """`uv pip compile` the requirements into a complete, pinned lock for the machines' Python and
-    platform (https://docs.astral.sh/uv/reference/cli/#uv-pip-compile--python-platform)."""
+    platform (https://docs.astral.sh/uv/reference/cli/#uv-pip-compile--python-platform). The same
+    requirements give the same bytes wherever `out` is: uv annotates each pin with the requirements
+    file it came from (`# via -r FILE`), so the file is named relative to the lock's directory, not
+    by the scratch directory's path (which would make every upload a new lock, and a new install on
+    every machine that reboots: startup.sh keys its install on the lock's hash)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     source = out.with_suffix(".in")
     source.write_text("\n".join(requirements) + "\n")
-    argv = [*uv_command(), "pip", "compile", str(source), "--output-file", str(out), "--no-header",
+    argv = [*uv_command(), "pip", "compile", source.name, "--output-file", out.name, "--no-header",
             "--python-version", python_version, *index_args]
     if platform:
         argv += ["--python-platform", platform]
-    _run(argv, "lock_compile")
+    _run(argv, "lock_compile", cwd=out.parent)
     source.unlink()
     return out
 

@@ -31,14 +31,38 @@ class CheckError(Exception):
 
 
 def accelerator(run: Run, prices_file: str | None = None):
-    """The fleet's accelerator as the planner prices it (`reporting.pricing.Accelerator`)."""
+    """The fleet's accelerator as the planner prices it (`reporting.pricing.Accelerator`); for a CPU fleet
+    (`cpu_fleet`), its machine type's hourly prices (`reporting.pricing.MachinePrice`, the table's cpu_machines)."""
     from reporting import pricing
 
     field = "fleet.spec.accelerator_type" if run.kind == "tpu" else "fleet.spec.machine_type"
     try:
-        return pricing.load_prices(prices_file).accelerator(run.accelerator)
+        prices = pricing.load_prices(prices_file)
+        return prices.machine_price(run.accelerator) if cpu_fleet(run) else prices.accelerator(run.accelerator)
     except pricing.PriceError as err:
         raise CheckError(f"{run.file}: {field}: {err}") from None
+
+
+def cpu_fleet(run: Run) -> bool:
+    """Whether the run's machines compute on CPUs (a VM spec whose JAX is the CPU one): the planner, which derives
+    hours from an accelerator's peak FLOPs, has no figure for them, only their price per hour."""
+    return run.kind == "vm" and run.spec.jax_flavour == "cpu"
+
+
+def cpu_fleet_price(run: Run, prices_file: str | None = None) -> str:
+    """What `plan` and `up` say of a CPU fleet instead of a plan: its machines' price per hour and why there is no
+    estimate. A spending limit, which nothing could hold the run to, is refused (CheckError)."""
+    price = accelerator(run, prices_file)
+    spot = run.spec.spot
+    per_hour = price.spot_per_hour if spot else price.on_demand_per_hour
+    if run.fields.max_dollars is not None:
+        raise CheckError(f"{run.file}: max_dollars: a CPU fleet ({run.accelerator}) has no plan to hold the limit "
+                         "against (the planner estimates hours from an accelerator's peak FLOPs); remove max_dollars "
+                         "and bound the spend with fleet.count, or run on an accelerator the planner prices")
+    return (f"plan: {run.machines} x {run.accelerator} (CPU) at {per_hour:g} $ per machine-hour "
+            f"{'spot' if spot else 'on demand'}, {run.machines * per_hour:g} $ per hour for the fleet; no estimate of "
+            "hours or total $: the planner derives them from an accelerator's peak FLOPs, which a CPU machine type "
+            "does not have")
 
 
 def model_config(run: Run):

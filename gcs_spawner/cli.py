@@ -103,6 +103,7 @@ def cmd_plan(args) -> int:
     import json
 
     from extract.errors import BadInput
+    from gcs_spawner import checks
     from gcs_spawner import tasks as tasks_module
     from gcs_spawner.checks import CheckError
     from gcs_spawner.runfile import load_run
@@ -112,6 +113,10 @@ def cmd_plan(args) -> int:
 
     run = load_run(args.run)
     _, task_models = _run_tasks(run, tasks_module)
+    if checks.cpu_fleet(run):
+        line = checks.cpu_fleet_price(run, args.prices)
+        print(json.dumps({"plan": None, "why": line}, indent=1) if args.json else line)
+        return EX_OK
     inputs = plan_inputs(run, task_models, args.prices)
     try:
         plan = make_plan(inputs)

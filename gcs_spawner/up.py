@@ -220,6 +220,9 @@ class _Up:
         from reporting.considered import considered_resources, render_considered
         from reporting.plan import make_plan, render
 
+        if checks.cpu_fleet(self.run):
+            self.say(checks.cpu_fleet_price(self.run, self.prices))
+            return
         inputs = plan_inputs(self.run, task_models, self.prices)
         try:
             plan = make_plan(inputs)

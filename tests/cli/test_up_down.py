@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -294,6 +295,50 @@ def test_up_uploads_the_code_once_through_the_client_and_reports_progress_in_a_l
     assert {e.name: e.generation for e in world.store("code/fresh").list("")} == generations
 
 
+def test_a_second_up_through_gcloud_rewrites_no_code_object_whose_content_is_unchanged(world, tmp_path, monkeypatch):
+    """code.upload through the real gcloud (pointed at the fake GCS): files with the same content and new mtimes (a
+    fresh clone; the environment up builds in a new scratch directory each time) are not uploaded again, so a second
+    up mid-run rewrites nothing that booting machines are syncing."""
+    from tests.gcloudcli import require_gcloud, write_config
+
+    require_gcloud()
+    source = tmp_path / "checkout"
+    (source / "fleet").mkdir(parents=True)
+    (source / "spawn.py").write_text("print('spawn')\n")
+    (source / "fleet" / "__init__.py").write_text("")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(write_config(tmp_path / "gcloud", storage=world.gcs.url)))
+    run_file = world.run_file("tpu", code={"url": f"gs://{world.bucket}/code/fresh", "upload": True,
+                                           "source": str(source), "environment": False})
+    assert up(run_file) == 0
+    generations = {e.name: e.generation for e in world.store("code/fresh").list("")}
+    assert sorted(generations) == ["fleet/__init__.py", "spawn.py"]
+    later = time.time() + 3600
+    for path in source.rglob("*"):
+        os.utime(path, (later, later))
+    assert up(run_file) == 0
+    assert {e.name: e.generation for e in world.store("code/fresh").list("")} == generations
+
+
+def test_the_lock_up_uploads_is_the_same_bytes_from_any_scratch_directory(tmp_path):
+    """`up` compiles the run's lock in a new scratch directory every time (fleet.codesync.upload_code): the lock must
+    not name it, or each up uploads a different lock and every machine that reboots installs again (startup.sh keys
+    its install on the lock's hash). Offline: two tiny wheels built here, as tests/cloud/test_codesync.py does."""
+    from fleet import codesync
+    from tests.cloud.test_codesync import _tiny_package
+
+    index = tmp_path / "index"
+    for name, version, deps in (("tinydep", "0.2.0", []), ("tinyapp", "0.1.0", ["tinydep>=0.2"])):
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--wheel-dir", str(index), str(_tiny_package(tmp_path / "src", name, version, deps))],
+                       check=True, capture_output=True)
+    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    locks = [codesync.compile_lock(["tinyapp"], tmp_path / scratch / "locks" / "cpu.txt", python_version, platform=None,
+                                   index_args=["--no-index", "--find-links", str(index)]).read_text()
+             for scratch in ("upload-code-1", "upload-code-2")]
+    assert "tinydep==0.2.0" in locks[0] and "upload-code-1" not in locks[0]
+    assert locks[0] == locks[1]
+
+
 def test_up_on_a_terminal_asks_and_a_no_creates_nothing(world):
     """stdin a terminal (a pseudo-terminal here): up prints the plan, asks `Proceed? [y/N]` and, answered n, exits
     1 having made nothing."""
@@ -310,3 +355,29 @@ def test_up_on_a_terminal_asks_and_a_no_creates_nothing(world):
     assert process.returncode == 1, err
     assert "considered resources" in out and "Proceed? [y/N]" in err and "not confirmed; nothing was created" in err
     assert world.cloud.mutations() == [] and world.names() == []
+
+
+def test_a_cpu_vm_run_goes_up_priced_per_machine_hour_and_a_limit_it_cannot_check_stops_it(world, capsys):
+    """A CPU fleet (a VM spec with accelerator: cpu on n2-standard-8, which reporting/prices.json prices under
+    cpu_machines) gives the planner no peak FLOPs: up and plan show the machine's hourly price and say there is no
+    estimate, and up makes the template and the group; with a max_dollars that nothing could check, up stops first."""
+    import yaml
+
+    from reporting.pricing import load_prices
+
+    spec = {**yaml.safe_load((REPO / "templates" / "vm.yaml").read_text()), "machine_type": "n2-standard-8",
+            "accelerator": "cpu"}
+    limited = world.run_file("vm", name="limited.yaml", fleet={"spec": spec}, max_dollars=100.0)
+    assert up(limited) == 65
+    assert "max_dollars" in capsys.readouterr().err
+    assert world.cloud.ours() == []
+    run_file = world.run_file("vm", fleet={"spec": spec})
+    assert up(run_file) == 0
+    assert world.cloud.ours() == VM_RESOURCES
+    spot = load_prices().cpu_machines["n2-standard-8"]["spot_per_hour"]
+    line = f"2 x n2-standard-8 (CPU) at {spot:g} $ per machine-hour spot"
+    assert line in capsys.readouterr().out
+    items = {i["key"]: i["value"] for i in world.cloud.resources[VM_RESOURCES[0]]["properties"]["metadata"]["items"]}
+    assert items["spawn-accelerator"] == "cpu"
+    assert main(["plan", str(run_file)]) == 0
+    assert line in capsys.readouterr().out

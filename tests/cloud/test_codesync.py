@@ -116,7 +116,7 @@ def test_upload_tool_uses_gcloud_rsync_when_gcloud_is_on_path(tmp_path: Path, st
     [argv] = stubs.calls()
     regex = codesync.exclude_regex([*codesync.DEFAULT_EXCLUDES, "data/*"], codesync.GENERATED)
     assert argv == ["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects",
-                    f"--exclude={regex}", str(src), "gs://bkt/code/run1"]
+                    "--checksums-only", f"--exclude={regex}", str(src), "gs://bkt/code/run1"]
 
 
 @pytest.mark.parametrize("path", ["gcloud", "client"])
