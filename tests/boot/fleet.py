@@ -7,11 +7,11 @@
 What is real and what stands in is the boot rehearsal's (tests/boot/rehearsal.py, docs/CLOUD.md "The
 boot, rehearsed"), per machine: the cached Debian root filesystem in namespaces of its own (network:
 loopback only; PID and mount), the real startup/startup.sh from its own metadata server at
-169.254.169.254:80, the real gcloud and uv, the code and wheels the real tools/upload_code.py put in the
-bucket, spawn.py and consume.py extracting with the tiny model. What this adds is the fleet around them:
+169.254.169.254:80, the real gcloud and uv, the code, wheels and interpreter that `gcs-spawner up` put
+in the bucket, spawn.py and consume.py extracting with the tiny model. What this adds is the fleet around them:
 
 - the fake Compute API (tests/cloud/fakecloud.py) keeps a managed instance group's members, made from
-  the instance template the real fleet.launch.create_template sent, and hands each member it creates
+  the instance template `gcs-spawner up` sent, and hands each member it creates
   to `Fleet`, which boots it as a rehearsal machine with that instance's metadata (its name, the
   template's attributes, `created-by` naming the group); a member deleted through the API
   (deleteInstances, the group's delete) is shut down 3 s later, as a guest's shutdown would be;
@@ -24,20 +24,28 @@ bucket, spawn.py and consume.py extracting with the tiny model. What this adds i
   REPAIR, makes it again under its name (https://cloud.google.com/compute/docs/instance-groups/about-repairing-vms-in-a-mig),
   on a new boot disk.
 
-`up` and `down` are one small function each (`up`, `down`), driven by the existing tools until the
-one-command CLI lands (issue 35: `gcs-spawner up`/`down`): submit with the real tools/submit.py, the
-template and the group with fleet.launch, teardown with fleet.launch.teardown. `down` waits for the
-completion rule first (taskqueue/completion.py, through reporting.status.snapshot).
+The operator drives it as a user would, each command a process of its own (`python -m gcs_spawner`, the
+console script's module) with no terminal: `write_run` writes the run file (its job and first tasks,
+the model to mirror, the queue, the code with its wheelhouse and interpreter, the VM spec with the
+rehearsal's spawn flags, the count and the zone), then `gcs-spawner up run.yaml --yes` (the pre-flight
+against the fakes, the mirror, the code upload, the submit, the template and the group), the same `up`
+again mid-run, `gcs-spawner submit run.yaml --tasks late.jsonl`, `gcs-spawner down run.yaml` (no --yes:
+it goes on only when status's completion rule, taskqueue/completion.py, says the job is complete) and
+`gcs-spawner merge run.yaml`. Its environment points the clients at the fakes as tests/cli's does
+(FLEET_*_ENDPOINT, STORAGE_EMULATOR_HOST, gcloud's endpoint overrides, no credentials) and uv's
+interpreter downloads at the stand-in release (UV_PYTHON_*).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,15 +59,21 @@ from tests.boot.rehearsal import (
     BUCKET, METADATA_ADDRESS, PROJECT, REPO, ZONE, Disk, Namespaces, Rehearsal, RehearsalError, instance_metadata,
     machine_env, prepare_disk, release_host, remove_in_background, standin_release,
 )  # fmt: skip
-from tests.cloud.fakecloud import FakeCloud
+from tests.cloud.fakecloud import PROJECT_NUMBER, FakeCloud
 from tests.cloud.fakehttp import Listener
 from tests.cloud.fakemetadata import FakeMetadata
 from tests.fakegcs.server import FakeGCS
 
-NAME = "spawn-worker"  # the template's and the group's name, as templates/vm.yaml has it
-CODE = "code/fleet"
+RUN_NAME = "fleet"  # the run's: its template and group are named so, the members RUN_NAME-xxxx (runfile.py)
+CODE_PREFIX = "code/fleet/"
+CODE = f"gs://{BUCKET}/{CODE_PREFIX.rstrip('/')}"
 QUEUE = f"gs://{BUCKET}/jobs/fleet"
-GROUP = f"projects/{PROJECT}/zones/{ZONE}/instanceGroupManagers/{NAME}"
+GROUP = f"projects/{PROJECT}/zones/{ZONE}/instanceGroupManagers/{RUN_NAME}"
+TEMPLATE = f"projects/{PROJECT}/global/instanceTemplates/{RUN_NAME}"
+MACHINE_TYPE = "n2-standard-8"
+#: The project's default service account, as Compute Engine names it
+#: (https://cloud.google.com/compute/docs/access/service-accounts#default_service_account).
+SERVICE_ACCOUNT = f"{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
 SHUTDOWN_S = 3.0  # from a delete request to the machine's end (a guest shutdown's stand-in)
 PREEMPTION_NOTICE_S = 30.0  # Compute Engine's: at most this long from the notice to the stop
 
@@ -201,6 +215,7 @@ class FleetRehearsal(Rehearsal):
     def __init__(self, workdir: Path):
         super().__init__(workdir, disks=0)
         self.fleet = Fleet(self)
+        self.python_release, self.python_downloads = "", Path()  # the stand-in interpreter's host and listing
 
     def start(self) -> "FleetRehearsal":
         self.gcs = FakeGCS().start()
@@ -208,6 +223,7 @@ class FleetRehearsal(Rehearsal):
         self.uploader = self.gcs  # the operator's listener
         self.cloud = FakeCloud().start()
         self.cloud.machines = self.fleet
+        self.open_project()
         return self
 
     def stop(self, keep_disks: bool = False) -> None:
@@ -225,57 +241,119 @@ class FleetRehearsal(Rehearsal):
         listener.storage = self.gcs.storage
         return listener.start()
 
-    def compute_clients(self):
-        from google.auth.credentials import AnonymousCredentials
+    def open_project(self) -> None:
+        """The project as the pre-flight (fleet/preflight.py) reads it, ready for the fleet: the default
+        service account holds roles/compute.instanceAdmin.v1 on the project (to delete itself) and
+        roles/storage.objectUser on the bucket, which is in the zone's region; the region has the N2 CPU
+        quota for the group; the default subnet has Private Google Access (the machines have no external IP)."""
+        cloud, member, region = self.cloud, f"serviceAccount:{SERVICE_ACCOUNT}", ZONE.rsplit("-", 1)[0]
+        cloud.add(f"projects/{PROJECT}", {"name": PROJECT, "defaultServiceAccount": SERVICE_ACCOUNT})
+        cloud.project_policies[PROJECT] = {"version": 1, "bindings": [
+            {"role": "roles/compute.instanceAdmin.v1", "members": [member]}]}
+        cloud.buckets[BUCKET] = {"location": region.upper(), "bindings": [
+            {"role": "roles/storage.objectUser", "members": [member]}]}
+        cloud.set_region(PROJECT, region, {"CPUS": (96, 0), "N2_CPUS": (96, 0)})
+        cloud.resources[f"projects/{PROJECT}/regions/{region}"]["zones"] = [f"projects/{PROJECT}/zones/{ZONE}"]
+        cloud.add(f"projects/{PROJECT}/zones/{ZONE}/machineTypes/{MACHINE_TYPE}", {"name": MACHINE_TYPE, "guestCpus": 8})
+        cloud.add(f"projects/{PROJECT}/regions/{region}/subnetworks/default", {
+            "kind": "compute#subnetwork", "name": "default", "region": region, "ipCidrRange": "10.128.0.0/20",
+            "network": f"https://www.googleapis.com/compute/v1/projects/{PROJECT}/global/networks/default",
+            "privateIpGoogleAccess": True})
 
-        from fleet import compute
+    def operator_env(self) -> dict[str, str]:
+        """The operator's shell: gcloud and the Python clients pointed at the fakes without credentials
+        (tests/cli's way), and uv's interpreter downloads at the stand-in release (`python_release`)."""
+        endpoints = dict.fromkeys(("FLEET_COMPUTE_ENDPOINT", "FLEET_TPU_ENDPOINT", "FLEET_CRM_ENDPOINT",
+                                   "FLEET_STORAGE_ENDPOINT"), self.cloud.url)
+        return {**self.uploader_env(self.workdir), **endpoints, "UV_PYTHON_INSTALL_MIRROR": self.python_release,
+                "UV_PYTHON_DOWNLOADS_JSON_URL": self.python_downloads.as_uri()}
 
-        return compute.ComputeClients.connect(client_options={"api_endpoint": self.cloud.url},
-                                              credentials=AnonymousCredentials(), transport="rest")  # fmt: skip
+    def gcs_spawner(self, *argv: str, timeout: float = 1800) -> Command:
+        """`gcs-spawner ARGV` in a process of its own, stdin not a terminal; raises RehearsalError unless it
+        exits 0."""
+        before = len(self.cloud.mutations())
+        started, clock = time.time(), time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "gcs_spawner", *argv], cwd=REPO, env=self.operator_env(),
+                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        command = Command(list(argv), result.returncode, result.stdout, result.stderr, started,
+                          time.monotonic() - clock, self.cloud.mutations()[before:])
+        name = argv[0]
+        (self.workdir / f"gcs-spawner-{name}-{started:.0f}.log").write_text(result.stdout + result.stderr)
+        if result.returncode != 0:
+            raise RehearsalError(f"gcs-spawner {' '.join(argv)} exited {result.returncode}:\n{result.stdout[-2000:]}\n"
+                                 f"{result.stderr[-3000:]}")
+        return command
 
-
-# -- the operator's two commands (issue 35 brings `gcs-spawner up` / `down`; until then, the tools)
-
-
-def up(world: FleetRehearsal, spec: Path, job: Path, tasks: Path, size: int) -> list[str]:
-    """Submit (idempotent: tools/submit.py), then the template and the group (fleet.launch) unless they
-    exist. Returns what it created: a second `up` during the run creates nothing."""
-    from fleet import gapi, launch
-
-    world.tool("tools/submit.py", QUEUE, "--job", str(job), "--tasks", str(tasks))
-    clients = world.compute_clients()
-    made = []
-    steps: list[tuple[str, Callable[[], object]]] = [
-        ("template", lambda: launch.create_template(spec, PROJECT, QUEUE, f"gs://{BUCKET}/{CODE}", clients=clients)),
-        ("group", lambda: launch.create_group(PROJECT, NAME, size, zone=ZONE, clients=clients)),
-    ]
-    for what, step in steps:
-        try:
-            step()
-            made.append(what)
-        except gapi.LaunchError as err:
-            if "already exists" not in str(err):
-                raise
-    return made
+    def generations(self, prefix: str) -> dict[str, int]:
+        """Each object under `prefix` and its generation (a write makes a new one)."""
+        return {name: stored.generation for name, stored in self.objects(prefix).items()}
 
 
-def down(world: FleetRehearsal, timeout: float) -> dict:
-    """Wait until the queue is complete by the completion rule (status's), then delete the group and
-    the template (fleet.launch.teardown). Returns status's last view."""
-    from fleet import launch
-    from objectstore import open_store
-    from reporting.status import snapshot
+# -- the operator: a run file, and the `gcs-spawner` command in a process of its own per call
 
-    store = open_store(QUEUE)
-    deadline = time.monotonic() + timeout
-    view = snapshot(store)
-    while not view["complete"]:
-        if time.monotonic() > deadline:
-            raise RehearsalError(f"the queue is not complete after {timeout:.0f} s: {json.dumps(view['blockers'])[:2000]}")
-        time.sleep(2)
-        view = snapshot(store)
-    launch.teardown(PROJECT, zone=ZONE, group=NAME, template=NAME, compute_clients=world.compute_clients())
-    return view
+
+@dataclasses.dataclass
+class Command:
+    """One `gcs-spawner` command as the operator ran it, and what the fake Compute API received meanwhile."""
+
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    started: float  # epoch seconds
+    seconds: float
+    mutations: list[tuple[str, str]]  # (method, path) of every request but a GET the fake API took while it ran
+
+    def events(self, event: str) -> list[dict[str, str]]:
+        """Its `event=EVENT key=value ...` log lines (stderr is no terminal, so the log is at INFO)."""
+        found = []
+        for line in self.stderr.splitlines():
+            fields = dict(field.split("=", 1) for field in line.split() if "=" in field)
+            if fields.get("event") == event:
+                found.append(fields)
+        return found
+
+    def created(self) -> list[str]:
+        """The resources it says it created (`event=created resource=KIND NAME (WHERE)`), in order."""
+        return re.findall(r"event=created resource=(.+)$", self.stderr, flags=re.MULTILINE)
+
+    def creates(self) -> list[tuple[str, str]]:
+        """Requests in its window that make or grow something: an insert of a template, a group, an
+        instance, a TPU node or queued resource, or a group's resize (the machines send none of these)."""
+        return [(method, path) for method, path in self.mutations if method == "POST" and (
+            re.search(r"/(instanceTemplates|instanceGroupManagers|instances|nodes|queuedResources)$", path)
+            or path.endswith("/resize"))]  # fmt: skip
+
+    def steps(self) -> list[tuple[str, float]]:
+        """`up`'s steps and the seconds each took, from its `event=step_done` lines' timestamps."""
+        out, previous = [], self.started
+        for line in self.stderr.splitlines():
+            match = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*event=step_done step=(\S+)", line)
+            if match:
+                at = time.mktime(time.strptime(match.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + int(match.group(1)[20:]) / 1e3
+                out.append((match.group(2), at - previous))
+                previous = at
+        return out
+
+
+def write_run(directory: Path, job: Path, tasks: Path, model: Path, machines: int) -> Path:
+    """The rehearsal's run file: its job and first tasks, the model to mirror, the queue, the code with its
+    wheelhouse and interpreter (the machines have no route to the package index), and the fleet: a group of
+    `machines` CPU VMs on Debian (the rehearsal's image) without external IPs, with short leases and waits."""
+    spec = yaml.safe_load((REPO / "templates" / "vm.yaml").read_text())
+    spec.update({"machine_type": MACHINE_TYPE, "accelerator": "cpu", "external_ip": False,
+                 "image": "projects/debian-cloud/global/images/family/debian-12",
+                 "spawn_flags": ["--on-empty", "delete", "--preemption-watch", "auto", "--lease-ttl", "60",
+                                 "--max-attempts", "3", "--idle-timeout", "30", "--job-wait", "60"]})  # fmt: skip
+    run = {"name": RUN_NAME, "project": PROJECT, "queue": QUEUE,
+           "job": os.path.relpath(job, directory), "tasks": {"file": os.path.relpath(tasks, directory)},
+           "model": {"source": os.path.relpath(model, directory)},
+           "code": {"url": CODE, "upload": True, "wheelhouse": True, "python_mirror": True},
+           "fleet": {"spec": spec, "count": machines, "zones": [ZONE]}}  # fmt: skip
+    path = directory / "run.yaml"
+    path.write_text("# The fleet rehearsal's run (tests/boot/fleet.py): gcs-spawner up run.yaml --yes, ..., down run.yaml\n"
+                    + yaml.safe_dump(run, sort_keys=False, default_flow_style=None))
+    return path
 
 
 # -- the rehearsal
@@ -284,14 +362,20 @@ def down(world: FleetRehearsal, timeout: float) -> dict:
 @dataclasses.dataclass
 class FleetReport:
     wall_s: float
-    upload_s: float
     tasks: list[str]
     runs: list[Run]
-    made_first: list[str]
-    made_again: list[str]
+    machines: int
+    first_up: Command
+    second_up: Command
+    late_submit: Command
+    down: Command
+    merge: Command
+    members: list[str]  # the group's members when the first `up` had made it
+    code_rewritten: list[str]  # objects under the code prefix the second `up` wrote again
     preempted: str
-    members_after_second_up: int
     late_tasks: list[str]
+    recorded: dict[str, str]  # the run's record before `down`: "kind name (where)" -> its state
+    recorded_after: dict[str, str]  # ... and after
     view: dict
     index: dict
     deletes: list[str]
@@ -300,8 +384,13 @@ class FleetReport:
 
     def lines(self) -> list[str]:
         out = [f"fleet rehearsal: {len(self.runs)} boots of {len({r.instance for r in self.runs})} instances, "
-               f"{len(self.tasks)} tasks ({len(self.late_tasks)} submitted late), wall {self.wall_s:.1f} s "
-               f"(upload {self.upload_s:.1f} s), load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)"]  # fmt: skip
+               f"{len(self.tasks)} tasks ({len(self.late_tasks)} submitted late), wall {self.wall_s:.1f} s, "
+               f"load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)"]  # fmt: skip
+        for label, command in (("up", self.first_up), ("up again, mid-run", self.second_up),
+                               ("submit --tasks late.jsonl", self.late_submit), ("down", self.down),
+                               ("merge", self.merge)):
+            steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in command.steps())
+            out.append(f"  gcs-spawner {label}: {command.seconds:.1f} s" + (f" ({steps})" if steps else ""))
         out.append(f"  {'machine':24s} {'boot':>4s} {'boot to first claim':>20s} {'tasks run':>9s} {'requests':>8s}  end")
         for run in self.runs:
             claim = run.first_claim()
@@ -320,19 +409,9 @@ def _wait(what: str, check: Callable[[], object], timeout: float) -> object:
     raise RehearsalError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def write_spec(directory: Path) -> Path:
-    """templates/vm.yaml as a CPU worker on Debian (the rehearsal's image), with short leases and waits."""
-    raw = yaml.safe_load((REPO / "templates" / "vm.yaml").read_text())
-    raw.update({"machine_type": "n2-standard-8", "accelerator": "cpu", "image": "projects/debian-cloud/global/images/family/debian-12",
-                "spawn_flags": ["--on-empty", "delete", "--preemption-watch", "auto", "--lease-ttl", "60",
-                                "--max-attempts", "3", "--idle-timeout", "30", "--job-wait", "60"]})  # fmt: skip
-    path = directory / "fleet-vm.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
 def rehearse(workdir: Path, machines: int = 3, first: int = 6, late: int = 2, timeout: float = 1800) -> FleetReport:
-    """The fleet's life, start to end; raises RehearsalError when a step does not happen in time."""
+    """The fleet's life, start to end; raises RehearsalError when a step does not happen in time, or a
+    command fails."""
     began = time.monotonic()
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     try:
@@ -344,49 +423,69 @@ def rehearse(workdir: Path, machines: int = 3, first: int = 6, late: int = 2, ti
             os.environ["STORAGE_EMULATOR_HOST"] = emulator
 
 
+def _recorded(store) -> dict[str, str]:
+    from gcs_spawner.record import RunRecord
+
+    return {r.resource.describe(): r.state for r in RunRecord(store).resources()}
+
+
 def _rehearse(workdir: Path, machines: int, first: int, late: int, timeout: float, began: float) -> FleetReport:
     from objectstore import open_store
+    from reporting.status import snapshot
 
+    if first < machines:
+        raise RehearsalError(f"{first} first tasks for {machines} machines: the group is as large as the tasks, "
+                             "so give at least as many tasks as machines")
     with FleetRehearsal(workdir) as world:
         release, listing = standin_release(world.lower)
-        url, stop_release = release_host(release)
+        world.python_release, stop_release = release_host(release)
+        world.python_downloads = listing
         try:
-            upload_s = world.upload_code(CODE, url, listing)
+            job, planned = world.stage_job("fleet", rows=4 * (first + late) // 2, rows_per_task=4, files=2,
+                                           upload_model=False)
+            lines = planned.read_text().splitlines()
+            if len(lines) != first + late:
+                raise RehearsalError(f"make_tasks planned {len(lines)} tasks, not {first + late}")
+            (workdir / "first.jsonl").write_text("\n".join(lines[:first]) + "\n")
+            (workdir / "late.jsonl").write_text("\n".join(lines[first:]) + "\n")
+            tasks = [json.loads(line)["id"] for line in lines]
+            run_file = str(write_run(workdir, job, workdir / "first.jsonl", job.parent / "model", machines))
+            os.environ["STORAGE_EMULATOR_HOST"] = world.gcs.url  # this process's clients: the operator's
+            store = open_store(QUEUE)
+            fleet = world.fleet
+
+            first_up = world.gcs_spawner("up", run_file, "--yes")
+            members = world.cloud.members(GROUP)
+            working = _wait("a machine working on a task", lambda: next(
+                (r for r in list(fleet.runs) if r.ended is None and "event=consumer_start" in r.log()), None), timeout)
+            code = world.generations(CODE_PREFIX)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                again = pool.submit(world.gcs_spawner, "up", run_file, "--yes")  # the same command, mid-run
+                fleet.preempt(working)  # meanwhile, mid-task: its consumer runs
+                _wait("a first done marker", lambda: store.list_page("done/").entries, timeout)
+                late_submit = world.gcs_spawner("submit", run_file, "--tasks", str(workdir / "late.jsonl"))
+                second_up = again.result()
+            rewritten = sorted(name for name, generation in world.generations(CODE_PREFIX).items()
+                               if code.get(name) != generation)
+            _wait("every task done and every machine gone", lambda: (
+                len(store.list_page("done/").entries) == len(tasks) and not world.cloud.members(GROUP)
+                and all(r.ended for r in list(fleet.runs))), timeout)  # fmt: skip
+            recorded = _recorded(store)
+            down = world.gcs_spawner("down", run_file)  # no --yes: it goes on only if status says complete
+            view = snapshot(store)
+            recorded_after = _recorded(store)
+            merge = world.gcs_spawner("merge", run_file)
         finally:
             stop_release()
-        job, planned = world.stage_job("fleet", rows=4 * (first + late) // 2, rows_per_task=4, files=2)
-        lines = planned.read_text().splitlines()
-        if len(lines) != first + late:
-            raise RehearsalError(f"make_tasks planned {len(lines)} tasks, not {first + late}")
-        (workdir / "first.jsonl").write_text("\n".join(lines[:first]) + "\n")
-        (workdir / "late.jsonl").write_text("\n".join(lines[first:]) + "\n")
-        tasks = [json.loads(line)["id"] for line in lines]
-        spec = write_spec(workdir)
-        os.environ["STORAGE_EMULATOR_HOST"] = world.gcs.url  # this process's clients: the operator's
-        store = open_store(QUEUE)
-        fleet = world.fleet
-
-        made_first = up(world, spec, job, workdir / "first.jsonl", machines)
-        working = _wait("a machine working on a task", lambda: next(
-            (r for r in list(fleet.runs) if r.ended is None and "event=consumer_start" in r.log()), None), timeout)
-        made_again = up(world, spec, job, workdir / "first.jsonl", machines)  # a second `up`, mid-run
-        members = len(world.cloud.members(GROUP))
-        fleet.preempt(working)  # mid-task: its consumer runs
-        _wait("a first done marker", lambda: store.list_page("done/").entries, timeout)
-        world.tool("tools/submit.py", QUEUE, "--tasks", str(workdir / "late.jsonl"))  # a late submit
-        _wait("every task done and every machine gone", lambda: (
-            len(store.list_page("done/").entries) == len(tasks) and not world.cloud.members(GROUP)
-            and all(r.ended for r in list(fleet.runs))), timeout)  # fmt: skip
-        view = down(world, timeout=120)
-        world.tool("tools/merge.py", QUEUE)
         index = json.loads(store.read("index.json").data)
         deletes = [member for call in world.cloud.calls("POST", "/deleteInstances") for member in call.body["instances"]]
         left = sorted(k for k in world.cloud.resources if re.search(r"/(instances|instanceGroupManagers|instanceTemplates)/", k))
         done = {e.name: json.loads(store.read(e.name).data) for e in store.list("done/")}
         for run in fleet.runs:
             run.count_requests()
-        return FleetReport(time.monotonic() - began, upload_s, tasks, list(fleet.runs), made_first, made_again,
-                           working.name, members, tasks[first:], view, index, deletes, left, done)  # fmt: skip
+        return FleetReport(time.monotonic() - began, tasks, list(fleet.runs), machines, first_up, second_up,
+                           late_submit, down, merge, members, rewritten, working.name, tasks[first:], recorded,
+                           recorded_after, view, index, deletes, left, done)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check(report: FleetReport) -> list[str]:
-    """What must be true of a fleet's life (issue 36); each failure as a line (none: all held)."""
+    """What must be true of a fleet's life (issue 36), driven by `gcs-spawner`; each failure as a line (none: all held)."""
     problems = []
     expected = {f"done/{t}.json" for t in report.tasks}
     if set(report.done) != expected:
@@ -425,21 +524,46 @@ def check(report: FleetReport) -> list[str]:
     totals = report.index.get("totals", {})
     if totals.get("tasks") != len(report.tasks) or {s["task"] for s in report.index.get("shards", [])} != set(report.tasks):
         problems.append(f"the merged index is not complete: totals {totals}")
-    if report.made_first != ["template", "group"] or report.made_again != []:
-        problems.append(f"up made {report.made_first}, the second up {report.made_again} (expected nothing)")
+    # `up`: the pre-flight against the fakes, then the template and the group, once; the tasks, once.
+    first, again = report.first_up, report.second_up
+    made = [f"instance_template {RUN_NAME} (global)", f"instance_group {RUN_NAME} ({ZONE})"]
+    first_tasks = len(report.tasks) - len(report.late_tasks)
+    preflight = re.findall(r"^preflight (\S+) +(\S+):", first.stdout, flags=re.MULTILINE)
+    if not preflight or any(status != "ok" for status, _ in preflight):
+        problems.append(f"the pre-flight did not find everything in place: {preflight}")
+    if first.created() != made or [(m, p.rsplit("/", 1)[1]) for m, p in first.creates()] != [
+            ("POST", "instanceTemplates"), ("POST", "instanceGroupManagers")]:
+        problems.append(f"up said it made {first.created()} and sent {first.creates()}: the template, then the group expected")
+    if [e.get("created") for e in first.events("submitted")] != [str(first_tasks)]:
+        problems.append(f"up submitted {first.events('submitted')}, not the {first_tasks} tasks of the run")
+    # The same `up` again, mid-run: it finds everything and creates nothing (its words, its record, the API).
+    summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", again.stdout)
+    if (again.created() or again.creates() or not summary or summary.groups() != ("0", str(len(made)))
+            or [e.get("created") for e in again.events("submitted")] != ["0"] or report.code_rewritten):  # fmt: skip
+        problems.append(f"the second up created {again.created()}, sent {again.creates()}, said "
+                        f"{summary.group(0) if summary else again.stdout[-500:]!r}, submitted {again.events('submitted')}, "
+                        f"rewrote {report.code_rewritten[:10]} of the code: it should make nothing")
     instances = {r.instance for r in report.runs}
-    if report.members_after_second_up != len([r for r in report.runs if r.boot == 1]) or len(instances) != report.members_after_second_up:
-        problems.append(f"{len(instances)} instances were made, the group had {report.members_after_second_up} after the second up")
+    if len(report.members) != report.machines or instances != set(report.members):
+        problems.append(f"instances {sorted(instances)} were booted; the group up made had {report.members} "
+                        f"({report.machines} expected), and nothing else should have been made")
     recreated = [r for r in report.runs if r.name == report.preempted and r.boot == 2]
     if not recreated:
         problems.append(f"the group did not recreate the preempted {report.preempted}")
-    first = next(r for r in report.runs if r.name == report.preempted and r.boot == 1)
-    if "event=preempted key=instance/preempted" not in first.log() or first.end != "preempted":
-        problems.append(f"{report.preempted} did not see its preemption: {first.log()[-1500:]}")
+    preempted = next(r for r in report.runs if r.name == report.preempted and r.boot == 1)
+    if "event=preempted key=instance/preempted" not in preempted.log() or preempted.end != "preempted":
+        problems.append(f"{report.preempted} did not see its preemption: {preempted.log()[-1500:]}")
     if sorted(report.deletes) != sorted(f"zones/{ZONE}/instances/{name}" for name in {r.name for r in report.runs}):
         problems.append(f"deleteInstances named {sorted(report.deletes)}: one per machine expected")
     if any(r.end != "deleted" for r in report.runs if r.end != "preempted"):
         problems.append(f"machines that did not end by their own delete: {[(r.name, r.boot, r.end) for r in report.runs]}")
+    # `down`: exactly what up recorded, each once, group before template; nothing of the kinds left.
+    if sorted(report.recorded) != sorted(made) or set(report.recorded.values()) != {"created"}:
+        problems.append(f"the run's record before down was {report.recorded}, not {made} created")
+    wanted = [("DELETE", GROUP), ("DELETE", TEMPLATE)]  # what the record holds (checked above), group first
+    sent = [(method, path.split("/compute/v1/", 1)[-1]) for method, path in report.down.mutations]
+    if sent != wanted or report.recorded_after != dict.fromkeys(made, "deleted"):
+        problems.append(f"down sent {sent} (expected {wanted}) and left the record {report.recorded_after}")
     if report.left:
         problems.append(f"teardown left {report.left}")
     if not report.view.get("complete"):

@@ -286,9 +286,12 @@ class Rehearsal:
         self.tool("tools/submit.py", f"gs://{BUCKET}/jobs/{job_name}", "--job", str(job), "--tasks", str(tasks))
         return [json.loads(line)["id"] for line in tasks.read_text().splitlines()]
 
-    def stage_job(self, job_name: str, rows: int, rows_per_task: int, files: int = 1) -> tuple[Path, Path]:
+    def stage_job(self, job_name: str, rows: int, rows_per_task: int, files: int = 1,
+                  upload_model: bool = True) -> tuple[Path, Path]:
         """A tiny Qwen model and FineWeb-like parquet files in the bucket (through the real gcloud), the
-        job.json that names them and its tasks planned by tools/make_tasks.py: (job.json, tasks.jsonl)."""
+        job.json that names them and its tasks planned by tools/make_tasks.py: (job.json, tasks.jsonl).
+        The model is written beside job.json (`model/`); `upload_model=False` leaves its mirror in the
+        bucket to whoever runs the job (`gcs-spawner up` mirrors a run's model.source)."""
         from extract.tiny import write_fineweb_like_parquet, write_tiny_qwen
 
         scratch = self.workdir / f"job-{job_name}"
@@ -296,7 +299,8 @@ class Rehearsal:
         data = write_fineweb_like_parquet(scratch / "data", files, rows, seed=1)
         gcloud = shutil.which("gcloud")
         env = self.uploader_env(self.workdir)
-        for local, remote in ((model, f"models/tiny-{job_name}"), (scratch / "data", f"data/{job_name}")):
+        uploads = [(model, f"models/tiny-{job_name}")] if upload_model else []
+        for local, remote in (*uploads, (scratch / "data", f"data/{job_name}")):
             subprocess.run([gcloud, "storage", "rsync", "--recursive", str(local), f"gs://{BUCKET}/{remote}"],
                            env=env, check=True, capture_output=True, timeout=300)
         job = {"model": f"gs://{BUCKET}/models/tiny-{job_name}",

@@ -1,9 +1,12 @@
-"""The whole fleet rehearsed (tests/boot/fleet.py) at CI's size: a managed instance group of 2 rehearsal
-machines, each booted by the fake Compute API from the real template with its own metadata, the real
-startup.sh and gcloud, 3 tasks on the tiny model and 1 submitted late; one machine preempted mid-task
-and recreated by its group, a second `up` that creates nothing, every machine leaving through
-deleteInstances, `down` once status says complete, nothing left. `make rehearsal` runs the full size
-(3 machines, 6 + 2 tasks). Needs what tests/boot/test_first_boot.py needs; skips (outside CI) without."""
+"""The whole fleet rehearsed (tests/boot/fleet.py) at CI's size, driven by `gcs-spawner` as an operator drives it:
+a run file, then `gcs-spawner up run.yaml --yes` in a process of its own (the pre-flight against the fakes, the
+model mirrored, the code with its wheelhouse and interpreter uploaded, 3 tasks on the tiny model submitted, the
+template and a group of 2 created); each member booted by the fake Compute API as a rehearsal machine with its own
+metadata, the real startup.sh and gcloud; one machine preempted mid-task and recreated by its group while the same
+`up` runs again and creates nothing; a late `gcs-spawner submit` of 1 task; every machine leaving through
+deleteInstances; `gcs-spawner down run.yaml` (no --yes: only a complete job goes on) deleting exactly what up
+recorded; nothing left. `make rehearsal` runs the full size (3 machines, 6 + 2 tasks), with the same checks.
+Needs what tests/boot/test_first_boot.py needs; skips (outside CI) without."""
 
 from __future__ import annotations
 
