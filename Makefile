@@ -43,9 +43,10 @@ rehearsal-tools:
 		echo "could not install mmdebstrap and iproute2: the boot rehearsal (tests/boot) will skip"; \
 	fi
 
-# The whole fleet rehearsed (tests/boot/fleet.py): a group of 3 rehearsal machines on the tiny model,
-# a preemption, a second `up`, a late submit, every machine deleting itself, `down`; its figures
-# (per machine and the wall time) are in docs/CLOUD.md. Needs root, as the boot rehearsal does.
+# The whole fleet rehearsed (tests/boot/fleet.py), driven by `gcs-spawner` from a run file it writes
+# (`up --yes`, the same `up` mid-run, `submit`, `down`, `merge`): a group of 3 rehearsal machines on the
+# tiny model, a preemption, a late submit, every machine deleting itself; its figures (per machine,
+# per command and the wall time) are in docs/CLOUD.md. Needs root, as the boot rehearsal does.
 # `make test` runs it at a smaller size (tests/boot/test_fleet.py).
 rehearsal: $(VENV)/.test-installed rehearsal-tools
 	$(PY) -m tests.boot.fleet
