@@ -63,9 +63,16 @@ def _regions(store: ObjectStore) -> tuple[list[str], dict[str, dict]]:
     return splits, swept
 
 
-def _batches(store: ObjectStore) -> dict[str, Entry]:
-    """The batch markers written by `submit` (one request per thousand), by name."""
-    return {e.name: e for e in store.list(layout.BATCHES) if e.metadata.get("first") and e.metadata.get("last")}
+def _batches(store: ObjectStore) -> tuple[dict[str, Entry], int | None]:
+    """The batch markers written by `submit` (one request per thousand), by name, and the generation of
+    layout.PRUNED (rewritten before any done marker is deleted; None while there is none)."""
+    batches, pruned = {}, None
+    for e in store.list(layout.BATCHES):
+        if e.name == layout.PRUNED:
+            pruned = e.generation
+        elif e.metadata.get("first") and e.metadata.get("last"):
+            batches[e.name] = e
+    return batches, pruned
 
 
 def _running(batches: dict[str, Entry]) -> list[tuple[str, str]]:
@@ -118,13 +125,17 @@ def snapshot(
     counted = CountingStore(store)
     for _ in range(SNAPSHOT_TRIES):
         started = time.monotonic()
-        before = _batches(counted)
+        before, pruned_before = _batches(counted)
         view = _listed(counted, _running(before), now, sample, seed, cache, history)
-        after = _batches(counted)
-        # Done markers older than BATCH_KEEP_S are deleted by submits: a snapshot that took half that
-        # long might have missed a batch that came and went (layout.BATCH_KEEP_S).
-        steady = {n: e.generation for n, e in before.items()} == {n: e.generation for n, e in after.items()} and (
-            time.monotonic() - started < layout.BATCH_KEEP_S / 2
+        after, pruned_after = _batches(counted)
+        # Submits delete done markers older than BATCH_KEEP_S, and rewrite layout.PRUNED before they do:
+        # a batch that began after the first listing and was deleted before the second changes it. (The
+        # time limit is for submits of versions that did not write it; a clock that stopped while the
+        # machine was suspended would make it too short, the marker never.)
+        steady = (
+            {n: e.generation for n, e in before.items()} == {n: e.generation for n, e in after.items()}
+            and pruned_before == pruned_after
+            and time.monotonic() - started < layout.BATCH_KEEP_S / 2
         )
         if steady:
             break

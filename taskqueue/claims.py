@@ -82,6 +82,11 @@ class ClaimOptions:
     poll_min_s: float = 1.0
     poll_max_s: float = 30.0
     seed: int | None = None
+    #: Regions whose task lists the view keeps; the least recently loaded is forgotten first.
+    max_loaded_regions: int = MAX_LOADED_REGIONS
+    #: The submitters' BATCH_KEEP_S: a worker that has not listed `batches/` for half of it lists its
+    #: cached regions again (a batch may have come and gone unseen).
+    batch_keep_s: float = layout.BATCH_KEEP_S
 
 
 def _offset(prefix: str, task_id: str | None) -> str | None:
@@ -92,13 +97,18 @@ def _offset(prefix: str, task_id: str | None) -> str | None:
 class QueueView:
     """What one worker knows about the queue: the region map, and the regions it has loaded."""
 
-    def __init__(self, store: ObjectStore, clock: Clock):
+    def __init__(
+        self, store: ObjectStore, clock: Clock, max_loaded_regions: int = MAX_LOADED_REGIONS,
+        batch_keep_s: float = layout.BATCH_KEEP_S,
+    ):  # fmt: skip
         self.store = store
         self.clock = clock
+        self.max_loaded_regions = max_loaded_regions
+        self.batch_keep_s = batch_keep_s
         self.splits: list[str] = [layout.HEAD]  # region starts, in key order
         self._split_keys: list[str] = [""]
         self.map_complete = False  # False: the last known split's region has no known end yet
-        self._map_pages = 1
+        self._map_pages: float = 1  # pages of splits/ listed at each scan; infinite once the whole map is wanted
         self.map_at: float | None = None
         self.swept_at: float | None = None
         self.swept: dict[str, str | None] = {}  # region -> end of what its swept marker covers
@@ -111,6 +121,7 @@ class QueueView:
         # Submit batches (docs/PROTOCOL.md, "Batches"): generation of each batch marker seen, the key
         # ranges of batches still running, and the regions a new or changed batch added tasks to.
         self.batches: dict[str, int] | None = None
+        self.pruned: int | None = None  # generation of layout.PRUNED at the last listing (None: absent)
         self.batches_at: float | None = None  # when batches/ was last listed
         self.running: list[tuple[str, str]] = []
         self.news: set[str] = set()
@@ -119,8 +130,8 @@ class QueueView:
     # -- the region map ---------------------------------------------------------------------
 
     def scan_map(self, with_batches: bool = True) -> None:
-        """The split markers (one page per thousand regions, and only as many pages as needed so
-        far), the swept markers of those regions, then the batches.
+        """The split markers (one page per thousand regions: only as many pages as needed so far, or
+        all of them once `whole_map` was called), the swept markers of those regions, then the batches.
 
         Batches come last: a worker that finds every region swept and then no batch running knows
         that every task submitted before that last listing is finished (docs/PROTOCOL.md, "Batches")."""
@@ -152,7 +163,7 @@ class QueueView:
         them again and finds the tasks the batch added; a region under a batch still running has
         its tasks listed again at every visit (`Claimer._visit`), since its batch may add more."""
         now = self.clock.monotonic()
-        if self.batches_at is not None and now - self.batches_at > layout.BATCH_KEEP_S / 2:
+        if self.batches_at is not None and now - self.batches_at > self.batch_keep_s / 2:
             # A batch may have started, finished and been deleted since the last listing (submit deletes
             # done markers BATCH_KEEP_S old): no news would name the regions it added tasks to, so every
             # cached task list is listed again at its next visit. Only a worker busy that long pays this.
@@ -161,7 +172,11 @@ class QueueView:
         self.batches_at = now
         seen: dict[str, int] = {}
         running, spans = [], []
+        self.pruned = None
         for entry in self.store.list(layout.BATCHES):
+            if entry.name == layout.PRUNED:
+                self.pruned = entry.generation  # not news: it says only that some done markers went
+                continue
             first, last = entry.metadata.get("first"), entry.metadata.get("last")
             if not first or not last:
                 continue
@@ -225,6 +240,15 @@ class QueueView:
         self._map_pages += 1
         self.scan_map()
         return True
+
+    def whole_map(self) -> None:
+        """From now on every scan lists every page of splits (and the swept markers of every region):
+        a waiting worker's polls and last look must be able to reach every region, not only those of
+        the pages a claim needed (past a thousand regions, the first page is not the whole queue).
+        Costs ceil(R / 1000) - 1 more requests per scan of the map."""
+        self._map_pages = math.inf
+        if not self.map_complete:
+            self.scan_map(with_batches=False)
 
     def region_end(self, region: str) -> str | None:
         """The next region's start; None at the end of the keyspace."""
@@ -314,7 +338,7 @@ class QueueView:
         self.tasks[region] = ids
         self.loaded.pop(region, None)
         self.loaded[region] = now
-        while len(self.loaded) > MAX_LOADED_REGIONS:
+        while len(self.loaded) > self.max_loaded_regions:
             self.forget(next(iter(self.loaded)))
 
     def forget(self, region: str, keep_sightings: bool = False) -> None:
@@ -398,7 +422,7 @@ class Claimer:
         self.store = store
         self.options = options
         self.clock = clock or Clock()
-        self.view = QueueView(store, self.clock)
+        self.view = QueueView(store, self.clock, options.max_loaded_regions, options.batch_keep_s)
         self.rng = random.Random(options.seed)
         self.stop_event = threading.Event()
         self.exit_reason = "running"
@@ -481,11 +505,13 @@ class Claimer:
         # batches/ before and after the map: a batch that finished (or began) in between may have
         # added tasks the map's listings did not account for (docs/PROTOCOL.md, "Batches").
         self.view.scan_batches()
-        before = dict(self.view.batches or {})
+        before = dict(self.view.batches or {}), self.view.pruned
         self.view.scan_map()
         while not self.view.map_complete and not self.view.open_regions():
             self.view.extend_map()
-        return self.view.all_swept() and self.view.batches == before
+        # The same markers at the same generations, and no done marker deleted in between (layout.PRUNED):
+        # a batch that began after the first listing and was deleted before the second left no trace else.
+        return self.view.all_swept() and (self.view.batches, self.view.pruned) == before
 
     def _may_leave_idle(self) -> bool:
         """Not while a lease in view may be a dead holder's: every lease of an open region must
@@ -502,13 +528,17 @@ class Claimer:
         return True
 
     def _last_look(self) -> bool:
-        """Before leaving `idle`: batches/, then every open region afresh (one or two requests each).
-        True when there is news or a region with a task to claim; polls look at one region at a time,
-        so a worker could otherwise leave with a released or unclaimed task in a region it never polled."""
+        """Before leaving `idle`: batches/, then every open region of the whole map afresh, its tasks
+        and its leases (two requests each). True when there is news or a region with a task to claim.
+        Polls look at one region at a time, so a worker could otherwise leave with a released or
+        unclaimed task in a region it never polled; and its cached task lists may miss a batch that came
+        and went unseen (a worker whose clock stopped while its VM was suspended does not know how long
+        it has been since it last listed `batches/`)."""
         if self.view.scan_batches():
             return True
+        self.view.whole_map()
         for region in self.view.open_regions():
-            self._visit(region)
+            self._visit(region, afresh=True)
             if self._land(region, first=False):
                 self._waiting = False
                 return True
@@ -544,11 +574,11 @@ class Claimer:
         self._visit(region)
         self._land(region, first=False)
 
-    def _visit(self, region: str) -> None:
+    def _visit(self, region: str, afresh: bool = False) -> None:
         """Read a region afresh, and sweep it if every task in it is finished: its leases when its task
-        list is known already (one request), else its tasks and leases (two). A region under a batch
-        still running is read whole: its batch may have added tasks since its last listing."""
-        if region in self.view.tasks and not self.view.under_running_batch(region):
+        list is known already (one request), else (or `afresh`) its tasks and leases (two). A region
+        under a batch still running is read whole: its batch may have added tasks since its last listing."""
+        if region in self.view.tasks and not afresh and not self.view.under_running_batch(region):
             self.view.refresh(region)
         else:
             self.view.load(region)
@@ -694,7 +724,9 @@ class Claimer:
                 if self._land(region, first):
                     return True
             if tries >= JUMP_TRIES or not view.extend_map():
+                # Waiting: polls and the last look pick from every open region, so they must know them all.
                 self._waiting = True
+                view.whole_map()
                 return False
 
     def _has_claimable(self, region: str) -> bool:
@@ -777,12 +809,16 @@ class Claimer:
     def _finished_already(self, task_id: str) -> tuple[str, dict | None] | None:
         """For a lease taken over: is the task done or dead-lettered already? `(state, counters)` or None.
 
-        A finished task's lease is its tombstone, so a lease created from nothing needs no check. A
-        lease taken over may belong to a holder that died between writing its done (or failed)
-        marker and its tombstone. Checked while holding the lease, so nobody can finish the task
-        between this check and our run: a finished task is never run again. The done/ listing from
-        the task on answers exactly for it (listings are strongly consistent) and shows the done
-        markers just ahead too.
+        Under this protocol the answer is always None: the tombstone is written first and its marker
+        copied from it afterwards (docs/PROTOCOL.md, "Completion"), so a lease that is not a tombstone
+        has no marker, and a lease created from nothing needs no check at all. The check is for
+        queues whose leases an older version wrote, which wrote the marker first and the tombstone
+        after: one of its holders may have died between the two, leaving a marker beside a live
+        lease. Checked while holding the lease, so nobody can finish the task between this check and
+        our run: a finished task is never run again. The done/ listing from the task on answers
+        exactly for it (listings are strongly consistent) and shows the done markers just ahead too.
+        Costs 2 listings per takeover (docs/PROTOCOL.md, "Claim" step 6); it can go once no queue
+        of the older version is left.
         """
         page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=LOOKAHEAD)
         for entry in page.entries:

@@ -22,6 +22,10 @@ BATCH_RUNNING, BATCH_DONE = "running", "done"
 #: least every BATCH_KEEP_S / 2 has seen it by then, and one that did not forgets its cached task
 #: lists instead (docs/PROTOCOL.md, "Batches").
 BATCH_KEEP_S = 600.0
+#: Rewritten by every submit that deletes done batch markers, before its first delete: a reader that
+#: lists `batches/` twice and sees it at one generation both times knows no marker went in between
+#: (docs/PROTOCOL.md, "Batches"). Not a batch (no `first`/`last`), and its name is no batch id.
+PRUNED = BATCHES + "-pruned.json"
 
 #: Tasks per region: `submit` cuts every region it added tasks to at every REGION_TASKS-th id, so one
 #: listing page (at most 1000 entries) covers a region's tasks whatever the batch sizes.
