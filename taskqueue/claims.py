@@ -62,8 +62,15 @@ class Sighting:
     worker: str
     ttl_s: float
     first_seen: float
-    #: This worker saw the lease at an earlier generation too: its holder was renewing it then.
+    #: This worker saw the lease change generation between two listings less than a TTL apart: its
+    #: holder wrote it within a TTL of this sighting. (A change seen across a longer gap says nothing
+    #: of now: the holder may have written it long ago and died since.)
     renewed: bool = False
+    #: When a listing last showed this generation (`first_seen` until one does again).
+    last_seen: float | None = None
+
+    def seen_until(self) -> float:
+        return self.first_seen if self.last_seen is None else self.last_seen
 
 
 @dataclasses.dataclass
@@ -329,8 +336,11 @@ class QueueView:
                 entry.metadata.get("worker", "?"),
                 _float(entry.metadata.get("ttl_s")),
                 old.first_seen if same else now,
-                renewed=old.renewed if same else old is not None and old.generation > 0,
-            )
+                renewed=old.renewed if same else (
+                    old is not None and old.generation > 0 and now - old.seen_until() < old.ttl_s
+                ),
+                last_seen=now,
+            )  # fmt: skip
         here = set(ids)
         for task_id in [t for t in self.leases if t not in seen and t in here]:
             del self.leases[task_id]  # gone from the listing: finished, or never there
@@ -877,7 +887,7 @@ class Claimer:
             return None
         if current.generation != sighting.generation:
             self.view.leases[task_id] = dataclasses.replace(
-                sighting, generation=current.generation, first_seen=self.clock.monotonic()
+                sighting, generation=current.generation, first_seen=self.clock.monotonic(), renewed=False, last_seen=None
             )
             return None
         previous = json.loads(current.data)

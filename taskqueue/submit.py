@@ -106,22 +106,20 @@ def submit(
     ids = sorted((task_id for task_id, _ in tasks), key=layout.key)
     name = batch_name(ids)
     span = {"first": ids[0], "last": ids[-1], "tasks": str(len(ids))} if ids else {}
-    try:
-        _create_job(store, job, report)
-        if not tasks:
-            return report
-        generation = begin_batch(store, name, span)
-    except (Exception, KeyboardInterrupt) as exc:
-        if tasks and not isinstance(exc, SubmitError):
-            exc.add_note(f"{store.url(name)} was not begun, and no task of it created now (if an earlier run of "
-                         f"this submit left it running, it stays so: run the submit again)")  # fmt: skip
-        raise
-    marked = clock.monotonic()
+    _create_job(store, job, report)
+    if not tasks:
+        return report
     own_pool = executor is None
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="submit") if own_pool else executor
     creates = _Creates(store, tasks)
     cut = functools.partial(mark_regions, store, ids, parallel, executor=pool, region_tasks=region_tasks)
     try:
+        try:
+            generation = begin_batch(store, name, span)
+        except (Exception, KeyboardInterrupt) as exc:
+            _unbegin(store, name, span, clock, exc)
+            raise
+        marked = clock.monotonic()
         try:
             creates.run(pool, parallel, clock)
             cut()
@@ -320,6 +318,33 @@ def _finish(store: ObjectStore, name: str, generation: int, metadata: dict[str, 
         log.info("event=batch_taken_over batch=%s", name)  # a later run of the same batch finishes it
 
 
+def _unbegin(store: ObjectStore, name: str, span: dict[str, str], clock: Clock, cause: BaseException) -> None:
+    """After a failure while the marker was being begun (nothing created yet): the write may have been
+    applied all the same (its answer lost, or applied by the store after we stopped waiting). A
+    create of the marker settles it: if it succeeds, no run has the marker, and this one finishes it
+    at once (a copy of the first write that lands later gets a 412); if the marker exists, it may be
+    this run's or another run's, which may be creating tasks now, so it is left alone, and the note
+    says how to finish it should it stay running."""
+    marked = clock.monotonic()
+    try:
+        generation = store.create(name, b"{}", metadata={**span, "state": layout.BATCH_RUNNING})
+    except PreconditionFailed:
+        cause.add_note(f"{store.url(name)} exists, and may be running (this run's, whose answer was lost, or another "
+                       f"run's): if status names it, run the same submit again")  # fmt: skip
+        return
+    except (Exception, KeyboardInterrupt) as exc:
+        cause.add_note(f"{store.url(name)} may have been begun ({exc!r}): if status names it as running, run the same "
+                       f"submit again")  # fmt: skip
+        return
+    try:
+        _finish(store, name, generation, {**span, "gave_up": type(cause).__name__}, clock, marked)
+    except (Exception, KeyboardInterrupt) as exc:
+        cause.add_note(
+            f"{store.url(name)} is left running ({exc!r}), with no task created: run the same submit again, or "
+            f"finish its batch: tools/submit.py {store.root_url} --finish-batch {batch_id(name)}"
+        )
+
+
 def _give_up(
     store: ObjectStore,
     name: str,
@@ -348,7 +373,7 @@ def _give_up(
         why = "interrupted again while its creates were in flight" if isinstance(exc, KeyboardInterrupt) else str(exc)
         log.error("event=batch_left_running batch=%s error=%r in_flight=%d", name, exc, creates.in_flight)
         cause.add_note(
-            f"{store.url(name)} is left running ({why}): run the same submit again, or, once it will never run "
+            f"{store.url(name)} may be left running ({why}): run the same submit again, or, once it will never run "
             f"again, finish its batch: tools/submit.py {store.root_url} --finish-batch {batch_id(name)}"
         )
 
