@@ -19,7 +19,6 @@ import math
 import random
 import shlex
 import statistics
-import time
 
 from objectstore import ObjectStore, StoreError
 from objectstore.base import Entry
@@ -63,16 +62,17 @@ def _regions(store: ObjectStore) -> tuple[list[str], dict[str, dict]]:
     return splits, swept
 
 
-def _batches(store: ObjectStore) -> tuple[dict[str, Entry], int | None]:
-    """The batch markers written by `submit` (one request per thousand), by name, and the generation of
-    layout.PRUNED (rewritten before any done marker is deleted; None while there is none)."""
-    batches, pruned = {}, None
+def _batches(store: ObjectStore) -> tuple[dict[str, Entry], tuple | None, dt.datetime | None]:
+    """The batch markers written by `submit` (one request per thousand), by name; what the listing says
+    of layout.PRUNED (`layout.pruned_mark`); and the newest `updated` time in it."""
+    batches, pruned, newest = {}, None, None
     for e in store.list(layout.BATCHES):
+        newest = e.updated if newest is None or e.updated > newest else newest
         if e.name == layout.PRUNED:
-            pruned = e.generation
+            pruned = layout.pruned_mark(e)
         elif e.metadata.get("first") and e.metadata.get("last"):
             batches[e.name] = e
-    return batches, pruned
+    return batches, pruned, newest
 
 
 def _running(batches: dict[str, Entry]) -> list[tuple[str, str]]:
@@ -124,18 +124,14 @@ def snapshot(
     now = now or dt.datetime.now(dt.timezone.utc)
     counted = CountingStore(store)
     for _ in range(SNAPSHOT_TRIES):
-        started = time.monotonic()
-        before, pruned_before = _batches(counted)
+        before, pruned_before, newest = _batches(counted)
         view = _listed(counted, _running(before), now, sample, seed, cache, history)
-        after, pruned_after = _batches(counted)
-        # Submits delete done markers older than BATCH_KEEP_S, and rewrite layout.PRUNED before they do:
-        # a batch that began after the first listing and was deleted before the second changes it. (The
-        # time limit is for submits of versions that did not write it; a clock that stopped while the
-        # machine was suspended would make it too short, the marker never.)
-        steady = (
-            {n: e.generation for n, e in before.items()} == {n: e.generation for n, e in after.items()}
-            and pruned_before == pruned_after
-            and time.monotonic() - started < layout.BATCH_KEEP_S / 2
+        after, pruned_after, _ = _batches(counted)
+        # Submits delete done markers BATCH_KEEP_S old, and say so in layout.PRUNED before they do: a batch
+        # that began after the first listing and was deleted before the second shows there, and nowhere
+        # else. (No clock of ours decides it: one that stopped while the machine was suspended would not.)
+        steady = {n: e.generation for n, e in before.items()} == {n: e.generation for n, e in after.items()} and (
+            not layout.batch_unseen_between(pruned_before, pruned_after, newest)
         )
         if steady:
             break

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import datetime as dt
 import json
 import logging
 import math
@@ -91,9 +92,6 @@ class ClaimOptions:
     seed: int | None = None
     #: Regions whose task lists the view keeps; the least recently loaded is forgotten first.
     max_loaded_regions: int = MAX_LOADED_REGIONS
-    #: The submitters' BATCH_KEEP_S: a worker that has not listed `batches/` for half of it lists its
-    #: cached regions again (a batch may have come and gone unseen).
-    batch_keep_s: float = layout.BATCH_KEEP_S
 
 
 def _offset(prefix: str, task_id: str | None) -> str | None:
@@ -104,14 +102,10 @@ def _offset(prefix: str, task_id: str | None) -> str | None:
 class QueueView:
     """What one worker knows about the queue: the region map, and the regions it has loaded."""
 
-    def __init__(
-        self, store: ObjectStore, clock: Clock, max_loaded_regions: int = MAX_LOADED_REGIONS,
-        batch_keep_s: float = layout.BATCH_KEEP_S,
-    ):  # fmt: skip
+    def __init__(self, store: ObjectStore, clock: Clock, max_loaded_regions: int = MAX_LOADED_REGIONS):
         self.store = store
         self.clock = clock
         self.max_loaded_regions = max_loaded_regions
-        self.batch_keep_s = batch_keep_s
         self.splits: list[str] = [layout.HEAD]  # region starts, in key order
         self._split_keys: list[str] = [""]
         self.map_complete = False  # False: the last known split's region has no known end yet
@@ -128,8 +122,9 @@ class QueueView:
         # Submit batches (docs/PROTOCOL.md, "Batches"): generation of each batch marker seen, the key
         # ranges of batches still running, and the regions a new or changed batch added tasks to.
         self.batches: dict[str, int] | None = None
-        self.pruned: int | None = None  # generation of layout.PRUNED at the last listing (None: absent)
-        self.batches_at: float | None = None  # when batches/ was last listed
+        self.pruned: tuple[int, str | None] | None = None  # layout.PRUNED at the last listing (layout.pruned_mark)
+        self.newest: dt.datetime | None = None  # the newest `updated` time in the last listing
+        self._spans: dict[str, tuple[str, str]] = {}  # the key range of each batch still running at the last listing
         self.running: list[tuple[str, str]] = []
         self.news: set[str] = set()
         self._news_spans: list[tuple[str, str]] = []  # the last batches/ listing's news, as key ranges
@@ -166,23 +161,20 @@ class QueueView:
 
     def scan_batches(self) -> bool:
         """The batch markers (one request per thousand batches). True when one is new or changed
-        since the last listing (the first listing is the baseline): its regions are news. Their task lists are forgotten, so the next visit lists
-        them again and finds the tasks the batch added; a region under a batch still running has
-        its tasks listed again at every visit (`Claimer._visit`), since its batch may add more."""
-        now = self.clock.monotonic()
-        if self.batches_at is not None and now - self.batches_at > self.batch_keep_s / 2:
-            # A batch may have started, finished and been deleted since the last listing (submit deletes
-            # done markers BATCH_KEEP_S old): no news would name the regions it added tasks to, so every
-            # cached task list is listed again at its next visit. Only a worker busy that long pays this.
-            for region in list(self.tasks):
-                self.forget(region, keep_sightings=True)
-        self.batches_at = now
+        since the last listing (the first listing is the baseline), or was running then and is gone
+        now (deleted once done): its regions are news. Their task lists are forgotten, so the next
+        visit lists them again and finds the tasks the batch added; a region under a batch still
+        running has its tasks listed again at every visit (`Claimer._visit`), since its batch may
+        add more. When a batch may have begun and been deleted since the last listing, unseen
+        (`layout.batch_unseen_between`: a worker busy on a long task while submits came and went),
+        every cached task list is forgotten instead: no news would name its regions."""
         seen: dict[str, int] = {}
-        running, spans = [], []
-        self.pruned = None
+        running, spans, running_spans = [], [], {}
+        pruned, newest = None, None
         for entry in self.store.list(layout.BATCHES):
+            newest = entry.updated if newest is None or entry.updated > newest else newest
             if entry.name == layout.PRUNED:
-                self.pruned = entry.generation  # not news: it says only that some done markers went
+                pruned = layout.pruned_mark(entry)  # not news by itself: it says some done markers went
                 continue
             first, last = entry.metadata.get("first"), entry.metadata.get("last")
             if not first or not last:
@@ -191,12 +183,19 @@ class QueueView:
             span = (layout.key(first), layout.key(last))
             if entry.metadata.get("state") != layout.BATCH_DONE:
                 running.append(span)
+                running_spans[entry.name] = span
             if self.batches is not None and self.batches.get(entry.name) != entry.generation:
                 spans.append(span)  # news once, when it starts or ends: a batch whose submitter died
                 # stays running, and news on every poll would keep the worker on its regions alone
-        changed = self.batches is not None and any(self.batches.get(n) != g for n, g in seen.items())
-        self.batches, self.running, self._news_spans = seen, running, spans
-        self._mark_news(spans)
+        gone = [span for name, span in self._spans.items() if name not in seen]  # finished, then deleted
+        changed = self.batches is not None and (any(self.batches.get(n) != g for n, g in seen.items()) or bool(gone))
+        if self.batches is not None and layout.batch_unseen_between(self.pruned, pruned, self.newest):
+            changed = True
+            for region in list(self.tasks):
+                self.forget(region, keep_sightings=True)
+        self.batches, self.running, self._news_spans = seen, running, spans + gone
+        self.pruned, self.newest, self._spans = pruned, newest, running_spans
+        self._mark_news(spans + gone)
         return changed
 
     def _mark_news(self, spans: list[tuple[str, str]]) -> None:
@@ -432,7 +431,7 @@ class Claimer:
         self.store = store
         self.options = options
         self.clock = clock or Clock()
-        self.view = QueueView(store, self.clock, options.max_loaded_regions, options.batch_keep_s)
+        self.view = QueueView(store, self.clock, options.max_loaded_regions)
         self.rng = random.Random(options.seed)
         self.stop_event = threading.Event()
         self.exit_reason = "running"
@@ -515,13 +514,14 @@ class Claimer:
         # batches/ before and after the map: a batch that finished (or began) in between may have
         # added tasks the map's listings did not account for (docs/PROTOCOL.md, "Batches").
         self.view.scan_batches()
-        before = dict(self.view.batches or {}), self.view.pruned
+        before, pruned, newest = dict(self.view.batches or {}), self.view.pruned, self.view.newest
         self.view.scan_map()
         while not self.view.map_complete and not self.view.open_regions():
             self.view.extend_map()
-        # The same markers at the same generations, and no done marker deleted in between (layout.PRUNED):
-        # a batch that began after the first listing and was deleted before the second left no trace else.
-        return self.view.all_swept() and (self.view.batches, self.view.pruned) == before
+        # The same markers at the same generations, and none that began after the first listing and was
+        # deleted before the second (layout.PRUNED tells): such a batch would leave no other trace.
+        return (self.view.all_swept() and self.view.batches == before
+                and not layout.batch_unseen_between(pruned, self.view.pruned, newest))  # fmt: skip
 
     def _may_leave_idle(self) -> bool:
         """Not while a lease in view may be a dead holder's: every lease of an open region must

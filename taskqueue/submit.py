@@ -383,28 +383,46 @@ def batch_id(name: str) -> str:
     return name[len(layout.BATCHES) :].removesuffix(".json")
 
 
+#: A submit prunes only when the last prune (PRUNED's `updated`) is between this and twice this older
+#: than its own marker (where in between, its batch's name decides): GCS allows one write a second to
+#: one object (https://cloud.google.com/storage/quotas#objects), and parallel submitters would
+#: otherwise all rewrite PRUNED at once, and retry each other's 429s.
+PRUNE_EVERY_S = 5.0
+
+
 def prune_batches(store: ObjectStore, name: str, keep_s: float = layout.BATCH_KEEP_S) -> int:
     """Delete the `done` batch markers whose `updated` time is `keep_s` older than this submit's own
     marker `name` (both times are the store's, so no client clock matters); how many went.
 
-    Before the first delete it rewrites `batches/-pruned.json` (layout.PRUNED): a reader that lists
-    `batches/` twice and sees it at the same generation both times knows that no marker was deleted
-    in between, so none came and went unseen (docs/PROTOCOL.md, "Batches"). `updated` only grows
-    (a lifecycle rule that changes an object's storage class moves it on,
+    Before the first delete it rewrites layout.PRUNED, conditional on the generation listed, with
+    `before` = the latest cutoff any prune used: a reader that lists `batches/` twice can then tell
+    whether a marker may have come and gone between its listings (`layout.batch_unseen_between`).
+    `updated` only grows (a lifecycle rule that changes an object's storage class moves it on,
     https://cloud.google.com/storage/docs/json_api/v1/objects#resource), so a marker is never
-    deleted sooner than `keep_s` after its last write. Each delete is conditional on the
-    generation listed: a marker a re-run made `running` again stays. A failure here costs nothing
-    but a longer `batches/` listing until the next submit."""
+    deleted sooner than `keep_s` after its last write. Each delete is conditional on the generation
+    listed: a marker a re-run made `running` again stays. A 412 on PRUNED means another submit is
+    pruning: this one leaves it to it. A failure here costs nothing but a longer `batches/` listing
+    until the next submit."""
     try:
         entries = list(store.list(layout.BATCHES))
         own = next((e for e in entries if e.name == name), None)
-        if own is None:
+        mark = next((e for e in entries if e.name == layout.PRUNED), None)
+        spread = int(batch_id(name)[:4], 16) / 0x10000 if name.startswith(layout.BATCHES) else 0.0
+        if own is None or (mark is not None and (own.updated - mark.updated).total_seconds() < PRUNE_EVERY_S * (1 + spread)):
             return 0
         cutoff = own.updated - dt.timedelta(seconds=keep_s)
         stale = [e for e in entries if e.metadata.get("state") == layout.BATCH_DONE and e.updated < cutoff]
         if not stale:
             return 0
-        store.put(layout.PRUNED, b"{}")
+        earlier = (mark.metadata.get("before") if mark is not None else None) or cutoff.isoformat()
+        before = {"before": max(cutoff, dt.datetime.fromisoformat(earlier)).isoformat()}
+        try:
+            if mark is None:
+                store.create(layout.PRUNED, b"{}", metadata=before)
+            else:
+                store.write(layout.PRUNED, b"{}", if_generation=mark.generation, metadata=before)
+        except PreconditionFailed:
+            return 0  # another submit prunes now
         pruned = 0
         for entry in stale:
             try:

@@ -262,25 +262,30 @@ def test_a_submit_deletes_done_batch_markers_older_than_the_keep_time_and_no_oth
     counted = CountingStore(store)
     keep(counted, None, tasks("d"))
     # The pruned marker goes first: a reader whose two listings of batches/ straddle the deletes sees it change.
-    assert sorted(e.name for e in store.list(layout.BATCHES)) == sorted([layout.PRUNED, dead, batch_name(["d"])])
+    entries = {e.name: e for e in store.list(layout.BATCHES)}
+    assert sorted(entries) == sorted([layout.PRUNED, dead, batch_name(["d"])])
     assert counted.counts["delete batches/"] == 2 and counted.counts["list batches/"] == 1
-    assert counted.counts["put batches/"] == 1
+    assert counted.counts["create batches/"] == 2  # its own marker, and the pruned marker
+    # `before` is the cutoff: every marker deleted was older (what lets a reader tell whether it missed one).
+    assert entries[layout.PRUNED].metadata["before"] < entries[batch_name(["d"])].updated.isoformat()
 
 
-def test_a_worker_busy_past_half_the_keep_time_finds_tasks_whose_batch_came_and_went(tmp_path):
-    """While a worker runs a long task, a batch adds a task to a region whose task list it has
-    cached, finishes, and a later submit deletes its marker: no listing of batches/ ever shows it
-    to the worker as news. Having gone over half the keep time without listing batches/, the
-    worker lists its cached regions again, and claims the task (without that rule, it left idle
-    with the task pending)."""
+def test_a_busy_worker_finds_tasks_whose_batch_came_and_went_unseen(tmp_path):
+    """While a worker runs a task, a batch adds a task to a region whose task list it has cached,
+    finishes, and a later submit deletes its marker: no listing of batches/ ever shows it to the
+    worker as news. The pruned marker does: its `before` is later than anything the worker's last
+    listing held, so a batch may have come and gone; the worker lists its cached regions again and
+    claims the task at once, not at its last look (without that rule, or with the clock rule it
+    replaced and a clock that stood still while the VM was suspended, it waited until then)."""
     keep = functools.partial(submit, batch_keep_s=1.0)
     store = LocalStore(tmp_path / "q")
     keep(store, b"{}", tasks("a0", "a1", "z0", "z1"), region_tasks=2)  # regions [a0, a1] and [z0, z1]
     held = [hold(store, t, "alive", ttl_s=30.0) for t in ("a1", "z0", "z1")]
-    worker = Claimer(store, ClaimOptions(worker="w", seed=1, batch_keep_s=1.0, **FAST))
+    worker = Claimer(store, ClaimOptions(worker="w", seed=1, idle_timeout_s=30.0, poll_min_s=0.02, poll_max_s=0.1))
     walk = iter(worker)
     first = next(walk)
     assert first.task_id == "a0"
+    claimed: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         for lease in held:
             stack.enter_context(renewing(lease))
@@ -289,8 +294,14 @@ def test_a_worker_busy_past_half_the_keep_time_finds_tasks_whose_batch_came_and_
         keep(store, None, tasks("z5"))  # elsewhere; it deletes a05's done batch marker
         assert batch_name(["a05"]) not in {e.name for e in store.list(layout.BATCHES)}
         first.lease.complete([], time.monotonic())
-        ran = [c.task_id for c in walk if c.lease.complete([], time.monotonic())]
-    assert sorted(ran) == ["a05", "z5"] and worker.exit_reason == "idle"
+        done_at = time.monotonic()
+        for claim in walk:
+            claimed[claim.task_id] = time.monotonic() - done_at
+            claim.lease.complete([], time.monotonic())
+            if len(claimed) == 2:
+                worker.stop()
+    assert sorted(claimed) == ["a05", "z5"]
+    assert claimed["a05"] < 10.0, claimed  # long before its last look, 30 s on
 
 
 # -- status says what blocks completion ---------------------------------------------------------

@@ -779,7 +779,7 @@ class SimWorker:
         self.claimer = Claimer(
             self.store,
             ClaimOptions(machine.name, c.lease_ttl_s, c.idle_timeout_s, 1.0, c.poll_max_s, seed=seed,
-                         max_loaded_regions=c.cached_regions, batch_keep_s=c.batch_keep_s),  # fmt: skip
+                         max_loaded_regions=c.cached_regions),  # fmt: skip
             self.clock,
         )
         machine.claimer = self.claimer
@@ -824,7 +824,8 @@ class SimWorker:
         bound = world.config.pickup_bound_s
         for t in world.unfinished():
             found = world.store.peek(layout.lease_object(t))
-            since = world.store.last_mutation.get(layout.lease_object(t), world.created_at.get(t, now))
+            since = world.store.last_mutated(layout.lease_object(t))
+            since = since if since is not None else world.created_at.get(t, now)
             lease = json.loads(found[1]) if found else None
             state = lease["state"] if lease else None
             expired = state == "held" and now - since > world.config.lease_ttl_s * 1.1 + bound

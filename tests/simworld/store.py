@@ -95,10 +95,13 @@ class Faults:
 
 
 class _Object:
-    __slots__ = ("generation", "updated", "metadata", "data", "nonce")
+    """One object's current generation (a million of them in a fleet's store: kept small)."""
 
-    def __init__(self, generation: int, updated: float, metadata: dict, data: bytes, nonce: str | None):
-        self.generation, self.updated, self.metadata, self.data, self.nonce = generation, updated, metadata, data, nonce
+    __slots__ = ("generation", "updated", "mutated", "metadata", "data", "nonce")
+
+    def __init__(self, generation: int, now: float, metadata: dict, data: bytes, nonce: str | None):
+        self.generation, self.metadata, self.data, self.nonce = generation, metadata, data, nonce
+        self.updated = self.mutated = now  # `updated` moves with a lifecycle change too; `mutated` only with a write
 
 
 def _top(name: str) -> str:
@@ -128,7 +131,7 @@ class SimStore(ObjectStore):
         self._objects: dict[str, _Object] = {}
         self._names: dict[str, list[str]] = collections.defaultdict(list)  # by top-level prefix, sorted
         self._generation = 0
-        self.last_mutation: dict[str, float] = {}
+        self._deleted: dict[str, float] = {}  # when each deleted name was deleted (GCS's one mutation a second)
         self.by_kind: collections.Counter[str] = collections.Counter()
         self.by_actor: collections.Counter[str] = collections.Counter()
         self.records_by_actor: collections.Counter[str] = collections.Counter()  # of which machines/
@@ -136,6 +139,7 @@ class SimStore(ObjectStore):
         self.throttled: collections.Counter[str] = collections.Counter()
         self.refused: collections.Counter[str] = collections.Counter()  # 412s by kind
         self.counting = True
+        self.uncounted: set[str] = set()  # actors whose requests are not counted (they are not the fleet's)
         self.faults = faults
         self.on_stored = None
         self.on_first_lease = None  # (actor name) before its first successful lease write: the fleet's first claims
@@ -156,6 +160,11 @@ class SimStore(ObjectStore):
 
     def exists(self, name: str) -> bool:
         return name in self._objects
+
+    def last_mutated(self, name: str) -> float | None:
+        """When the object was last written or deleted (virtual time), if ever."""
+        obj = self._objects.get(name)
+        return obj.mutated if obj is not None else self._deleted.get(name)
 
     def names(self, prefix: str) -> list[str]:
         """Every name under a top-level prefix (`tasks/`), in order."""
@@ -187,7 +196,7 @@ class SimStore(ObjectStore):
         rw = "read" if op in ("read", "list") else "write"
         second = int(now)
         actor = self.scheduler.current
-        if self.counting:
+        if self.counting and (actor is None or actor.name not in self.uncounted):
             self.by_kind[f"{op} {_top(name) or name}{tag}"] += 1
             if actor is not None:
                 self.by_actor[actor.name] += 1
@@ -205,7 +214,7 @@ class SimStore(ObjectStore):
             self.throttled[f"{rw} bucket"] += 1
             raise TooManyRequests(f"{op} {name}: bucket {rw} rate over {capacity:.0f}/s")
         if rw == "write":
-            last = self.last_mutation.get(name)
+            last = self.last_mutated(name)
             if last is not None and self.scheduler.now - last < self.limits.per_object_mutation_s:
                 self.throttled[f"write same object ({_top(name)})"] += 1
                 raise TooManyRequests(f"{op} {name}: more than one mutation per second")
@@ -281,7 +290,7 @@ class SimStore(ObjectStore):
         if name not in self._objects:
             bisect.insort(self._names[_top(name)], name)
         self._objects[name] = _Object(self._generation, self.scheduler.now, dict(metadata or {}), bytes(data), nonce)
-        self.last_mutation[name] = self.scheduler.now
+        self._deleted.pop(name, None)
         if self.on_stored is not None:
             self.on_stored(name, data, metadata or {}, self._generation, self._origin())
         return self._generation
@@ -332,7 +341,7 @@ class SimStore(ObjectStore):
             del self._objects[name]
             names = self._names[_top(name)]
             del names[bisect.bisect_left(names, name)]
-            self.last_mutation[name] = self.scheduler.now
+            self._deleted[name] = self.scheduler.now
 
         delete_with_retries(self.retrier, f"delete {name}", lambda: self._attempt("delete", name, apply), if_generation)
 
