@@ -15,7 +15,7 @@ write is conditional, docs/PROTOCOL.md), only such a holder's consumer may start
 next heartbeat is refused.
 
 Every wait in the queue goes through `Clock.wait`, so a simulator can substitute a virtual clock
-(bench/fleet_sim.py) and run the real claim loop a thousand times faster than wall time.
+(tests/simworld) and run the real claim loop a thousand times faster than wall time.
 """
 
 from __future__ import annotations

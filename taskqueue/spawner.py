@@ -2,7 +2,7 @@
 
 What the worker decides (on each consumer exit, heartbeat result, store error, stop request,
 preemption notice, stuck consumer) lives in `taskqueue.worker.TaskRun`, which takes events and
-returns actions and does no I/O; the deterministic simulation (`bench/sim_seeds.py`) drives the same
+returns actions and does no I/O; the deterministic simulation (`tests/simworld/seeds.py`) drives the same
 core. This module only feeds it events and carries out its actions:
 
 - the main thread claims (`Claimer`), starts the consumer in its own process group, and waits for

@@ -5,7 +5,7 @@ a renewal that succeeded or failed, a stop request, a clock tick, the consumer's
 of the final write) and returns actions (renew with these records, signal the consumer, complete,
 release, dead-letter, abandon). It never touches the store, a thread, a signal or a process:
 `taskqueue.spawner` (threads, signals, a subprocess) and the deterministic simulation
-(`bench/sim_seeds.py`: virtual time, a scripted consumer) wrap the same object, and the same
+(`tests/simworld/seeds.py`: virtual time, a scripted consumer) wrap the same object, and the same
 `perform_*` functions carry its actions out on the real `HeldLease`. The shape is python-hyper/h11's
 `Connection`: the phases and the transitions are the tables below.
 

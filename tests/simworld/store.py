@@ -161,6 +161,10 @@ class SimStore(ObjectStore):
     def exists(self, name: str) -> bool:
         return name in self._objects
 
+    def __len__(self) -> int:
+        """How many objects it holds."""
+        return len(self._objects)
+
     def last_mutated(self, name: str) -> float | None:
         """When the object was last written or deleted (virtual time), if ever."""
         obj = self._objects.get(name)
