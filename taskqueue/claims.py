@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import random
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -115,7 +116,9 @@ class QueueView:
         self.swept: dict[str, str | None] = {}  # region -> end of what its swept marker covers
         self.tasks: dict[str, list[str]] = {}  # loaded region -> its task ids in key order
         self.loaded: dict[str, float] = {}  # loaded region -> when, least recent first
-        self.manifests: dict[str, bytes | None] = {}
+        # Cached task -> its manifest as the listing's metadata carried it (None: too big to ride along,
+        # read at claim time), and the size of those read at claim time (over 64 KiB: a bad manifest).
+        self.manifests: dict[str, str | None] = {}
         self.sizes: dict[str, int] = {}
         self.finished: set[str] = set()
         self.leases: dict[str, Sighting] = {}
@@ -295,10 +298,11 @@ class QueueView:
             if task_id is None:
                 continue
             ids.append(task_id)
-            if task_id not in self.sizes:
+            if task_id not in self.manifests:
                 copy = entry.metadata.get("manifest")
-                self.manifests[task_id] = copy.encode() if copy is not None else None
-                self.sizes[task_id] = entry.size
+                self.manifests[task_id] = copy
+                if copy is None:
+                    self.sizes[task_id] = entry.size
         return ids
 
     def load(self, region: str) -> None:
@@ -322,7 +326,7 @@ class QueueView:
             match = lease_name(entry.name)
             if match is None:
                 continue
-            task_id = match.group(1)
+            task_id = sys.intern(match.group(1))  # the same string as the task list's (layout.id_from_object)
             state = entry.metadata.get("state", HELD)
             if state in FINISHED:
                 self.finished.add(task_id)
@@ -933,7 +937,8 @@ class Claimer:
                     f"{where}: manifest is {self.view.sizes[task_id]} bytes, over the "
                     f"{layout.MAX_MANIFEST_BYTES}-byte limit"
                 )
-            data = self.view.manifests.get(task_id)
+            copy = self.view.manifests.get(task_id)
+            data = copy.encode() if copy is not None else None
             if data is None:
                 data = self.store.read(layout.task_object(task_id)).data
             return Claim(task_id, lease, layout.parse_manifest(data, task_id, where))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import sys
 
 JOB = "job.json"
 TASKS = "tasks/"
@@ -120,9 +121,10 @@ def object_pattern(prefix: str) -> re.Pattern:
 
 
 def id_from_object(name: str, prefix: str) -> str | None:
-    """`tasks/t1.json` -> `t1`; None for anything that is not a queue object of that prefix."""
+    """`tasks/t1.json` -> `t1`; None for anything that is not a queue object of that prefix. Interned:
+    a worker's view holds each id of the regions it caches in several places (thousands of them)."""
     match = object_pattern(prefix).fullmatch(name)
-    return match.group(1) if match else None
+    return sys.intern(match.group(1)) if match else None
 
 
 def check_task_id(task_id: object, where: str) -> str:

@@ -34,6 +34,7 @@ import datetime as dt
 import io
 import pathlib
 import random
+import zlib
 from collections.abc import Mapping
 
 from google.api_core import exceptions as gexc
@@ -94,14 +95,34 @@ class Faults:
         return None
 
 
+#: Bodies longer than this are kept compressed: a fleet's store holds millions of lease bodies and markers.
+_PACK_OVER = 160
+
+
 class _Object:
-    """One object's current generation (a million of them in a fleet's store: kept small)."""
+    """One object's current generation (a few million of them in a fleet's store: kept small)."""
 
-    __slots__ = ("generation", "updated", "mutated", "metadata", "data", "nonce")
+    __slots__ = ("generation", "updated", "mutated", "keys", "values", "body", "packed", "size", "nonce")
 
-    def __init__(self, generation: int, now: float, metadata: dict, data: bytes, nonce: str | None):
-        self.generation, self.metadata, self.data, self.nonce = generation, metadata, data, nonce
+    def __init__(self, generation: int, now: float, metadata: Mapping[str, str], data: bytes, nonce: str | None):
+        self.generation, self.nonce, self.size = generation, nonce, len(data)
+        keys = tuple(metadata)
+        self.keys = _KEYS.setdefault(keys, keys)  # one tuple per set of names: most objects of a prefix share it
+        self.values = tuple(metadata.values())
+        self.packed = len(data) > _PACK_OVER
+        self.body = zlib.compress(data, 1) if self.packed else data
         self.updated = self.mutated = now  # `updated` moves with a lifecycle change too; `mutated` only with a write
+
+    @property
+    def data(self) -> bytes:
+        return zlib.decompress(self.body) if self.packed else self.body
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(zip(self.keys, self.values))
+
+
+_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
 def _top(name: str) -> str:
@@ -184,7 +205,7 @@ class SimStore(ObjectStore):
         return True
 
     def _entry(self, name: str, obj: _Object) -> Entry:
-        return Entry(name, obj.generation, len(obj.data), EPOCH + dt.timedelta(seconds=obj.updated), dict(obj.metadata))
+        return Entry(name, obj.generation, obj.size, EPOCH + dt.timedelta(seconds=obj.updated), obj.metadata)
 
     # -- the request path ------------------------------------------------------------------------
 
@@ -293,7 +314,7 @@ class SimStore(ObjectStore):
         self._generation += 1
         if name not in self._objects:
             bisect.insort(self._names[_top(name)], name)
-        self._objects[name] = _Object(self._generation, self.scheduler.now, dict(metadata or {}), bytes(data), nonce)
+        self._objects[name] = _Object(self._generation, self.scheduler.now, metadata or {}, bytes(data), nonce)
         self._deleted.pop(name, None)
         if self.on_stored is not None:
             self.on_stored(name, data, metadata or {}, self._generation, self._origin())
