@@ -548,7 +548,7 @@ class Claimer:
         unclaimed task in a region it never polled; and its cached task lists may miss a batch that came
         and went unseen (a worker whose clock stopped while its VM was suspended does not know how long
         it has been since it last listed `batches/`)."""
-        if self.view.scan_batches():
+        if self._news():
             return True
         self.view.whole_map()
         for region in self.view.open_regions():
@@ -568,12 +568,8 @@ class Claimer:
         the waiting workers watch every open region, however few they are.
         """
         # batches/ on every poll: a batch submitted or finished since is news, found within one poll
-        # (docs/PROTOCOL.md, "Batches"); splits/ then too, since a batch may have cut new regions.
-        changed = self.view.scan_batches()
-        self.view.news &= set(self.view.open_regions())
-        if changed or self.view.news:
-            self.view.scan_map(with_batches=False)
-            self._waiting = False  # the next turn moves, to the regions the batch added tasks to first
+        # (docs/PROTOCOL.md, "Batches").
+        if self._news():
             return
         self.view.freshen_swept()
         regions = self.view.open_regions()
@@ -587,6 +583,20 @@ class Claimer:
             region = min(watched, key=lambda r: self.view.loaded[r])
         self._visit(region)
         self._land(region, first=False)
+
+    def _news(self) -> bool:
+        """`batches/`; True when there is news, whoever listed it first (a drained check, a last look,
+        a poll): the map is listed again, since a batch may have cut new regions and un-swept old ones,
+        and the walk stops waiting, so that its next turn moves to the regions the news names first.
+        News is kept until a region it names is visited, or until the fresh map shows it closed: a view
+        whose swept markers are older than the batch's un-sweep must not drop it (sim seed 50001577)."""
+        changed = self.view.scan_batches()
+        if not changed and not self.view.news:
+            return False
+        self.view.scan_map(with_batches=False)
+        self.view.news &= set(self.view.open_regions())
+        self._waiting = False
+        return True
 
     def _visit(self, region: str, afresh: bool = False) -> None:
         """Read a region afresh, and sweep it if every task in it is finished: its leases when its task
