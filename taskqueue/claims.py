@@ -721,11 +721,14 @@ class Claimer:
     def _move(self, first: bool = False) -> bool:
         """Go to a region with claimable tasks: True when the walk has a new place to start.
 
-        Regions this worker has not loaded come first, in random order: nobody's trail is known
-        there, and workers that start together spread out over the map; a region loaded before
-        needs only its leases re-listed. A region found finished is swept on the way. When
-        JUMP_TRIES regions have nothing claimable the worker is waiting: until its next claim,
-        polls look further, one region each, and collisions and trails do not start moves.
+        Regions a batch brought news of come first, every one of them (a late task is claimed within a
+        poll of its batch's `done`, however many regions the batch's range meets; each waiting worker
+        visits each once in any case, so doing it at once costs nothing more). Then regions this worker
+        has not loaded, in random order: nobody's trail is known there, and workers that start together
+        spread out over the map; a region loaded before needs only its leases re-listed. A region
+        found finished is swept on the way. When JUMP_TRIES of those have nothing claimable the worker
+        is waiting: until its next claim, polls look further, one region each, and collisions and
+        trails do not start moves.
         """
         view = self.view
         if self._waiting:
@@ -740,9 +743,10 @@ class Claimer:
                 self.rng.shuffle(regions)
             here = [self._region] if self._region is not None and self._region in view.tasks else []
             for region in news + fresh + known + here:
-                if tries >= JUMP_TRIES:
-                    break
-                tries += 1
+                if region not in view.news:
+                    if tries >= JUMP_TRIES:
+                        break
+                    tries += 1
                 view.news.discard(region)
                 self._visit(region)
                 if self._land(region, first):

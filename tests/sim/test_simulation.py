@@ -62,7 +62,9 @@ def test_every_seed_keeps_every_invariant(first):
 #: 50001577 - a last look listed batches/, found news, and left it to a poll whose view of the swept
 #:            markers was older than the batch's un-sweep: the news was dropped, and the batch's tasks
 #:            waited 47 s past their done (news now makes whoever lists it first list the map again).
-FOUND_BUGS = (20, 29, 511, 50001577)
+#: 50000559 - a batch whose range met five regions: a move looked at two of them, so its tasks waited three
+#:            polls (news regions are now all looked at in the move that news starts).
+FOUND_BUGS = (20, 29, 511, 50000559, 50001577)
 
 
 @pytest.mark.parametrize("seed", FOUND_BUGS)
