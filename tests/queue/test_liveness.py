@@ -5,6 +5,7 @@ regression tests of the issue's three defects failed on the code before their fi
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import functools
 import json
 import shutil
@@ -268,6 +269,28 @@ def test_a_submit_deletes_done_batch_markers_older_than_the_keep_time_and_no_oth
     assert counted.counts["create batches/"] == 2  # its own marker, and the pruned marker
     # `before` is the cutoff: every marker deleted was older (what lets a reader tell whether it missed one).
     assert entries[layout.PRUNED].metadata["before"] < entries[batch_name(["d"])].updated.isoformat()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "newest_s", "unseen"),
+    [
+        (None, None, 100, False),  # nothing ever pruned
+        ((5, "T+050"), (5, "T+050"), 100, False),  # no prune in between
+        (None, (6, "T+050"), 100, False),  # pruned since, but only markers older than the first listing's newest
+        ((5, "T+050"), (6, "T+100"), 100, False),  # up to exactly the newest: those were all in the first listing
+        ((5, "T+050"), (6, "T+101"), 100, True),  # a marker newer than the first listing may have come and gone
+        ((5, "T+050"), (6, None), 100, True),  # a pruned marker that does not say: assume the worst
+        ((5, "T+050"), (6, "T+050"), None, True),  # an empty first listing bounds nothing
+    ],
+)
+def test_a_batch_may_have_come_and_gone_only_past_the_newest_update_of_the_first_listing(first, second, newest_s, unseen):
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+    def mark(m):
+        return None if m is None else (m[0], None if m[1] is None else (t0 + dt.timedelta(seconds=int(m[1][2:]))).isoformat())
+
+    newest = None if newest_s is None else t0 + dt.timedelta(seconds=newest_s)
+    assert layout.batch_unseen_between(mark(first), mark(second), newest) is unseen
 
 
 def test_a_busy_worker_finds_tasks_whose_batch_came_and_went_unseen(tmp_path):
