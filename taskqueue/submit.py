@@ -92,7 +92,8 @@ def submit(
     (`_give_up`). That is so for a task that exists with another manifest (SubmitError, after every
     other task is created), a store error, Ctrl-C and SIGTERM (`tools/submit.py`). A second
     interrupt while it waits leaves the batch `running`, and the note says so; so does a dead
-    machine, or a store that refuses the finishing writes. Running the same submit again (the
+    machine, or a store that refuses the finishing writes. A failure while the marker is begun may
+    have left it written all the same: `_unbegin` settles that. Running the same submit again (the
     batch's name is made from its ids) takes the marker over and finishes it, and `finish_batch`
     finishes one whose submit will never run again. A finished submit deletes the `done` markers
     older than `batch_keep_s`, so `batches/` holds only recent batches.
