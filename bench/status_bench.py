@@ -2,7 +2,7 @@
 
     python -m bench.status_bench [--tasks 100000] [--machines 1000] [--swept 0.5]
 
-The queue lives in bench/fleet_sim.py's SimStore (GCS's listing pages of 1000, in name order, with
+The queue lives in tests/simworld's SimStore (GCS's listing pages of 1000, in name order, with
 start/end offsets), filled directly: `--tasks` tasks in regions of 1000 (a split per region), the
 first `--swept` of the regions finished and swept, the rest half done, a lease on every unfinished
 task of the open regions held by one of `--machines` machines, a machine record per machine (with
@@ -19,7 +19,8 @@ import datetime as dt
 import json
 import time
 
-from bench.fleet_sim import EPOCH, Limits, Scheduler, SimStore
+from tests.simworld.scheduler import EPOCH, Scheduler
+from tests.simworld.store import Limits, SimStore
 from fleet import machines
 from reporting.pricing import load_prices
 from taskqueue import layout
@@ -90,7 +91,7 @@ def main() -> None:
     args = p.parse_args()
     started = time.perf_counter()
     store = build(args.tasks, args.machines, args.swept)
-    print(f"queue: {args.tasks:,} tasks, {args.machines:,} machines, {len(store.entries):,} objects "
+    print(f"queue: {args.tasks:,} tasks, {args.machines:,} machines, {len(store):,} objects "
           f"(built in {time.perf_counter() - started:.1f}s)")  # fmt: skip
     now = EPOCH + dt.timedelta(hours=6)
     latency_ms = Limits().latency_s * 1000

@@ -144,7 +144,7 @@ class MachineRecorder:
         **base_fields: object,
     ):
         """`now` (UTC), `wait(stop, seconds) -> stopped` and `lock` are the wall clock, the beat's
-        sleep and the lock that orders writes; a simulation passes virtual ones (bench/fleet_sim.py:
+        sleep and the lock that orders writes; a simulation passes virtual ones (tests/simworld/fleet.py:
         its actors must wait for the lock on virtual time), production keeps the defaults."""
         record_object(name)
         self.store = store

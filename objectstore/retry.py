@@ -1,7 +1,7 @@
 """Our retry loop and the ambiguous conditional write, apart from any client library.
 
 `objectstore.gcs` runs every request through `Retrier.call` and every conditional write through
-`write_with_nonce`; the deterministic simulation (`bench/sim_seeds.py`) runs its simulated requests
+`write_with_nonce`; the deterministic simulation (`tests/simworld`) runs its simulated requests
 through the very same two, on virtual time and a seeded random source, so the rule below is tested
 exactly as it runs in production.
 

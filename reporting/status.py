@@ -19,7 +19,6 @@ import math
 import random
 import shlex
 import statistics
-import time
 
 from objectstore import ObjectStore, StoreError
 from objectstore.base import Entry
@@ -64,9 +63,17 @@ def _regions(store: ObjectStore) -> tuple[list[str], dict[str, dict]]:
     return splits, swept
 
 
-def _batches(store: ObjectStore) -> dict[str, Entry]:
-    """The batch markers written by `submit` (one request per thousand), by name."""
-    return {e.name: e for e in store.list(layout.BATCHES) if e.metadata.get("first") and e.metadata.get("last")}
+def _batches(store: ObjectStore) -> tuple[dict[str, Entry], tuple | None, dt.datetime | None]:
+    """The batch markers written by `submit` (one request per thousand), by name; what the listing says
+    of layout.PRUNED (`layout.pruned_mark`); and the newest `updated` time in it."""
+    batches, pruned, newest = {}, None, None
+    for e in store.list(layout.BATCHES):
+        newest = e.updated if newest is None or e.updated > newest else newest
+        if e.name == layout.PRUNED:
+            pruned = layout.pruned_mark(e)
+        elif e.metadata.get("first") and e.metadata.get("last"):
+            batches[e.name] = e
+    return batches, pruned, newest
 
 
 def _running(batches: dict[str, Entry]) -> list[tuple[str, str]]:
@@ -118,14 +125,14 @@ def snapshot(
     now = now or dt.datetime.now(dt.timezone.utc)
     counted = CountingStore(store)
     for _ in range(SNAPSHOT_TRIES):
-        started = time.monotonic()
-        before = _batches(counted)
+        before, pruned_before, newest = _batches(counted)
         view = _listed(counted, _running(before), now, sample, seed, cache, history)
-        after = _batches(counted)
-        # Done markers older than BATCH_KEEP_S are deleted by submits: a snapshot that took half that
-        # long might have missed a batch that came and went (layout.BATCH_KEEP_S).
+        after, pruned_after, _ = _batches(counted)
+        # Submits delete done markers BATCH_KEEP_S old, and say so in layout.PRUNED before they do: a batch
+        # that began after the first listing and was deleted before the second shows there, and nowhere
+        # else. (No clock of ours decides it: one that stopped while the machine was suspended would not.)
         steady = {n: e.generation for n, e in before.items()} == {n: e.generation for n, e in after.items()} and (
-            time.monotonic() - started < layout.BATCH_KEEP_S / 2
+            not layout.batch_unseen_between(pruned_before, pruned_after, newest)
         )
         if steady:
             break

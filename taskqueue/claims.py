@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import datetime as dt
 import json
 import logging
 import math
 import random
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -62,8 +64,15 @@ class Sighting:
     worker: str
     ttl_s: float
     first_seen: float
-    #: This worker saw the lease at an earlier generation too: its holder was renewing it then.
+    #: This worker saw the lease change generation between two listings less than a TTL apart: its
+    #: holder wrote it within a TTL of this sighting. (A change seen across a longer gap says nothing
+    #: of now: the holder may have written it long ago and died since.)
     renewed: bool = False
+    #: When a listing last showed this generation (`first_seen` until one does again).
+    last_seen: float | None = None
+
+    def seen_until(self) -> float:
+        return self.first_seen if self.last_seen is None else self.last_seen
 
 
 @dataclasses.dataclass
@@ -82,6 +91,8 @@ class ClaimOptions:
     poll_min_s: float = 1.0
     poll_max_s: float = 30.0
     seed: int | None = None
+    #: Regions whose task lists the view keeps; the least recently loaded is forgotten first.
+    max_loaded_regions: int = MAX_LOADED_REGIONS
 
 
 def _offset(prefix: str, task_id: str | None) -> str | None:
@@ -92,26 +103,31 @@ def _offset(prefix: str, task_id: str | None) -> str | None:
 class QueueView:
     """What one worker knows about the queue: the region map, and the regions it has loaded."""
 
-    def __init__(self, store: ObjectStore, clock: Clock):
+    def __init__(self, store: ObjectStore, clock: Clock, max_loaded_regions: int = MAX_LOADED_REGIONS):
         self.store = store
         self.clock = clock
+        self.max_loaded_regions = max_loaded_regions
         self.splits: list[str] = [layout.HEAD]  # region starts, in key order
         self._split_keys: list[str] = [""]
         self.map_complete = False  # False: the last known split's region has no known end yet
-        self._map_pages = 1
+        self._map_pages: float = 1  # pages of splits/ listed at each scan; infinite once the whole map is wanted
         self.map_at: float | None = None
         self.swept_at: float | None = None
         self.swept: dict[str, str | None] = {}  # region -> end of what its swept marker covers
         self.tasks: dict[str, list[str]] = {}  # loaded region -> its task ids in key order
         self.loaded: dict[str, float] = {}  # loaded region -> when, least recent first
-        self.manifests: dict[str, bytes | None] = {}
+        # Cached task -> its manifest as the listing's metadata carried it (None: too big to ride along,
+        # read at claim time), and the size of those read at claim time (over 64 KiB: a bad manifest).
+        self.manifests: dict[str, str | None] = {}
         self.sizes: dict[str, int] = {}
         self.finished: set[str] = set()
         self.leases: dict[str, Sighting] = {}
         # Submit batches (docs/PROTOCOL.md, "Batches"): generation of each batch marker seen, the key
         # ranges of batches still running, and the regions a new or changed batch added tasks to.
         self.batches: dict[str, int] | None = None
-        self.batches_at: float | None = None  # when batches/ was last listed
+        self.pruned: tuple[int, str | None] | None = None  # layout.PRUNED at the last listing (layout.pruned_mark)
+        self.newest: dt.datetime | None = None  # the newest `updated` time in the last listing
+        self._spans: dict[str, tuple[str, str]] = {}  # the key range of each batch still running at the last listing
         self.running: list[tuple[str, str]] = []
         self.news: set[str] = set()
         self._news_spans: list[tuple[str, str]] = []  # the last batches/ listing's news, as key ranges
@@ -119,8 +135,8 @@ class QueueView:
     # -- the region map ---------------------------------------------------------------------
 
     def scan_map(self, with_batches: bool = True) -> None:
-        """The split markers (one page per thousand regions, and only as many pages as needed so
-        far), the swept markers of those regions, then the batches.
+        """The split markers (one page per thousand regions: only as many pages as needed so far, or
+        all of them once `whole_map` was called), the swept markers of those regions, then the batches.
 
         Batches come last: a worker that finds every region swept and then no batch running knows
         that every task submitted before that last listing is finished (docs/PROTOCOL.md, "Batches")."""
@@ -148,20 +164,21 @@ class QueueView:
 
     def scan_batches(self) -> bool:
         """The batch markers (one request per thousand batches). True when one is new or changed
-        since the last listing (the first listing is the baseline): its regions are news. Their task lists are forgotten, so the next visit lists
-        them again and finds the tasks the batch added; a region under a batch still running has
-        its tasks listed again at every visit (`Claimer._visit`), since its batch may add more."""
-        now = self.clock.monotonic()
-        if self.batches_at is not None and now - self.batches_at > layout.BATCH_KEEP_S / 2:
-            # A batch may have started, finished and been deleted since the last listing (submit deletes
-            # done markers BATCH_KEEP_S old): no news would name the regions it added tasks to, so every
-            # cached task list is listed again at its next visit. Only a worker busy that long pays this.
-            for region in list(self.tasks):
-                self.forget(region, keep_sightings=True)
-        self.batches_at = now
+        since the last listing (the first listing is the baseline), or was running then and is gone
+        now (deleted once done): its regions are news. Their task lists are forgotten, so the next
+        visit lists them again and finds the tasks the batch added; a region under a batch still
+        running has its tasks listed again at every visit (`Claimer._visit`), since its batch may
+        add more. When a batch may have begun and been deleted since the last listing, unseen
+        (`layout.batch_unseen_between`: a worker busy on a long task while submits came and went),
+        every cached task list is forgotten instead: no news would name its regions."""
         seen: dict[str, int] = {}
-        running, spans = [], []
+        running, spans, running_spans = [], [], {}
+        pruned, newest = None, None
         for entry in self.store.list(layout.BATCHES):
+            newest = entry.updated if newest is None or entry.updated > newest else newest
+            if entry.name == layout.PRUNED:
+                pruned = layout.pruned_mark(entry)  # not news by itself: it says some done markers went
+                continue
             first, last = entry.metadata.get("first"), entry.metadata.get("last")
             if not first or not last:
                 continue
@@ -169,12 +186,19 @@ class QueueView:
             span = (layout.key(first), layout.key(last))
             if entry.metadata.get("state") != layout.BATCH_DONE:
                 running.append(span)
+                running_spans[entry.name] = span
             if self.batches is not None and self.batches.get(entry.name) != entry.generation:
                 spans.append(span)  # news once, when it starts or ends: a batch whose submitter died
                 # stays running, and news on every poll would keep the worker on its regions alone
-        changed = self.batches is not None and any(self.batches.get(n) != g for n, g in seen.items())
-        self.batches, self.running, self._news_spans = seen, running, spans
-        self._mark_news(spans)
+        gone = [span for name, span in self._spans.items() if name not in seen]  # finished, then deleted
+        changed = self.batches is not None and (any(self.batches.get(n) != g for n, g in seen.items()) or bool(gone))
+        if self.batches is not None and layout.batch_unseen_between(self.pruned, pruned, self.newest):
+            changed = True
+            for region in list(self.tasks):
+                self.forget(region, keep_sightings=True)
+        self.batches, self.running, self._news_spans = seen, running, spans + gone
+        self.pruned, self.newest, self._spans = pruned, newest, running_spans
+        self._mark_news(spans + gone)
         return changed
 
     def _mark_news(self, spans: list[tuple[str, str]]) -> None:
@@ -226,6 +250,15 @@ class QueueView:
         self.scan_map()
         return True
 
+    def whole_map(self) -> None:
+        """From now on every scan lists every page of splits (and the swept markers of every region):
+        a waiting worker's polls and last look must be able to reach every region, not only those of
+        the pages a claim needed (past a thousand regions, the first page is not the whole queue).
+        Costs ceil(R / 1000) - 1 more requests per scan of the map."""
+        self._map_pages = math.inf
+        if not self.map_complete:
+            self.scan_map(with_batches=False)
+
     def region_end(self, region: str) -> str | None:
         """The next region's start; None at the end of the keyspace."""
         i = bisect.bisect_left(self._split_keys, layout.key(region) if region else "")
@@ -265,10 +298,11 @@ class QueueView:
             if task_id is None:
                 continue
             ids.append(task_id)
-            if task_id not in self.sizes:
+            if task_id not in self.manifests:
                 copy = entry.metadata.get("manifest")
-                self.manifests[task_id] = copy.encode() if copy is not None else None
-                self.sizes[task_id] = entry.size
+                self.manifests[task_id] = copy
+                if copy is None:
+                    self.sizes[task_id] = entry.size
         return ids
 
     def load(self, region: str) -> None:
@@ -292,7 +326,7 @@ class QueueView:
             match = lease_name(entry.name)
             if match is None:
                 continue
-            task_id = match.group(1)
+            task_id = sys.intern(match.group(1))  # the same string as the task list's (layout.id_from_object)
             state = entry.metadata.get("state", HELD)
             if state in FINISHED:
                 self.finished.add(task_id)
@@ -305,8 +339,11 @@ class QueueView:
                 entry.metadata.get("worker", "?"),
                 _float(entry.metadata.get("ttl_s")),
                 old.first_seen if same else now,
-                renewed=old.renewed if same else old is not None and old.generation > 0,
-            )
+                renewed=old.renewed if same else (
+                    old is not None and old.generation > 0 and now - old.seen_until() < old.ttl_s
+                ),
+                last_seen=now,
+            )  # fmt: skip
         here = set(ids)
         for task_id in [t for t in self.leases if t not in seen and t in here]:
             del self.leases[task_id]  # gone from the listing: finished, or never there
@@ -314,7 +351,7 @@ class QueueView:
         self.tasks[region] = ids
         self.loaded.pop(region, None)
         self.loaded[region] = now
-        while len(self.loaded) > MAX_LOADED_REGIONS:
+        while len(self.loaded) > self.max_loaded_regions:
             self.forget(next(iter(self.loaded)))
 
     def forget(self, region: str, keep_sightings: bool = False) -> None:
@@ -398,7 +435,7 @@ class Claimer:
         self.store = store
         self.options = options
         self.clock = clock or Clock()
-        self.view = QueueView(store, self.clock)
+        self.view = QueueView(store, self.clock, options.max_loaded_regions)
         self.rng = random.Random(options.seed)
         self.stop_event = threading.Event()
         self.exit_reason = "running"
@@ -481,11 +518,14 @@ class Claimer:
         # batches/ before and after the map: a batch that finished (or began) in between may have
         # added tasks the map's listings did not account for (docs/PROTOCOL.md, "Batches").
         self.view.scan_batches()
-        before = dict(self.view.batches or {})
+        before, pruned, newest = dict(self.view.batches or {}), self.view.pruned, self.view.newest
         self.view.scan_map()
         while not self.view.map_complete and not self.view.open_regions():
             self.view.extend_map()
-        return self.view.all_swept() and self.view.batches == before
+        # The same markers at the same generations, and none that began after the first listing and was
+        # deleted before the second (layout.PRUNED tells): such a batch would leave no other trace.
+        return (self.view.all_swept() and self.view.batches == before
+                and not layout.batch_unseen_between(pruned, self.view.pruned, newest))  # fmt: skip
 
     def _may_leave_idle(self) -> bool:
         """Not while a lease in view may be a dead holder's: every lease of an open region must
@@ -502,13 +542,17 @@ class Claimer:
         return True
 
     def _last_look(self) -> bool:
-        """Before leaving `idle`: batches/, then every open region afresh (one or two requests each).
-        True when there is news or a region with a task to claim; polls look at one region at a time,
-        so a worker could otherwise leave with a released or unclaimed task in a region it never polled."""
-        if self.view.scan_batches():
+        """Before leaving `idle`: batches/, then every open region of the whole map afresh, its tasks
+        and its leases (two requests each). True when there is news or a region with a task to claim.
+        Polls look at one region at a time, so a worker could otherwise leave with a released or
+        unclaimed task in a region it never polled; and its cached task lists may miss a batch that came
+        and went unseen (a worker whose clock stopped while its VM was suspended does not know how long
+        it has been since it last listed `batches/`)."""
+        if self._news():
             return True
+        self.view.whole_map()
         for region in self.view.open_regions():
-            self._visit(region)
+            self._visit(region, afresh=True)
             if self._land(region, first=False):
                 self._waiting = False
                 return True
@@ -524,12 +568,8 @@ class Claimer:
         the waiting workers watch every open region, however few they are.
         """
         # batches/ on every poll: a batch submitted or finished since is news, found within one poll
-        # (docs/PROTOCOL.md, "Batches"); splits/ then too, since a batch may have cut new regions.
-        changed = self.view.scan_batches()
-        self.view.news &= set(self.view.open_regions())
-        if changed or self.view.news:
-            self.view.scan_map(with_batches=False)
-            self._waiting = False  # the next turn moves, to the regions the batch added tasks to first
+        # (docs/PROTOCOL.md, "Batches").
+        if self._news():
             return
         self.view.freshen_swept()
         regions = self.view.open_regions()
@@ -544,11 +584,25 @@ class Claimer:
         self._visit(region)
         self._land(region, first=False)
 
-    def _visit(self, region: str) -> None:
+    def _news(self) -> bool:
+        """`batches/`; True when there is news, whoever listed it first (a drained check, a last look,
+        a poll): the map is listed again, since a batch may have cut new regions and un-swept old ones,
+        and the walk stops waiting, so that its next turn moves to the regions the news names first.
+        News is kept until a region it names is visited, or until the fresh map shows it closed: a view
+        whose swept markers are older than the batch's un-sweep must not drop it (sim seed 50001577)."""
+        changed = self.view.scan_batches()
+        if not changed and not self.view.news:
+            return False
+        self.view.scan_map(with_batches=False)
+        self.view.news &= set(self.view.open_regions())
+        self._waiting = False
+        return True
+
+    def _visit(self, region: str, afresh: bool = False) -> None:
         """Read a region afresh, and sweep it if every task in it is finished: its leases when its task
-        list is known already (one request), else its tasks and leases (two). A region under a batch
-        still running is read whole: its batch may have added tasks since its last listing."""
-        if region in self.view.tasks and not self.view.under_running_batch(region):
+        list is known already (one request), else (or `afresh`) its tasks and leases (two). A region
+        under a batch still running is read whole: its batch may have added tasks since its last listing."""
+        if region in self.view.tasks and not afresh and not self.view.under_running_batch(region):
             self.view.refresh(region)
         else:
             self.view.load(region)
@@ -667,11 +721,14 @@ class Claimer:
     def _move(self, first: bool = False) -> bool:
         """Go to a region with claimable tasks: True when the walk has a new place to start.
 
-        Regions this worker has not loaded come first, in random order: nobody's trail is known
-        there, and workers that start together spread out over the map; a region loaded before
-        needs only its leases re-listed. A region found finished is swept on the way. When
-        JUMP_TRIES regions have nothing claimable the worker is waiting: until its next claim,
-        polls look further, one region each, and collisions and trails do not start moves.
+        Regions a batch brought news of come first, every one of them (a late task is claimed within a
+        poll of its batch's `done`, however many regions the batch's range meets; each waiting worker
+        visits each once in any case, so doing it at once costs nothing more). Then regions this worker
+        has not loaded, in random order: nobody's trail is known there, and workers that start together
+        spread out over the map; a region loaded before needs only its leases re-listed. A region
+        found finished is swept on the way. When JUMP_TRIES of those have nothing claimable the worker
+        is waiting: until its next claim, polls look further, one region each, and collisions and
+        trails do not start moves.
         """
         view = self.view
         if self._waiting:
@@ -686,15 +743,18 @@ class Claimer:
                 self.rng.shuffle(regions)
             here = [self._region] if self._region is not None and self._region in view.tasks else []
             for region in news + fresh + known + here:
-                if tries >= JUMP_TRIES:
-                    break
-                tries += 1
+                if region not in view.news:
+                    if tries >= JUMP_TRIES:
+                        break
+                    tries += 1
                 view.news.discard(region)
                 self._visit(region)
                 if self._land(region, first):
                     return True
             if tries >= JUMP_TRIES or not view.extend_map():
+                # Waiting: polls and the last look pick from every open region, so they must know them all.
                 self._waiting = True
+                view.whole_map()
                 return False
 
     def _has_claimable(self, region: str) -> bool:
@@ -777,12 +837,16 @@ class Claimer:
     def _finished_already(self, task_id: str) -> tuple[str, dict | None] | None:
         """For a lease taken over: is the task done or dead-lettered already? `(state, counters)` or None.
 
-        A finished task's lease is its tombstone, so a lease created from nothing needs no check. A
-        lease taken over may belong to a holder that died between writing its done (or failed)
-        marker and its tombstone. Checked while holding the lease, so nobody can finish the task
-        between this check and our run: a finished task is never run again. The done/ listing from
-        the task on answers exactly for it (listings are strongly consistent) and shows the done
-        markers just ahead too.
+        Under this protocol the answer is always None: the tombstone is written first and its marker
+        copied from it afterwards (docs/PROTOCOL.md, "Completion"), so a lease that is not a tombstone
+        has no marker, and a lease created from nothing needs no check at all. The check is for
+        queues whose leases an older version wrote, which wrote the marker first and the tombstone
+        after: one of its holders may have died between the two, leaving a marker beside a live
+        lease. Checked while holding the lease, so nobody can finish the task between this check and
+        our run: a finished task is never run again. The done/ listing from the task on answers
+        exactly for it (listings are strongly consistent) and shows the done markers just ahead too.
+        Costs 2 listings per takeover (docs/PROTOCOL.md, "Claim" step 6); it can go once no queue
+        of the older version is left.
         """
         page = self.store.list_page(layout.DONE, start_offset=layout.done_object(task_id), page_size=LOOKAHEAD)
         for entry in page.entries:
@@ -841,7 +905,7 @@ class Claimer:
             return None
         if current.generation != sighting.generation:
             self.view.leases[task_id] = dataclasses.replace(
-                sighting, generation=current.generation, first_seen=self.clock.monotonic()
+                sighting, generation=current.generation, first_seen=self.clock.monotonic(), renewed=False, last_seen=None
             )
             return None
         previous = json.loads(current.data)
@@ -887,7 +951,8 @@ class Claimer:
                     f"{where}: manifest is {self.view.sizes[task_id]} bytes, over the "
                     f"{layout.MAX_MANIFEST_BYTES}-byte limit"
                 )
-            data = self.view.manifests.get(task_id)
+            copy = self.view.manifests.get(task_id)
+            data = copy.encode() if copy is not None else None
             if data is None:
                 data = self.store.read(layout.task_object(task_id)).data
             return Claim(task_id, lease, layout.parse_manifest(data, task_id, where))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
+import sys
 
 JOB = "job.json"
 TASKS = "tasks/"
@@ -17,11 +19,33 @@ BATCHES = "batches/"
 #: A batch marker's `state`: `running` from before `submit` creates the batch's first task until
 #: every task of it exists (or the submit gave up) and no swept marker covers one; then `done`.
 BATCH_RUNNING, BATCH_DONE = "running", "done"
-#: A `done` batch marker is deleted by the next `submit` once its last write is this much older
-#: than that submit's own marker (both times the store's): every worker that lists `batches/` at
-#: least every BATCH_KEEP_S / 2 has seen it by then, and one that did not forgets its cached task
-#: lists instead (docs/PROTOCOL.md, "Batches").
-BATCH_KEEP_S = 600.0
+#: A `done` batch marker is deleted by a later `submit` once its `updated` time is this much older
+#: than that submit's own marker's (both times the store's): a waiting worker, which lists `batches/`
+#: at least every poll cap (60 s), has seen it as news twice by then (docs/PROTOCOL.md, "Batches").
+BATCH_KEEP_S = 180.0
+#: Rewritten by every submit that deletes done batch markers, before its first delete, with `before`
+#: in its metadata: every marker deleted so far had an `updated` time earlier than that (the store's
+#: time, ISO 8601). Not a batch (no `first`/`last`), and its name is no batch id.
+PRUNED = BATCHES + "-pruned.json"
+
+
+def pruned_mark(entry) -> tuple[int, str | None] | None:
+    """What a listing of `batches/` says of PRUNED: its generation and `before`; None while there is none."""
+    return None if entry is None else (entry.generation, entry.metadata.get("before"))
+
+
+def batch_unseen_between(first: tuple[int, str | None] | None, second: tuple[int, str | None] | None,
+                         newest_first: dt.datetime | None) -> bool:  # fmt: skip
+    """Whether a batch marker may have been created and deleted between two listings of `batches/`,
+    so that neither shows it: only if PRUNED changed in between and its `before` is later than the
+    newest `updated` time of the first listing. A marker created after the first listing is newer
+    than everything in it (the store's times order its writes), and a marker deleted is older than
+    `before`. No clock of the reader's counts (docs/PROTOCOL.md, "Batches")."""
+    if second is None or second == first:
+        return False
+    if newest_first is None or second[1] is None:
+        return True
+    return dt.datetime.fromisoformat(second[1]) > newest_first
 
 #: Tasks per region: `submit` cuts every region it added tasks to at every REGION_TASKS-th id, so one
 #: listing page (at most 1000 entries) covers a region's tasks whatever the batch sizes.
@@ -97,9 +121,10 @@ def object_pattern(prefix: str) -> re.Pattern:
 
 
 def id_from_object(name: str, prefix: str) -> str | None:
-    """`tasks/t1.json` -> `t1`; None for anything that is not a queue object of that prefix."""
+    """`tasks/t1.json` -> `t1`; None for anything that is not a queue object of that prefix. Interned:
+    a worker's view holds each id of the regions it caches in several places (thousands of them)."""
     match = object_pattern(prefix).fullmatch(name)
-    return match.group(1) if match else None
+    return sys.intern(match.group(1)) if match else None
 
 
 def check_task_id(task_id: object, where: str) -> str:

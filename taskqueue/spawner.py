@@ -2,7 +2,7 @@
 
 What the worker decides (on each consumer exit, heartbeat result, store error, stop request,
 preemption notice, stuck consumer) lives in `taskqueue.worker.TaskRun`, which takes events and
-returns actions and does no I/O; the deterministic simulation (`bench/sim_seeds.py`) drives the same
+returns actions and does no I/O; the deterministic simulation (`tests/simworld/seeds.py`) drives the same
 core. This module only feeds it events and carries out its actions:
 
 - the main thread claims (`Claimer`), starts the consumer in its own process group, and waits for
@@ -254,7 +254,8 @@ class Spawner:
 
     def _handle(self, claim: Claim) -> None:
         lease = claim.lease
-        run = TaskRun(claim.task_id, lease.attempt, self.run_options(), self.clock.monotonic(), self.tally)
+        run = TaskRun(claim.task_id, lease.attempt, self.run_options(), self.clock.monotonic(), self.tally,
+                      sent=lease.last_write)  # fmt: skip
         verdict = verdict_before_start(int(lease.body.get("takeovers", 0)), claim.problem if claim.manifest is None else None)
         if verdict is not None:
             log.error("event=dead_letter_unrun task=%s reason=%r", claim.task_id, verdict)
@@ -322,6 +323,10 @@ class Spawner:
         except Exception as exc:  # noqa: BLE001 - job.json unreadable, a 403, the slice refused: give the task back
             log.error("event=consumer_not_started task=%s error=%r", claim.task_id, exc)
             return run.start_failed(exc)
+        stale = run.stale(self.clock.monotonic())
+        if stale is not None:
+            log.warning("event=consumer_not_started task=%s why=%r", claim.task_id, stale.why)
+            return stale
         progress = ProgressFile(progress_path)
         tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
         with self._core_lock:

@@ -5,7 +5,7 @@ a renewal that succeeded or failed, a stop request, a clock tick, the consumer's
 of the final write) and returns actions (renew with these records, signal the consumer, complete,
 release, dead-letter, abandon). It never touches the store, a thread, a signal or a process:
 `taskqueue.spawner` (threads, signals, a subprocess) and the deterministic simulation
-(`bench/sim_seeds.py`: virtual time, a scripted consumer) wrap the same object, and the same
+(`tests/simworld/seeds.py`: virtual time, a scripted consumer) wrap the same object, and the same
 `perform_*` functions carry its actions out on the real `HeldLease`. The shape is python-hyper/h11's
 `Connection`: the phases and the transitions are the tables below.
 
@@ -185,7 +185,9 @@ class TaskRun:
     from one actor.
     """
 
-    def __init__(self, task_id: str, attempt: int, options: RunOptions, now: float, tally: Tally):
+    def __init__(
+        self, task_id: str, attempt: int, options: RunOptions, now: float, tally: Tally, sent: float | None = None
+    ):
         self.task_id = task_id
         self.attempt = attempt
         self.options = options
@@ -194,7 +196,9 @@ class TaskRun:
         self.pending: list[dict] = []  # read from the progress file, not yet committed by a lease write
         self.started = now
         self.last_activity = now  # a progress record or an output line
-        self.last_write = now  # the last successful lease write (the claim, or a renewal)
+        # The last successful lease write (the claim, or a renewal); for the claim, when it was sent
+        # (`HeldLease.last_write`): an observer's watch may have begun as soon as it was applied.
+        self.last_write = now if sent is None else sent
         self.grace_until: float | None = None
         self.why: str | None = None  # why it was stopped, stuck, broken or lost
         self.outcome: str | None = None
@@ -296,6 +300,17 @@ class TaskRun:
         if self.attempt >= self.options.max_attempts:
             return DeadLetter(f"failed {self.attempt} attempts (last exit code {exit_code})", records, error)
         return Release(records, error, f"attempt {self.attempt} failed with exit code {exit_code}")
+
+    def stale(self, now: float) -> Release | None:
+        """Just before the consumer starts: the claim is ours only until a TTL after its write was sent.
+        One older than that (its answer came late, or the machine was suspended in between: the clock
+        counts suspension, taskqueue.clock) may have been taken over already: start nothing, and give
+        the task back (a conditional write, refused if the lease is someone else's now). Not an attempt."""
+        if self.phase is not Phase.RUNNING or now - self.last_write < self.options.lease_ttl_s:
+            return None
+        self.phase = Phase.EXITED
+        return Release((), None, f"claimed {now - self.last_write:.0f}s after its write was sent, a whole TTL: "
+                                 f"the lease may be someone else's")  # fmt: skip
 
     def start_failed(self, error: BaseException) -> Release:
         """Preparing the consumer failed (job.json unreadable, the slice's assignment refused): give the

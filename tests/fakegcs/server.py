@@ -333,6 +333,7 @@ class Faults:
         self._fractions: list[_Fraction] = []
         self._drops: list[_Budgeted] = []
         self._latency: dict[str | None, float] = {}
+        self._slow: list[tuple[Rule, float]] = []  # latency for some objects only, on top of the above
         self._counts = dict.fromkeys([*COUNT_KEYS.values(), "faults_injected"], 0)
 
     def fail_next(self, n: int, status: int = 503, *, method: str | None = None, kind: str | None = None,
@@ -361,13 +362,19 @@ class Faults:
         with self._lock:
             self._drops.append(_Budgeted(rule, _check_count(n)))
 
-    def add_latency(self, seconds: float, kind: str | None = None) -> None:
-        """Delay every request (or every request of `kind`, which then overrides the global delay)."""
+    def add_latency(self, seconds: float, kind: str | None = None, *, name_contains: str | None = None) -> None:
+        """Delay every request (or every request of `kind`, which then overrides the global delay).
+        With `name_contains`, only the matching requests, by at least `seconds`: a request delayed
+        before it is applied is in flight all that time (the client has sent it, the store has not
+        acted on it)."""
         if seconds < 0:
             raise FakeGCSError(f"latency seconds={seconds} must be >= 0")
-        Rule(kind=kind)  # validates the kind
+        rule = Rule(kind=kind, name_contains=name_contains)  # validates the kind
         with self._lock:
-            self._latency[kind] = float(seconds)
+            if name_contains is not None:
+                self._slow.append((rule, float(seconds)))
+            else:
+                self._latency[kind] = float(seconds)
 
     def reset(self) -> None:
         """Remove every fault rule and latency; counts are kept (see `reset_counts`)."""
@@ -376,6 +383,7 @@ class Faults:
             self._fractions.clear()
             self._drops.clear()
             self._latency.clear()
+            self._slow.clear()
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -391,6 +399,7 @@ class Faults:
         with self._lock:
             self._counts[COUNT_KEYS[kind]] += 1
             latency = self._latency.get(kind, self._latency.get(None, 0.0))
+            latency = max([latency, *(seconds for rule, seconds in self._slow if rule.matches(method, kind, name))])
             for budget in self._fail_next:
                 if budget.remaining > 0 and budget.rule.matches(method, kind, name):
                     budget.remaining -= 1

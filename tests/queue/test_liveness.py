@@ -5,6 +5,8 @@ regression tests of the issue's three defects failed on the code before their fi
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import functools
 import json
 import shutil
 import subprocess
@@ -143,8 +145,11 @@ def test_running_a_refused_submit_again_finishes_the_batch_an_older_submit_left_
 class InterruptedAtCreate(CountingStore):
     """Ctrl-C (or SIGTERM, which tools/submit.py turns into the same) while the tasks are created."""
 
+    interrupted = False
+
     def create(self, name, data, metadata=None):
-        if name == layout.task_object("k2"):
+        if name == layout.task_object("k2") and not self.interrupted:
+            self.interrupted = True
             raise KeyboardInterrupt
         return super().create(name, data, metadata)
 
@@ -154,8 +159,10 @@ def test_an_interrupted_submit_finishes_its_batch_before_it_exits(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         submit(InterruptedAtCreate(store), b"{}", tasks("k1", "k2", "k3"), parallel=1)
     assert running_batches(store) == []
+    created = sorted(layout.id_from_object(e.name, layout.TASKS) for e in store.list(layout.TASKS))
+    assert "k1" in created and "k2" in created  # k2's create was cut short: sent again before the batch finished
     reason, ran = drain(store)
-    assert reason == "drained" and sorted(ran) == ["k1", "k3"]  # what it created, then nothing pending
+    assert reason == "drained" and sorted(ran) == created  # what it created, then nothing pending
 
 
 def test_finish_batch_finishes_a_dead_submits_batch_and_the_queue_drains(tmp_path):
@@ -245,46 +252,79 @@ def test_status_is_never_complete_while_a_task_submitted_before_its_last_listing
 # -- done batch markers are deleted, and a worker that did not see one still finds its tasks ---
 
 
-def test_a_submit_deletes_done_batch_markers_older_than_the_keep_time_and_no_other(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "BATCH_KEEP_S", 1.0)
+def test_a_submit_deletes_done_batch_markers_older_than_the_keep_time_and_no_other(tmp_path):
     store = LocalStore(tmp_path / "q")
-    submit(store, b"{}", tasks("a"))
-    submit(store, None, tasks("b"))
+    keep = functools.partial(submit, batch_keep_s=1.0)
+    keep(store, b"{}", tasks("a"))
+    keep(store, None, tasks("b"))
     dead = batch_name(["c"])
     begin_batch(store, dead, {"first": "c", "last": "c", "tasks": "1"})  # a dead submit's: never deleted
     time.sleep(1.2)
     counted = CountingStore(store)
-    submit(counted, None, tasks("d"))
-    assert sorted(e.name for e in store.list(layout.BATCHES)) == sorted([dead, batch_name(["d"])])
+    keep(counted, None, tasks("d"))
+    # The pruned marker goes first: a reader whose two listings of batches/ straddle the deletes sees it change.
+    entries = {e.name: e for e in store.list(layout.BATCHES)}
+    assert sorted(entries) == sorted([layout.PRUNED, dead, batch_name(["d"])])
     assert counted.counts["delete batches/"] == 2 and counted.counts["list batches/"] == 1
+    assert counted.counts["create batches/"] == 2  # its own marker, and the pruned marker
+    # `before` is the cutoff: every marker deleted was older (what lets a reader tell whether it missed one).
+    assert entries[layout.PRUNED].metadata["before"] < entries[batch_name(["d"])].updated.isoformat()
 
 
-def test_a_worker_busy_past_half_the_keep_time_finds_tasks_whose_batch_came_and_went(tmp_path, monkeypatch):
-    """While a worker runs a long task, a batch adds a task to a region whose task list it has
-    cached, finishes, and a later submit deletes its marker: no listing of batches/ ever shows it
-    to the worker as news. Having gone over half the keep time without listing batches/, the
-    worker lists its cached regions again, and claims the task (without that rule, it left idle
-    with the task pending)."""
-    monkeypatch.setattr(layout, "BATCH_KEEP_S", 1.0)
-    monkeypatch.setattr(layout, "REGION_TASKS", 2)
+@pytest.mark.parametrize(
+    ("first", "second", "newest_s", "unseen"),
+    [
+        (None, None, 100, False),  # nothing ever pruned
+        ((5, "T+050"), (5, "T+050"), 100, False),  # no prune in between
+        (None, (6, "T+050"), 100, False),  # pruned since, but only markers older than the first listing's newest
+        ((5, "T+050"), (6, "T+100"), 100, False),  # up to exactly the newest: those were all in the first listing
+        ((5, "T+050"), (6, "T+101"), 100, True),  # a marker newer than the first listing may have come and gone
+        ((5, "T+050"), (6, None), 100, True),  # a pruned marker that does not say: assume the worst
+        ((5, "T+050"), (6, "T+050"), None, True),  # an empty first listing bounds nothing
+    ],
+)
+def test_a_batch_may_have_come_and_gone_only_past_the_newest_update_of_the_first_listing(first, second, newest_s, unseen):
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+    def mark(m):
+        return None if m is None else (m[0], None if m[1] is None else (t0 + dt.timedelta(seconds=int(m[1][2:]))).isoformat())
+
+    newest = None if newest_s is None else t0 + dt.timedelta(seconds=newest_s)
+    assert layout.batch_unseen_between(mark(first), mark(second), newest) is unseen
+
+
+def test_a_busy_worker_finds_tasks_whose_batch_came_and_went_unseen(tmp_path):
+    """While a worker runs a task, a batch adds a task to a region whose task list it has cached,
+    finishes, and a later submit deletes its marker: no listing of batches/ ever shows it to the
+    worker as news. The pruned marker does: its `before` is later than anything the worker's last
+    listing held, so a batch may have come and gone; the worker lists its cached regions again and
+    claims the task at once, not at its last look (without that rule, or with the clock rule it
+    replaced and a clock that stood still while the VM was suspended, it waited until then)."""
+    keep = functools.partial(submit, batch_keep_s=1.0)
     store = LocalStore(tmp_path / "q")
-    submit(store, b"{}", tasks("a0", "a1", "z0", "z1"))  # regions [a0, a1] and [z0, z1]
-    monkeypatch.setattr(layout, "REGION_TASKS", 1000)  # no later submit cuts them (a cut is news too)
+    keep(store, b"{}", tasks("a0", "a1", "z0", "z1"), region_tasks=2)  # regions [a0, a1] and [z0, z1]
     held = [hold(store, t, "alive", ttl_s=30.0) for t in ("a1", "z0", "z1")]
-    worker = Claimer(store, ClaimOptions(worker="w", seed=1, **FAST))
+    worker = Claimer(store, ClaimOptions(worker="w", seed=1, idle_timeout_s=30.0, poll_min_s=0.02, poll_max_s=0.1))
     walk = iter(worker)
     first = next(walk)
     assert first.task_id == "a0"
+    claimed: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
         for lease in held:
             stack.enter_context(renewing(lease))
-        submit(store, None, tasks("a05"))  # into the region the busy worker has cached
+        keep(store, None, tasks("a05"))  # into the region the busy worker has cached (no cut: a cut is news too)
         time.sleep(1.2)
-        submit(store, None, tasks("z5"))  # elsewhere; it deletes a05's done batch marker
+        keep(store, None, tasks("z5"))  # elsewhere; it deletes a05's done batch marker
         assert batch_name(["a05"]) not in {e.name for e in store.list(layout.BATCHES)}
         first.lease.complete([], time.monotonic())
-        ran = [c.task_id for c in walk if c.lease.complete([], time.monotonic())]
-    assert sorted(ran) == ["a05", "z5"] and worker.exit_reason == "idle"
+        done_at = time.monotonic()
+        for claim in walk:
+            claimed[claim.task_id] = time.monotonic() - done_at
+            claim.lease.complete([], time.monotonic())
+            if len(claimed) == 2:
+                worker.stop()
+    assert sorted(claimed) == ["a05", "z5"]
+    assert claimed["a05"] < 10.0, claimed  # long before its last look, 30 s on
 
 
 # -- status says what blocks completion ---------------------------------------------------------

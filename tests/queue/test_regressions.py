@@ -3,6 +3,7 @@ fake GCS server with injected faults. Each failed on the code before its fix."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -110,9 +111,9 @@ def test_B_tasks_submitted_while_a_worker_waits_are_claimed_within_a_poll_cap(tm
     """One task is held by a live worker; another worker waits. Tasks submitted into its region,
     then into new regions, must be claimed within about one poll cap of their submit, not when
     the held task ends (or never, leaving `idle`)."""
-    monkeypatch.setattr(layout, "REGION_TASKS", 3)  # regions of three tasks, so a small batch cuts new ones
     store = LocalStore(tmp_path / "q")
-    submit(store, b"{}", tasks({"id": "m"}))
+    small = functools.partial(submit, region_tasks=3)  # regions of three tasks, so a small batch cuts new ones
+    small(store, b"{}", tasks({"id": "m"}))
     holder = next(iter(Claimer(store, ClaimOptions(worker="holder", lease_ttl_s=600, seed=1))))
     poll_max = 0.2
     waiting = Claimer(store, ClaimOptions(worker="w", lease_ttl_s=600, idle_timeout_s=6, poll_min_s=0.02,
@@ -128,10 +129,10 @@ def test_B_tasks_submitted_while_a_worker_waits_are_claimed_within_a_poll_cap(tm
     with renewing(holder.lease):  # live: the waiting worker leaves idle once it has seen it renew
         thread.start()
         time.sleep(1.0)  # it has found nothing and waits, polling
-        submit(store, b"{}", tasks({"id": "k"}, {"id": "l"}))  # into the region it watches
+        small(store, b"{}", tasks({"id": "k"}, {"id": "l"}))  # into the region it watches
         into_region = time.monotonic()
         time.sleep(1.0)
-        submit(store, b"{}", tasks(*({"id": f"z{k}"} for k in range(7))))  # past the end: new regions
+        small(store, b"{}", tasks(*({"id": f"z{k}"} for k in range(7))))  # past the end: new regions
         new_regions = time.monotonic()
         thread.join(timeout=30)
     assert not thread.is_alive()

@@ -1,16 +1,14 @@
-"""The deterministic simulation (bench/sim_seeds.py) in CI: 400 seeds, each checked against every invariant.
+"""The deterministic simulation (tests/simworld/seeds.py) in CI: 400 seeds, each checked against every invariant.
 
-Each seed builds a small world (a few workers, tens of tasks, regions of 8) with faults, kills,
-stops, late and refused submissions and skewed clocks, runs the production claim loop, lease, submit,
-status and worker core in it, and checks the invariants listed in bench/sim_seeds.py. A failing seed
-names the command that replays it. The seeds are split in chunks so that `make test` spreads them
-over its workers.
+Each seed builds a small world (a few workers, tens of tasks, regions of a few tasks, listing pages of
+a few entries in half of them) with faults, kills, stops, suspensions, interrupted, late and refused
+submissions and skewed clocks, runs the production claim loop, lease, submit, status and worker core
+in it, and checks the invariants listed in tests/simworld/seeds.py. A failing seed names the command
+that replays it. The seeds are split in chunks so that `make test` spreads them over its workers.
 
 Two ranges: seeds 0 to 199, the same on every run, and 200 seeds from a start that moves with the
-commit (`bench.sim_seeds.moving_start`: `git rev-parse HEAD` hashed, or the sources hashed outside a
-git checkout), so that every CI run explores seeds no earlier run has. The test ids name the range.
-(A seed costs about 1.15 times what it did before issue 25, with status looks, submit re-runs and
-slow tasks: 400 seeds take about the time 500 took.)
+commit (`tests.simworld.seeds.moving_start`: `git rev-parse HEAD` hashed, or the sources hashed outside
+a git checkout), so that every CI run explores seeds no earlier run has. The test ids name the range.
 """
 
 from __future__ import annotations
@@ -23,7 +21,8 @@ import sys
 
 import pytest
 
-from bench.sim_seeds import moving_start, quiet, run_seed
+from bench.sim_seeds import quiet
+from tests.simworld.seeds import moving_start, run_seed
 from tests.workers import REPO
 
 CHUNK = 100
@@ -53,17 +52,19 @@ def test_every_seed_keeps_every_invariant(first):
     assert not failures, f"{len(failures)} of {CHUNK} seeds{where} broke an invariant:\n" + "\n".join(failures)
 
 
-#: Seeds past the CI range that found bugs, replayed on every run:
-#: 947 - a dead submit's batch stays running, and re-listing its regions on every poll restarted the
-#:       TTL-long watch of an expired lease (the last workers left idle beside it);
-#: 1737 - the last waiting worker first saw a dead holder's lease in its last look and left idle;
-#: 1740 - a dead submit's running batch was news on every poll, so the worker only ever visited its
-#:        regions, and a region cut by a later batch was not news (a late task waited 44 s);
-#: 11605 - a submitter killed between its split and its unsweep left its batch running in the part cut
-#:         off a swept region; status counted that part from the old marker and missed 19 tasks;
-#: 71606 - the last waiting worker's exit waited for an unjudged lease only until a TTL past its idle
-#:         timeout, counted from when it became idle: it left beside a lease first seen late (issue 25).
-FOUND_BUGS = (947, 1737, 1740, 11605, 71606)
+#: Seeds whose worlds found bugs, replayed on every run (issue 39's worlds: the seeds of the worlds
+#: before it, 947, 1737, 1740, 11605 and 71606, draw other worlds now; their bugs have tests of their own):
+#: 20 - on 21b3ff3, a submit interrupted a second time while it gave up left its batch running, no word said;
+#: 29 - on 21b3ff3, a waiting worker polled only the first page of the region map and left idle beside
+#:      tasks past it (defect 2);
+#: 511 - on 21b3ff3, an interrupted submit finished its batch while one of its creates was in flight; the
+#:       task appeared after the batch was done (defect 1);
+#: 50001577 - a last look listed batches/, found news, and left it to a poll whose view of the swept
+#:            markers was older than the batch's un-sweep: the news was dropped, and the batch's tasks
+#:            waited 47 s past their done (news now makes whoever lists it first list the map again).
+#: 50000559 - a batch whose range met five regions: a move looked at two of them, so its tasks waited three
+#:            polls (news regions are now all looked at in the move that news starts).
+FOUND_BUGS = (20, 29, 511, 50000559, 50001577)
 
 
 @pytest.mark.parametrize("seed", FOUND_BUGS)

@@ -15,6 +15,7 @@ from taskqueue import layout
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, LeaseLost, encode, new_lease_body
 from taskqueue.worker import (
+    ON_EXIT,
     Abandon,
     Complete,
     DeadLetter,
@@ -24,6 +25,7 @@ from taskqueue.worker import (
     Signal,
     Tally,
     TaskRun,
+    exit_class,
     perform_final,
 )
 from tests.queue.conftest import submit_tasks
@@ -71,26 +73,71 @@ def test_lease_lost_kills_the_consumer_at_once_and_writes_nothing():
     assert isinstance(run.exited(0, ERROR), Abandon)  # even a clean exit: its outputs are abandoned
 
 
-@pytest.mark.parametrize(
-    ("attempt", "exit_code", "stopped", "expected"),
-    [
-        (1, 0, False, Complete),
-        (1, 65, False, DeadLetter),
-        (1, 1, False, Release),
-        (3, 1, False, DeadLetter),  # the last allowed attempt
-        (1, -11, False, Release),  # a crash is a failed attempt
-        (1, 0, True, Release),  # stopped: released, whatever the exit
-        (3, 1, True, Release),  # a stop is never an attempt
-    ],
-)
-def test_each_consumer_exit_is_decided_by_the_table(attempt, exit_code, stopped, expected):
-    run = a_run(attempt)
-    if stopped:
-        assert run.stop("SIGTERM", now=1.0) == [Signal(signal.SIGTERM)]
+#: The exit table written out again, cell by cell, from docs/PROTOCOL.md ("Completion", "Failure",
+#: "Release", "Slices"), not read from taskqueue.worker.ON_EXIT: (phase, exit code) -> what is written.
+#: 143 is a slice leader's consumer's exit when another host was stopped (128 + SIGTERM).
+EXIT_CELLS = [
+    ("running", 0, "complete"),
+    ("running", 65, "dead_letter"),
+    ("running", 1, "attempt_failed"),
+    ("running", 143, "release"),  # a slice host was stopped: not the task's fault
+    ("stuck", 0, "complete"),  # it finished as the backstop fired: the work is done
+    ("stuck", 65, "dead_letter"),
+    ("stuck", 1, "attempt_failed"),
+    ("stuck", 143, "attempt_failed"),  # stopped by the backstop, not by a host's stop
+    ("stopping", 0, "release"),  # even a clean exit after SIGTERM: its last records may be missing
+    ("stopping", 65, "release"),
+    ("stopping", 1, "release"),
+    ("stopping", 143, "release"),
+]
+SLICE_LEADER = RunOptions(lease_ttl_s=TTL, heartbeat_s=15.0, max_attempts=3, worker="w", is_slice_leader=True,
+                          stuck_after_s=100.0, max_task_s=1000.0)  # fmt: skip
+
+
+def test_the_exit_cells_are_every_cell_of_the_table():
+    assert {(Phase(phase), exit_class(code, True)) for phase, code, _ in EXIT_CELLS} == set(ON_EXIT)
+    assert len(EXIT_CELLS) == len(ON_EXIT) == 12
+
+
+@pytest.mark.parametrize("attempt", [1, 3], ids=["first-attempt", "last-attempt"])
+@pytest.mark.parametrize(("phase", "exit_code", "decision"), EXIT_CELLS, ids=[f"{p}-{c}" for p, c, _ in EXIT_CELLS])
+def test_each_cell_of_the_exit_table(phase, exit_code, decision, attempt):
+    """Every (phase, exit) cell, at a first and at a last allowed attempt: what is written, with which
+    records, and whether it counts as an attempt."""
+    run = TaskRun("t1", attempt, SLICE_LEADER, now=0.0, tally=Tally())
+    run.progress([{"i": 0}], now=1.0)  # pending: whatever is written carries it
+    if phase == "stuck":
+        assert run.tick(now=101.0) == [Signal(signal.SIGTERM)] and run.phase is Phase.STUCK
+    elif phase == "stopping":
+        assert run.stop("SIGTERM", now=2.0) == [Signal(signal.SIGTERM)] and run.phase is Phase.STOPPING
     action = run.exited(exit_code, ERROR)
-    assert type(action) is expected
-    if isinstance(action, Release):
-        assert (action.error is None) == stopped
+    if decision == "complete":
+        assert action == Complete(({"i": 0},))
+    elif decision == "dead_letter":
+        assert isinstance(action, DeadLetter) and action.reason == f"consumer exit {exit_code}: bad input"
+        assert action.records == ({"i": 0},) and action.error["attempt"] == ERROR["attempt"]
+    elif decision == "release":
+        assert isinstance(action, Release) and action.error is None and action.records == ({"i": 0},)
+    else:  # attempt_failed: released for another try, or dead-lettered at the last allowed attempt
+        assert run.tally.failed_attempts == 1
+        if attempt < SLICE_LEADER.max_attempts:
+            assert isinstance(action, Release) and action.error is not None and action.records == ({"i": 0},)
+        else:
+            assert isinstance(action, DeadLetter) and action.reason.startswith(f"failed {attempt} attempts")
+        if phase == "stuck":
+            assert "no progress record" in action.error["error"] or "max-task-time" in action.error["error"]
+    if decision != "attempt_failed":
+        assert run.tally.failed_attempts == 0
+    assert run.phase is Phase.EXITED
+
+
+def test_a_claim_answered_a_ttl_after_it_was_sent_starts_no_consumer():
+    """Its lease may have been taken over meanwhile (a late answer, a suspended VM): given back, not run."""
+    fresh = TaskRun("t1", 1, OPTIONS, now=TTL - 0.5, tally=Tally(), sent=0.0)
+    assert fresh.stale(now=TTL - 0.5) is None and fresh.phase is Phase.RUNNING
+    late = TaskRun("t1", 1, OPTIONS, now=TTL, tally=Tally(), sent=0.0)
+    action = late.stale(now=TTL)
+    assert isinstance(action, Release) and action.error is None and late.phase is Phase.EXITED
 
 
 def test_a_stop_is_escalated_to_sigkill_after_the_grace():

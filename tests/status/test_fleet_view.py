@@ -250,7 +250,7 @@ def test_no_machine_records_means_no_fleet_and_no_table_of_zeros(tmp_path: Path)
 def test_text_view_of_a_thousand_machines_fits_a_screen_and_machines_lists_them_all():
     """bench/status_bench.py's fleet (1,000 machines, a few failed, silent, lost or straggling) on a
     smaller queue: the default view is a screenful; --machines lists every machine and holder."""
-    from bench.fleet_sim import EPOCH
+    from tests.simworld.scheduler import EPOCH
     from bench.status_bench import build
     from reporting.pricing import load_prices
     from tools.status import job_view, render_text

@@ -1,0 +1,162 @@
+"""A submit interrupted while its creates are in flight (issue 39, defect 1), with real signals.
+
+The batch marker is what tells workers and status that tasks may still appear: it must never be
+`done` while a create the submit sent can still be applied. Before the fix, the first Ctrl-C (or
+SIGTERM) left the thread pool finishing every queued create, a second one cut that wait short, and
+the give-up path wrote the marker `done` with a create still in the air: when it landed, status
+counted 5 tasks of 6 as complete and a worker started afterwards left `drained` without it.
+
+Each test holds one create in flight (the store applies it only later), signals the submitting
+process (this one, or `tools/submit.py` as a subprocess), and then checks the order in which the
+store applied the writes: no task create after its batch's `done`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from objectstore import open_store
+from objectstore.local import LocalStore
+from taskqueue import layout
+from taskqueue.claims import Claimer, ClaimOptions
+from taskqueue.submit import batch_name, submit
+from tests.workers import REPO
+
+IDS = [f"t{k}" for k in range(6)]
+SLOW = "t5"
+
+
+def manifests(ids=IDS) -> list[tuple[str, bytes]]:
+    return [(t, json.dumps({"id": t}).encode()) for t in ids]
+
+
+class HeldCreate(LocalStore):
+    """A local store that holds one task's create in flight until released, and records the order in
+    which it applied task creates and batch-marker writes."""
+
+    def __init__(self, root, held: str):
+        super().__init__(root)
+        self.held = layout.task_object(held)
+        self.sent, self.release = threading.Event(), threading.Event()
+        self.applied: list[tuple[str, str | None]] = []  # (name, state of a batch marker) in order
+        self._order = threading.Lock()
+
+    def _record(self, name: str, metadata) -> None:
+        with self._order:
+            self.applied.append((name, (metadata or {}).get("state")))
+
+    def create(self, name, data, metadata=None):
+        if name == self.held:
+            self.sent.set()
+            assert self.release.wait(30), "the test never released the held create"
+        generation = super().create(name, data, metadata)
+        self._record(name, metadata)
+        return generation
+
+    def write(self, name, data, if_generation, metadata=None):
+        generation = super().write(name, data, if_generation, metadata)
+        self._record(name, metadata)
+        return generation
+
+
+def assert_no_create_after_its_batch_finished(applied: list[tuple[str, str | None]], marker: str) -> bool:
+    """True when the marker was finished; fails when a task create was applied after that."""
+    finished_at = next((k for k, (name, state) in enumerate(applied) if name == marker and state == layout.BATCH_DONE), None)
+    if finished_at is None:
+        return False
+    late = [name for name, _ in applied[finished_at:] if name.startswith(layout.TASKS)]
+    assert not late, f"{late} created after {marker} was written done: status may say complete without them"
+    return True
+
+
+def raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # what tools/submit.py does with SIGTERM
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+@pytest.mark.parametrize("times", [2, 1], ids=["twice", "once"])
+def test_an_interrupted_submit_never_finishes_its_batch_with_a_create_in_flight(tmp_path, signum, times):
+    store = HeldCreate(tmp_path / "q", SLOW)
+    marker = batch_name(IDS)
+
+    def interrupter() -> None:
+        assert store.sent.wait(10)
+        time.sleep(0.3)  # the other five creates are answered; t5's is in flight
+        for _ in range(times):
+            os.kill(os.getpid(), signum)
+            time.sleep(0.3)
+        time.sleep(0.3)
+        store.release.set()  # the store applies t5 now
+
+    previous = signal.signal(signum, raise_interrupt)
+    thread = threading.Thread(target=interrupter)
+    thread.start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            submit(store, b"{}", manifests())
+        thread.join(10)
+    finally:
+        signal.signal(signum, previous)
+        store.release.set()
+    deadline = time.monotonic() + 10
+    while layout.task_object(SLOW) not in [n for n, _ in store.applied] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert layout.task_object(SLOW) in [n for n, _ in store.applied]
+    finished = assert_no_create_after_its_batch_finished(store.applied, marker)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    if times == 1:
+        assert finished, "a single interrupt finishes the batch once its creates are answered"
+    else:
+        assert not finished and "left running" in notes and "--finish-batch" in notes, notes
+        # The same submit run again takes the batch over and finishes it (what the note says).
+        submit(store, b"{}", manifests())
+    # Whichever way it went, a worker now runs all six and only then leaves drained.
+    claimer = Claimer(store, ClaimOptions(worker="w", idle_timeout_s=1, poll_min_s=0.01, poll_max_s=0.05, seed=1))
+    ran = sorted(c.task_id for c in claimer if c.lease.complete([], time.monotonic()))
+    assert claimer.exit_reason == "drained" and ran == IDS
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_tools_submit_interrupted_twice_leaves_no_create_in_flight_behind_a_done_batch(
+    gcs, gcs_client, gcs_bucket, tmp_path, signum
+):
+    """The same through the command line: `tools/submit.py` on the fake GCS server, one create held
+    by the server for 4 s before it applies it, two signals meanwhile. The batch marker must be
+    `running` still, or have been finished after the held create was applied (generations order
+    every write the server applied)."""
+    url = f"gs://{gcs_bucket}/q"
+    tasks_file = tmp_path / "tasks.jsonl"
+    tasks_file.write_text("".join(json.dumps({"id": t}) + "\n" for t in IDS))
+    gcs.faults.add_latency(4.0, kind="write", name_contains=f"q/tasks/{SLOW}.json")
+    proc = subprocess.Popen([sys.executable, "tools/submit.py", url, "--tasks", str(tasks_file)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)},  # this checkout's taskqueue
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    store = open_store(url)
+    deadline = time.monotonic() + 30
+    while len(list(store.list(layout.TASKS))) < len(IDS) - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(store.list(layout.TASKS))) == len(IDS) - 1, proc.communicate(timeout=30)
+    time.sleep(0.2)
+    proc.send_signal(signum)
+    time.sleep(0.4)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    while len(list(store.list(layout.TASKS))) < len(IDS) and time.monotonic() < deadline + 10:
+        time.sleep(0.1)
+    entries = {e.name: e for e in store.list(layout.TASKS)}
+    marker = next(e for e in store.list(layout.BATCHES) if e.name == batch_name(IDS))
+    last_create = max(e.generation for e in entries.values())
+    assert len(entries) == len(IDS)
+    if marker.metadata["state"] == layout.BATCH_DONE:
+        assert marker.generation > last_create, "the batch was finished while a create of it was in flight"
+    else:
+        assert "left running" in err and "--finish-batch" in err, err
