@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(f"{prog} {args.command}", err)
         return EX_USAGE
     except KeyboardInterrupt as err:
-        print(f"{prog} {args.command}: interrupted ({err or 'Ctrl-C'}); what was done is kept: run the same command "
+        print(f"{prog} {args.command}: interrupted ({str(err) or 'Ctrl-C'}); what was done is kept: run the same command "
               "again to continue", *getattr(err, "__notes__", ()), sep="\n", file=sys.stderr)
         return EX_FAILED
     except Exception as err:  # noqa: BLE001 - failed() re-raises what is a bug, with its traceback

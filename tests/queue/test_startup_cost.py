@@ -206,16 +206,17 @@ def test_a_waiting_worker_that_loses_a_claim_waits_on_instead_of_moving(gcs, gcs
     stop = threading.Event()
 
     def live_holders() -> None:
-        """The other holders renew (straight into the server: uncounted), once the race is over: the
-        waiting worker leaves idle only once it has seen each lease renew (docs/PROTOCOL.md, "Claim")."""
+        """The holders renew (straight into the server: uncounted), the rival too, once the race is
+        over: the waiting worker leaves idle only once it has seen each lease renew, the one it lost
+        included (a lease first seen held after a release is watched like any other: docs/PROTOCOL.md, "Claim")."""
         while not stop.wait(0.3):
             if store.raced is None:
                 continue
-            for task_id in ids:
-                if task_id != store.raced:
-                    data, metadata = encode(new_lease_body(task_id, "other", 600, Clock()))
-                    gcs.storage.commit(gcs_bucket, f"{PREFIX}/{layout.lease_object(task_id)}", data,
-                                       {"metadata": metadata}, Preconditions(), "application/json")  # fmt: skip
+            for task_id in ids:  # the rival renews the raced task's lease as its holder
+                holder = "rival" if task_id == store.raced else "other"
+                data, metadata = encode(new_lease_body(task_id, holder, 600, Clock()))
+                gcs.storage.commit(gcs_bucket, f"{PREFIX}/{layout.lease_object(task_id)}", data,
+                                   {"metadata": metadata}, Preconditions(), "application/json")  # fmt: skip
 
     holders = threading.Thread(target=live_holders)
     holders.start()
