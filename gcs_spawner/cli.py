@@ -249,7 +249,9 @@ def cmd_merge(args) -> int:
         pathlib.Path(args.output).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     else:
         jobindex.write_index(store, index)
-    print(" ".join(f"{k}={v}" for k, v in index["totals"].items()), file=sys.stderr)
+    # The phase counters stay in the index; status shows them as goodput (reporting/goodput.py).
+    shown = {k: v for k, v in index["totals"].items() if not k.startswith("goodput_")}
+    print(" ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stderr)
     return EX_OK
 
 
@@ -350,9 +352,27 @@ def cmd_submit(args) -> int:
     else:
         job = check_job_file(args.job) if args.job else None
         encoded, _ = tasks_module.read_tasks(args.tasks)
-    report = submit(open_store(queue), job, encoded)
+    store = open_store(queue)
+    if job is None:
+        _require_job(store)
+    report = submit(store, job, encoded)
     print(report)
     return EX_OK
+
+
+def _require_job(store) -> None:
+    """A submit without --job adds tasks only to a queue that has job.json: a worker claims nothing at
+    a prefix without one (docs/PROTOCOL.md, "A queue is where its job is"), so the tasks would wait forever."""
+    from extract.errors import BadInput
+    from objectstore.base import NotFound
+    from taskqueue import layout
+
+    try:
+        store.read(layout.JOB)
+    except NotFound:
+        raise BadInput(
+            f"no job.json at {store.root_url}: pass --job JOB.json (a first submit stores it), or check the queue URL"
+        ) from None
 
 
 def check_job_file(path: pathlib.Path) -> bytes:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from objectstore.local import LocalStore
+
 from gcs_spawner.cli import main
 from tests.cli.conftest import PROJECT, REPO
 
@@ -72,6 +74,27 @@ def test_submit_refuses_a_misspelt_job_field_and_writes_nothing(tmp_path: Path):
     assert result.returncode == 65, result.stderr
     assert "batch_sise: unknown field" in result.stderr
     assert list(queue.iterdir()) == []  # before: job.json with "batch_sise" stored, exit 0
+
+
+def test_submit_without_a_job_to_a_queue_without_one_is_refused_and_writes_nothing(tmp_path: Path):
+    """Workers claim nothing at a prefix without job.json (docs/PROTOCOL.md, "A queue is where its job
+    is"): tasks submitted there would wait forever. With the job stored, the same tasks go in."""
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(TASK) + "\n")
+    result = tool("submit.py", str(queue), "--tasks", str(tasks), cwd=tmp_path)
+    assert result.returncode == 65, result.stderr
+    assert f"no job.json at {queue}" in result.stderr and "--job" in result.stderr and "Traceback" not in result.stderr
+    assert list(LocalStore(queue).list("")) == []  # no task, no batch marker
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(JOB))
+    assert tool("submit.py", str(queue), "--job", str(job), "--tasks", str(tasks), cwd=tmp_path).returncode == 0
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text(json.dumps({**TASK, "id": "extra"}) + "\n")
+    later = tool("submit.py", str(queue), "--tasks", str(extra), cwd=tmp_path)
+    assert later.returncode == 0, later.stderr
+    assert (queue / "tasks" / "extra.json").exists()
 
 
 def test_submit_refuses_a_task_consume_would_refuse_and_writes_nothing(tmp_path: Path):

@@ -135,8 +135,11 @@ def test_tools_submit_interrupted_twice_leaves_no_create_in_flight_behind_a_done
     url = f"gs://{gcs_bucket}/q"
     tasks_file = tmp_path / "tasks.jsonl"
     tasks_file.write_text("".join(json.dumps({"id": t}) + "\n" for t in IDS))
+    job_file = tmp_path / "job.json"
+    job_file.write_text("{}")
     gcs.faults.add_latency(4.0, kind="write", name_contains=f"q/tasks/{SLOW}.json")
-    proc = subprocess.Popen([sys.executable, "tools/submit.py", url, "--tasks", str(tasks_file), "--any-consumer"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "tools/submit.py", url, "--job", str(job_file), "--tasks", str(tasks_file),
+                             "--any-consumer"], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)},  # this checkout's taskqueue
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     store = open_store(url)
