@@ -161,6 +161,7 @@ def main() -> int:
     from activations.format import output_key
     from activations.reader import open_activations
     from objectstore import open_store
+    from reporting.goodput import render_goodput, split_counters, summary
     from taskqueue import layout
 
     store = open_store(queue)
@@ -176,8 +177,10 @@ def main() -> int:
             for name, array in [("token_ids", first.token_ids)] + [(output_key(o), a) for o, a in first.outputs.items()]:
                 print(f"  sample {first.sample_id}: {name:12s} shape {tuple(array.shape)} dtype {array.dtype}")
     index = json.loads(store.read("index.json").data)
+    totals, phases = split_counters(index["totals"])
     print(f"read back {samples} samples, {tokens} tokens from {index['totals']['shards']} shards "
-          f"({index['totals']['bytes'] / 1e6:.1f} MB); index totals: {json.dumps(index['totals'])}")
+          f"({index['totals']['bytes'] / 1e6:.1f} MB); index totals: {json.dumps(totals)}")
+    print(*render_goodput(summary(phases)), sep="\n")
     if "processed_tokens" in index["totals"]:
         print(f"sampled: {index['totals']['stored_tokens']} tokens stored of {index['totals']['processed_tokens']} "
               f"processed (job token_sample={job.get('token_sample', 1)}, drop_first={job.get('drop_first', 0)})")
