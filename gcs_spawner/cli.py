@@ -249,8 +249,9 @@ def cmd_merge(args) -> int:
         pathlib.Path(args.output).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     else:
         jobindex.write_index(store, index)
-    # The phase counters stay in the index; status shows them as goodput (reporting/goodput.py).
-    shown = {k: v for k, v in index["totals"].items() if not k.startswith("goodput_")}
+    from reporting.goodput import split_counters
+
+    shown, _ = split_counters(index["totals"])  # the phase counters stay in the index; status shows goodput
     print(" ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stderr)
     return EX_OK
 
