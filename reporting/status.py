@@ -167,20 +167,10 @@ def _listed(
     ends = {r: (splits[i + 1] if i + 1 < len(splits) else None) for i, r in enumerate(splits)}
 
     # A region a running batch meets is listed, whatever its swept marker says: the batch may be
-    # adding tasks there (docs/PROTOCOL.md, "Batches").
+    # adding tasks there (docs/PROTOCOL.md, "Batches"). Its counts come from its marker: the whole of
+    # what the marker covers must be free of running batches.
     def is_swept(region: str) -> bool:
-        if region not in swept_markers or not swept_markers[region].get("confirmed"):
-            return False  # (an unconfirmed marker may still be withdrawn by its sweeper)
-        start, end = layout.key(region) if region else "", ends[region]
-        covered = swept_markers[region].get("end") or None
-        if not (covered is None or (end is not None and layout.key(covered) >= layout.key(end))):
-            return False
-        # The marker's counts stand for all of [start, covered), which reaches past the region's end when a
-        # submit cut the region after the sweep: a running batch anywhere in that reach may be adding tasks
-        # that the counts miss, even in a region cut from this one (sim seed 11605: a submitter killed
-        # halfway left its batch running in the cut-off part, and the old marker hid 19 of its tasks).
-        reach = layout.key(covered) if covered else None
-        return not any(start <= layout.key(last) and (reach is None or layout.key(first) < reach) for first, last in running)
+        return layout.swept(region, ends[region], swept_markers.get(region), running, whole_marker=True)
 
     # A marker written before `submit` cut its region covers the regions cut from it too (its `end`
     # is the old one): those count from it, once, not from their own markers or listings.

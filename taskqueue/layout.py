@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import re
 import sys
+from collections.abc import Iterable, Mapping
 
 JOB = "job.json"
 TASKS = "tasks/"
@@ -102,6 +103,32 @@ def region_from_swept(name: str) -> str | None:
 def key(task_id: str) -> str:
     """Where an id sorts in listings: object names end in `.json`, and `t1.json` sorts after `t1.5.json`."""
     return task_id + ".json"
+
+
+def swept(region: str, end: str | None, marker: Mapping[str, str] | None, running: Iterable[tuple[str, str]],
+          whole_marker: bool = False) -> bool:  # fmt: skip
+    """The swept rule, one for a worker's view and status alike (docs/PROTOCOL.md, "Swept regions"):
+    the region from `region` to `end` (None: the end of the keyspace) is finished for good when its
+    swept marker (`marker`, its listing metadata; None: there is none) is confirmed, covers the region
+    to its end, and no batch still running (`running`: the first and last ids of each) meets it, since
+    a submit still adding tasks there may be about to remove the marker.
+
+    An unconfirmed marker never counts: its sweeper's second task listing may still withdraw it.
+    `whole_marker`: the caller counts the region from the marker's counts (status), which stand for
+    all the marker covers, from `region` to the marker's `end`; past the region's own end when a
+    submit cut the region after the sweep. Then no running batch may meet any of that: it may be
+    adding tasks the counts miss, even in a region cut from this one (sim seed 11605: a submitter
+    killed halfway left its batch running in the cut-off part, and the old marker hid 19 of its
+    tasks). A worker relies on the region alone."""
+    if marker is None or not marker.get("confirmed"):
+        return False
+    covered = marker.get("end") or None
+    if not (covered is None or (end is not None and key(covered) >= key(end))):
+        return False
+    start = key(region) if region else ""
+    until = covered if whole_marker else end
+    reach = key(until) if until else None
+    return not any(start <= key(last) and (reach is None or key(first) < reach) for first, last in running)
 
 
 def output_prefix(task_id: str, token: int) -> str:
