@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from objectstore import address
+
 
 #: The kernel's fault-around window (see `ByteReader.map_local`).
 _FAULT_AROUND_BYTES = 64 << 10
@@ -34,10 +36,10 @@ def is_remote(url: str) -> bool:
 
 
 def split_gs(url: str) -> tuple[str, str]:
-    bucket, _, key = url[len("gs://") :].partition("/")
-    if not bucket:
-        raise ActivationsError(f"{url}: a gs:// URL needs a bucket, e.g. gs://bucket/jobs/j1")
-    return bucket, key
+    try:
+        return address.split_gs(url, "activations")
+    except address.BadAddress as exc:
+        raise ActivationsError(str(exc)) from None
 
 
 _stores: dict[tuple[str, int], Any] = {}

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
 from extract.errors import BadInput, TransientIOError
+from objectstore.address import BadAddress, split_gs
 from extract.job import HubDataset, Job, Task
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,10 @@ def file_format(url: str) -> str:
 
 
 def _split_gs(url: str) -> tuple[str, str]:
-    bucket, _, key = url[len("gs://") :].partition("/")
-    if not bucket:
-        raise BadInput(f"data file {url}: not a gs://bucket/path URL")
-    return bucket, key
+    try:
+        return split_gs(url, "data file")
+    except BadAddress as exc:
+        raise BadInput(str(exc)) from None
 
 
 @functools.lru_cache(maxsize=16)

@@ -42,6 +42,7 @@ import requests
 from google.cloud import compute_v1, storage
 
 from fleet import gapi, iam
+from objectstore import bucket_of
 
 log = logging.getLogger(__name__)
 
@@ -316,10 +317,6 @@ def _storage_client(project: str) -> storage.Client:
     return storage.Client(project=project, client_options={"api_endpoint": endpoint} if endpoint else None)
 
 
-def bucket_of(url: str) -> str:
-    return url.removeprefix("gs://").split("/", 1)[0]
-
-
 def region_of(zone: str) -> str:
     return zone.rsplit("-", 1)[0]
 
@@ -335,7 +332,7 @@ def request_for_template(template: compute_v1.InstanceTemplate, count: int, zone
         region=region or region_of(zone or ""),
         zone=zone,
         service_account=props.service_accounts[0].email if props.service_accounts else "default",
-        bucket=bucket_of(items.get("spawn-queue", "")),
+        bucket=bucket_of(items.get("spawn-queue", "")) or "",
         machine_type=props.machine_type.rsplit("/", 1)[-1],
         gpu_type=accelerators[0].accelerator_type.rsplit("/", 1)[-1] if accelerators else None,
         gpu_count=accelerators[0].accelerator_count if accelerators else 0,
@@ -348,7 +345,7 @@ def request_for_template(template: compute_v1.InstanceTemplate, count: int, zone
 
 def request_for_tpus(spec, count: int, zone: str, queue: str) -> Request:
     return Request(kind="tpu", count=count, region=region_of(zone), zone=zone, service_account=spec.service_account,
-                   bucket=bucket_of(queue), spot=spec.spot, external_ip=spec.external_ip, network=spec.network,
+                   bucket=bucket_of(queue) or "", spot=spec.spot, external_ip=spec.external_ip, network=spec.network,
                    subnetwork=spec.subnetwork)
 
 

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, ValidationError, WithJsonSchema, model_validator
 
+from objectstore.address import BadAddress, check_address
 from schemas import CROSS, MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
 from schemas import choice, cross_field, invalid, problems, rule, summary
 
@@ -238,8 +239,10 @@ class Launch:
         startup_script: Path = STARTUP_SCRIPT,
     ) -> "Launch":
         for flag, url in (("--queue", queue), ("--code", code)):
-            if not url.startswith("gs://") or len(url.rstrip("/")) <= len("gs://"):
-                raise SpecError(f"{flag} must be a gs://bucket/prefix URL the machines can reach, got {url!r}")
+            try:  # the one address rule (objectstore.address), as `up` and every tool check it
+                check_address(url, flag, prefix=False, directory=False)
+            except BadAddress as err:
+                raise SpecError(f"{flag} must be a gs://bucket/prefix URL the machines can reach: {err}") from None
         flags = list(spec.spawn_flags if spawn_flags is None else spawn_flags)
         if spec.max_idle_s is not None and "--idle-timeout" not in flags:
             flags += ["--idle-timeout", str(spec.max_idle_s)]

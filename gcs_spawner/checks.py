@@ -8,7 +8,7 @@ Each check raises `CheckError` naming what is wrong and what to do (exit 65), or
   `plan.model_config`, or the Hub for a Hub source) and its family is one the extraction supports
   (`extract.config.ModelConfig`);
 - `bucket_writable`: the queue's bucket exists and takes a write (one small object, then deleted);
-- `code_environment`: the code prefix holds `uv/uv` and the lock of the fleet's platform (`fleet.codesync`);
+- `code_environment`: the code prefix holds `uv/uv` and the lock of the fleet's platform (`fleet.environment`);
 - `preflight`: the machines' roles, the region's quotas and the bucket's location (`fleet.preflight`).
 
 The job and the tasks are checked by the models `consume.py` uses, in `runfile` and `gcs_spawner.tasks`.
@@ -21,7 +21,7 @@ import pathlib
 
 from fleet import specs
 from gcs_spawner.runfile import Run
-from objectstore import NotFound, ObjectStore, StoreError
+from objectstore import NotFound, ObjectStore, StoreError, bucket_of
 
 WRITE_CHECK = "run/write-check"
 
@@ -130,7 +130,7 @@ def bucket_writable(store: ObjectStore, what: str = "queue") -> None:
         store.put(WRITE_CHECK, b"gcs-spawner write check\n")
         store.delete(WRITE_CHECK)
     except NotFound as err:
-        bucket = url.removeprefix("gs://").split("/", 1)[0]
+        bucket = bucket_of(url) or url
         raise CheckError(f"{what}: bucket {bucket} does not exist, or this account cannot see it ({err}); create it "
                          f"in the machines' region: gcloud storage buckets create gs://{bucket} --location=REGION") from None
     except StoreError as err:
@@ -144,7 +144,7 @@ def bucket_writable(store: ObjectStore, what: str = "queue") -> None:
 
 def code_environment(run: Run) -> None:
     """The code prefix holds what the machines' startup runs: uv/uv and locks/<lock>.txt for the run's platform."""
-    from fleet import codesync
+    from fleet import environment
     from objectstore import open_store
 
     code = run.fields.code.url
@@ -155,7 +155,7 @@ def code_environment(run: Run) -> None:
                              "(tools/upload_code.py)")
         if not run.fields.code.environment:
             return
-        missing = codesync.environment_missing(store, run.platform)
+        missing = environment.environment_missing(store, run.platform)
     except StoreError as err:
         raise CheckError(f"{run.file}: code.url: cannot list {code}: {err}") from None
     if missing:

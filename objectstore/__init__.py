@@ -1,6 +1,6 @@
 """Object stores: the one interface the queue, extraction and tools use for GCS or a local directory."""
 
-from objectstore.address import BadAddress, check_address
+from objectstore.address import BadAddress, bucket_of, check_address, split_gs
 from objectstore.base import (
     BadObjectName,
     Blob,
@@ -36,6 +36,8 @@ __all__ = [
     "PreconditionFailed",
     "StoreError",
     "StoreUnavailable",
+    "bucket_of",
     "check_address",
     "open_store",
+    "split_gs",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pathlib
 import re
 
-__all__ = ["BadAddress", "check_address"]
+__all__ = ["BadAddress", "bucket_of", "check_address", "split_gs"]
 
 _BUCKET_PART = r"[a-z0-9](?:[-_a-z0-9]{0,61}[a-z0-9])?"
 _BUCKET = re.compile(rf"^{_BUCKET_PART}(?:\.{_BUCKET_PART})*$")
@@ -65,11 +65,28 @@ def check_address(text: str, what: str = "address", *, prefix: bool = True, dire
                      f"directory create it first (mkdir -p {text})")
 
 
+def split_gs(url: str, what: str = "address") -> tuple[str, str]:
+    """`gs://bucket/a/b/` -> `("bucket", "a/b")`: the one place a gs:// address is cut into its bucket
+    and its prefix (without the slashes around it; empty for a whole bucket). Raises BadAddress,
+    naming `what`, for anything that is not `gs://` and a bucket. The bucket's name is not checked
+    here: `check_address` does that, where a user typed it."""
+    if not isinstance(url, str) or not url.startswith("gs://"):
+        raise BadAddress(f"{what}: {url!r} is not a gs://bucket/prefix URL")
+    bucket, _, prefix = url[len("gs://"):].partition("/")
+    if not bucket:
+        raise BadAddress(f"{what}: {url!r} names no bucket; write gs://bucket/prefix")
+    return bucket, prefix.strip("/")
+
+
+def bucket_of(url: str) -> str | None:
+    """The bucket a gs:// address is in (`gs://b/jobs/j` -> `b`); None for anything else (a local directory)."""
+    return split_gs(url)[0] if isinstance(url, str) and url.startswith("gs://") else None
+
+
 def _gs(text: str, what: str, prefix: bool) -> str:
     rest = text[len("gs://"):].rstrip("/")
-    bucket, _, path = rest.partition("/")
-    if not bucket:
-        raise BadAddress(f"{what}: {text!r} names no bucket; write gs://bucket/prefix")
+    bucket, _ = split_gs(text, what)
+    path = rest.partition("/")[2]
     if not _BUCKET.match(bucket) or len(bucket) < 3 or len(bucket) > 222 or (len(bucket) > 63 and "." not in bucket):
         raise BadAddress(f"{what}: {text!r}: {bucket!r} is not a Cloud Storage bucket name (3-63 lowercase letters, "
                          "digits, '-', '_' or '.', starting and ending with a letter or digit)")

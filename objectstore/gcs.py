@@ -23,6 +23,7 @@ from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
 
+from objectstore.address import split_gs
 from objectstore.base import (
     DEFAULT_CONTENT_TYPE,
     MAX_LIST_PAGE,
@@ -127,9 +128,7 @@ class GCSStore(ObjectStore):
 
     @classmethod
     def from_url(cls, url: str, client: storage.Client | None = None) -> "GCSStore":
-        if not url.startswith("gs://") or len(url) <= len("gs://"):
-            raise ValueError(f"{url!r} is not a gs://bucket[/prefix] URL")
-        bucket, _, prefix = url[len("gs://") :].partition("/")
+        bucket, prefix = split_gs(url, "store")
         return cls(bucket, prefix, client=client)
 
     # -- plumbing ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 
-from objectstore import NotFound, ObjectStore, StoreUnavailable
+from objectstore import NotFound, ObjectStore, StoreUnavailable, bucket_of
 from taskqueue import layout
 from taskqueue.clock import Clock
 
@@ -70,11 +70,15 @@ class Progress:
         return None
 
 
-def bucket_of(url: str) -> str | None:
-    """`gs://bucket/prefix` -> `gs://bucket`; None for a local directory."""
-    if not url.startswith("gs://"):
-        return None
-    return "gs://" + url[len("gs://") :].split("/", 1)[0]
+def read_job(store: ObjectStore) -> bytes:
+    """job.json's bytes, as every consumer of the queue gets them. A worker starts only once its queue has one
+    (`wait_for_job`) and nothing deletes it, so a missing one is `QueueMissing` naming it, never an empty job: a
+    consumer handed `{}` would dead-letter the task for a fault that is not the task's."""
+    try:
+        return store.read(layout.JOB).data
+    except NotFound:
+        raise QueueMissing(f"{store.url(layout.JOB)} is missing: a queue keeps its job for good; check that the queue "
+                           "was not deleted, or submit its job again (gcs-spawner submit QUEUE --job job.json)") from None
 
 
 def find_job(store: ObjectStore) -> tuple[bytes | None, bool]:
@@ -88,7 +92,7 @@ def find_job(store: ObjectStore) -> tuple[bytes | None, bool]:
         try:
             store.list_page("", page_size=1)
         except NotFound:
-            bucket = bucket_of(store.root_url) or store.root_url
+            bucket = store.root_url if bucket_of(store.root_url) is None else f"gs://{bucket_of(store.root_url)}"
             raise QueueMissing(
                 f"bucket {bucket} does not exist: check the queue URL {store.root_url} (spawn-queue, --queue)"
             ) from None
@@ -128,6 +132,6 @@ def wait_for_job(
             return None
     if job is None:
         raise QueueMissing(f"no job at {store.root_url}: check the queue URL (spawn-queue, --queue); "
-                           f"tools/submit.py writes job.json there first")  # fmt: skip
+                           f"gcs-spawner submit writes job.json there first")  # fmt: skip
     raise QueueMissing(f"no task at {store.root_url}: its job.json is there but no task was submitted "
-                       f"(tools/submit.py {store.root_url} --tasks FILE)")  # fmt: skip
+                       f"(gcs-spawner submit {store.root_url} --tasks FILE)")  # fmt: skip

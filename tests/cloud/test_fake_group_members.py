@@ -30,14 +30,14 @@ class Recorder:
 
 def test_a_group_keeps_its_members_as_a_managed_instance_group_does(cloud: FakeCloud, compute_clients: compute.ComputeClients):
     machines = cloud.machines = Recorder()
-    launch.create_template(REPO / "templates" / "vm.yaml", "proj-a", "gs://b/jobs/j", "gs://b/code/c", clients=compute_clients)
+    launch.create_template(REPO / "templates" / "vm.yaml", "proj-a", "gs://bkt/jobs/j", "gs://bkt/code/c", clients=compute_clients)
     launch.create_group("proj-a", "spawn-worker", 3, zone="z1", clients=compute_clients)
     members = cloud.members(GROUP)
     assert [e for e in machines.events] == [("created", m) for m in members] and len(members) == 3
     assert all(re.fullmatch(r"projects/proj-a/zones/z1/instances/spawn-worker-[a-z0-9]{4}", m) for m in members)
     items = {i["key"]: i["value"] for i in machines.resources[members[0]]["metadata"]["items"]}
     assert items["created-by"] == f"projects/{PROJECT_NUMBER}/zones/z1/instanceGroupManagers/spawn-worker"
-    assert items["spawn-queue"] == "gs://b/jobs/j" and "startup-script" in items
+    assert items["spawn-queue"] == "gs://bkt/jobs/j" and "startup-script" in items
 
     # A member leaving through deleteInstances: gone, the size lowered, not made again.
     name = members[0].rsplit("/", 1)[1]

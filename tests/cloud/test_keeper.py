@@ -115,7 +115,7 @@ def test_fleet_keep_tool_dry_run_prints_the_replacement_and_sends_nothing(cloud:
 def test_keeper_refuses_plain_node_specs(tmp_path: Path):
     spec = specs.parse_spec({**__import__("yaml").safe_load(TPU_SPEC.read_text()), "queued": False}, "x.yaml")
     with pytest.raises(keeper.KeeperError, match="queued: false"):
-        keeper.Keeper(None, spec, specs.Launch.make(spec, "gs://b/q", "gs://b/c"), PROJECT, [ZONE_A], 1, lambda: 1)
+        keeper.Keeper(None, spec, specs.Launch.make(spec, "gs://bkt/q", "gs://bkt/c"), PROJECT, [ZONE_A], 1, lambda: 1)
 
 
 def test_keeper_creates_nothing_in_a_tail_held_by_others(cloud: FakeCloud, tpu_clients):

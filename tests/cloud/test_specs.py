@@ -101,14 +101,14 @@ def test_unreadable_or_non_mapping_spec_is_a_spec_error(tmp_path: Path):
 def test_launch_rejects_local_queue_and_code_urls(tmp_path: Path):
     spec = specs.load_spec(REPO / "templates" / "vm.yaml")
     with pytest.raises(specs.SpecError, match="--queue must be a gs://"):
-        specs.Launch.make(spec, "/tmp/queue", "gs://b/code")
+        specs.Launch.make(spec, "/tmp/queue", "gs://bkt/code")
     with pytest.raises(specs.SpecError, match="--code must be a gs://"):
-        specs.Launch.make(spec, "gs://b/q", "gs://")
+        specs.Launch.make(spec, "gs://bkt/q", "gs://")
 
 
 def test_spot_template_deletes_on_preemption_and_carries_the_launch_attributes():
     spec = specs.load_spec(REPO / "templates" / "vm.yaml")
-    launch = specs.Launch.make(spec, "gs://b/jobs/j/", "gs://b/code/c", spawn_flags=["--lease-ttl", "60", "--log-level", "a b"])
+    launch = specs.Launch.make(spec, "gs://bkt/jobs/j/", "gs://bkt/code/c", spawn_flags=["--lease-ttl", "60", "--log-level", "a b"])
     template = specs.instance_template(spec, launch)
     props = template.properties
     assert props.scheduling.provisioning_model == "SPOT"
@@ -117,8 +117,8 @@ def test_spot_template_deletes_on_preemption_and_carries_the_launch_attributes()
     items = {i.key: i.value for i in props.metadata.items}
     assert items == {
         "startup-script": (REPO / "startup" / "startup.sh").read_text(),
-        "spawn-queue": "gs://b/jobs/j",
-        "spawn-code": "gs://b/code/c",
+        "spawn-queue": "gs://bkt/jobs/j",
+        "spawn-code": "gs://bkt/code/c",
         "spawn-consumer": spec.consumer,
         "spawn-flags": "--lease-ttl 60 --log-level 'a b'",
         "spawn-accelerator": "gpu",
@@ -131,7 +131,7 @@ def test_spot_template_deletes_on_preemption_and_carries_the_launch_attributes()
 
 def test_standard_cpu_vm_migrates_and_gpu_vm_terminates_on_maintenance(tmp_path: Path):
     cpu = specs.load_spec(_write(tmp_path, "vm.yaml", spot=False, accelerator="cpu", machine_type="n2-standard-4"))
-    launch = specs.Launch.make(cpu, "gs://b/q", "gs://b/c")
+    launch = specs.Launch.make(cpu, "gs://bkt/q", "gs://bkt/c")
     assert specs.instance_template(cpu, launch).properties.scheduling.on_host_maintenance == "MIGRATE"
     gpu = specs.load_spec(
         _write(tmp_path, "vm.yaml", spot=False, accelerator=None, machine_type="n1-standard-8", gpu_type="nvidia-tesla-t4", gpu_count=2)
@@ -145,7 +145,7 @@ def test_standard_cpu_vm_migrates_and_gpu_vm_terminates_on_maintenance(tmp_path:
 def test_max_run_duration_makes_compute_engine_delete_the_vm_at_the_limit(tmp_path: Path):
     spec = specs.load_spec(_write(tmp_path, "vm.yaml", spot=False, max_run_duration_s=7200, python="python3.12"))
     assert spec.python == "3.12"
-    template = specs.instance_template(spec, specs.Launch.make(spec, "gs://b/q", "gs://b/c"))
+    template = specs.instance_template(spec, specs.Launch.make(spec, "gs://bkt/q", "gs://bkt/c"))
     body = json.loads(type(template).to_json(template))
     assert body["properties"]["scheduling"]["maxRunDuration"] == {"seconds": "7200"}
     assert body["properties"]["scheduling"]["instanceTerminationAction"] == "DELETE"
@@ -155,9 +155,9 @@ def test_max_run_duration_makes_compute_engine_delete_the_vm_at_the_limit(tmp_pa
 
 def test_idle_cap_becomes_the_workers_idle_timeout(tmp_path: Path):
     spec = specs.load_spec(_write(tmp_path, "tpu.yaml", max_idle_s=600))
-    launch = specs.Launch.make(spec, "gs://b/q", "gs://b/c")
+    launch = specs.Launch.make(spec, "gs://bkt/q", "gs://bkt/c")
     assert launch.spawn_flags[-2:] == ["--idle-timeout", "600"]
-    explicit = specs.Launch.make(spec, "gs://b/q", "gs://b/c", spawn_flags=["--idle-timeout", "30"])
+    explicit = specs.Launch.make(spec, "gs://bkt/q", "gs://bkt/c", spawn_flags=["--idle-timeout", "30"])
     assert explicit.spawn_flags == ["--idle-timeout", "30"]
 
 
