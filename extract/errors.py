@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 
-EX_OK = 0
-EX_DATAERR = 65
-EX_SOFTWARE = 70
-EX_TEMPFAIL = 75
+from exitcodes import EX_DATAERR, EX_OK, EX_SOFTWARE, EX_TEMPFAIL
+
+__all__ = ["EX_DATAERR", "EX_OK", "EX_SOFTWARE", "EX_TEMPFAIL", "BadInput", "ExtractError", "TransientIOError",
+           "exit_code_for", "exit_for_failure", "is_transient"]
 
 
 class ExtractError(Exception):

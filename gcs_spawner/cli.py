@@ -27,7 +27,7 @@ import pathlib
 import signal
 import sys
 
-EX_OK, EX_FAILED, EX_USAGE, EX_DATAERR = 0, 1, 2, 65
+from exitcodes import EX_DATAERR, EX_FAILED, EX_OK, EX_USAGE
 
 log = logging.getLogger("gcs_spawner")
 
@@ -412,7 +412,7 @@ def cmd_mirror(args) -> int:
 
 
 def cmd_upload_code(args) -> int:
-    from fleet import codesync
+    from fleet import environment
     from objectstore.address import check_address
 
     dest = check_address(args.dest, "DEST", directory=False)
@@ -422,9 +422,9 @@ def cmd_upload_code(args) -> int:
     from gcs_spawner.progress import Progress
 
     with Progress("upload", None, "bytes") as progress:  # files the client uploads; gcloud shows its own
-        codesync.upload_code(
+        environment.upload_code(
             args.source, dest, args.exclude, python_version=args.python, extras=[e for e in args.extras.split(",") if e],
-            locks=None if args.no_locks else (args.lock or tuple(codesync.LOCKS)), wheelhouse=args.wheelhouse,
+            locks=None if args.no_locks else (args.lock or tuple(environment.LOCKS)), wheelhouse=args.wheelhouse,
             glibc=glibc, uv=args.uv_version, python_mirror=args.python_mirror,
             use_gcloud=False if args.no_gcloud else None, on_file=lambda name, size: progress.advance(size))
     return EX_OK

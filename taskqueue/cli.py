@@ -12,6 +12,7 @@ import socket
 import sys
 from collections.abc import Callable
 
+from exitcodes import EX_DATAERR
 from objectstore import open_store
 from taskqueue.claims import default_poll_max
 from taskqueue.clock import Clock
@@ -20,7 +21,6 @@ from taskqueue.slice import Follower, SliceOptions
 from taskqueue.spawner import SpawnOptions, Spawner, resolve_consumer
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
-EX_BAD_INPUT = 65  # the queue URL names no queue (no job.json, no bucket): STYLE's "bad input"
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -211,4 +211,4 @@ def _no_queue(spawner: Spawner, err: QueueMissing, delete: bool, self_delete: Ca
     spawner.tell_state("failed", reason=str(err))
     if delete and self_delete is not None:
         self_delete()
-    return EX_BAD_INPUT
+    return EX_DATAERR  # the queue URL names no queue (no job.json, no bucket): bad input

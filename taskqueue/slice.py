@@ -36,7 +36,7 @@ import tempfile
 import threading
 
 from objectstore import NotFound, ObjectStore, PreconditionFailed, StoreError
-from taskqueue import layout
+from taskqueue import completion, layout
 from taskqueue.clock import Clock
 from taskqueue.lease import HELD, HeldLease
 from taskqueue.process import STOP_GRACE_S, ConsumerSlot, pump_output
@@ -247,10 +247,7 @@ class Follower:
 
     def _job_bytes(self) -> bytes:
         if self._job is None:
-            try:
-                self._job = self.store.read(layout.JOB).data
-            except NotFound:
-                self._job = b"{}"
+            self._job = completion.read_job(self.store)
         return self._job
 
     def _run_one(self, assignment: dict) -> None:

@@ -31,8 +31,8 @@ import tempfile
 import threading
 from collections.abc import Callable
 
-from objectstore import NotFound, ObjectStore, StoreError
-from taskqueue import completion, layout
+from objectstore import ObjectStore, StoreError
+from taskqueue import completion
 from taskqueue.claims import Claim, Claimer, ClaimOptions
 from taskqueue.clock import Clock
 from taskqueue.process import ConsumerSlot, pump_output
@@ -282,10 +282,7 @@ class Spawner:
 
     def _job_bytes(self) -> bytes:
         if self._job is None:
-            try:
-                self._job = self.store.read(layout.JOB).data
-            except NotFound:
-                self._job = b"{}"
+            self._job = completion.read_job(self.store)
         return self._job
 
     def _prepare(self, claim: Claim, workdir: pathlib.Path) -> tuple[dict[str, str], pathlib.Path]:

@@ -342,7 +342,7 @@ def _unbegin(store: ObjectStore, name: str, span: dict[str, str], clock: Clock, 
     except (Exception, KeyboardInterrupt) as exc:
         cause.add_note(
             f"{store.url(name)} is left running ({exc!r}), with no task created: run the same submit again, or "
-            f"finish its batch: tools/submit.py {store.root_url} --finish-batch {batch_id(name)}"
+            f"finish its batch: gcs-spawner submit {store.root_url} --finish-batch {batch_id(name)}"
         )
 
 
@@ -375,7 +375,7 @@ def _give_up(
         log.error("event=batch_left_running batch=%s error=%r in_flight=%d", name, exc, creates.in_flight)
         cause.add_note(
             f"{store.url(name)} may be left running ({why}): run the same submit again, or, once it will never run "
-            f"again, finish its batch: tools/submit.py {store.root_url} --finish-batch {batch_id(name)}"
+            f"again, finish its batch: gcs-spawner submit {store.root_url} --finish-batch {batch_id(name)}"
         )
 
 

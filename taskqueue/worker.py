@@ -36,13 +36,13 @@ import logging
 import signal
 from collections.abc import Sequence
 
+from exitcodes import EX_DATAERR
 from objectstore import StoreError
 from taskqueue.lease import HeldLease, LeaseLost
 from taskqueue.process import STOP_GRACE_S
 
 log = logging.getLogger(__name__)
 
-EX_DATAERR = 65
 #: Expiries are not attempts (a dead machine is not the task's fault), but a task whose holders
 #: keep dying without a word is poison: after this many steals it is dead-lettered.
 MAX_TAKEOVERS = 10

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from objectstore import open_store
 from tests.queue.conftest import submit_tasks
 from tests.workers import REPO
@@ -70,3 +72,19 @@ def test_a_job_whose_tasks_are_all_finished_is_drained_at_once(tmp_path):
     assert again.returncode == 0 and "reason=drained" in again.stderr
     assert time.monotonic() - started < 20 and "event=waiting_for_job" not in again.stderr
     assert json.loads(open_store(url).read("done/t1.json").data)["task"] == "t1"
+
+
+def test_a_job_gone_after_start_is_an_error_naming_it_never_an_empty_job(tmp_path):
+    """What the spawner and a slice follower hand their consumer (`completion.read_job`): job.json as
+    submitted, and, were it deleted under a running worker, an error naming it. An empty `{}` job would
+    dead-letter the task for a fault that is not the task's."""
+    from taskqueue.completion import QueueMissing, read_job
+
+    url = str(tmp_path / "queue")
+    submit_tasks(url, [{"id": "t1"}])
+    store = open_store(url)
+    assert json.loads(read_job(store)) == json.loads(store.read("job.json").data)
+    store.delete("job.json")
+    with pytest.raises(QueueMissing) as err:
+        read_job(store)
+    assert f"{store.url('job.json')} is missing" in str(err.value) and "gcs-spawner submit" in str(err.value)
