@@ -303,20 +303,20 @@ class _Up:
     # -- 5. code -------------------------------------------------------------------------------------------------
 
     def code(self) -> None:
-        from fleet import codesync
+        from fleet import environment
 
         code = self.run.fields.code
         if not code.upload:
             self.done("code")
             return
-        lock = codesync.LOCK_OF_PLATFORM[self.run.platform]
+        lock = environment.LOCK_OF_PLATFORM[self.run.platform]
         if self.dry_run:
             self.would(f"upload {self.run.code_source} to {code.url}"
                        + (f" with locks/{lock}.txt and uv/uv" if code.environment else ""))
             self.done("code")
             return
         with Progress("code", None, "bytes") as progress:  # files the client uploads; gcloud shows its own
-            codesync.upload_code(
+            environment.upload_code(
                 self.run.code_source, code.url, code.exclude, python_version=self.run.spec.python,
                 extras=self.run.spec.extras, locks=(lock,) if code.environment else None, wheelhouse=code.wheelhouse,
                 python_mirror=code.python_mirror, on_file=lambda name, size: progress.advance(size))

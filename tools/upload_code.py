@@ -10,7 +10,7 @@ storage rsync` when gcloud is installed, else google-cloud-storage with crc32c c
 locks/<lock>.txt (cpu, cuda12, tpu) with `uv pip compile` for the fleet's Python on the machines' glibc (--glibc,
 default 2.35: Ubuntu 22.04), checks that every pin has a wheel those machines accept, and uploads them next to the
 code, with uv/uv: the static uv binary the machines run. --wheelhouse also downloads every locked wheel into
-wheelhouse/<lock>/, and --python-mirror the fleet's CPython into python-mirror/ (fleet/codesync.py).
+wheelhouse/<lock>/, and --python-mirror the fleet's CPython into python-mirror/ (fleet/codesync.py, fleet/environment.py).
 """
 
 import sys

@@ -320,10 +320,10 @@ def test_a_second_up_through_gcloud_rewrites_no_code_object_whose_content_is_unc
 
 
 def test_the_lock_up_uploads_is_the_same_bytes_from_any_scratch_directory(tmp_path):
-    """`up` compiles the run's lock in a new scratch directory every time (fleet.codesync.upload_code): the lock must
+    """`up` compiles the run's lock in a new scratch directory every time (fleet.environment.upload_code): the lock must
     not name it, or each up uploads a different lock and every machine that reboots installs again (startup.sh keys
     its install on the lock's hash). Offline: two tiny wheels built here, as tests/cloud/test_codesync.py does."""
-    from fleet import codesync
+    from fleet import environment
     from tests.cloud.test_codesync import _tiny_package
 
     index = tmp_path / "index"
@@ -332,7 +332,7 @@ def test_the_lock_up_uploads_is_the_same_bytes_from_any_scratch_directory(tmp_pa
                         "--wheel-dir", str(index), str(_tiny_package(tmp_path / "src", name, version, deps))],
                        check=True, capture_output=True)
     python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    locks = [codesync.compile_lock(["tinyapp"], tmp_path / scratch / "locks" / "cpu.txt", python_version, platform=None,
+    locks = [environment.compile_lock(["tinyapp"], tmp_path / scratch / "locks" / "cpu.txt", python_version, platform=None,
                                    index_args=["--no-index", "--find-links", str(index)]).read_text()
              for scratch in ("upload-code-1", "upload-code-2")]
     assert "tinydep==0.2.0" in locks[0] and "upload-code-1" not in locks[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet import codesync
+from fleet import codesync, environment
 from tests.cloud.conftest import StubBin
 from tests.gcloudcli import require_gcloud, write_config
 
@@ -141,7 +141,7 @@ def test_upload_tool_puts_the_static_uv_binary_in_the_bucket_on_both_paths(
     assert f"method={'gcloud' if path == 'gcloud' else 'python'}" in result.stderr
     listing = _listing(gcs_client, gcs_bucket, "code/run1")
     assert sorted(listing) == ["locks/cpu.txt", "pyproject.toml", "setup.cfg", "spawn.py", "uv/VERSION", "uv/uv"]
-    version = codesync.uv_version()
+    version = environment.uv_version()
     assert listing["uv/VERSION"].decode().strip() == version
     fetched = tmp_path / "uv"
     fetched.write_bytes(listing["uv/uv"])
@@ -195,19 +195,19 @@ def test_locked_environment_installs_offline_from_a_wheelhouse_with_no_index(tmp
     offline = ["--no-index", "--find-links", str(index)]
     python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
 
-    lock = codesync.compile_lock(["tinyapp"], tmp_path / "stage" / "locks" / "cpu.txt", python_version,
+    lock = environment.compile_lock(["tinyapp"], tmp_path / "stage" / "locks" / "cpu.txt", python_version,
                                  platform=None, index_args=offline)
     pins = sorted(line.split(" ")[0] for line in lock.read_text().splitlines() if "==" in line)
     assert pins == ["tinyapp==0.1.0", "tinydep==0.2.0"]
 
     import sysconfig
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
-    wheelhouse = codesync.download_wheelhouse(lock, tmp_path / "stage" / "wheelhouse" / "cpu", python_version,
+    wheelhouse = environment.download_wheelhouse(lock, tmp_path / "stage" / "wheelhouse" / "cpu", python_version,
                                               also=(), platforms=(platform,), index_args=offline)
     assert sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl")) == ["tinyapp", "tinydep"]
 
     # The machine: a fresh virtualenv and exactly the lock, from the wheelhouse alone.
-    uv = codesync.uv_command()
+    uv = environment.uv_command()
     venv = tmp_path / "venv"
     subprocess.run([*uv, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, capture_output=True)
     env = {**os.environ, "UV_NO_CACHE": "1"}
@@ -219,11 +219,11 @@ def test_locked_environment_installs_offline_from_a_wheelhouse_with_no_index(tmp
 
 
 def test_requirements_of_reads_setup_cfg_extras_and_the_jax_variant():
-    reqs = codesync.requirements_of(REPO, ["extract"], codesync.LOCKS["tpu"])
+    reqs = environment.requirements_of(REPO, ["extract"], environment.LOCKS["tpu"])
     assert reqs[-1] == "jax[tpu]"
     assert any(r.startswith("google-cloud-tpu") for r in reqs) and any(r.startswith("flax") for r in reqs)
     with pytest.raises(codesync.CodeSyncError, match="no extra 'gpu'"):
-        codesync.requirements_of(REPO, ["gpu"], "jax")
+        environment.requirements_of(REPO, ["gpu"], "jax")
 
 
 # ---- the real locks, resolved against the package index as tools/upload_code.py does ----------
@@ -260,8 +260,8 @@ def _machine_tags(python: tuple[int, int], glibc: tuple[int, int]) -> set:
 
 def test_pip_platforms_name_every_manylinux_tag_a_glibc_2_35_machine_accepts():
     expected = {str(tag.platform) for tag in _machine_tags((3, 11), (2, 35))} - {"any"}
-    assert set(codesync.pip_platforms((2, 35))) == expected
-    assert "manylinux_2_31_x86_64" in codesync.PIP_PLATFORMS and codesync.UV_PLATFORM == "x86_64-manylinux_2_35"
+    assert set(environment.pip_platforms((2, 35))) == expected
+    assert "manylinux_2_31_x86_64" in environment.PIP_PLATFORMS and environment.UV_PLATFORM == "x86_64-manylinux_2_35"
 
 
 def _jax_metadata(version: str, scratch: Path) -> dict:
@@ -278,13 +278,13 @@ def _jax_metadata(version: str, scratch: Path) -> dict:
 
 def test_real_locks_hold_a_current_jax_and_every_pin_has_a_wheel_the_machines_accept(tmp_path: Path):
     """The cpu, cuda12 and tpu locks of this checkout, compiled and checked (every pin has a wheel for
-    glibc 2.35, codesync.check_wheels) by build_environment exactly as upload_code runs it."""
+    glibc 2.35, environment.check_wheels) by build_environment exactly as upload_code runs it."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    codesync.build_environment(REPO, tmp_path, "3.11")
-    held = {name: {p: Version(v) for p, v in codesync.pins(tmp_path / "locks" / f"{name}.txt").items()}
-            for name in codesync.LOCKS}
+    environment.build_environment(REPO, tmp_path, "3.11")
+    held = {name: {p: Version(v) for p, v in environment.pins(tmp_path / "locks" / f"{name}.txt").items()}
+            for name in environment.LOCKS}
     floor = Version(_floor("jax"))
     assert floor >= Version(FIRST_JAX_WITH_HEARTBEAT_TIMEOUT), "setup.cfg's jax floor lacks heartbeat_timeout_seconds"
     for name, versions in held.items():
@@ -298,7 +298,7 @@ def test_real_locks_hold_a_current_jax_and_every_pin_has_a_wheel_the_machines_ac
     assert "jax-cuda12-plugin" in held["cuda12"] and "libtpu" not in held["cpu"]
     # What glibc 2.28 (the old target) could not run: the check refuses the tpu lock there.
     with pytest.raises(codesync.CodeSyncError, match="libtpu"):
-        codesync.check_wheels(tmp_path / "locks" / "tpu.txt", "3.11", glibc=(2, 28))
+        environment.check_wheels(tmp_path / "locks" / "tpu.txt", "3.11", glibc=(2, 28))
     print({name: {p: str(versions[p]) for p in ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt")
                   if p in versions} for name, versions in held.items()})
 
@@ -314,8 +314,8 @@ def _elf_interpreter(binary: bytes) -> bool:
 
 
 def test_upload_stages_the_static_uv_binary_of_the_pinned_version(tmp_path: Path):
-    version = codesync.uv_version()
-    staged = codesync.stage_uv(tmp_path, version)
+    version = environment.uv_version()
+    staged = environment.stage_uv(tmp_path, version)
     binary = staged / "uv"
     assert (staged / "VERSION").read_text().strip() == version
     assert not _elf_interpreter(binary.read_bytes()), "uv/uv needs a dynamic loader; the machines' glibc would matter"
@@ -346,7 +346,7 @@ def test_python_mirror_is_laid_out_as_uv_reads_it_and_installs_from_it(tmp_path:
     try:
         monkeypatch.setenv("UV_PYTHON_INSTALL_MIRROR", f"http://127.0.0.1:{server.server_address[1]}")
         monkeypatch.setenv("UV_PYTHON_DOWNLOADS_JSON_URL", listing.as_uri())
-        mirror = codesync.stage_python_mirror(tmp_path / "staging", version.rsplit(".", 1)[0], codesync.uv_command())
+        mirror = environment.stage_python_mirror(tmp_path / "staging", version.rsplit(".", 1)[0], environment.uv_command())
     finally:
         server.shutdown()
     saved = mirror / standin_python.TAG / standin_python.archive_name(version)
@@ -357,6 +357,6 @@ def test_python_mirror_is_laid_out_as_uv_reads_it_and_installs_from_it(tmp_path:
     saved.rename(saved.with_name(saved.name.replace("+", "%2B")))
     env = {**os.environ, "UV_PYTHON_INSTALL_MIRROR": mirror.as_uri(), "UV_PYTHON_INSTALL_DIR": str(tmp_path / "py"),
            "UV_PYTHON_DOWNLOADS_JSON_URL": (mirror / "downloads.json").as_uri(), "UV_CACHE_DIR": str(tmp_path / "c")}
-    curl_named = subprocess.run([*codesync.uv_command(), "python", "install", "--no-bin", version], env=env,
+    curl_named = subprocess.run([*environment.uv_command(), "python", "install", "--no-bin", version], env=env,
                                 capture_output=True, text=True)
     assert curl_named.returncode != 0 and "No such file" in curl_named.stderr + curl_named.stdout
