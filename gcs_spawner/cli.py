@@ -232,7 +232,7 @@ def _is_queue(store) -> bool:
 def cmd_merge(args) -> int:
     import json
 
-    from fleet import jobindex
+    from reporting import jobindex
     from objectstore import open_store
 
     store = open_store(_queue(args))
@@ -588,7 +588,7 @@ _BAD_INPUT = (
 _FAILED = (
     ("gcs_spawner.up", "UpError"), ("gcs_spawner.down", "DownError"), ("fleet.gapi", "LaunchError"),
     ("objectstore.base", "StoreError"), ("fleet.codesync", "CodeSyncError"), ("fleet.keeper", "KeeperError"),
-    ("fleet.jobindex", "JobIndexError"), ("activations", "ActivationsError"), ("extract.errors", "ExtractError"),
+    ("reporting.jobindex", "JobIndexError"), ("activations", "ActivationsError"), ("extract.errors", "ExtractError"),
 )
 
 

@@ -137,7 +137,7 @@ def test_merge_indexes_each_sites_statistics_and_names_the_activations(sites_job
 
 
 def test_merge_refuses_shards_of_one_job_that_hold_different_activations(tmp_path):
-    from fleet import jobindex
+    from reporting import jobindex
 
     store = objectstore.open_store(str(tmp_path / "queue"))
     record = {"bytes": 1, "crc32c": "x", "sample_start": 0, "sample_end": 1, "samples": 1, "tokens": 1}
@@ -150,7 +150,7 @@ def test_merge_refuses_shards_of_one_job_that_hold_different_activations(tmp_pat
 
 def test_shards_and_records_written_before_hook_sites_still_read(tmp_path):
     """An old shard: `layer_<L>` tensors, no `sites` metadata, no statistics; its record names no activations."""
-    from fleet import jobindex
+    from reporting import jobindex
 
     store = objectstore.open_store(str(tmp_path / "queue"))
     x = np.arange(12, dtype=np.float32).reshape(3, 4)

@@ -41,7 +41,7 @@ def test_merge_sums_shard_statistics_into_the_index_and_the_loader_uses_them(wri
 
 def test_merge_leaves_stats_null_with_the_reason_when_a_shard_predates_them(tmp_path):
     from activations.format import encode_safetensors
-    from fleet import jobindex
+    from reporting import jobindex
     from objectstore import open_store
 
     store = open_store(str(tmp_path / "queue"))

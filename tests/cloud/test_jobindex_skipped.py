@@ -1,4 +1,4 @@
-"""fleet.jobindex with records of skipped rows: counters are summed once per shard, listed rows are kept."""
+"""reporting.jobindex with records of skipped rows: counters are summed once per shard, listed rows are kept."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fleet import jobindex
+from reporting import jobindex
 from objectstore import open_store
 
 

@@ -1,4 +1,4 @@
-"""tools/merge.py and fleet.jobindex: the job index built from hand-written done markers, on a
+"""tools/merge.py and reporting.jobindex: the job index built from hand-written done markers, on a
 local directory queue and on the fake GCS server."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from fleet import jobindex
+from reporting import jobindex
 from objectstore import open_store
 
 REPO = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ import logging
 
 from activations.format import output_key
 from activations.io import ActivationsError, ByteReader
-from activations.reader import MissingStats, ShardRef, sum_stats  # below fleet: numpy only, no JAX
+from activations.reader import MissingStats, ShardRef, sum_stats  # numpy only, no JAX
 from objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
