@@ -1,6 +1,6 @@
 """reporting/ and the queue never import JAX (reporting/__init__.py, STYLE: "the queue never imports JAX"):
-every module of both, imported in a fresh interpreter, and a status snapshot taken there, leave JAX, Flax and
-torch out of `sys.modules`. Status runs on machines and laptops with none of them installed."""
+every module of both, imported in a fresh interpreter, and a status snapshot of a local queue taken there, leave
+JAX, Flax, torch and the cloud clients out of `sys.modules`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 from tests.workers import REPO
 
-HEAVY = ("jax", "jaxlib", "flax", "torch")
+HEAVY = ("jax", "jaxlib", "flax", "torch", "google.cloud.storage", "google.cloud.compute_v1", "google.cloud.tpu_v2")
 
 PROBE = """
 import importlib, json, pkgutil, sys
@@ -28,7 +28,7 @@ print(json.dumps([view["total"], render(view).splitlines()[0], sorted(m for m in
 """
 
 
-def test_reporting_and_the_queue_import_no_jax_and_status_runs_without_it(tmp_path):
+def test_reporting_and_the_queue_import_no_jax_nor_cloud_client_and_status_runs_without_them(tmp_path):
     queue = tmp_path / "queue"
     queue.mkdir()
     result = subprocess.run([sys.executable, "-c", PROBE % (HEAVY,), str(queue)], cwd=REPO, capture_output=True,
