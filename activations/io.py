@@ -31,6 +31,10 @@ class ActivationsError(Exception):
     """A shard, done marker, index or loader input that cannot be read or used; the message names it."""
 
 
+class LoaderConfigError(ActivationsError, ValueError):
+    """A loader argument that cannot work; the message names it and says what to pass instead."""
+
+
 def is_remote(url: str) -> bool:
     return url.startswith("gs://")
 

@@ -1,5 +1,9 @@
 """A streaming, shuffled loader of activation shards: a queue, bucket or directory in, `[batch, d]` batches out.
 
+This module holds the epochs, the stream and the shuffle buffer's slots; fetching and decoding a shard's rows is
+activations/fetch.py's, the buffer's one-copy row moves activations/shuffle.py's, and normalisation
+activations/normalise.py's.
+
     from activations.loader import ActivationLoader
 
     loader = ActivationLoader("gs://B/jobs/J", layers=16, batch_size=4096, shuffle_tokens=1 << 17, seed=0,
@@ -62,12 +66,12 @@ which the kernel may reclaim (and read again when they are gathered), not the pr
 Batches are assembled in the caller's thread (numpy's gathers release the GIL), so `state_dict()` always describes
 the position after the last batch returned. A batch is assembled in place: each row is copied once into it (from
 its shard or the spill), rows move as opaque records (one memcpy each), and the array is one an earlier batch used
-once nothing holds that batch any more (`_ReusedArrays`), so the kernel does not zero fresh pages for every batch;
+once nothing holds that batch any more (`shuffle.ReusedArrays`), so the kernel does not zero fresh pages for every batch;
 float32 output is widened into reused arrays the same way.
 
 Resume: a `state_dict()` lists, for every row in the buffer, the shard and row it came from; `load_state_dict()`
 reads those shards back (`readahead + 1` at a time) and copies each row into its slot of the spill. The rows of one
-shard come in slot order, not row order, so nothing here assumes a shard's picked rows are sorted: `_copy_rows`
+shard come in slot order, not row order, so nothing here assumes a shard's picked rows are sorted: `shuffle.copy_rows`
 checks for a run of consecutive rows before it copies one (tests/activations/test_loader_resume.py resumes from every
 checkpoint).
 """
@@ -75,94 +79,27 @@ checkpoint).
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import hashlib
 import math
-import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from activations.format import (
-    HIDDEN,
-    POSITIONS,
-    HookPoint,
-    LayerStats,
-    Output,
-    ShardFormatError,
-    ShardHeader,
-    as_float32,
-    numpy_dtype,
-    output_key,
-)
-from activations.io import ActivationsError, ByteReader, RangeCache, is_remote
-from activations.reader import ShardRef, as_output, queue_index_url, read_header, read_index, resolve_shards, sum_stats
+from activations import shuffle as row_moves
+from activations.fetch import ShardFetcher, ShardRows, TokenFilter, naming, selected
+from activations.format import HIDDEN, HookPoint, LayerStats, Output, numpy_dtype, output_key
+from activations.io import ActivationsError, ByteReader, LoaderConfigError, RangeCache
+from activations.normalise import NORMALIZATIONS, normalisation, normalise, stored_stats
+from activations.reader import ShardRef, read_header, resolve_shards
+from activations.shuffle import ReusedArrays, copy_rows, records, run_of, stable_order
+
+__all__ = ["ActivationLoader", "LoaderConfigError", "NORMALIZATIONS", "OUTPUTS", "STATE_FORMAT", "TokenFilter"]
 
 STATE_FORMAT = "activations-loader/v1"
-NORMALIZATIONS = (None, "mean_norm", "standardize")
 OUTPUTS = ("numpy", "torch", "jax")
-
-
-class LoaderConfigError(ActivationsError, ValueError):
-    """A loader argument that cannot work; the message names it and says what to pass instead."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenFilter:
-    """Which stored tokens enter the stream: every filter must keep a token."""
-
-    drop_token_ids: frozenset[int] = frozenset()
-    drop_first: int = 0
-    positions: tuple[int, int | None] = (0, None)
-
-    @property
-    def needs_token_ids(self) -> bool:
-        return bool(self.drop_token_ids)
-
-    @property
-    def needs_offsets(self) -> bool:
-        return self.drop_first > 0 or self.positions != (0, None)
-
-    def kept(self, rows: int, token_ids: np.ndarray | None, positions: np.ndarray | None) -> np.ndarray:
-        """Indices of the `rows` rows of a slice of a shard that are kept, given their token ids (when
-        `needs_token_ids`) and their positions in their documents (when `needs_offsets`)."""
-        keep = np.ones(rows, dtype=bool)
-        if self.drop_token_ids:
-            keep &= ~np.isin(token_ids, np.fromiter(self.drop_token_ids, dtype=np.int64))
-        if self.needs_offsets:
-            first, last = self.positions
-            keep &= positions >= max(first, self.drop_first)
-            if last is not None:
-                keep &= positions < last
-        return np.flatnonzero(keep)
-
-
-def _row_positions(lo: int, hi: int, offsets: np.ndarray) -> np.ndarray:
-    """Rows [lo, hi)'s positions in their documents when every position is stored (an unsampled shard)."""
-    rows = np.arange(lo, hi, dtype=np.int64)
-    return rows - offsets[np.searchsorted(offsets, rows, side="right") - 1]
-
-
-@dataclasses.dataclass
-class _ShardRows:
-    """This rank's rows of one shard, read once."""
-
-    url: str
-    shard: int  # index into the loader's shard list
-    lo: int  # first absolute row of this rank's slice
-    data: list[np.ndarray]  # per layer [hi - lo, d], the stored bits as unsigned integers of the stored width
-    # (a local shard's are mappings of its file: the page cache's pages, not a copy)
-    token_ids: np.ndarray | None  # [hi - lo]
-    positions: np.ndarray | None  # [hi - lo] int32: each row's position in its document (when asked for)
-    kept: np.ndarray  # int64 indices into the slice, in order
-    records: list[np.ndarray] = dataclasses.field(init=False)  # per layer, `data`'s rows as opaque records
-
-    def __post_init__(self) -> None:
-        self.records = [_records(layer) for layer in self.data]
 
 
 class ActivationLoader:
@@ -242,8 +179,8 @@ class ActivationLoader:
         if not self.shards:
             raise ActivationsError(f"{source}: no shards found")
         first = read_header(self.shards[0].url, self._reader)
-        with _naming(self.shards[0].url):
-            self.outputs = _selected(first, layers, site)
+        with naming(self.shards[0].url):
+            self.outputs = selected(first, layers, site)
             # The selection's layer numbers (hidden-state indices, or the hook points' decoder layers).
             self.layers = tuple(o.layer if isinstance(o, HookPoint) else o for o in self.outputs)
             widths = {first.output(o).shape[1] for o in self.outputs}
@@ -256,26 +193,29 @@ class ActivationLoader:
         # fancy-index assignment of ml_dtypes' bfloat16 takes a per-element path about 20 times slower.
         self._raw = np.dtype(f"u{self.stored_dtype.itemsize}")
         self._row_shape = (len(self.outputs), self.hidden_size)
-        # fp8 shards: a row travels as its d bytes of e4m3 followed by the 4 bytes of its float32 scale (`_fp8_rows`),
-        # so that the buffer moves it like any other row; `_decode` multiplies them out.
+        # fp8 shards: a row travels as its d bytes of e4m3 followed by the 4 bytes of its float32 scale
+        # (`ShardFetcher._fp8_rows`), so that the buffer moves it like any other row; `ShardFetcher.decode` multiplies
+        # them out.
         self._scaled = first.scale(self.outputs[0]) is not None
         if self._scaled:
             self._row_shape = (len(self.outputs), self.hidden_size + 4)
         self._first_tokens = first.num_tokens
-        self._norm = self._normalisation(stats) if normalize else None
+        self._norm = normalisation(normalize, self.outputs, self.hidden_size, stats or self.stats()) if normalize else None
 
-        self._io = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="loader-io")
+        self._fetching = ShardFetcher(self.shards, self._reader, self.outputs, self.hidden_size, self.stored_dtype,
+                                      self._scaled, self.filter, rank, world_size, self._labels, return_positions,
+                                      self.part_bytes, threads)  # fmt: skip
         self._fetcher = ThreadPoolExecutor(max_workers=max(1, self.readahead), thread_name_prefix="loader-shard")
-        self._futures: dict[tuple[int, int], Future[_ShardRows]] = {}
+        self._futures: dict[tuple[int, int], Future[ShardRows]] = {}
         self._orders: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
-        self._batches = _ReusedArrays((batch_size, *self._row_shape), self._raw)
-        self._widened = _ReusedArrays((batch_size, len(self.outputs), self.hidden_size), np.dtype(np.float32))
+        self._batches = ReusedArrays((batch_size, *self._row_shape), self._raw)
+        self._widened = ReusedArrays((batch_size, len(self.outputs), self.hidden_size), np.dtype(np.float32))
         # float32 batches of one output are widened as they are gathered, a chunk of rows at a time (`_put`).
         self._fused = (len(self.outputs) == 1 and not self._scaled and self.dtype == np.float32
                        and self.stored_dtype in (numpy_dtype("bfloat16"), np.dtype(np.float16)))  # fmt: skip
         layer_bytes = self._row_shape[1] * self._raw.itemsize
-        self._chunk = np.empty(max(1, _CHUNK_BYTES // layer_bytes), dtype=np.dtype((np.void, layer_bytes)))
+        self._chunk = np.empty(max(1, row_moves.CHUNK_BYTES // layer_bytes), dtype=np.dtype((np.void, layer_bytes)))
         # The same bytes as stored values [rows, 1, d], what `_put` widens from.
         self._chunk_values = self._chunk.view(self._raw).reshape(len(self._chunk), 1, -1).view(self.stored_dtype)
         self._reset(epoch=0)
@@ -302,7 +242,7 @@ class ActivationLoader:
             future.cancel()
         self._futures.clear()
         self._fetcher.shutdown(wait=True)
-        self._io.shutdown(wait=True)
+        self._fetching.close()
 
     def memory_bound_bytes(self) -> int:
         """Bytes the loader holds at most (see the module docstring); the largest shard is taken from the source's
@@ -366,7 +306,7 @@ class ActivationLoader:
         self._group[: self._filled] = place_in_order[shards]
         self._source[: self._filled] = -1  # every row is read back into its slot of the spill
         self._where[: self._filled] = np.arange(self._filled)
-        # The slots a shard refills are in buffer order, so its rows come in any order: `_copy_rows` checks for a
+        # The slots a shard refills are in buffer order, so its rows come in any order: `copy_rows` checks for a
         # run of consecutive rows instead of assuming one (#26: rows {5, 3, 4} were read as 3, 4, 5).
         distinct = [int(shard) for shard in np.unique(shards)]
         for fetched in self._fetch_in_turn(distinct):
@@ -379,7 +319,7 @@ class ActivationLoader:
                                         f"{fetched.url}, outside this rank's rows {fetched.lo}.."
                                         f"{fetched.lo + len(fetched.data[0]) - 1}; it is damaged")  # fmt: skip
             for target, source in zip(self._spill_layers, fetched.records):
-                _copy_rows(target, slots, source, local)
+                copy_rows(target, slots, source, local)
             self._copy_labels(slots, fetched, local)
 
     # -- epochs and the stream ----------------------------------------------------------------------------------
@@ -394,7 +334,7 @@ class ActivationLoader:
         self._k = 0  # position in this epoch's shard order
         self._j = 0  # kept rows of that shard already taken
         self._emitted = 0
-        self._current: _ShardRows | None = None
+        self._current: ShardRows | None = None
         self._rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
         if not hasattr(self, "_spill"):
             capacity, batch = self.capacity, self.batch_size
@@ -410,8 +350,8 @@ class ActivationLoader:
             # The spill: copies of the rows whose shard is no longer held (and every row after a resume). Rows move
             # as opaque records (one memcpy each): whole to be emitted, a layer at a time to be copied in.
             self._spill = np.empty((capacity, *self._row_shape), dtype=self._raw)
-            self._spill_rows = _records(self._spill)
-            self._spill_layers = [_records(self._spill[:, i]) for i in range(len(self.layers))]
+            self._spill_rows = records(self._spill)
+            self._spill_layers = [records(self._spill[:, i]) for i in range(len(self.layers))]
             # The rows a batch takes from the buffer, in draw order, until it is gathered: its group, its source (a
             # held shard's place in the order, or -1: the spill), and its row there.
             self._out_group = np.zeros(batch, dtype=np.int32)
@@ -423,7 +363,7 @@ class ActivationLoader:
         self._drained = 0
         # Shards whose rows may be in the buffer, by place in the epoch's order; when each one's last row entered
         # (rows emitted so far, `_rows_out`), for those the stream has left.
-        self._held: dict[int, _ShardRows] = {}
+        self._held: dict[int, ShardRows] = {}
         self._ended: dict[int, int] = {}
         self._rows_out = 0
         self._lo_of = np.zeros(len(self.shards), dtype=np.int64)  # by place: the first row of this rank's slice
@@ -456,20 +396,20 @@ class ActivationLoader:
                     return
             yield epoch, k
 
-    def _shard_rows(self) -> _ShardRows:
+    def _shard_rows(self) -> ShardRows:
         """The shard at the current position, fetched (or taken from the read-ahead), with read-ahead topped up."""
         if self._current is None:
             key = (self._epoch, self._k)
             future = self._futures.pop(key, None)
             if future is None:
-                future = self._fetcher.submit(self._fetch, int(self._order(self._epoch)[self._k]))
+                future = self._fetcher.submit(self._fetching.fetch, int(self._order(self._epoch)[self._k]))
             self._current = future.result()
         for key in self._upcoming():
             if key not in self._futures:
-                self._futures[key] = self._fetcher.submit(self._fetch, int(self._order(key[0])[key[1]]))
+                self._futures[key] = self._fetcher.submit(self._fetching.fetch, int(self._order(key[0])[key[1]]))
         return self._current
 
-    def _take(self, limit: int) -> tuple[_ShardRows, np.ndarray] | None:
+    def _take(self, limit: int) -> tuple[ShardRows, np.ndarray] | None:
         """Up to `limit` next rows of the stream, from one shard: (the shard's rows, the picked indices into them,
         increasing); None once the epoch's stream has ended. With the shuffle, a shard the stream reads is held
         (`_held`) and, once the stream leaves it, stamped with the rows emitted so far (`_ended`)."""
@@ -487,115 +427,18 @@ class ActivationLoader:
             self._k, self._j, self._current = self._k + 1, 0, None
         return None
 
-    # -- reading one shard --------------------------------------------------------------------------------------
+    # -- reading shards ------------------------------------------------------------------------------------------
 
-    def _fetch(self, shard: int, every_rank: bool = False) -> _ShardRows:
-        """This rank's rows (or every rank's) of the selected layers of one shard, and the rows the filters keep.
-        Every error names the shard."""
-        with _naming(self.shards[shard].url):
-            return self._fetch_rows(shard, every_rank)
-
-    def _fetch_in_turn(self, shards: Sequence[int], every_rank: bool = False) -> Iterator[_ShardRows]:
+    def _fetch_in_turn(self, shards: Sequence[int], every_rank: bool = False) -> Iterator[ShardRows]:
         """The shards' rows in order, `readahead + 1` fetched at once (as the stream reads them), each dropped by the
         caller before the next but `readahead` are read."""
         ahead = self.readahead + 1
-        pending = collections.deque(self._fetcher.submit(self._fetch, shard, every_rank) for shard in shards[:ahead])
+        pending = collections.deque(self._fetcher.submit(self._fetching.fetch, shard, every_rank) for shard in shards[:ahead])
         for following in [*shards[ahead:], *[None] * len(pending)]:
             fetched = pending.popleft().result()
             if following is not None:
-                pending.append(self._fetcher.submit(self._fetch, following, every_rank))
+                pending.append(self._fetcher.submit(self._fetching.fetch, following, every_rank))
             yield fetched
-
-    def _fetch_rows(self, shard: int, every_rank: bool) -> _ShardRows:
-        ref = self.shards[shard]
-        header = read_header(ref.url, self._reader)
-        self._check_matches(ref, header)
-        n = header.num_tokens
-        lo, hi = (0, n) if every_rank else (n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size)
-        data: list[np.ndarray] = []
-        reads: list[Future[None]] = []
-        joins: list[Callable[[], None]] = []
-        for output in self.outputs:
-            start, end = header.output(output).rows(lo, hi)
-            if self._scaled:
-                data.append(np.empty((hi - lo, self.hidden_size + 4), dtype=np.uint8))
-                layer_reads, join = self._fp8_rows(ref.url, header, output, lo, hi, data[-1])
-                reads += layer_reads
-                joins.append(join)
-            elif is_remote(ref.url):
-                data.append(np.empty((hi - lo, self.hidden_size), dtype=self._raw))
-                reads += self._read_rows(ref.url, start, data[-1])
-            else:
-                data.append(self._reader.map_local(ref.url, start, end - start).view(self._raw).reshape(hi - lo, self.hidden_size))
-        token_ids = offsets = positions = None
-        if self.filter.needs_token_ids or self._labels:
-            token_ids = np.empty(hi - lo, dtype=np.int32)
-            reads += self._read_rows(ref.url, header.tensor("token_ids").rows(lo, hi)[0], token_ids)
-        needs_positions = self.filter.needs_offsets or self.return_positions
-        if needs_positions and header.sampled:  # a sampled shard says where its tokens are (format.check_sampled)
-            positions = np.empty(hi - lo, dtype=np.int32)
-            reads += self._read_rows(ref.url, header.tensor(POSITIONS).rows(lo, hi)[0], positions)
-        elif needs_positions:
-            spec = header.tensor("offsets")
-            offsets = np.empty(spec.shape, dtype=np.int64)
-            reads += self._read_rows(ref.url, spec.start, offsets)
-        for read in reads:
-            read.result()
-        for join in joins:
-            join()
-        if offsets is not None:
-            if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != n or (np.diff(offsets) < 0).any():
-                raise ShardFormatError(f"offsets {_ends(offsets)} do not cut its {n} tokens into documents")
-            positions = _row_positions(lo, hi, offsets).astype(np.int32)
-        kept = self.filter.kept(hi - lo, token_ids, positions)
-        return _ShardRows(ref.url, shard, lo, data, token_ids, positions if self.return_positions else None, kept)
-
-    def _fp8_rows(
-        self, url: str, header: ShardHeader, output: Output, lo: int, hi: int, out: np.ndarray
-    ) -> tuple[list[Future[None]], Callable[[], None]]:
-        """Reads of an fp8 output's rows [lo, hi) and their scales, and what puts them into `out` [hi - lo, d + 4]
-        (uint8: each row's d bytes of e4m3, then its scale's 4 bytes) once they are done."""
-        spec = header.scale(output)
-        if spec is None:
-            raise ActivationsError(f"shard {url}: {output_key(output)} has no per-token scale, unlike the first "
-                                   "shard's; read shards of one job together")  # fmt: skip
-        values = np.empty((hi - lo, self.hidden_size), dtype=np.uint8)
-        scales = np.empty(hi - lo, dtype=np.float32)
-        reads = self._read_rows(url, header.output(output).rows(lo, hi)[0], values)
-        reads += self._read_rows(url, spec.rows(lo, hi)[0], scales)
-
-        def join() -> None:
-            out[:, : self.hidden_size] = values
-            out[:, self.hidden_size :] = scales.view(np.uint8).reshape(-1, 4)
-
-        return reads, join
-
-    def _decode(self, rows: np.ndarray) -> np.ndarray:
-        """Raw rows [..., width] as the stored dtype, or (fp8) as float32: e4m3 values times their scale."""
-        if not self._scaled:
-            return rows.view(self.stored_dtype)
-        scale = np.ascontiguousarray(rows[..., self.hidden_size :]).view(np.float32)
-        return rows[..., : self.hidden_size].view(self.stored_dtype).astype(np.float32) * scale
-
-    def _read_rows(self, url: str, start: int, out: np.ndarray) -> list[Future[None]]:
-        """Parallel ranged reads of `out.nbytes` bytes at `start` into `out`, in parts of about `part_bytes`."""
-        flat = out.reshape(-1).view(np.uint8)
-        step = max(out.itemsize * (out.shape[-1] if out.ndim > 1 else 1), self.part_bytes)
-        step -= step % (out.itemsize * (out.shape[-1] if out.ndim > 1 else 1))
-        return [
-            self._io.submit(self._reader.read_into, url, start + offset, flat[offset : offset + step])
-            for offset in range(0, len(flat), step)
-        ]
-
-    def _check_matches(self, ref: ShardRef, header: ShardHeader) -> None:
-        for output in self.outputs:
-            spec = header.output(output)
-            if spec.shape[0] != header.num_tokens:
-                raise ShardFormatError(f"{output_key(output)} has {spec.shape[0]} rows, token_ids {header.num_tokens}")
-            if spec.shape[1:] != (self.hidden_size,) or spec.dtype != self.stored_dtype:
-                raise ActivationsError(f"shard {ref.url}: {output_key(output)} is {spec.dtype} {list(spec.shape)}, unlike "
-                                       f"the first shard's {self.stored_dtype} [n, {self.hidden_size}]; read shards of "
-                                       "one job together")  # fmt: skip
 
     # -- batches ------------------------------------------------------------------------------------------------
 
@@ -627,11 +470,11 @@ class ActivationLoader:
                     break
                 source, picked = piece
                 if len(self.layers) == 1:
-                    run = _run(picked)
+                    run = run_of(picked)
                     self._put(batch, count, source.records[0], run if run is not None else picked)
                 else:
                     for i, rows in enumerate(source.records):
-                        _copy_rows(_records(batch[:, i]), slice(count, count + len(picked)), rows, picked)
+                        copy_rows(records(batch[:, i]), slice(count, count + len(picked)), rows, picked)
                 if tokens is not None:
                     tokens[count : count + len(picked)] = source.token_ids[picked]
                 if positions is not None:
@@ -669,13 +512,13 @@ class ActivationLoader:
                 self._let_go()
         return batch, tokens, positions, count
 
-    def _enter(self, slots: np.ndarray, source: _ShardRows, picked: np.ndarray) -> None:
+    def _enter(self, slots: np.ndarray, source: ShardRows, picked: np.ndarray) -> None:
         """Rows `picked` of a held shard into the buffer's `slots`: where they are, not copies of them."""
         self._group[slots] = self._source[slots] = self._k
         self._local[slots] = self._where[slots] = picked
         self._copy_labels(slots, source, picked)
 
-    def _copy_labels(self, slots: np.ndarray, source: _ShardRows, picked: np.ndarray) -> None:
+    def _copy_labels(self, slots: np.ndarray, source: ShardRows, picked: np.ndarray) -> None:
         if self._tokens is not None:
             self._tokens[slots] = source.token_ids[picked]
         if self._positions is not None:
@@ -701,21 +544,21 @@ class ActivationLoader:
         (shards in the epoch's order, a shard's rows in draw order): one `np.take` per run of rows in one place (a
         held shard, or the spill) straight into the batch, so each row is copied once. Its labels are put in the
         same order."""
-        order = _stable_order(self._out_group[:count])
+        order = stable_order(self._out_group[:count])
         sources, rows = self._out_source[:count][order], self._out_row[:count][order]
         cuts = [0, *(np.flatnonzero(sources[1:] != sources[:-1]) + 1).tolist(), count]
-        whole = None if self._fused else _records(batch)
+        whole = None if self._fused else records(batch)
         for lo, hi, source in zip(cuts[:-1], cuts[1:], sources[cuts[:-1]].tolist()):
             if source >= 0 and len(self.layers) > 1:
                 for i, layer in enumerate(self._held[source].records):
-                    _records(batch[:, i])[lo:hi] = layer[rows[lo:hi]]
+                    records(batch[:, i])[lo:hi] = layer[rows[lo:hi]]
                 continue
             # Spilled rows are whole rows (every layer) at once; a held shard's, of its one layer.
-            records = self._spill_rows if source < 0 else self._held[source].records[0]
+            where = self._spill_rows if source < 0 else self._held[source].records[0]
             if whole is not None:  # mode="clip": see _put
-                np.take(records, rows[lo:hi], out=whole[lo:hi], mode="clip")
+                np.take(where, rows[lo:hi], out=whole[lo:hi], mode="clip")
             else:
-                self._put(batch, lo, records, rows[lo:hi])
+                self._put(batch, lo, where, rows[lo:hi])
         for labels in (tokens, positions):
             if labels is not None:
                 labels[:count] = labels[:count][order]
@@ -732,10 +575,10 @@ class ActivationLoader:
             if self._fused:
                 self._finish(source[picked], batch[at : at + n])
             else:
-                _records(batch)[at : at + n] = source[picked]
+                records(batch)[at : at + n] = source[picked]
             return
         if not self._fused:
-            np.take(source, picked, out=_records(batch)[at : at + len(picked)], mode="clip")
+            np.take(source, picked, out=records(batch)[at : at + len(picked)], mode="clip")
             return
         chunk, values, step = self._chunk, self._chunk_values, len(self._chunk)
         for lo in range(0, len(picked), step):
@@ -744,7 +587,7 @@ class ActivationLoader:
             out = batch[at + lo : at + lo + m]
             np.copyto(out, values[:m], casting="unsafe")
             if self._norm is not None:
-                self._normalise(out)
+                normalise(out, self._norm, self.normalize)
 
     def _finish(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Rows as records of the stored bits into `out`, float32 [m, 1, d]: widened exactly (a cast numpy runs
@@ -752,14 +595,8 @@ class ActivationLoader:
         stored = rows.view(self._raw).reshape(len(rows), 1, self.hidden_size).view(self.stored_dtype)
         np.copyto(out, stored, casting="unsafe")
         if self._norm is not None:
-            self._normalise(out)
+            normalise(out, self._norm, self.normalize)
 
-    def _normalise(self, rows: np.ndarray) -> None:
-        """(rows - shift) * scale in place."""
-        shift, scale = self._norm
-        if self.normalize == "standardize":
-            np.subtract(rows, shift, out=rows)
-        np.multiply(rows, scale, out=rows)
 
     def _let_go(self) -> None:
         """Shards whose last row entered `hold` x C emitted rows ago: the rows of theirs still in the buffer are
@@ -779,37 +616,13 @@ class ActivationLoader:
                     target[slots[lo : lo + len(chunk)]] = chunk
             self._source[slots], self._where[slots] = -1, slots
 
+
     # -- output -------------------------------------------------------------------------------------------------
-
-    def _normalisation(self, stats: dict[Output, LayerStats] | None) -> tuple[np.ndarray, np.ndarray]:
-        """(shift [outputs, d], scale [outputs, d]) such that the output is (x - shift) * scale."""
-        stats = stats or self.stats()
-        missing = [output_key(o) for o in self.outputs if o not in stats]
-        if missing:
-            raise LoaderConfigError(f"normalize={self.normalize!r}: no statistics for {missing}")
-        shift = np.zeros((len(self.outputs), self.hidden_size), np.float32)
-        scale = np.ones((len(self.outputs), self.hidden_size), np.float32)
-        for i, output in enumerate(self.outputs):
-            layer_stats = stats[output]
-            if self.normalize == "mean_norm":
-                scale[i] = math.sqrt(self.hidden_size) / max(layer_stats.mean_norm, 1e-12)
-            else:
-                shift[i] = layer_stats.mean
-                scale[i] = 1.0 / np.maximum(layer_stats.std, 1e-6)
-        return shift, scale
-
     def stats(self) -> dict[Output, LayerStats]:
         """Statistics of every stored token of each selected output (keyed by hidden-state index or hook point): the
         job index's when tools/merge.py wrote them (a queue source), else summed from the shards' own (two small
         ranged reads per shard)."""
-        source = self.source if isinstance(self.source, str) else None
-        index_url = queue_index_url(source, self._client) if source else None
-        if index_url is not None:
-            recorded = read_index(index_url, self._client).get("stats") or {}
-            if all(output_key(o) in recorded for o in self.outputs):
-                return {o: LayerStats.from_json(recorded[output_key(o)], f"index {index_url} stats")
-                        for o in self.outputs}  # fmt: skip
-        return sum_stats(self.shards, self._reader)
+        return stored_stats(self.source, self.shards, self.outputs, self._reader, self._client)
 
     def kept_stats(self, shards: int | None = None) -> dict[Output, LayerStats]:
         """Statistics of the rows the token filters keep, to pass as `stats=` to a loader with the same filters.
@@ -826,15 +639,15 @@ class ActivationLoader:
         totals = {output: LayerStats.zeros(self.hidden_size) for output in self.outputs}
         for rows in self._fetch_in_turn(picks, every_rank=True):
             for i, output in enumerate(self.outputs):
-                totals[output].add(LayerStats.of(self._decode(rows.data[i][rows.kept])))
+                totals[output].add(LayerStats.of(self._fetching.decode(rows.data[i][rows.kept])))
         return totals
 
     def _convert(self, rows: np.ndarray, tokens: np.ndarray | None, positions: np.ndarray | None) -> Any:
-        rows = rows if self._fused else self._decode(rows)  # fused: widened and normalised as it was gathered
+        rows = rows if self._fused else self._fetching.decode(rows)  # fused: widened and normalised as it was gathered
         if not self._fused and (self._norm is not None or rows.dtype != self.dtype):
             wide = self._widen(rows)
             if self._norm is not None:
-                self._normalise(wide)
+                normalise(wide, self._norm, self.normalize)
             rows = wide.astype(self.dtype, copy=False)
         if len(self.outputs) == 1:
             rows = rows[:, 0]
@@ -846,7 +659,7 @@ class ActivationLoader:
         return out
 
     def _widen(self, rows: np.ndarray) -> np.ndarray:
-        """[m, outputs, d] rows as float32, in an array reused once nothing holds it (`_ReusedArrays`): a fresh array
+        """[m, outputs, d] rows as float32, in an array reused once nothing holds it (`ReusedArrays`): a fresh array
         of a batch's size would cost the kernel a pass zeroing its pages (58 MB at the 7B width). bfloat16 is the top
         half of a float32, so it widens exactly by an integer shift (which numpy runs without the GIL)."""
         if rows.dtype == np.float32:  # stored as float32 (the batch's own array), or fp8's product: normalised in place
@@ -855,107 +668,6 @@ class ActivationLoader:
         np.copyto(wide, rows, casting="unsafe")  # exact from bfloat16 and float16
         return wide
 
-
-@contextlib.contextmanager
-def _naming(url: str) -> Iterator[None]:
-    """A shard's format errors (which know the header, not where it came from) as errors that name the shard."""
-    try:
-        yield
-    except ShardFormatError as exc:
-        raise ActivationsError(f"shard {url}: {exc}") from exc
-
-
-class _ReusedArrays:
-    """Arrays of one shape for batches, each reused once nobody else holds it.
-
-    A fresh array of a batch's size (29 MB at the 7B width) costs the kernel a pass zeroing its pages, about as much
-    as copying the rows into it. Whether anyone else still holds an array is its reference count: a view of it (the
-    batch handed out is one), a torch tensor made by torch.from_numpy, a JAX array aliasing it, a buffer export,
-    each holds a reference. So an array comes back only when every batch made from it is gone; a caller that keeps
-    batches (a list of them) simply gets new arrays."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, keep: int = 2):
-        self.shape, self.dtype, self.keep = shape, dtype, keep
-        self._arrays: list[np.ndarray] = []
-        self._alone = _references([object()], 0)  # an object only a list holds, counted the same way
-
-    def take(self) -> np.ndarray:
-        for i in range(len(self._arrays)):
-            if _references(self._arrays, i) == self._alone:
-                return self._arrays[i]
-        array = np.empty(self.shape, dtype=self.dtype)
-        if len(self._arrays) < self.keep:  # a loop holds the last batch while it asks for the next: 2 cover it
-            self._arrays.append(array)
-        return array
-
-
-def _references(items: list[Any], i: int) -> int:
-    return sys.getrefcount(items[i])
-
-
-def _records(rows: np.ndarray) -> np.ndarray:
-    """[n, d] rows (each row contiguous; the rows may be strided) or a contiguous [n, layers, d] array, as a view of
-    n opaque records of a row's bytes. numpy moves a record with one memcpy, where it copies a row of numbers
-    element by element: gathering or scattering 7 KiB rows goes about 1.3-2 times faster as records."""
-    if rows.ndim == 3:
-        rows = rows.reshape(len(rows), rows.shape[1] * rows.shape[2])  # contiguous (the buffer, a batch): a view
-    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))[:, 0]
-
-
-def _stable_order(keys: np.ndarray) -> np.ndarray:
-    """np.argsort(keys, kind="stable"), by numpy's radix sort when the keys span fewer than 2^16 values (a batch's
-    shards, nearly always): about 6 times faster on a batch's keys than its merge sort of int32."""
-    if len(keys) and int(keys.max()) - int(keys.min()) < 1 << 16:
-        low = keys.min()
-        return np.argsort((keys - low).astype(np.uint16), kind="stable")
-    return np.argsort(keys, kind="stable")
-
-
-#: Bytes of rows gathered into `_chunk` before they are widened: small enough to stay in a core's L2 cache.
-_CHUNK_BYTES = 256 << 10
-
-
-def _run(picked: np.ndarray) -> slice | None:
-    """`picked` as a slice if it is a run of consecutive increasing indices, else None. Checked, not assumed: a
-    resume refills slots in buffer order, whose rows come in any order (and {5, 3, 4} spans 3 rows too)."""
-    n = len(picked)
-    if n == 0 or picked[-1] - picked[0] != n - 1 or (n > 1 and (np.diff(picked) != 1).any()):
-        return None
-    return slice(int(picked[0]), int(picked[-1]) + 1)
-
-
-def _copy_rows(target: np.ndarray, at: np.ndarray | slice, source: np.ndarray, picked: np.ndarray) -> None:
-    """target[at] = source[picked], for records (`_records`), in one copy where numpy allows it: a run of
-    consecutive rows is copied straight from the source; scattered rows into a contiguous slice are gathered into
-    place; only scattered rows into scattered slots are gathered into a temporary first (a resume, a filter)."""
-    run = _run(picked)
-    if run is not None:
-        target[at] = source[run]
-    elif isinstance(at, slice) and target.flags.c_contiguous:
-        np.take(source, picked, out=target[at], mode="clip")  # `picked` is valid: see _emit for the mode
-    else:
-        target[at] = source[picked]
-
-
-def _selected(header: ShardHeader, layers: int | Output | Sequence[Output] | None, site: str) -> tuple[Output, ...]:
-    """The outputs `layers` and `site` select (every one of `site` when `layers` is None), each checked to be in the
-    shards."""
-    if layers is None:
-        chosen = [o for o in header.outputs if (isinstance(o, int) if site == HIDDEN else getattr(o, "site", "") == site)]
-    else:
-        given = [layers] if isinstance(layers, (int, HookPoint)) else list(layers)
-        chosen = [o if isinstance(o, HookPoint) else as_output(o, site) for o in given]
-    missing = [output_key(o) for o in chosen if o not in header.outputs]
-    if missing or not chosen:
-        held = ", ".join(map(output_key, header.outputs))
-        raise LoaderConfigError(f"layers {[output_key(o) for o in chosen]} at site={site!r}: {missing or 'none'} not "
-                                f"in the shards, which hold {held}")  # fmt: skip
-    return tuple(chosen)
-
-
-def _ends(array: np.ndarray) -> str:
-    """A long array's ends, for an error message."""
-    return str(array.tolist()) if len(array) <= 6 else f"[{array[0]}, {array[1]}, ..., {array[-2]}, {array[-1]}]"
 
 
 def _to_framework(array: np.ndarray, output: str, device: Any) -> Any:

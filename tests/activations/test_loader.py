@@ -297,9 +297,9 @@ def test_float32_batches_are_the_stored_bits_widened_then_normalised(written, op
     values as the stored bfloat16 stream widened, then shifted and scaled in float32. At these rows' width a batch
     is one chunk; chunks of 3 rows are the case of real widths (36 rows of 7 KiB a chunk)."""
     if chunk_rows:
-        import activations.loader
+        import activations.shuffle
 
-        monkeypatch.setattr(activations.loader, "_CHUNK_BYTES", chunk_rows * HIDDEN * 2)
+        monkeypatch.setattr(activations.shuffle, "CHUNK_BYTES", chunk_rows * HIDDEN * 2)
 
     def stream(dtype: str) -> list[np.ndarray]:
         with ActivationLoader(str(written.root), layers=3, batch_size=8, seed=6, epochs=2, dtype=dtype,
@@ -321,7 +321,7 @@ def test_float32_batches_are_the_stored_bits_widened_then_normalised(written, op
 def test_a_batchs_rows_are_ordered_by_numpys_stable_sort_of_their_shards_whatever_the_span():
     """The batch's grouping sorts its rows' shard places by radix when they span under 2^16 values, else by numpy's
     merge sort: the same order either way, at the boundary too."""
-    from activations.loader import _stable_order
+    from activations.shuffle import stable_order as _stable_order
 
     rng = np.random.default_rng(1)
     for low, span in [(0, 0), (0, 5), (100_000, 30), (7, (1 << 16) - 1), (7, 1 << 16), (0, 70_000)]:
