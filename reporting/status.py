@@ -139,8 +139,8 @@ def snapshot(
     submitting = _running(after)
     view["submitting"] = [first for first, _ in submitting]
     # The one completion rule (taskqueue/completion.py), which the keeper and `down` read from here.
-    progress = completion.Progress(total=view["total"], unfinished=view.pop("unfinished"), submitting=len(submitting),
-                                   steady=steady, counted_all=not view["estimate"])  # fmt: skip
+    progress = completion.QueueCount(total=view["total"], unfinished=view.pop("unfinished"),
+                                     submitting=len(submitting), steady=steady, counted_all=not view["estimate"])
     view["complete"] = progress.complete
     unfinished = [e for e in after.values() if e.metadata.get("state") != layout.BATCH_DONE]
     view["blockers"] = blockers(view, unfinished, now)

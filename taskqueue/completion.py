@@ -9,15 +9,15 @@ Two rules, each written once:
   never writes a queue object into it. `wait_for_job` lets a worker that started before the
   submit wait a bounded time for it; then it raises `QueueMissing`, whose message names the URL.
   A bucket that does not exist is `QueueMissing` at once, naming the bucket.
-- **Complete** (`Progress.complete`): at least one task was counted, every task counted has its
+- **Complete** (`QueueCount.complete`): at least one task was counted, every task counted has its
   done marker or dead letter, every region was counted (not an estimate), no batch is running (a
   submit in progress, or one that died), and `batches/` did not change while the counts were
   taken. A dead letter does not block completion (the job's outputs miss it: status names it).
 
-Who reads them: `reporting.status.snapshot` builds a `Progress` from its listings and says
+Who reads them: `reporting.status.snapshot` builds a `QueueCount` from its listings and says
 `complete` by it; the keeper (fleet/keeper.py, through the `work()` callable tools/fleetctl.py
 gives it) and `down` stop on that `complete`; a worker (taskqueue/spawner.py) starts only after
-`wait_for_job` and leaves `drained` only when its own view, as a `Progress`, is complete.
+`wait_for_job` and leaves `drained` only when its own view, as a `QueueCount`, is complete.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class QueueMissing(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class Progress:
+class QueueCount:
     """What one look at the queue counted, as the completion rule reads it."""
 
     total: int  # tasks counted

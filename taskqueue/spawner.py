@@ -239,7 +239,7 @@ class Spawner:
         claimer's last look, and a task submitted (wait_for_job saw one, and tasks are never deleted).
         The claimer's drain check is that rule on its listings; a view that fails it says why, and
         the worker leaves `idle` instead, which never claims the queue is finished."""
-        progress = completion.Progress(total=1, unfinished=0, submitting=len(self.claimer.view.running))
+        progress = completion.QueueCount(total=1, unfinished=0, submitting=len(self.claimer.view.running))
         if progress.complete:
             return "drained"
         log.error("event=drain_refused worker=%s why=%r", self.options.worker, progress.why_not())
