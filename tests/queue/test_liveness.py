@@ -20,7 +20,7 @@ from objectstore import open_store
 from objectstore.counting import CountingStore
 from objectstore.local import LocalStore
 from taskqueue import layout
-from taskqueue.claims import Claimer, ClaimOptions
+from taskqueue.claims import Claimer, ClaimOptions, QueueView
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, encode, new_lease_body
 from reporting.status import render, snapshot
@@ -88,6 +88,42 @@ def test_a_waiting_worker_watches_a_lease_first_seen_late_for_a_whole_ttl_before
     assert [t for t, _ in claimed] == ["dead"], f"left {worker.exit_reason!r} beside the dead holder's lease"
     assert claimed[0][1] - created >= ttl * 0.95  # taken over once its TTL had run since it was seen, not before
     assert worker.exit_reason == "idle"  # and then it left, the live holder's task still held
+
+
+class StoppedClock(Clock):
+    """A monotonic clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(("gap_s", "renewed"), [(59.0, True), (61.0, False)])
+def test_a_lease_seen_changed_across_a_gap_longer_than_its_ttl_is_no_renewal(tmp_path, gap_s, renewed):
+    """A lease whose generation changed between two listings less than a TTL apart was written by a
+    holder alive within a TTL: the worker may leave `idle` beside it. Across a longer gap (a worker
+    busy on its own task, or polling other regions) the change says nothing of now: the holder may
+    have written it long ago and died since, so the worker must watch it for a whole TTL
+    (`Sighting.renewed`, docs/PROTOCOL.md, G6)."""
+    store = LocalStore(tmp_path / "q")
+    submit(store, b"{}", tasks("t1"))
+    lease = hold(store, "t1", "holder", ttl_s=60.0)
+    clock = StoppedClock()
+    view = QueueView(store, clock)
+    view.scan_map()
+    view.load(layout.HEAD)
+    assert view.unjudged() == ["t1"]  # first seen now: not judged yet
+    clock.now += gap_s
+    lease.heartbeat()  # a new generation
+    view.load(layout.HEAD)
+    assert view.leases["t1"].renewed is renewed
+    assert view.unjudged() == ([] if renewed else ["t1"])
+    clock.now += 30.0  # seen again unchanged: a renewal seen stays seen, none seen stays unseen
+    view.load(layout.HEAD)
+    assert view.leases["t1"].renewed is renewed
 
 
 # -- a submit that fails never leaves its batch running ----------------------------------------
