@@ -97,6 +97,9 @@ from tests.simworld.store import Faults, Limits, SimStore
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STATUS_LOOKS = 6  # snapshots taken by status at random times of a world (invariant 8)
+#: How far apart in time a listing may be as the store answered it and as its worker sent it (a slow
+#: request, a page more): a renewal seen across a gap this close to a TTL is not judged (invariant 6).
+RENEW_MARGIN_S = 5.0
 TICK_S = 2.0  # how often the simulated shell ticks the core while a consumer runs (the real one: 0.2 s)
 JOB = json.dumps({"name": "sim"}).encode()
 
@@ -240,6 +243,7 @@ class Machine:
     #: else it counts the suspension, as taskqueue.clock does on Linux.
     clock_stops: bool = False
     submitting: bool = False  # its submit has not returned: a signal still reaches it
+    clock: SimClock | None = None  # its worker's clock, once a worker runs on it
 
 
 class SeedFaults(Faults):
@@ -376,6 +380,7 @@ class World:
         self.faults = SeedFaults(self)
         self.store = SimStore(self.scheduler, limits, config.seed, faults=self.faults, page_limit=config.page_limit)
         self.store.on_stored = self._stored
+        self.store.on_listed = self._listed
         self.machines: dict[str, Machine] = {}
         self.violations: list[Violation] = []
         self.stats: collections.Counter[str] = collections.Counter()
@@ -388,6 +393,9 @@ class World:
         self.submits_in_progress: dict[str, list[str]] = {}  # submitter -> its ids, from its first write on
         self.waiting_log: list[tuple[str, float, float]] = []  # (worker, from, to): alive without a task
         self.batch_writers: set[str] = set()  # machines that wrote a batch marker (a submit that began its batch)
+        #: (worker machine, task) -> [(its clock, generation)]: every listing that showed it the task's lease
+        #: unfinished, in order (what invariant 6 judges a renewal by, never the worker's own flag)
+        self.lease_views: dict[tuple[str, str], list[tuple[float, int]]] = collections.defaultdict(list)
         self.setting_up = True
         self._spawned = 0
         self.trace = hashlib.sha256()
@@ -452,6 +460,30 @@ class World:
             body = json.loads(data)
             self.first_claim_at.setdefault(task_id, now)
             self.committed[task_id].update(_key(r) for r in body.get("progress", []))
+
+    def _listed(self, prefix: str, entries: list, origin: object) -> None:
+        if prefix != layout.LEASES or not isinstance(origin, Machine) or origin.clock is None:
+            return
+        now = origin.clock.monotonic()
+        for entry in entries:
+            task_id = layout.id_from_object(entry.name, layout.LEASES)
+            if task_id is not None and entry.metadata.get("state", "held") not in ("done", "dead"):
+                self.lease_views[(origin.name, task_id)].append((now, entry.generation))
+
+    def saw_renew(self, machine: str, task_id: str, generation: int) -> bool | None:
+        """Whether `machine`'s listings showed the lease change to `generation` between two listings
+        less than a TTL apart on its own clock (a renewal seen: its holder wrote within a TTL); None
+        when the gap is too close to a TTL to tell (a listing's time here is when the store answered
+        it, the worker's when it sent it: a slow request or a page more apart)."""
+        views = self.lease_views.get((machine, task_id), [])
+        first = next((i for i, (_, g) in enumerate(views) if g == generation), None)
+        if first is None or first == 0:
+            return False  # never listed at that generation, or first seen at it: nothing seen to change
+        gap = views[first][0] - views[first - 1][0]
+        ttl = self.config.lease_ttl_s
+        if abs(gap - ttl) <= RENEW_MARGIN_S:
+            return None
+        return gap < ttl
 
     def _covered_by_running_batch(self, task_id: str) -> bool:
         key = layout.key(task_id)
@@ -783,6 +815,7 @@ class SimWorker:
             self.clock,
         )
         machine.claimer = self.claimer
+        machine.clock = self.clock
         self.options = RunOptions(
             lease_ttl_s=c.lease_ttl_s, heartbeat_s=c.heartbeat_s, max_attempts=c.max_attempts, worker=machine.name,
             stuck_after_s=c.stuck_after_s,
@@ -838,8 +871,10 @@ class SimWorker:
                 # Nobody runs the task: only a worker that watches the lease for its TTL can take it over.
                 # Leaving is fine only beside a lease seen renewing (its holder may have died since: no
                 # rule can tell); one the worker never watched for a TTL may be stranded for good.
-                sighting = self.claimer.view.leases.get(t)
-                if sighting is None or not sighting.renewed:
+                # Judged from what the store answered the worker's listings, not from its own flag
+                # (Sighting.renewed), which a broken rule would set as readily as it reads it.
+                if world.saw_renew(self.machine.name, t, found[0].generation) is False:
+                    sighting = self.claimer.view.leases.get(t)
                     world.violation(6, f"{self.machine.name} exited idle beside task {t}'s lease, held by "
                                        f"{lease['worker']} who runs it no more, never seen renewing "
                                        f"nor watched for its TTL (sighting {sighting})")  # fmt: skip
