@@ -24,7 +24,7 @@ from taskqueue.claims import Claimer, ClaimOptions, QueueView
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, encode, new_lease_body
 from reporting.status import render, snapshot
-from taskqueue.submit import SubmitError, batch_id, batch_name, begin_batch, finish_batch, submit
+from taskqueue.submit import SubmitError, batch_id, batch_name, begin_batch, finish_batch, prune_batches, submit
 from tests.workers import REPO, renewing
 
 
@@ -361,6 +361,88 @@ def test_a_busy_worker_finds_tasks_whose_batch_came_and_went_unseen(tmp_path):
                 worker.stop()
     assert sorted(claimed) == ["a05", "z5"]
     assert claimed["a05"] < 10.0, claimed  # long before its last look, 30 s on
+
+
+class ComeAndGone(LocalStore):
+    """A local queue in which, just before one chosen listing of batches/ is answered, a batch comes
+    and goes unseen: submit A creates task `z` and finishes; a lifecycle rule moves the `updated`
+    time of the older batch marker P (a storage class change: generation unchanged); then P's
+    submit, whose machine paused after it wrote its `done` marker and before its prune, prunes A's
+    marker as older than BATCH_KEEP_S. The listing after it holds the same markers at the same
+    generations as one taken before A began: only layout.PRUNED says that a batch came and went
+    (`layout.batch_unseen_between`, docs/PROTOCOL.md, "Status")."""
+
+    def __init__(self, path, pruner: str, trigger) -> None:
+        super().__init__(path)
+        self.pruner, self.trigger = pruner, trigger
+        self.listed: list[str] = []  # the prefixes the code under test listed (not the batch's own listings)
+        self.happened = False
+        self._inside = False
+
+    def list_page(self, prefix, page_token=None, start_offset=None, page_size=1000, end_offset=None):
+        if not self._inside:
+            if not self.happened and prefix == layout.BATCHES and self.trigger(self.listed):
+                self._come_and_go()
+            self.listed.append(prefix)
+        return super().list_page(prefix, page_token, start_offset, page_size, end_offset)
+
+    def _come_and_go(self) -> None:
+        self._inside = True
+        try:
+            submit(self, None, tasks("z"))
+            (came,) = [e for e in self.list(layout.BATCHES) if e.name == batch_name(["z"])]
+            path = self._meta_path(self._prefix + self.pruner)
+            meta = json.loads(path.read_text())
+            meta["updated"] = (came.updated + dt.timedelta(seconds=layout.BATCH_KEEP_S + 1)).isoformat()
+            path.write_text(json.dumps(meta))
+            assert prune_batches(self, self.pruner) == 1
+            assert batch_name(["z"]) not in {e.name for e in self.list(layout.BATCHES)}
+        finally:
+            self._inside = False
+        self.happened = True
+
+
+def finished_queue(store) -> None:
+    """Task `a`, submitted, run and swept: the queue is complete."""
+    submit(store, b"{}", tasks("a"))
+    assert drain(store) == ("drained", ["a"])
+
+
+def test_status_is_not_complete_when_a_batch_came_and_went_between_its_two_listings_of_batches(tmp_path):
+    """Status lists batches/, then the regions (the head region swept, one task), then batches/
+    again; in between, a batch adds task `z` and is pruned. Both listings of batches/ hold the same
+    markers: without the PRUNED rule, status said `complete`, 1 of 1 done, while `z` has no marker."""
+    snapshots = 0
+
+    def second_listing_of_a_snapshot(listed: list[str]) -> bool:
+        return snapshots == 1 and listed.count(layout.BATCHES) == 1
+
+    store = ComeAndGone(tmp_path / "q", batch_name(["a"]), second_listing_of_a_snapshot)
+    finished_queue(store)
+    store.listed.clear()
+    snapshots = 1
+    view = snapshot(store)
+    assert store.happened
+    assert not view["complete"], "status said complete while task z, of a batch that came and went, has no marker"
+    assert (view["total"], view["done"]) == (2, 1)  # the retry counted z
+
+
+def test_a_worker_is_not_drained_when_a_batch_came_and_went_between_its_two_listings_of_batches(tmp_path):
+    """A worker on a swept queue lists batches/, the map and swept/, then batches/ again before it
+    leaves `drained`; in between, a batch adds task `z` and is pruned. Without the PRUNED rule in
+    `Claimer._drained` it left drained with `z` unrun (invariant 4)."""
+
+    def drained_check_second_listing(listed: list[str]) -> bool:
+        return listed[-3:] == [layout.BATCHES, layout.SPLITS, layout.SWEPT]  # _drained: batches/, the map, batches/
+
+    store = ComeAndGone(tmp_path / "q", batch_name(["a"]), lambda listed: False)
+    submit(store, b"{}", tasks("a"))
+    store.listed.clear()
+    store.trigger = drained_check_second_listing
+    exit_reason, ran = drain(store)  # it runs `a`, sweeps the region, then checks whether it is drained
+    assert store.happened
+    assert ran == ["a", "z"], f"left {exit_reason!r} without running z, whose batch came and went"
+    assert exit_reason == "drained"
 
 
 # -- status says what blocks completion ---------------------------------------------------------
