@@ -15,7 +15,7 @@ from collections.abc import Callable
 from objectstore import open_store
 from taskqueue.claims import default_poll_max
 from taskqueue.clock import Clock
-from taskqueue.completion import QueueMissing
+from taskqueue.completion import QueueMissing, dead_letters_note
 from taskqueue.slice import Follower, SliceOptions
 from taskqueue.spawner import SpawnOptions, Spawner, resolve_consumer
 
@@ -191,13 +191,15 @@ def run(
     ):
         if self_delete is None:
             raise SystemExit("--on-empty delete: this build has no self-delete hook")
-        spawner.tell_state("deleting", reason=f"queue {reason}")
+        note = dead_letters_note(spawner.store) if reason == "drained" else ""
+        spawner.tell_state("deleting", reason=f"queue {reason}{note}")
         self_delete()
     else:
         # A preempted machine says so at once: status counts it out of the fleet up (reporting/machinestate.py).
         if reason == "stopped" and spawner.stop_reason:
             reason = "preempted" if spawner.stop_reason == "preempted" else f"stopped ({spawner.stop_reason})"
-        spawner.tell_state("exited", reason=reason)
+        note = dead_letters_note(spawner.store) if reason == "drained" else ""
+        spawner.tell_state("exited", reason=reason + note)
     return 0
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 
-from objectstore import NotFound, ObjectStore, StoreUnavailable
+from objectstore import NotFound, ObjectStore, StoreError, StoreUnavailable
 from taskqueue import layout
 from taskqueue.clock import Clock
 
@@ -68,6 +68,22 @@ class Progress:
         if self.unfinished:
             return f"{self.unfinished} task(s) without a done marker or dead letter"
         return None
+
+
+def dead_letters_note(store: ObjectStore) -> str:
+    """What a worker adds to its last record's reason when it leaves a drained queue in which tasks
+    ended as dead letters: ` with N dead letter(s)` and the command that lists them, since a finish
+    whose outputs miss tasks is not a clean one (docs/PROTOCOL.md, "Status"); empty for a clean one.
+    Counted from the confirmed swept markers' `failed` (every region of a drained queue has one):
+    one request per thousand regions. A listing that fails adds nothing, and a log line says why."""
+    try:
+        failed = sum(int(e.metadata.get("failed") or 0) for e in store.list(layout.SWEPT) if e.metadata.get("confirmed"))
+    except (StoreError, ValueError) as exc:
+        log.warning("event=dead_letters_uncounted queue=%s error=%s", store.root_url, exc)
+        return ""
+    if not failed:
+        return ""
+    return f" with {failed} dead letter{'s' if failed != 1 else ''} (tools/status.py {store.root_url} --machines lists them)"
 
 
 def bucket_of(url: str) -> str | None:
