@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 
 from objectstore import open_store
@@ -35,17 +34,29 @@ def test_a_prefix_without_a_job_is_never_drained_and_gets_no_queue_object(tmp_pa
 
 
 def test_a_worker_started_before_its_submit_waits_for_the_job_then_drains_it(tmp_path):
+    """The submit comes once the worker has said it waits for the job (ordered by that event, not by a
+    timer: a timer raced the worker's start on a loaded machine and submitted before it looked)."""
     url = str(tmp_path / "queue")
-    submitter = threading.Timer(1.5, lambda: submit_tasks(url, [{"id": "t1"}, {"id": "t2"}]))
-    submitter.start()
-    started = time.monotonic()
+    worker = subprocess.Popen(
+        [sys.executable, "spawn.py", url, "--consumer", "true", "--preemption-watch", "off", "--poll", "0.05",
+         "--idle-timeout", "1", "--job-wait", "60"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
     try:
-        result = _spawn(url, "--job-wait", "30")
+        for line in worker.stderr:
+            lines.append(line)
+            if "event=waiting_for_job" in line:
+                submit_tasks(url, [{"id": "t1"}, {"id": "t2"}])
+                break
+        lines += worker.stderr.readlines()
+        assert worker.wait(timeout=60) == 0, "".join(lines)
     finally:
-        submitter.join()
-    assert result.returncode == 0, result.stderr
-    assert "event=waiting_for_job" in result.stderr and "reason=drained" in result.stderr
-    assert time.monotonic() - started >= 1.5
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    log = "".join(lines)
+    assert "event=waiting_for_job" in log and "reason=drained" in log, log
     store = open_store(url)
     assert sorted(e.name for e in store.list_page("done/").entries) == ["done/t1.json", "done/t2.json"]
 
