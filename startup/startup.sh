@@ -312,12 +312,16 @@ bucket_missing() {
 # (GoogleCloudPlatform/guest-agent#84): wait, bounded, for `snap wait system seed.loaded`, as Google's
 # own boot scripts do (GoogleCloudPlatform/opentelemetry-operations-collector#619). True when gcloud is
 # then on PATH; without it the records go over REST and the code sync fails with a reason.
+# GCLOUD_WAIT says what was waited for, and how long, for the reason a boot without gcloud records.
+GCLOUD_WAIT="no snap to seed it"
 wait_for_gcloud() {
   if command -v snap >/dev/null && ! command -v gcloud >/dev/null; then
     log "event=snap_seed_wait timeout_s=${SNAP_SEED_TIMEOUT_S}"
+    local started="$SECONDS"
     if ! timeout "$SNAP_SEED_TIMEOUT_S" snap wait system seed.loaded; then
       log "event=snap_seed_wait_failed timeout_s=${SNAP_SEED_TIMEOUT_S}"
     fi
+    GCLOUD_WAIT="after waiting $((SECONDS - started))s for snap seeding (bound ${SNAP_SEED_TIMEOUT_S}s)"
   fi
   if command -v gcloud >/dev/null; then
     log "event=gcloud path=$(command -v gcloud)"
@@ -556,7 +560,7 @@ boot() {
 
   PHASE="code_sync"
   if ! command -v gcloud >/dev/null; then
-    fail "gcloud_missing: no gcloud on PATH after waiting ${SNAP_SEED_TIMEOUT_S}s for snap seeding (the image needs the Google Cloud CLI)"
+    fail "gcloud_missing: no gcloud on PATH, ${GCLOUD_WAIT} (the image needs the Google Cloud CLI)"
   fi
   # Only this machine's wheelhouse: --exclude is a Python regular expression on the relative path
   # (https://cloud.google.com/sdk/gcloud/reference/storage/rsync); cuda12's alone is gigabytes.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -463,6 +464,8 @@ def test_a_boot_that_fails_without_gcloud_or_virtualenv_deletes_the_machine_over
     [stored] = [o for n, o in boot.storage.storage.buckets["bkt"].objects.items() if n.startswith("jobs/j1/machines/")]
     record = json.loads(stored.data)
     assert (record["state"], record["phase"]) == ("failed", "code_sync") and record["reason"].startswith("gcloud_missing: ")
+    # No snap here: it waited for nothing, and says so (it said "after waiting 600s for snap seeding").
+    assert record["reason"].startswith("gcloud_missing: no gcloud on PATH, no snap to seed it"), record["reason"]
     assert "event=gcloud_missing" in record["log_tail"] and stored.metadata["state"] == "failed"
     assert stored.metadata["reason"].startswith("gcloud_missing: ") and stored.content_type == "application/json"
     assert "state=booting method=rest" in result.stderr and "state=failed method=rest" in result.stderr
@@ -496,7 +499,8 @@ def test_a_snap_that_never_seeds_ends_the_boot_with_a_record_over_rest_after_the
     result = boot.run(STARTUP_SNAP_SEED_TIMEOUT_S="1")
     assert result.returncode == 1 and time.monotonic() - started < 20, result.stderr
     record = json.loads(boot.storage.storage.buckets["bkt"].objects["jobs/j1/machines/w-hang.json"].data)
-    assert record["state"] == "failed" and record["reason"].startswith("gcloud_missing: no gcloud on PATH after waiting 1s")
+    assert record["state"] == "failed" and re.match(  # (whole seconds: a 1 s wait may straddle two ticks)
+        r"gcloud_missing: no gcloud on PATH, after waiting [12]s for snap seeding \(bound 1s\)", record["reason"]), record["reason"]
     assert boot.cloud.mutations() == [("DELETE", "/compute/v1/projects/p/zones/us-central1-a/instances/w-hang")]
 
 
