@@ -81,3 +81,20 @@ def test_a_job_whose_tasks_are_all_finished_is_drained_at_once(tmp_path):
     assert again.returncode == 0 and "reason=drained" in again.stderr
     assert time.monotonic() - started < 20 and "event=waiting_for_job" not in again.stderr
     assert json.loads(open_store(url).read("done/t1.json").data)["task"] == "t1"
+
+
+def test_a_worker_refused_by_the_store_says_so_in_one_line_naming_permission_object_and_account(gcs, gcs_client, gcs_bucket):
+    """A service account without storage roles on the queue: every request is a 403. The worker says
+    it in one line (the permission, the object, the account), without a traceback, and exits 65, which
+    its unit does not restart (it died five times with a 65-line Forbidden traceback, issue 48)."""
+    from tests.fakegcs.server import CALLER
+
+    gcs.faults.fail_fraction(1.0, 403)
+    url = f"gs://{gcs_bucket}/jobs/j1"
+    result = _spawn(url, "--job-wait", "30")
+    assert result.returncode == 65, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("spawn.py:")]
+    assert lines == [f"spawn.py: permission denied: {CALLER} lacks storage.objects.get on gs://{gcs_bucket}/jobs/j1/job.json: "
+                     f"grant it a role with that permission on the queue's bucket (roles/storage.objectUser; "
+                     f"docs/CLOUD.md, IAM and scopes)"], result.stderr  # fmt: skip
+    assert "Traceback" not in result.stderr
