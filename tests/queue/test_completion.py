@@ -178,3 +178,30 @@ def test_an_outage_while_looking_for_the_job_counts_as_waiting(tmp_path):
     clock = Ticking()
     assert wait_for_job(store, 60.0, clock) == b"{}"
     assert clock.waits == [JOB_POLL_S, JOB_POLL_S]
+
+
+def test_the_log_lines_of_a_wait_name_the_queue_and_what_is_missing(tmp_path, caplog):
+    """Its log lines are what an operator reads of a worker that waits: pinned, fields included."""
+    store = Outage(tmp_path / "q", n=1)
+    clock = Ticking({12.0: lambda: store.create(layout.JOB, b"{}")})
+    caplog.set_level("INFO", logger="taskqueue.completion")
+    with pytest.raises(QueueMissing):
+        wait_for_job(store, 0.4, clock)  # a short bound looks every 0.1 s
+    assert clock.waits == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == f"event=job_unreadable queue={store.root_url} error=503"
+    assert messages[1] == f"event=waiting_for_job queue={store.root_url} job=False left_s=0.4"
+
+
+def test_a_swept_marker_without_a_failed_count_counts_none_and_an_unreadable_listing_adds_nothing(tmp_path, caplog):
+    store = LocalStore(tmp_path / "q")
+    store.create(layout.SWEPT + "-.json", b"{}", metadata={"tasks": "5", "confirmed": "1"})
+    assert dead_letters_note(store) == ""
+
+    class Down(LocalStore):
+        def list_page(self, prefix, *args, **kwargs):
+            raise StoreUnavailable("503")
+
+    down = Down(tmp_path / "q")
+    assert dead_letters_note(down) == ""
+    assert [r.getMessage() for r in caplog.records] == [f"event=dead_letters_uncounted queue={down.root_url} error=503"]
