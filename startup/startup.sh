@@ -565,8 +565,26 @@ boot() {
   # Only this machine's wheelhouse: --exclude is a Python regular expression on the relative path
   # (https://cloud.google.com/sdk/gcloud/reference/storage/rsync); cuda12's alone is gigabytes.
   log "event=code_sync source=${CODE_URL} dest=${CODE_DIR} wheelhouse=${lock}"
-  retry 4 gcloud storage rsync --recursive --delete-unmatched-destination-objects "--exclude=wheelhouse/(?!${lock}/)" \
-    "$CODE_URL" "${ROOT}${CODE_DIR}"
+  # Its errors go to a file as well, so that a refusal (403) becomes the recorded reason: the
+  # permission, the object and the account, as Cloud Storage words them
+  # (https://cloud.google.com/storage/docs/troubleshooting, "403: Forbidden").
+  local sync_errors="${ROOT}${STATE_DIR}/code_sync.err" denied="" synced=0 line
+  local refusal='[^ []+ does not have [a-z.]+ access to the Google Cloud Storage [a-z]+'
+  retry 4 gcloud storage rsync --recursive --delete-unmatched-destination-objects \
+    "--exclude=wheelhouse/(?!${lock}/)" "$CODE_URL" "${ROOT}${CODE_DIR}" 2>"$sync_errors" || synced=$?
+  cat "$sync_errors" >&2
+  if ((synced != 0)); then
+    while IFS= read -r line; do
+      if [[ "$line" =~ $refusal ]]; then
+        denied="${BASH_REMATCH[0]}"
+        break
+      fi
+    done <"$sync_errors"
+    if [[ -n "$denied" ]]; then
+      fail "code_sync_failed: permission denied: ${denied} ${CODE_URL} (grant the machines' service account roles/storage.objectUser on the bucket)"
+    fi
+    fail "code_sync_failed: gcloud storage rsync of ${CODE_URL} failed 4 times; its errors are in the log tail"
+  fi
 
   PHASE="interpreter"
   local code="${ROOT}${CODE_DIR}" wheelhouse="${ROOT}${CODE_DIR}/wheelhouse/${lock}" uv

@@ -79,7 +79,7 @@ class Boot:
         stubs.add("gcloud", """
             if [[ "$1 $2" == "storage rsync" ]]; then
               n=$(( $(cat "$STUB_DIR/.rsyncs" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$STUB_DIR/.rsyncs"
-              if (( n <= ${RSYNC_FAILURES:-0} )); then echo "rsync: 503 from the bucket" >&2; exit 1; fi
+              if (( n <= ${RSYNC_FAILURES:-0} )); then echo "${RSYNC_ERROR:-rsync: 503 from the bucket}" >&2; exit 1; fi
               exclude='$^'; for a in "$@"; do case "$a" in --exclude=*) exclude="${a#*=}";; esac; done
               {PYTHON} "$STUB_DIR/rsync_copy.py" "$FAKE_BUCKET_CODE" "${@: -1}" "$exclude"
             elif [[ "$1 $2" == "storage cp" ]]; then
@@ -269,6 +269,22 @@ def test_code_sync_is_retried_with_backoff(boot: Boot):
     assert result.returncode == 0, result.stderr
     assert sum(c[:3] == ["gcloud", "storage", "rsync"] for c in boot.stubs.calls()) == 3
     assert result.stderr.count("event=retry") == 2
+
+
+def test_a_code_sync_refused_by_the_bucket_records_the_permission_the_object_and_the_account(boot: Boot):
+    """A 403 on the code sync is the recorded reason, in one line: the account, the permission and the
+    bucket, as Cloud Storage words them (it said `code_sync_failed: exit 1 at line 564`, issue 48)."""
+    account = "spawn-worker@p.iam.gserviceaccount.com"
+    boot.metadata.values.update(gce_vm("p", "z", "w-403", ATTRS))
+    result = boot.run(RSYNC_FAILURES="9", RSYNC_ERROR=(
+        f"ERROR: (gcloud.storage.rsync) HTTPError 403: {account} does not have storage.objects.list access to the "
+        f"Google Cloud Storage bucket. Permission 'storage.objects.list' denied on resource (or it may not exist)."))
+    assert result.returncode == 1, result.stderr
+    record = boot.record("w-403")
+    assert record["state"] == "failed" and record["reason"] == (
+        f"code_sync_failed: permission denied: {account} does not have storage.objects.list access to the Google "
+        f"Cloud Storage bucket {ATTRS['spawn-code']} (grant the machines' service account roles/storage.objectUser "
+        f"on the bucket)"), record["reason"]  # fmt: skip
 
 
 def test_every_host_of_a_multi_host_slice_starts_the_worker(boot: Boot):
