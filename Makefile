@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: run test clean browser rehearsal-tools rehearsal
+.PHONY: run test clean browser rehearsal-tools rehearsal mutants
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,3 +56,11 @@ test: $(VENV)/.test-installed browser rehearsal-tools
 
 clean:
 	rm -rf $(VENV) local-run
+
+# Mutation testing of the queue core (mutmut; what it mutates and with which tests: [mutmut] in
+# setup.cfg). Not part of `make test`: its cost and its last score are in docs/PROTOCOL-LOG.md.
+mutants: $(VENV)/.test-installed
+	$(PY) -m pip install --quiet -e '.[mutants]'
+	rm -rf mutants
+	$(PY) -m mutmut run --max-children 2
+	$(PY) -m mutmut results

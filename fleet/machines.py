@@ -162,6 +162,7 @@ class MachineRecorder:
         self._spell: tuple[str, dt.datetime] | None = None  # (state, since) of the current spell
         self._beating = False  # once beats run, working/idle changes wait for the next one
         self._published = False  # a record of this run has been written
+        self._written: str | None = None  # the state of the record written last
         #: Writes attempted, by cause: "change" (written at once), "beat", and "deferred" (a change
         #: left to the next beat: the writes the beat rule saves). A benchmark reads them.
         self.writes: collections.Counter[str] = collections.Counter()
@@ -193,8 +194,10 @@ class MachineRecorder:
 
     def set(self, state: str, **fields: object) -> None:
         """End the current spell and start `state`'s. Written at once when it is the first state of
-        this run or a final one, or when no beat runs; a `working`/`idle` change otherwise waits for
-        the next beat (at most `beat_s`)."""
+        this run or a final one, when no beat runs, or when it is a claim (`working`) while the record
+        written last says anything else: a machine killed just after it claimed must not be left
+        with an `idle` record. Any other `working`/`idle` change (`idle` after a task, the next task
+        of a worker that claims back to back) waits for the next beat (at most `beat_s`)."""
         now = self.now()
         # One writer at a time: a beat must never overwrite a newer state with an older one.
         with self._lock:
@@ -209,7 +212,8 @@ class MachineRecorder:
             self._body = body
             if state in FINAL_STATES:
                 self._stop.set()
-            if self._beating and self._published and state not in FINAL_STATES:
+            claimed = state == "working" and self._written != "working"
+            if self._beating and self._published and state not in FINAL_STATES and not claimed:
                 self.writes["deferred"] += 1
                 return
             self.writes["change"] += 1
@@ -217,6 +221,7 @@ class MachineRecorder:
 
     def _write(self, body: dict) -> None:
         self._published = True
+        self._written = body["state"]
         try:
             write_record(self.store, body)
             log.info("event=machine_record machine=%s state=%s task=%s", self.name, body["state"], body.get("task", "-"))

@@ -124,13 +124,15 @@ def down(store, *, dry_run: bool = False, yes: bool = False, out: TextIO | None 
 
 
 def _confirm_incomplete(store, live: list[Recorded], confirm: Callable[[str], bool] | None) -> None:
-    """Ask before deleting the machines of a job that is not complete (reporting.status.snapshot's `complete`)."""
+    """Ask before deleting the machines of a job that is not complete (reporting.status.snapshot's `complete`),
+    or that finished with dead letters (its outputs miss them)."""
     from reporting import status
 
     view = status.snapshot(store)
-    if view["complete"]:
+    if view["complete"] and not view["failed"]:
         return
-    question = (f"the job is not complete ({view['done']} of {view['total']} tasks done, {view['failed']} failed); "
+    state = "finished with dead letters" if view["complete"] else "not complete"
+    question = (f"the job is {state} ({view['done']} of {view['total']} tasks done, {view['failed']} failed); "
                 f"delete its {len(live)} resources anyway? [y/N] ")
     if confirm is None:
         raise Declined(f"{question.split(';')[0]}: down asks first, and stdin is not a terminal: pass --yes")

@@ -364,6 +364,9 @@ def _progress(page: _Page, view: Mapping) -> None:
 def _eta_html(page: _Page, view: Mapping) -> str:
     """The ETA, which is the measured rate's; beside it the machines up running the median task back
     to back, and why the two differ when they are far apart (reporting.status.with_fleet_size)."""
+    if view["complete"] and view["failed"]:
+        return (f"ETA <b class='warn'>finished with {view['failed']:,} dead letter{'s' if view['failed'] != 1 else ''}"
+                f"</b>: {view['done']:,} done")  # fmt: skip
     if view["complete"]:
         return "ETA <b>complete</b>: every task has a done or failed marker"
     if view.get("workers_up") == 0:

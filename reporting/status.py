@@ -583,7 +583,7 @@ def render(view: dict, full: bool = False) -> str:
     lines += dead_letter_lines(view, None if full else TEXT_ITEMS)
     lines += render_blockers(view, None if full else TEXT_ITEMS)
     if view["complete"]:
-        lines.append("complete: every task has a done or failed marker")
+        lines.append(finished_text(view))
     regions = view["regions"]
     how = (
         f"ESTIMATE from {regions['listed']} of {regions['open']} open regions"
@@ -592,6 +592,16 @@ def render(view: dict, full: bool = False) -> str:
     )
     lines.append(f"cost    {view['requests']} requests ({how}; {regions['swept']} of {regions['total']} regions swept)")
     return "\n".join(lines)
+
+
+def finished_text(view: dict) -> str:
+    """What a complete queue says: a clean finish, or one whose outputs miss its dead letters (the
+    keeper and the workers stop on either: nothing is left to run; `down` asks on the second)."""
+    if not view["failed"]:
+        return "complete: every task has a done or failed marker"
+    return (f"finished: {view['done']} done, {view['failed']} dead letter{'s' if view['failed'] != 1 else ''}: the job's "
+            f"outputs miss {'them' if view['failed'] != 1 else 'it'}; `tools/status.py {view['queue']} --machines` "
+            f"lists every one with its reason (fix the cause, submit again under new ids)")  # fmt: skip
 
 
 def reported_counters(view: dict) -> dict[str, int]:

@@ -312,12 +312,16 @@ bucket_missing() {
 # (GoogleCloudPlatform/guest-agent#84): wait, bounded, for `snap wait system seed.loaded`, as Google's
 # own boot scripts do (GoogleCloudPlatform/opentelemetry-operations-collector#619). True when gcloud is
 # then on PATH; without it the records go over REST and the code sync fails with a reason.
+# GCLOUD_WAIT says what was waited for, and how long, for the reason a boot without gcloud records.
+GCLOUD_WAIT="no snap to seed it"
 wait_for_gcloud() {
   if command -v snap >/dev/null && ! command -v gcloud >/dev/null; then
     log "event=snap_seed_wait timeout_s=${SNAP_SEED_TIMEOUT_S}"
+    local started="$SECONDS"
     if ! timeout "$SNAP_SEED_TIMEOUT_S" snap wait system seed.loaded; then
       log "event=snap_seed_wait_failed timeout_s=${SNAP_SEED_TIMEOUT_S}"
     fi
+    GCLOUD_WAIT="after waiting $((SECONDS - started))s for snap seeding (bound ${SNAP_SEED_TIMEOUT_S}s)"
   fi
   if command -v gcloud >/dev/null; then
     log "event=gcloud path=$(command -v gcloud)"
@@ -556,13 +560,31 @@ boot() {
 
   PHASE="code_sync"
   if ! command -v gcloud >/dev/null; then
-    fail "gcloud_missing: no gcloud on PATH after waiting ${SNAP_SEED_TIMEOUT_S}s for snap seeding (the image needs the Google Cloud CLI)"
+    fail "gcloud_missing: no gcloud on PATH, ${GCLOUD_WAIT} (the image needs the Google Cloud CLI)"
   fi
   # Only this machine's wheelhouse: --exclude is a Python regular expression on the relative path
   # (https://cloud.google.com/sdk/gcloud/reference/storage/rsync); cuda12's alone is gigabytes.
   log "event=code_sync source=${CODE_URL} dest=${CODE_DIR} wheelhouse=${lock}"
-  retry 4 gcloud storage rsync --recursive --delete-unmatched-destination-objects "--exclude=wheelhouse/(?!${lock}/)" \
-    "$CODE_URL" "${ROOT}${CODE_DIR}"
+  # Its errors go to a file as well, so that a refusal (403) becomes the recorded reason: the
+  # permission, the object and the account, as Cloud Storage words them
+  # (https://cloud.google.com/storage/docs/troubleshooting, "403: Forbidden").
+  local sync_errors="${ROOT}${STATE_DIR}/code_sync.err" denied="" synced=0 line
+  local refusal='[^ []+ does not have [a-z.]+ access to the Google Cloud Storage [a-z]+'
+  retry 4 gcloud storage rsync --recursive --delete-unmatched-destination-objects \
+    "--exclude=wheelhouse/(?!${lock}/)" "$CODE_URL" "${ROOT}${CODE_DIR}" 2>"$sync_errors" || synced=$?
+  cat "$sync_errors" >&2
+  if ((synced != 0)); then
+    while IFS= read -r line; do
+      if [[ "$line" =~ $refusal ]]; then
+        denied="${BASH_REMATCH[0]}"
+        break
+      fi
+    done <"$sync_errors"
+    if [[ -n "$denied" ]]; then
+      fail "code_sync_failed: permission denied: ${denied} ${CODE_URL} (grant the machines' service account roles/storage.objectUser on the bucket)"
+    fi
+    fail "code_sync_failed: gcloud storage rsync of ${CODE_URL} failed 4 times; its errors are in the log tail"
+  fi
 
   PHASE="interpreter"
   local code="${ROOT}${CODE_DIR}" wheelhouse="${ROOT}${CODE_DIR}/wheelhouse/${lock}" uv

@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 from exitcodes import EX_DATAERR
 from objectstore import open_store
+from objectstore.denied import permission_denied
 from taskqueue.claims import default_poll_max
 from taskqueue.clock import Clock
-from taskqueue.completion import QueueMissing
+from taskqueue.completion import QueueMissing, dead_letters_note
 from taskqueue.slice import Follower, SliceOptions
 from taskqueue.spawner import SpawnOptions, Spawner, resolve_consumer
 
@@ -181,6 +182,11 @@ def run(
         reason = spawner.run()
     except QueueMissing as err:
         return _no_queue(spawner, err, args.on_empty != "exit", self_delete)
+    except Exception as err:  # a 403 is one line, not a traceback and a restart into the same refusal
+        denied = permission_denied(err, spawner.store.root_url)
+        if denied is None:
+            raise
+        return _refused(spawner, denied, args.on_empty != "exit", self_delete)
     finally:
         if watcher is not None:
             watcher.stop()
@@ -191,14 +197,29 @@ def run(
     ):
         if self_delete is None:
             raise SystemExit("--on-empty delete: this build has no self-delete hook")
-        spawner.tell_state("deleting", reason=f"queue {reason}")
+        note = dead_letters_note(spawner.store) if reason == "drained" else ""
+        spawner.tell_state("deleting", reason=f"queue {reason}{note}")
         self_delete()
     else:
         # A preempted machine says so at once: status counts it out of the fleet up (reporting/machinestate.py).
         if reason == "stopped" and spawner.stop_reason:
             reason = "preempted" if spawner.stop_reason == "preempted" else f"stopped ({spawner.stop_reason})"
-        spawner.tell_state("exited", reason=reason)
+        note = dead_letters_note(spawner.store) if reason == "drained" else ""
+        spawner.tell_state("exited", reason=reason + note)
     return 0
+
+
+def _refused(spawner: Spawner, denied: str, delete: bool, self_delete: Callable[[], None] | None) -> int:
+    """The store refused this machine's service account (objectstore.denied): as `_no_queue`, one
+    line naming the permission, the object and the account, the record `failed` with it (if the
+    store takes that write), the machine deleted under --on-empty delete, and exit 65, which its
+    unit does not restart: a restart would meet the same refusal."""
+    logging.getLogger("taskqueue.cli").error("event=permission_denied queue=%s reason=%r", spawner.store.root_url, denied)
+    print(f"spawn.py: {denied}", file=sys.stderr)
+    spawner.tell_state("failed", reason=denied)
+    if delete and self_delete is not None:
+        self_delete()
+    return EX_BAD_INPUT
 
 
 def _no_queue(spawner: Spawner, err: QueueMissing, delete: bool, self_delete: Callable[[], None] | None) -> int:

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 
-from objectstore import NotFound, ObjectStore, StoreUnavailable, bucket_of
+from objectstore import NotFound, ObjectStore, StoreError, StoreUnavailable, bucket_of
 from taskqueue import layout
 from taskqueue.clock import Clock
 
@@ -79,6 +79,22 @@ def read_job(store: ObjectStore) -> bytes:
     except NotFound:
         raise QueueMissing(f"{store.url(layout.JOB)} is missing: a queue keeps its job for good; check that the queue "
                            "was not deleted, or submit its job again (gcs-spawner submit QUEUE --job job.json)") from None
+
+
+def dead_letters_note(store: ObjectStore) -> str:
+    """What a worker adds to its last record's reason when it leaves a drained queue in which tasks
+    ended as dead letters: ` with N dead letter(s)` and the command that lists them, since a finish
+    whose outputs miss tasks is not a clean one (docs/PROTOCOL.md, "Status"); empty for a clean one.
+    Counted from the confirmed swept markers' `failed` (every region of a drained queue has one):
+    one request per thousand regions. A listing that fails adds nothing, and a log line says why."""
+    try:
+        failed = sum(int(e.metadata.get("failed") or 0) for e in store.list(layout.SWEPT) if e.metadata.get("confirmed"))
+    except (StoreError, ValueError) as exc:
+        log.warning("event=dead_letters_uncounted queue=%s error=%s", store.root_url, exc)
+        return ""
+    if not failed:
+        return ""
+    return f" with {failed} dead letter{'s' if failed != 1 else ''} (gcs-spawner status {store.root_url} --machines lists them)"
 
 
 def find_job(store: ObjectStore) -> tuple[bytes | None, bool]:

@@ -57,8 +57,9 @@ import yaml
 
 from tests.boot.rehearsal import (
     BUCKET, METADATA_ADDRESS, PROJECT, REPO, ZONE, Disk, Namespaces, Rehearsal, RehearsalError, instance_metadata,
-    machine_env, prepare_disk, release_host, remove_in_background, standin_release,
+    machine_env, prepare_disk, release_host, remove_in_background, standin_release, tools_verdict,
 )  # fmt: skip
+from tests.boot import rootfs
 from tests.cloud.fakecloud import PROJECT_NUMBER, FakeCloud
 from tests.cloud.fakehttp import Listener
 from tests.cloud.fakemetadata import FakeMetadata
@@ -496,10 +497,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--late", type=int, default=2, help="tasks submitted once the first is done (default 2)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (disks, consoles, logs)")
     args = parser.parse_args(argv)
+    # A machine that cannot get the tools (no root, apt's lock held, no namespaces) says why in one
+    # line, and skips, or fails where CI requires the rehearsal: never a RootfsError traceback.
+    verdict = tools_verdict()
+    if verdict is not None:
+        message, fails = verdict
+        print(f"fleet rehearsal {'failed' if fails else 'skipped'}: {message}", file=sys.stderr)
+        return 1 if fails else 0
     workdir = Path(tempfile.mkdtemp(prefix="fleet-rehearsal-"))
     try:
         report = rehearse(workdir, args.machines, args.tasks, args.late)
-    except RehearsalError as err:
+    except (RehearsalError, rootfs.RootfsError) as err:
         print(f"fleet rehearsal failed: {err} (consoles and logs: {workdir})", file=sys.stderr)
         return 1
     print("\n".join(report.lines()))

@@ -445,19 +445,31 @@ def missing_tools() -> list[str]:
     return missing
 
 
+def tools_verdict() -> tuple[str, bool] | None:
+    """None when this machine can rehearse; else one line saying what it lacks, and whether that is a
+    failure (CI: BOOT_REHEARSAL=required or CI set) rather than a skip."""
+    missing = missing_tools()
+    if not missing:
+        return None
+    message = (f"the boot rehearsal needs {'; '.join(missing)} (`make rehearsal-tools` installs the tools; "
+               f"the namespaces need root with CAP_SYS_ADMIN)")
+    if os.environ.get("BOOT_REHEARSAL") == "required" or os.environ.get("CI"):
+        return f"{message}; CI must run it (BOOT_REHEARSAL=required or CI is set)", True
+    return f"{message}; skipped on this machine", False
+
+
 def skip_or_fail_without_the_tools() -> None:
     """A rehearsal test's first line: skip saying what is missing, except in CI (BOOT_REHEARSAL=required
     or CI set), where a missing piece fails it."""
     import pytest
 
-    missing = missing_tools()
-    if not missing:
+    verdict = tools_verdict()
+    if verdict is None:
         return
-    message = (f"the boot rehearsal needs {'; '.join(missing)} (`make rehearsal-tools` installs the tools; "
-               f"the namespaces need root with CAP_SYS_ADMIN)")
-    if os.environ.get("BOOT_REHEARSAL") == "required" or os.environ.get("CI"):
-        pytest.fail(f"{message}; CI must run it (BOOT_REHEARSAL=required or CI is set)")
-    pytest.skip(f"{message}; skipped on this machine")
+    message, fails = verdict
+    if fails:
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def remove_in_background(paths: list[Path]) -> None:

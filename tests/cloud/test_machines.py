@@ -29,6 +29,28 @@ def test_recorder_refreshes_its_record_every_beat_and_stops_after_a_final_state(
     assert json.loads(final.data)["state"] == "exited"
 
 
+def test_a_claim_is_on_record_at_once_and_the_idle_after_it_waits_for_the_beat(tmp_path: Path):
+    """A machine killed just after it claimed must not leave an `idle` record (issue 48): `working`
+    is written at once when the record says anything else; `idle` after a task, and a next claim
+    while the record already says `working`, wait for the beat (an hour here: never)."""
+    store = open_store(str(tmp_path / "queue"))
+    recorder = machines.MachineRecorder(store, "w-9", beat_s=3600, accelerator="cpu").start()
+
+    def on_record() -> tuple[str, str | None]:
+        body = json.loads(store.read("machines/w-9.json").data)
+        return body["state"], body.get("task")
+
+    recorder.set("idle")
+    assert on_record() == ("idle", None)
+    recorder.set("working", task="t1", attempt=1)
+    assert on_record() == ("working", "t1")
+    recorder.set("idle", last_task="t1")
+    recorder.set("working", task="t2", attempt=1)
+    assert on_record() == ("working", "t1")  # both left to the beat
+    assert recorder.writes == {"change": 2, "deferred": 2}
+    recorder.stop()
+
+
 def test_bad_state_is_refused_naming_the_states():
     with pytest.raises(machines.MachineRecordError, match="must be one of booting"):
         machines.make_record("w", "sleeping")

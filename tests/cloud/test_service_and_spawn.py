@@ -135,6 +135,38 @@ def test_maintenance_notice_keeps_the_worker_going_until_sigterm_then_it_release
     assert at_notice + 3 <= len(released["progress"]) < 200
 
 
+def test_a_queue_that_finished_with_dead_letters_is_no_clean_finish_for_the_worker_status_or_down(
+    tmp_path: Path, metadata_server: FakeMetadata
+):
+    """Both tasks exit 65 (bad input): the queue finishes, 0 of 2 done, 2 dead letters. The worker
+    still stops (nothing is left to run) and status is still `complete` (the keeper stops on it), but
+    the worker's last record, status's text and `down` all say it is not a clean finish (issue 48)."""
+    from gcs_spawner.down import Declined, _confirm_incomplete
+    from reporting.status import render, snapshot
+
+    metadata_server.values.update(gce_vm("p", "us-central1-a", "w-8"))
+    queue = tmp_path / "queue"
+    store = open_store(str(queue))
+    submit(store, b"{}", [(t, json.dumps({"id": t, "exit": 65}).encode()) for t in ("t1", "t2")])
+    worker = _spawn(queue, "--worker-id", "w-8-worker", "--preemption-watch", "off", "--machine-record", "auto")
+    output, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, output
+    record = json.loads(store.read("machines/w-8.json").data)
+    assert record["state"] == "exited", record
+    assert record["reason"] == f"drained with 2 dead letters (gcs-spawner status {store.root_url} --machines lists them)"
+    view = snapshot(store)
+    assert (view["complete"], view["done"], view["failed"]) == (True, 0, 2)
+    text = render(view)
+    assert "finished: 0 done, 2 dead letters" in text and "--machines" in text
+    assert "complete: every task" not in text
+    with pytest.raises(Declined, match="finished with dead letters"):
+        _confirm_incomplete(store, [], confirm=None)
+    asked: list[str] = []
+    with pytest.raises(Declined):
+        _confirm_incomplete(store, [], confirm=lambda question: asked.append(question) or False)
+    assert "0 of 2 tasks done, 2 failed" in asked[0]
+
+
 def test_worker_writes_its_machine_record_on_each_state_change(tmp_path: Path, metadata_server: FakeMetadata):
     metadata_server.values.update(gce_vm("p", "us-central1-a", "w-7", {"spawn-accelerator": "cpu", "spawn-code": "gs://b/code/v3"}))
     queue = tmp_path / "queue"

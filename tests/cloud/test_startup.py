@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,7 +79,7 @@ class Boot:
         stubs.add("gcloud", """
             if [[ "$1 $2" == "storage rsync" ]]; then
               n=$(( $(cat "$STUB_DIR/.rsyncs" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$STUB_DIR/.rsyncs"
-              if (( n <= ${RSYNC_FAILURES:-0} )); then echo "rsync: 503 from the bucket" >&2; exit 1; fi
+              if (( n <= ${RSYNC_FAILURES:-0} )); then echo "${RSYNC_ERROR:-rsync: 503 from the bucket}" >&2; exit 1; fi
               exclude='$^'; for a in "$@"; do case "$a" in --exclude=*) exclude="${a#*=}";; esac; done
               {PYTHON} "$STUB_DIR/rsync_copy.py" "$FAKE_BUCKET_CODE" "${@: -1}" "$exclude"
             elif [[ "$1 $2" == "storage cp" ]]; then
@@ -268,6 +269,22 @@ def test_code_sync_is_retried_with_backoff(boot: Boot):
     assert result.returncode == 0, result.stderr
     assert sum(c[:3] == ["gcloud", "storage", "rsync"] for c in boot.stubs.calls()) == 3
     assert result.stderr.count("event=retry") == 2
+
+
+def test_a_code_sync_refused_by_the_bucket_records_the_permission_the_object_and_the_account(boot: Boot):
+    """A 403 on the code sync is the recorded reason, in one line: the account, the permission and the
+    bucket, as Cloud Storage words them (it said `code_sync_failed: exit 1 at line 564`, issue 48)."""
+    account = "spawn-worker@p.iam.gserviceaccount.com"
+    boot.metadata.values.update(gce_vm("p", "z", "w-403", ATTRS))
+    result = boot.run(RSYNC_FAILURES="9", RSYNC_ERROR=(
+        f"ERROR: (gcloud.storage.rsync) HTTPError 403: {account} does not have storage.objects.list access to the "
+        f"Google Cloud Storage bucket. Permission 'storage.objects.list' denied on resource (or it may not exist)."))
+    assert result.returncode == 1, result.stderr
+    record = boot.record("w-403")
+    assert record["state"] == "failed" and record["reason"] == (
+        f"code_sync_failed: permission denied: {account} does not have storage.objects.list access to the Google "
+        f"Cloud Storage bucket {ATTRS['spawn-code']} (grant the machines' service account roles/storage.objectUser "
+        f"on the bucket)"), record["reason"]  # fmt: skip
 
 
 def test_every_host_of_a_multi_host_slice_starts_the_worker(boot: Boot):
@@ -463,6 +480,8 @@ def test_a_boot_that_fails_without_gcloud_or_virtualenv_deletes_the_machine_over
     [stored] = [o for n, o in boot.storage.storage.buckets["bkt"].objects.items() if n.startswith("jobs/j1/machines/")]
     record = json.loads(stored.data)
     assert (record["state"], record["phase"]) == ("failed", "code_sync") and record["reason"].startswith("gcloud_missing: ")
+    # No snap here: it waited for nothing, and says so (it said "after waiting 600s for snap seeding").
+    assert record["reason"].startswith("gcloud_missing: no gcloud on PATH, no snap to seed it"), record["reason"]
     assert "event=gcloud_missing" in record["log_tail"] and stored.metadata["state"] == "failed"
     assert stored.metadata["reason"].startswith("gcloud_missing: ") and stored.content_type == "application/json"
     assert "state=booting method=rest" in result.stderr and "state=failed method=rest" in result.stderr
@@ -496,7 +515,8 @@ def test_a_snap_that_never_seeds_ends_the_boot_with_a_record_over_rest_after_the
     result = boot.run(STARTUP_SNAP_SEED_TIMEOUT_S="1")
     assert result.returncode == 1 and time.monotonic() - started < 20, result.stderr
     record = json.loads(boot.storage.storage.buckets["bkt"].objects["jobs/j1/machines/w-hang.json"].data)
-    assert record["state"] == "failed" and record["reason"].startswith("gcloud_missing: no gcloud on PATH after waiting 1s")
+    assert record["state"] == "failed" and re.match(  # (whole seconds: a 1 s wait may straddle two ticks)
+        r"gcloud_missing: no gcloud on PATH, after waiting [12]s for snap seeding \(bound 1s\)", record["reason"]), record["reason"]
     assert boot.cloud.mutations() == [("DELETE", "/compute/v1/projects/p/zones/us-central1-a/instances/w-hang")]
 
 

@@ -433,6 +433,11 @@ def _check_count(n: int) -> int:
     return n
 
 
+#: The principal an injected 403 names (the server checks no credential: tests use anonymous ones).
+CALLER = "spawn-worker@test-project.iam.gserviceaccount.com"
+#: The permission each kind of request needs, and what a 403 says it was denied on.
+_PERMISSIONS = {WRITE: ("storage.objects.create", "object"), READ: ("storage.objects.get", "object"),
+                LIST: ("storage.objects.list", "bucket"), DELETE: ("storage.objects.delete", "object")}
 _ERROR_REASONS = {400: "invalid", 404: "notFound", 409: "conflict", 412: "conditionNotMet",
                   416: "requestedRangeNotSatisfiable", 429: "rateLimitExceeded", 500: "backendError",
                   501: "notImplemented", 503: "backendError"}
@@ -864,6 +869,13 @@ class _Handler(BaseHTTPRequestHandler):
         latency, fail_status = self.server.fake.faults.admit(method, kind, name)
         if latency:
             time.sleep(latency)
+        if fail_status == 403:
+            # What Cloud Storage says to a caller without the permission
+            # (https://cloud.google.com/storage/docs/troubleshooting, "403: Forbidden").
+            permission, what = _PERMISSIONS[kind]
+            raise ApiError(403, "forbidden", f"{CALLER} does not have {permission} access to the Google Cloud "
+                                             f"Storage {what}. Permission '{permission}' denied on resource "
+                                             f"(or it may not exist).")  # fmt: skip
         if fail_status is not None:
             raise ApiError(fail_status, _ERROR_REASONS.get(fail_status, "injected"),
                            f"injected fault: {method} {kind} {name!r} answered {fail_status}")

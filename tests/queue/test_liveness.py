@@ -20,11 +20,11 @@ from objectstore import open_store
 from objectstore.counting import CountingStore
 from objectstore.local import LocalStore
 from taskqueue import layout
-from taskqueue.claims import Claimer, ClaimOptions
+from taskqueue.claims import Claimer, ClaimOptions, QueueView
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, encode, new_lease_body
 from reporting.status import render, snapshot
-from taskqueue.submit import SubmitError, batch_id, batch_name, begin_batch, finish_batch, submit
+from taskqueue.submit import SubmitError, batch_id, batch_name, begin_batch, finish_batch, prune_batches, submit
 from tests.workers import REPO, renewing
 
 
@@ -88,6 +88,42 @@ def test_a_waiting_worker_watches_a_lease_first_seen_late_for_a_whole_ttl_before
     assert [t for t, _ in claimed] == ["dead"], f"left {worker.exit_reason!r} beside the dead holder's lease"
     assert claimed[0][1] - created >= ttl * 0.95  # taken over once its TTL had run since it was seen, not before
     assert worker.exit_reason == "idle"  # and then it left, the live holder's task still held
+
+
+class StoppedClock(Clock):
+    """A monotonic clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(("gap_s", "renewed"), [(59.0, True), (61.0, False)])
+def test_a_lease_seen_changed_across_a_gap_longer_than_its_ttl_is_no_renewal(tmp_path, gap_s, renewed):
+    """A lease whose generation changed between two listings less than a TTL apart was written by a
+    holder alive within a TTL: the worker may leave `idle` beside it. Across a longer gap (a worker
+    busy on its own task, or polling other regions) the change says nothing of now: the holder may
+    have written it long ago and died since, so the worker must watch it for a whole TTL
+    (`Sighting.renewed`, docs/PROTOCOL.md, G6)."""
+    store = LocalStore(tmp_path / "q")
+    submit(store, b"{}", tasks("t1"))
+    lease = hold(store, "t1", "holder", ttl_s=60.0)
+    clock = StoppedClock()
+    view = QueueView(store, clock)
+    view.scan_map()
+    view.load(layout.HEAD)
+    assert view.unjudged() == ["t1"]  # first seen now: not judged yet
+    clock.now += gap_s
+    lease.heartbeat()  # a new generation
+    view.load(layout.HEAD)
+    assert view.leases["t1"].renewed is renewed
+    assert view.unjudged() == ([] if renewed else ["t1"])
+    clock.now += 30.0  # seen again unchanged: a renewal seen stays seen, none seen stays unseen
+    view.load(layout.HEAD)
+    assert view.leases["t1"].renewed is renewed
 
 
 # -- a submit that fails never leaves its batch running ----------------------------------------
@@ -325,6 +361,88 @@ def test_a_busy_worker_finds_tasks_whose_batch_came_and_went_unseen(tmp_path):
                 worker.stop()
     assert sorted(claimed) == ["a05", "z5"]
     assert claimed["a05"] < 10.0, claimed  # long before its last look, 30 s on
+
+
+class ComeAndGone(LocalStore):
+    """A local queue in which, just before one chosen listing of batches/ is answered, a batch comes
+    and goes unseen: submit A creates task `z` and finishes; a lifecycle rule moves the `updated`
+    time of the older batch marker P (a storage class change: generation unchanged); then P's
+    submit, whose machine paused after it wrote its `done` marker and before its prune, prunes A's
+    marker as older than BATCH_KEEP_S. The listing after it holds the same markers at the same
+    generations as one taken before A began: only layout.PRUNED says that a batch came and went
+    (`layout.batch_unseen_between`, docs/PROTOCOL.md, "Status")."""
+
+    def __init__(self, path, pruner: str, trigger) -> None:
+        super().__init__(path)
+        self.pruner, self.trigger = pruner, trigger
+        self.listed: list[str] = []  # the prefixes the code under test listed (not the batch's own listings)
+        self.happened = False
+        self._inside = False
+
+    def list_page(self, prefix, page_token=None, start_offset=None, page_size=1000, end_offset=None):
+        if not self._inside:
+            if not self.happened and prefix == layout.BATCHES and self.trigger(self.listed):
+                self._come_and_go()
+            self.listed.append(prefix)
+        return super().list_page(prefix, page_token, start_offset, page_size, end_offset)
+
+    def _come_and_go(self) -> None:
+        self._inside = True
+        try:
+            submit(self, None, tasks("z"))
+            (came,) = [e for e in self.list(layout.BATCHES) if e.name == batch_name(["z"])]
+            path = self._meta_path(self._prefix + self.pruner)
+            meta = json.loads(path.read_text())
+            meta["updated"] = (came.updated + dt.timedelta(seconds=layout.BATCH_KEEP_S + 1)).isoformat()
+            path.write_text(json.dumps(meta))
+            assert prune_batches(self, self.pruner) == 1
+            assert batch_name(["z"]) not in {e.name for e in self.list(layout.BATCHES)}
+        finally:
+            self._inside = False
+        self.happened = True
+
+
+def finished_queue(store) -> None:
+    """Task `a`, submitted, run and swept: the queue is complete."""
+    submit(store, b"{}", tasks("a"))
+    assert drain(store) == ("drained", ["a"])
+
+
+def test_status_is_not_complete_when_a_batch_came_and_went_between_its_two_listings_of_batches(tmp_path):
+    """Status lists batches/, then the regions (the head region swept, one task), then batches/
+    again; in between, a batch adds task `z` and is pruned. Both listings of batches/ hold the same
+    markers: without the PRUNED rule, status said `complete`, 1 of 1 done, while `z` has no marker."""
+    snapshots = 0
+
+    def second_listing_of_a_snapshot(listed: list[str]) -> bool:
+        return snapshots == 1 and listed.count(layout.BATCHES) == 1
+
+    store = ComeAndGone(tmp_path / "q", batch_name(["a"]), second_listing_of_a_snapshot)
+    finished_queue(store)
+    store.listed.clear()
+    snapshots = 1
+    view = snapshot(store)
+    assert store.happened
+    assert not view["complete"], "status said complete while task z, of a batch that came and went, has no marker"
+    assert (view["total"], view["done"]) == (2, 1)  # the retry counted z
+
+
+def test_a_worker_is_not_drained_when_a_batch_came_and_went_between_its_two_listings_of_batches(tmp_path):
+    """A worker on a swept queue lists batches/, the map and swept/, then batches/ again before it
+    leaves `drained`; in between, a batch adds task `z` and is pruned. Without the PRUNED rule in
+    `Claimer._drained` it left drained with `z` unrun (invariant 4)."""
+
+    def drained_check_second_listing(listed: list[str]) -> bool:
+        return listed[-3:] == [layout.BATCHES, layout.SPLITS, layout.SWEPT]  # _drained: batches/, the map, batches/
+
+    store = ComeAndGone(tmp_path / "q", batch_name(["a"]), lambda listed: False)
+    submit(store, b"{}", tasks("a"))
+    store.listed.clear()
+    store.trigger = drained_check_second_listing
+    exit_reason, ran = drain(store)  # it runs `a`, sweeps the region, then checks whether it is drained
+    assert store.happened
+    assert ran == ["a", "z"], f"left {exit_reason!r} without running z, whose batch came and went"
+    assert exit_reason == "drained"
 
 
 # -- status says what blocks completion ---------------------------------------------------------

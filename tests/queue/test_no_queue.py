@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -37,17 +36,29 @@ def test_a_prefix_without_a_job_is_never_drained_and_gets_no_queue_object(tmp_pa
 
 
 def test_a_worker_started_before_its_submit_waits_for_the_job_then_drains_it(tmp_path):
+    """The submit comes once the worker has said it waits for the job (ordered by that event, not by a
+    timer: a timer raced the worker's start on a loaded machine and submitted before it looked)."""
     url = str(tmp_path / "queue")
-    submitter = threading.Timer(1.5, lambda: submit_tasks(url, [{"id": "t1"}, {"id": "t2"}]))
-    submitter.start()
-    started = time.monotonic()
+    worker = subprocess.Popen(
+        [sys.executable, "spawn.py", url, "--consumer", "true", "--preemption-watch", "off", "--poll", "0.05",
+         "--idle-timeout", "1", "--job-wait", "60"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
     try:
-        result = _spawn(url, "--job-wait", "30")
+        for line in worker.stderr:
+            lines.append(line)
+            if "event=waiting_for_job" in line:
+                submit_tasks(url, [{"id": "t1"}, {"id": "t2"}])
+                break
+        lines += worker.stderr.readlines()
+        assert worker.wait(timeout=60) == 0, "".join(lines)
     finally:
-        submitter.join()
-    assert result.returncode == 0, result.stderr
-    assert "event=waiting_for_job" in result.stderr and "reason=drained" in result.stderr
-    assert time.monotonic() - started >= 1.5
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    log = "".join(lines)
+    assert "event=waiting_for_job" in log and "reason=drained" in log, log
     store = open_store(url)
     assert sorted(e.name for e in store.list_page("done/").entries) == ["done/t1.json", "done/t2.json"]
 
@@ -88,3 +99,19 @@ def test_a_job_gone_after_start_is_an_error_naming_it_never_an_empty_job(tmp_pat
     with pytest.raises(QueueMissing) as err:
         read_job(store)
     assert f"{store.url('job.json')} is missing" in str(err.value) and "gcs-spawner submit" in str(err.value)
+
+def test_a_worker_refused_by_the_store_says_so_in_one_line_naming_permission_object_and_account(gcs, gcs_client, gcs_bucket):
+    """A service account without storage roles on the queue: every request is a 403. The worker says
+    it in one line (the permission, the object, the account), without a traceback, and exits 65, which
+    its unit does not restart (it died five times with a 65-line Forbidden traceback, issue 48)."""
+    from tests.fakegcs.server import CALLER
+
+    gcs.faults.fail_fraction(1.0, 403)
+    url = f"gs://{gcs_bucket}/jobs/j1"
+    result = _spawn(url, "--job-wait", "30")
+    assert result.returncode == 65, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("spawn.py:")]
+    assert lines == [f"spawn.py: permission denied: {CALLER} lacks storage.objects.get on gs://{gcs_bucket}/jobs/j1/job.json: "
+                     f"grant it a role with that permission on the queue's bucket (roles/storage.objectUser; "
+                     f"docs/CLOUD.md, IAM and scopes)"], result.stderr  # fmt: skip
+    assert "Traceback" not in result.stderr

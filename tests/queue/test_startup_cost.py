@@ -161,15 +161,18 @@ class ReleasedThenTakenOver(CountingStore):
         race = prefix == layout.LEASES and self.raced is None and self.counts[f"list {layout.LEASES}"] == self.start_listings
         if race:
             entry = next(iter(self.inner.list(layout.LEASES, start_offset=start_offset, end_offset=end_offset)))
-            self.raced = layout.id_from_object(entry.name, layout.LEASES)
+            raced = layout.id_from_object(entry.name, layout.LEASES)
             released = dict(json.loads(self.inner.read(entry.name).data), state=RELEASED)
             data, metadata = encode(released)
             generation = self.inner.write(entry.name, data, if_generation=entry.generation, metadata=metadata)
         page = super().list_page(prefix, page_token, start_offset, page_size, end_offset)
         if race:
-            rival = new_lease_body(self.raced, "rival", 600, Clock(), released)
+            rival = new_lease_body(raced, "rival", 600, Clock(), released)
             data, metadata = encode(rival)
             self.inner.write(entry.name, data, if_generation=generation, metadata=metadata)
+            # Only now: the test's holders start renewing once `raced` is set, and a renewal between the
+            # two writes above would make the second a 412 (the flaky failure of issue 48).
+            self.raced = raced
         return page
 
 

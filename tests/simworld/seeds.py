@@ -32,7 +32,10 @@ What a seed draws:
   is done: a submit that died, failed or was left running is run again (the same command), a refused
   task is submitted again under a new id;
 - `reporting.status.snapshot` at random times, on the same faulty store, some suspended midway;
-- done batch markers deleted after a keep time of 30 s or two minutes, so that a world sees it.
+- done batch markers deleted after a keep time of 30 s or two minutes, so that a world sees it;
+- in a quarter of the worlds, at the end, a batch that comes and goes between the two listings of
+  batches/ of a status snapshot, then of a worker's drained check, so that only layout.PRUNED tells
+  (`World.straddle`; invariants 8 and 4 see it).
 
 Invariants, checked for every seed (`Violation.invariant` is the number):
 1. every task that exists has exactly one done marker or exactly one dead letter (never both, never
@@ -47,7 +50,9 @@ Invariants, checked for every seed (`Violation.invariant` is the number):
 6. liveness: a task submitted after the chaos window, while some worker has been waiting without a
    task, is claimed within `pickup_bound_s` (two poll caps plus 10 s); no worker exits `idle` while
    a task nobody holds has been claimable for longer than that bound, nor beside a lease that nobody
-   runs (its holder died or moved on) which it has neither seen renew nor watched for its TTL;
+   runs (its holder died or moved on) which it has neither seen renew nor watched for its TTL (a
+   renewal judged from what the store answered the worker's listings, `World.saw_renew`, never from
+   the worker's own flag);
 7. no batch marker outlives its submitter's failure: a submit that began its batch and then failed
    leaves it `running` only if it says so (the store refused the finishing writes, or a second
    interrupt cut its wait short); at the end, after the runs again, no batch is `running`;
@@ -80,7 +85,7 @@ from reporting.status import snapshot
 from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions, default_poll_max
 from taskqueue.lease import sum_counters
-from taskqueue.submit import SubmitError, batch_name, submit
+from taskqueue.submit import SubmitError, batch_name, prune_batches, submit
 from taskqueue.worker import (
     DeadLetter,
     Phase,
@@ -97,6 +102,9 @@ from tests.simworld.store import Faults, Limits, SimStore
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STATUS_LOOKS = 6  # snapshots taken by status at random times of a world (invariant 8)
+#: How far apart in time a listing may be as the store answered it and as its worker sent it (a slow
+#: request, a page more): a renewal seen across a gap this close to a TTL is not judged (invariant 6).
+RENEW_MARGIN_S = 5.0
 TICK_S = 2.0  # how often the simulated shell ticks the core while a consumer runs (the real one: 0.2 s)
 JOB = json.dumps({"name": "sim"}).encode()
 
@@ -153,6 +161,9 @@ class WorldConfig:
     submit_parallel: int  # a submit's creates in flight at once
     p_interrupt: float  # chance a submit gets Ctrl-C or SIGTERM (once or twice) at some moment
     lifecycle: bool  # a lifecycle rule moves objects' `updated` times now and then
+    #: At the end, a batch comes and goes between the two listings of batches/ of a status snapshot, then
+    #: of a worker's drained check (`World.straddle`): only layout.PRUNED tells (invariants 8 and 4).
+    straddle: bool = False
 
     @property
     def pickup_bound_s(self) -> float:
@@ -193,6 +204,7 @@ class WorldConfig:
             submit_parallel=rng.choice([1, 4, 16]),
             p_interrupt=rng.choice([0.0, 0.3]),
             lifecycle=rng.random() < 0.3,
+            straddle=rng.random() < 0.25,  # drawn last: the draws before it make the same worlds as before it was
         )
 
 
@@ -240,6 +252,8 @@ class Machine:
     #: else it counts the suspension, as taskqueue.clock does on Linux.
     clock_stops: bool = False
     submitting: bool = False  # its submit has not returned: a signal still reaches it
+    clock: SimClock | None = None  # its worker's clock, once a worker runs on it
+    before_listing: object = None  # called with the prefix before each listing it sends (World.straddle)
 
 
 class SeedFaults(Faults):
@@ -254,6 +268,8 @@ class SeedFaults(Faults):
         if world.scheduler.now > MAX_VIRTUAL_S:
             raise Runaway(f"{op} {name} at virtual {world.scheduler.now:.0f}s")
         machine = world.acting_machine()
+        if machine is not None and op == "list" and machine.before_listing is not None:
+            machine.before_listing(name)
         if machine is not None:
             machine.requests += 1
             if not machine.dead and machine.kill_at is not None and machine.requests >= machine.kill_at:
@@ -376,18 +392,23 @@ class World:
         self.faults = SeedFaults(self)
         self.store = SimStore(self.scheduler, limits, config.seed, faults=self.faults, page_limit=config.page_limit)
         self.store.on_stored = self._stored
+        self.store.on_listed = self._listed
         self.machines: dict[str, Machine] = {}
         self.violations: list[Violation] = []
         self.stats: collections.Counter[str] = collections.Counter()
         self.outputs: dict[str, int] = {}  # task -> outputs its consumer writes in all
         self.created_at: dict[str, float] = {}
         self.applied_late: set[str] = set()  # tasks whose create the store applied after its client gave up
+        self.straddled: set[str] = set()  # tasks of batches that came and went unseen (`straddle`): readers waited
         self.first_claim_at: dict[str, float] = {}
         self.committed: dict[str, set[str]] = collections.defaultdict(set)  # task -> records a lease write carried
         self.submits_starting: dict[str, list[str]] = {}  # submitter -> its ids, before its first write
         self.submits_in_progress: dict[str, list[str]] = {}  # submitter -> its ids, from its first write on
         self.waiting_log: list[tuple[str, float, float]] = []  # (worker, from, to): alive without a task
         self.batch_writers: set[str] = set()  # machines that wrote a batch marker (a submit that began its batch)
+        #: (worker machine, task) -> [(its clock, generation)]: every listing that showed it the task's lease
+        #: unfinished, in order (what invariant 6 judges a renewal by, never the worker's own flag)
+        self.lease_views: dict[tuple[str, str], list[tuple[float, int]]] = collections.defaultdict(list)
         self.setting_up = True
         self._spawned = 0
         self.trace = hashlib.sha256()
@@ -452,6 +473,30 @@ class World:
             body = json.loads(data)
             self.first_claim_at.setdefault(task_id, now)
             self.committed[task_id].update(_key(r) for r in body.get("progress", []))
+
+    def _listed(self, prefix: str, entries: list, origin: object) -> None:
+        if prefix != layout.LEASES or not isinstance(origin, Machine) or origin.clock is None:
+            return
+        now = origin.clock.monotonic()
+        for entry in entries:
+            task_id = layout.id_from_object(entry.name, layout.LEASES)
+            if task_id is not None and entry.metadata.get("state", "held") not in ("done", "dead"):
+                self.lease_views[(origin.name, task_id)].append((now, entry.generation))
+
+    def saw_renew(self, machine: str, task_id: str, generation: int) -> bool | None:
+        """Whether `machine`'s listings showed the lease change to `generation` between two listings
+        less than a TTL apart on its own clock (a renewal seen: its holder wrote within a TTL); None
+        when the gap is too close to a TTL to tell (a listing's time here is when the store answered
+        it, the worker's when it sent it: a slow request or a page more apart)."""
+        views = self.lease_views.get((machine, task_id), [])
+        first = next((i for i, (_, g) in enumerate(views) if g == generation), None)
+        if first is None or first == 0:
+            return False  # never listed at that generation, or first seen at it: nothing seen to change
+        gap = views[first][0] - views[first - 1][0]
+        ttl = self.config.lease_ttl_s
+        if abs(gap - ttl) <= RENEW_MARGIN_S:
+            return None
+        return gap < ttl
 
     def _covered_by_running_batch(self, task_id: str) -> bool:
         key = layout.key(task_id)
@@ -705,6 +750,83 @@ class World:
             self.stats["closers"] += 1
             self.machine(self.scheduler.now + 1, fault_free=True)
             self.scheduler.run()
+        if self.config.straddle and not self.unfinished():
+            self.straddle("status")
+            self.straddle("worker")
+
+    # -- a batch that comes and goes unseen
+
+    def straddle(self, reader: str) -> None:
+        """A batch comes and goes between the two listings of batches/ that `reader` (a status
+        snapshot, or a fault-free worker's drained check on the finished queue) takes around its
+        listings of the regions: submit A creates one task and finishes; a lifecycle rule moves the
+        `updated` time of every older batch marker on (a storage class change: generations stay); then
+        the submit that wrote one of them, whose machine paused after its `done` write and before its
+        prune, prunes A's marker as older than the keep time. The two listings hold the same markers
+        at the same generations, and only layout.PRUNED says a batch came and went
+        (`layout.batch_unseen_between`): without it status says complete (invariant 8), the worker
+        leaves drained (invariant 4), while A's task has no marker. Closers finish it afterwards."""
+        c = self.config
+        older = [n for n in self.store.names(layout.BATCHES) if n != layout.PRUNED and not self._running(n)]
+        if not older:
+            return
+        pruner = older[0]
+        task = f"zz-{reader}"
+        self.outputs[task] = 0
+        self.straddled.add(task)
+        for name in older:
+            self.store.touch(name)  # so that A's own prune deletes none of them: the reader would see that
+        listed: list[str] = []
+        came: list[bool] = []
+        name = f"straddle-{reader}"
+        machine = self.machines[name] = Machine(name, None, fault_free=True)
+
+        def second_listing(prefix: str) -> None:
+            if prefix != layout.BATCHES:
+                listed.append(prefix)
+                return
+            since = listed[len(listed) - listed[::-1].index(layout.BATCHES):] if layout.BATCHES in listed else []
+            # Status: its second listing of batches/. A worker: Claimer._drained's, after batches/ and the map
+            # (splits/, then swept/, a page or more each).
+            second = listed.count(layout.BATCHES) == 1 if reader == "status" else (
+                since[-1:] == [layout.SWEPT] and since[:1] == [layout.SPLITS]
+                and set(since) == {layout.SPLITS, layout.SWEPT})  # fmt: skip
+            listed.append(prefix)
+            if second and not came:
+                came.append(True)
+                self._come_and_go(task, pruner, machine)
+
+        machine.before_listing = second_listing
+        if reader == "status":
+            self.scheduler.spawn(name, lambda: self._status(name), self.scheduler.now + 1, machine=machine)
+        else:
+            self.scheduler.spawn(name, lambda: self._worker_main(machine, 1.0, c.seed), self.scheduler.now + 1,
+                                 machine=machine)  # fmt: skip
+        self.scheduler.run()
+        for _ in range(2):  # closers run what the straddled reader left
+            if not self.unfinished():
+                break
+            self.machine(self.scheduler.now + 1, fault_free=True)
+            self.scheduler.run()
+
+    def _come_and_go(self, task: str, pruner: str, reader: Machine) -> None:
+        """Run by the reader's actor just before its listing is sent: the reader waits meanwhile."""
+        c = self.config
+        before_listing, reader.before_listing = reader.before_listing, None  # its own requests here are not its reading
+        started = self.scheduler.now
+        submit(self.store, None, [(task, json.dumps({"id": task}).encode())], clock=WorldClock(self.scheduler),
+               executor=InlineExecutor(), region_tasks=c.region_tasks, batch_keep_s=c.batch_keep_s)  # fmt: skip
+        came = batch_name([task])
+        self.scheduler.sleep(c.batch_keep_s + 2)
+        for name in self.store.names(layout.BATCHES):
+            if name != came and name != layout.PRUNED:
+                self.store.touch(name)  # a rule for objects older than some age: A's marker is younger
+        self.scheduler.sleep(2 * 5.0 + 1)  # past submit.PRUNE_EVERY_S of the last prune (at most twice it)
+        prune_batches(self.store, pruner, c.batch_keep_s)
+        if not self.store.exists(came):
+            self.stats[f"straddled_{reader.name.removeprefix('straddle-')}"] += 1
+        self.trace.update(f"straddle {reader.name} {started:.3f} {self.scheduler.now:.3f} {self.store.exists(came)}\n".encode())
+        reader.before_listing = before_listing
 
     # -- the invariants at the end
 
@@ -747,8 +869,8 @@ class World:
         c = self.config
         bound = c.pickup_bound_s
         for t, created in self.created_at.items():
-            if created < c.chaos_s or t in self.applied_late:
-                continue  # (a create applied late was sent in the chaos window)
+            if created < c.chaos_s or t in self.applied_late or t in self.straddled:
+                continue  # (a create applied late was sent in the chaos window; a straddled reader was held)
             claimed = self.first_claim_at.get(t, math.inf)
             if claimed - created <= bound:
                 continue
@@ -783,6 +905,7 @@ class SimWorker:
             self.clock,
         )
         machine.claimer = self.claimer
+        machine.clock = self.clock
         self.options = RunOptions(
             lease_ttl_s=c.lease_ttl_s, heartbeat_s=c.heartbeat_s, max_attempts=c.max_attempts, worker=machine.name,
             stuck_after_s=c.stuck_after_s,
@@ -838,8 +961,10 @@ class SimWorker:
                 # Nobody runs the task: only a worker that watches the lease for its TTL can take it over.
                 # Leaving is fine only beside a lease seen renewing (its holder may have died since: no
                 # rule can tell); one the worker never watched for a TTL may be stranded for good.
-                sighting = self.claimer.view.leases.get(t)
-                if sighting is None or not sighting.renewed:
+                # Judged from what the store answered the worker's listings, not from its own flag
+                # (Sighting.renewed), which a broken rule would set as readily as it reads it.
+                if world.saw_renew(self.machine.name, t, found[0].generation) is False:
+                    sighting = self.claimer.view.leases.get(t)
                     world.violation(6, f"{self.machine.name} exited idle beside task {t}'s lease, held by "
                                        f"{lease['worker']} who runs it no more, never seen renewing "
                                        f"nor watched for its TTL (sighting {sighting})")  # fmt: skip

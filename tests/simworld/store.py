@@ -164,6 +164,9 @@ class SimStore(ObjectStore):
         self.faults = faults
         self.on_stored = None
         self.on_first_lease = None  # (actor name) before its first successful lease write: the fleet's first claims
+        #: `on_listed(prefix, entries, origin)` is told of every listing page the store answered, with the
+        #: machine that asked (what each worker saw, and when: the simulation's ground truth of its view).
+        self.on_listed = None
         self._applying_for: object = None  # the sender of a write the store applies late
         self.retrier = Retrier(
             RetryPolicy(initial_s=limits.retry_initial_s, cap_s=limits.retry_cap_s, deadline_s=limits.retry_deadline_s),
@@ -395,7 +398,10 @@ class SimStore(ObjectStore):
             j = bisect.bisect_left(names, end_offset) if end_offset else len(names)
             picked = names[i : min(j, i + size)]
             more = i + size < j
-            return Page([self._entry(n, self._objects[n]) for n in picked], picked[-1] if more and picked else None)
+            page = Page([self._entry(n, self._objects[n]) for n in picked], picked[-1] if more and picked else None)
+            if self.on_listed is not None:
+                self.on_listed(prefix, page.entries, self._origin())
+            return page
 
         return self._retrying("list", prefix, apply, items=min(size, len(names)), tag=tag)
 

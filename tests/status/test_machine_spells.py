@@ -139,8 +139,10 @@ def test_back_to_back_tasks_wait_for_the_beat_and_the_seconds_stay_exact(tmp_pat
     recorder.wait = minute
     recorder.set("idle")  # the first state: written at once
     recorder.beat_loop()
-    assert recorder.writes == {"change": 2, "deferred": 3, "beat": 1}
-    assert seen[0]["state"] == "idle"  # three changes in the first minute, none written at once
+    assert recorder.writes == {"change": 3, "deferred": 2, "beat": 1}
+    # Three changes in the first minute: the claim written at once (the record said idle), the idle
+    # after it and the next claim back to back left to the beat.
+    assert (seen[0]["state"], seen[0]["task"]) == ("working", "t1")
     assert (seen[1]["state"], seen[1]["task"], seen[1]["since"], seen[1]["spent"]) == (
         "working", "t2", at(52).isoformat(), {"idle": 7, "working": 45})  # the beat wrote the last of them
     final = json.loads(store.read("machines/vm-2.json").data)
