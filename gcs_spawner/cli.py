@@ -144,27 +144,36 @@ def cmd_up(args) -> int:
         reached = up.wait_for_machines(open_store(run.queue), run.machines if run.kind == "vm" else
                                        min(run.machines, len(report.created) + len(report.existed)), args.wait)
         print(f"machines up: {reached}")
-    if args.keep and not args.dry_run and run.kind == "tpu":
-        up.keep(run, project=args.project, interval_s=args.interval)
+    if args.keep and not args.dry_run:
+        from gcs_spawner import keep
+
+        keep.keep(run, project=args.project, interval_s=args.interval)
     return EX_OK
 
 
 def cmd_down(args) -> int:
     from gcs_spawner import down
+    from gcs_spawner.runfile import is_run_file, run_fields
     from objectstore import open_store
 
-    down.down(open_store(_queue(args, "RUN|QUEUE")), dry_run=args.dry_run, yes=args.yes, confirm=_confirmer(args))
+    target = getattr(args, "target", None)
+    fields = run_fields(target) if target and is_run_file(target) else None
+    down.down(open_store(_queue(args, "RUN|QUEUE")), dry_run=args.dry_run, yes=args.yes, confirm=_confirmer(args),
+              run=fields, project=args.project)
     return EX_OK
 
 
 def cmd_keep(args) -> int:
-    from gcs_spawner import up
+    from gcs_spawner import keep
     from gcs_spawner.runfile import load_run
 
-    report = up.keep(load_run(args.run), project=args.project, interval_s=args.interval, once=args.once,
-                     dry_run=args.dry_run, prices=args.prices)
-    print(f"claimable={report.work.claimable} held={report.work.held} alive={len(report.alive)} "
-          f"deleted={len(report.deleted)} created={len(report.created)}")
+    report, lost = keep.keep(load_run(args.run), project=args.project, interval_s=args.interval, once=args.once,
+                             dry_run=args.dry_run, prices=args.prices)
+    line = f"lost_deleted={len(lost.deleted)}"
+    if report is not None:
+        line = (f"claimable={report.work.claimable} held={report.work.held} alive={len(report.alive)} "
+                f"deleted={len(report.deleted)} created={len(report.created)} {line}")
+    print(line)
     return EX_OK
 
 
@@ -475,8 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p)
     p.add_argument("-y", "--yes", action="store_true", help="do not ask, even if the job is not complete")
     p.add_argument("--dry-run", action="store_true", help="print one line per delete it would send")
+    p.add_argument("--project", help="where to look for the run's resources by its label (default: the run's "
+                                     "project, its record's, else gcloud config)")
 
-    p = command("keep", cmd_keep, "TPU runs: replace preempted queued resources while the queue has work")
+    p = command("keep", cmd_keep, "delete lost machines the cloud still has; TPU: replace preempted queued resources",
+                "Every --interval seconds until the queue is complete: deletes the run's machines that status shows "
+                "lost while the cloud still has them (VM group members and TPU VMs alike, each with a note saying "
+                "why), and for a TPU run on queued resources replaces the preempted ones while the queue has work.")
     p.add_argument("run", type=pathlib.Path, help=run_help)
     p.add_argument("--project", help="default: the run's project, else gcloud config")
     p.add_argument("--interval", type=float, default=60.0, help="seconds between checks (default 60)")
@@ -586,7 +600,7 @@ _BAD_INPUT = (
 )
 #: Errors of a step that failed for a reason outside the input (the cloud, the store, the network): exit 1.
 _FAILED = (
-    ("gcs_spawner.up", "UpError"), ("gcs_spawner.down", "DownError"), ("fleet.gapi", "LaunchError"),
+    ("gcs_spawner.fleetstep", "UpError"), ("gcs_spawner.cloud", "DeleteError"), ("fleet.gapi", "LaunchError"),
     ("objectstore.base", "StoreError"), ("fleet.codesync", "CodeSyncError"), ("fleet.keeper", "KeeperError"),
     ("fleet.jobindex", "JobIndexError"), ("activations", "ActivationsError"), ("extract.errors", "ExtractError"),
 )
@@ -631,11 +645,11 @@ def failed(prog: str, err: Exception) -> int:
     """Print `err` as one line (with its notes) and return its exit code: 65 for input that cannot work, 1 for a
     step that failed (or was not confirmed), 2 for a question that could not be asked; a missing credential is the
     one line saying how to log in. Anything else is a bug: re-raised, traceback and all."""
-    from gcs_spawner.up import Declined
+    from gcs_spawner.cloud import Declined
 
     if isinstance(err, Declined):
         _error(prog, err)
-        return EX_USAGE if "pass --yes" in str(err) else EX_FAILED
+        return EX_USAGE if err.cannot_ask else EX_FAILED
     login = _credentials(err)
     if login:
         _error(prog, login)

@@ -343,15 +343,21 @@ def is_run_file(text: str) -> bool:
     return pathlib.Path(text).expanduser().is_file()
 
 
-def queue_of(path: str | pathlib.Path) -> str:
-    """The queue a run file names, with only the run file's own fields checked: what `status`, `down`, `merge`,
-    `logs` and `export` need, which must work after the job or tasks files have moved."""
+def run_fields(path: str | pathlib.Path) -> RunFile:
+    """The run file's own fields, checked alone (not its job, tasks or spec files): what `down` needs to find the
+    run's resources by its label after those files have moved."""
     path = pathlib.Path(path)
     raw = _read_mapping(path, str(path))
     try:
-        fields = RunFile.model_validate(raw)
+        return RunFile.model_validate(raw)
     except ValidationError as error:
         raise RunFileError(f"{path}: {summary(problems(error, RunFile), _phrase)}") from None
+
+
+def queue_of(path: str | pathlib.Path) -> str:
+    """The queue a run file names, with only the run file's own fields checked: what `status`, `down`, `merge`,
+    `logs` and `export` need, which must work after the job or tasks files have moved."""
+    fields = run_fields(path)
     try:
         return check_address(fields.queue, f"{path}: queue", directory=False)
     except BadAddress as err:
