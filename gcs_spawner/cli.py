@@ -218,13 +218,30 @@ def cmd_status(args) -> int:
         if view["total"] == 0 and not _is_queue(store):
             print(f"status: {store.root_url} holds no job.json and no tasks: is this the queue's prefix?",
                   file=sys.stderr)
-        text = json.dumps(view, indent=1) if args.json else render_text(view, all_machines=args.machines)
+        text = json.dumps(view, indent=1) if args.json else "\n".join(
+            [render_text(view, all_machines=args.machines), *_run_lines(args, store, view)])
         if args.watch and sys.stdout.isatty():
             print("\033[H\033[2J", end="")
         print(text, flush=True)
         if not args.watch or view["complete"]:
             return EX_OK
         time.sleep(args.watch)
+
+
+def _run_lines(args, store, view) -> list[str]:
+    """Beneath the queue's view: the run's record, its lost machines and the command that deletes them, and with
+    --cloud the cloud's own view (gcs_spawner/cloudstatus.py)."""
+    from gcs_spawner import cloudstatus
+    from gcs_spawner.runfile import is_run_file, run_fields
+
+    target = args.target or args.queue
+    lines = cloudstatus.record_lines(store)
+    still_there = None
+    if args.cloud:
+        fields = run_fields(args.target) if args.target and is_run_file(args.target) else None
+        cloud, still_there = cloudstatus.cloud_lines(store, fields, args.project)
+        lines += cloud
+    return lines + cloudstatus.lost_lines(view["fleet"]["lost"], target, still_there)
 
 
 def _is_queue(store) -> bool:
@@ -512,6 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--now", metavar="TIME", help="compute the view as of this UTC time (ISO 8601), e.g. for a report")
     p.add_argument("--machines", action="store_true",
                    help="list every machine, holder, stale lease and failure reason (the default view fits a screen)")
+    p.add_argument("--cloud", action="store_true",
+                   help="also list the run's resources as the cloud has them (by its label): group members, queued "
+                        "resources and their states, and which lost machines still exist")
+    p.add_argument("--project", help="with --cloud: default the run's project, its record's, else gcloud config")
 
     p = command("logs", cmd_logs, "the log tail a machine left in its record (machines/NAME.json)")
     _add_target(p)

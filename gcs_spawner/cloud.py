@@ -185,6 +185,33 @@ def group_members(clients: Clients, group: Resource) -> list[Member]:
     return members
 
 
+@dataclasses.dataclass(frozen=True)
+class RunIdentity:
+    """Where to look for a run's resources by its label: its name and project, and the zones and regions it may
+    have used (the run file's and the record's together)."""
+
+    name: str
+    project: str
+    zones: tuple[str, ...] = ()
+    regions: tuple[str, ...] = ()
+
+
+def identity(record, fields=None, project: str | None = None) -> RunIdentity | None:
+    """The run's identity from its record (run/run.json) and, when given, the run file's fields (runfile.RunFile);
+    None when neither names the run. The run file's name wins: it is the label its resources carry."""
+    recorded = record.read_run() or {}
+    name = fields.name if fields is not None else recorded.get("name")
+    if not name:
+        return None
+    project = project or (fields.project if fields is not None else None) or recorded.get("project")
+    project = resolve_project(record.store.url("run/run.json"), project)
+    zones = [*(fields.fleet.zones if fields is not None else ()), *recorded.get("zones", ()),
+             *((recorded.get("fleet") or {}).get("zones") or ())]
+    regions = [r for r in (fields.fleet.region if fields is not None else None, recorded.get("region"),
+                           (recorded.get("fleet") or {}).get("region")) if r]
+    return RunIdentity(name, project, tuple(dict.fromkeys(zones)), tuple(dict.fromkeys(regions)))
+
+
 def delete_request(resource: Resource):
     """The request that deletes `resource` (fleet/compute.py and fleet/tpu.py build it)."""
     if resource.kind == "instance_group":

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from gcs_spawner.cloud import Clients, Declined, DeleteError, Found, delete_all, delete_request, find_run
+from gcs_spawner.cloud import Clients, Declined, DeleteError, Found, delete_all, delete_request, find_run, identity
 from gcs_spawner.record import KINDS, Recorded, Resource, RunRecord
 
 log = logging.getLogger("gcs_spawner")
@@ -42,35 +42,6 @@ class DownReport:
     skipped: list[str] = dataclasses.field(default_factory=list)  # marked deleted by an earlier down
     would: list[str] = dataclasses.field(default_factory=list)
     beyond: list[str] = dataclasses.field(default_factory=list)  # found by the label, not in the record
-
-
-@dataclasses.dataclass(frozen=True)
-class RunIdentity:
-    """Where to look for a run's resources by its label: its name and project, and the zones and regions it may
-    have used (the run file's and the record's together)."""
-
-    name: str
-    project: str
-    zones: tuple[str, ...] = ()
-    regions: tuple[str, ...] = ()
-
-
-def identity(record: RunRecord, fields=None, project: str | None = None) -> RunIdentity | None:
-    """The run's identity from its record (run/run.json) and, when given, the run file's fields (runfile.RunFile);
-    None when neither names the run. The run file's name wins: it is the label its resources carry."""
-    from gcs_spawner.cloud import resolve_project
-
-    recorded = record.read_run() or {}
-    name = fields.name if fields is not None else recorded.get("name")
-    if not name:
-        return None
-    project = project or (fields.project if fields is not None else None) or recorded.get("project")
-    project = resolve_project(record.store.url("run/run.json"), project)
-    zones = [*(fields.fleet.zones if fields is not None else ()), *recorded.get("zones", ()),
-             *((recorded.get("fleet") or {}).get("zones") or ())]
-    regions = [r for r in (fields.fleet.region if fields is not None else None, recorded.get("region"),
-                           (recorded.get("fleet") or {}).get("region")) if r]
-    return RunIdentity(name, project, tuple(dict.fromkeys(zones)), tuple(dict.fromkeys(regions)))
 
 
 def down(store, *, dry_run: bool = False, yes: bool = False, out: TextIO | None = None,
