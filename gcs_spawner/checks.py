@@ -102,7 +102,7 @@ def _config_json(run: Run) -> tuple[dict, str]:
     if source:
         return _hub_config(run, source)
     raise CheckError(f"{run.file}: model: {mirror} holds no config.json and the run names no source to mirror from; "
-                     "give model.source (a Hub id or a local checkpoint) or mirror it first (tools/mirror_model.py)")
+                     "give model.source (a Hub id or a local checkpoint) or mirror it first (gcs-spawner mirror SOURCE DEST)")
 
 
 def _hub_config(run: Run, hub_id: str) -> tuple[dict, str]:
@@ -152,7 +152,7 @@ def code_environment(run: Run) -> None:
         store = open_store(code)
         if not store.list_page("", page_size=1).entries:
             raise CheckError(f"{run.file}: code.url: {code} is empty; set code.upload: true, or upload it "
-                             "(tools/upload_code.py)")
+                             "(gcs-spawner upload-code CODE_URL)")
         if not run.fields.code.environment:
             return
         missing = codesync.environment_missing(store, run.platform)
@@ -161,7 +161,7 @@ def code_environment(run: Run) -> None:
     if missing:
         raise CheckError(
             f"{run.file}: code.url: {code} lacks {' and '.join(missing)}, which {run.platform} machines install "
-            f"from; upload it with its environment (code.upload: true, or tools/upload_code.py {code}), or set "
+            f"from; upload it with its environment (code.upload: true, or gcs-spawner upload-code {code}), or set "
             "code.environment: false to let the machines install unpinned")
 
 

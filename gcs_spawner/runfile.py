@@ -224,8 +224,8 @@ def _phrase(problem: Problem, where: str) -> str:
 def _read_mapping(path: pathlib.Path, what: str) -> dict:
     """A YAML file's mapping (a `.json` file is read as JSON: YAML 1.1 would take its `1e-06` for a string)."""
     try:
-        text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        with path.open() as stream:  # a stream, so that YAML's errors name the file, not "<unicode string>"
+            raw = json.load(stream) if path.suffix == ".json" else yaml.safe_load(stream)
     except OSError as err:
         raise RunFileError(f"{what}: cannot read {path}: {err.strerror or err}") from None
     except (yaml.YAMLError, ValueError) as err:

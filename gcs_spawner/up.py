@@ -322,8 +322,9 @@ class _Up:
         from taskqueue.submit import submit
 
         if self.dry_run:
-            self.would(f"submit {self.store.url('job.json')} and {len(self.tasks)} tasks (create-only, "
-                       f"{-(-len(self.tasks) // SUBMIT_CHUNK)} batches)")
+            batches = -(-len(self.tasks) // SUBMIT_CHUNK)
+            self.would(f"submit {self.store.url('job.json')} and {len(self.tasks)} task{'s' if len(self.tasks) != 1 else ''} "
+                       f"(create-only, {batches} batch{'es' if batches != 1 else ''})")
             self.done("submit")
             return
         created = existing = 0
@@ -373,14 +374,20 @@ class _Up:
         if self.dry_run:
             self.say(f"dry run: {len(self.report.would)} calls shown, none made")
             return
-        self.say(f"up: run {self.run.name!r} is up ({len(self.report.created)} resources created now, "
-                 f"{len(self.report.existed)} there already). Watch it:")
+        made, there = len(self.report.created), len(self.report.existed)
+        changed = [f"{n} {what}" for n, what in ((len(self.report.resized), "resized"),
+                                                 (len(self.report.deleted), "deleted")) if n]
+        self.say(f"up: run {self.run.name!r} is up ({made} resource{'s' if made != 1 else ''} created now, "
+                 f"{there} there already{''.join(', ' + c for c in changed)}). Watch it:")
         self.say(f"  gcs-spawner status {run_file} --watch            progress, machines, cost, ETA")
         self.say(f"  gcs-spawner status {run_file} --publish --watch 60   the page at "
                  f"{self.store.url('status.html')}")
         if self.run.kind == "tpu" and self.run.fields.fleet.keeper:
-            self.say(f"  gcs-spawner keep {run_file}                     replaces preempted TPU VMs until the queue "
-                     "is drained (anywhere with credentials)")
+            self.say(f"  gcs-spawner keep {run_file}                     replaces preempted TPU VMs and deletes lost "
+                     "machines until the queue is drained (anywhere with credentials)")
+        else:
+            self.say(f"  gcs-spawner keep {run_file}                     deletes lost machines the cloud still has, "
+                     "until the queue is drained")
         self.say(f"  gcs-spawner logs {run_file} MACHINE              a failed machine's log tail")
         self.say(f"  gcs-spawner down {run_file}                     deletes what up made; the data stays")
 

@@ -340,7 +340,7 @@ def blockers(view: dict, running: list[Entry], now: dt.datetime) -> list[dict]:
 
     - a batch still `running`: a submit in progress, or one that died (it leaves its batch running;
       every other failure finishes it). Running that submit again finishes it; so does
-      `tools/submit.py --finish-batch` once the submit will never run again.
+      `gcs-spawner submit QUEUE --finish-batch` once the submit will never run again.
     - a stale lease: held by a worker silent for over its TTL. Any running worker takes it over
       within its polls; none does if none is left, so the command starts one.
     - a dead letter: the queue completes with it, the job's outputs do not. Tasks and their
@@ -355,7 +355,7 @@ def blockers(view: dict, running: list[Entry], now: dt.datetime) -> list[dict]:
             "tasks": int(entry.metadata["tasks"]) if entry.metadata.get("tasks", "").isdigit() else None,
             "running_s": round(max(0.0, (now - entry.updated).total_seconds()), 1),
             "clear": f"wait for its submit, or run that submit again; if it will never run again: "
-                     f"python tools/submit.py {queue} --finish-batch {batch}",
+                     f"gcs-spawner submit {queue} --finish-batch {batch}",
         })  # fmt: skip
     for stale in view["stale_leases"][:MAX_BLOCKERS]:
         found.append({
@@ -366,7 +366,7 @@ def blockers(view: dict, running: list[Entry], now: dt.datetime) -> list[dict]:
     for task_id, reason in list(view["failed_reasons"].items())[:MAX_BLOCKERS]:
         found.append({
             "kind": "dead_letter", "task": task_id, "reason": reason,
-            "clear": f"fix the cause, then submit the task again under a new id: python tools/submit.py {queue} "
+            "clear": f"fix the cause, then submit the task again under a new id: gcs-spawner submit {queue} "
                      f"--tasks FILE (tasks and their outcomes are immutable)",
         })  # fmt: skip
     return found

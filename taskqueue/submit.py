@@ -342,7 +342,7 @@ def _unbegin(store: ObjectStore, name: str, span: dict[str, str], clock: Clock, 
     except (Exception, KeyboardInterrupt) as exc:
         cause.add_note(
             f"{store.url(name)} is left running ({exc!r}), with no task created: run the same submit again, or "
-            f"finish its batch: tools/submit.py {store.root_url} --finish-batch {batch_id(name)}"
+            f"finish its batch: gcs-spawner submit {store.root_url} --finish-batch {batch_id(name)}"
         )
 
 
@@ -375,7 +375,7 @@ def _give_up(
         log.error("event=batch_left_running batch=%s error=%r in_flight=%d", name, exc, creates.in_flight)
         cause.add_note(
             f"{store.url(name)} may be left running ({why}): run the same submit again, or, once it will never run "
-            f"again, finish its batch: tools/submit.py {store.root_url} --finish-batch {batch_id(name)}"
+            f"again, finish its batch: gcs-spawner submit {store.root_url} --finish-batch {batch_id(name)}"
         )
 
 
@@ -459,7 +459,7 @@ def finish_batch(
     page = store.list_page(layout.BATCHES, start_offset=name, page_size=1)
     entry = next((e for e in page.entries if e.name == name), None)
     if entry is None:
-        raise SubmitError(f"{store.url(name)} does not exist: `tools/status.py {store.root_url}` lists the running batches")
+        raise SubmitError(f"{store.url(name)} does not exist: `gcs-spawner status {store.root_url}` lists the running batches")
     if entry.metadata.get("state") == layout.BATCH_DONE:
         return f"event=batch_already_done batch={batch_id(name)}"
     first, last = entry.metadata.get("first"), entry.metadata.get("last")

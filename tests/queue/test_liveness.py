@@ -347,5 +347,5 @@ def test_status_names_what_blocks_completion_and_the_command_that_clears_it(tmp_
     assert kinds["stale_lease"]["task"] == silent.task_id and "spawn.py" in kinds["stale_lease"]["clear"]
     assert kinds["dead_letter"]["task"] == bad.task_id and "new id" in kinds["dead_letter"]["clear"]
     text = render(view)
-    assert text.count("blocked ") == 3 and f"tools/submit.py {store.root_url} --finish-batch" in text
+    assert text.count("blocked ") == 3 and f"gcs-spawner submit {store.root_url} --finish-batch" in text
     assert json.loads(json.dumps(view))["blockers"] == view["blockers"]  # --json carries them
