@@ -63,7 +63,25 @@ def _queue(args, what: str = "QUEUE") -> str:
         raise UsageError(f"give the run file or the queue once: as {what}, or as --queue (got {len(given)})")
     if is_run_file(given[0]):
         return queue_of(given[0])
+    _not_a_run_file(given[0])
     return check_address(given[0], "--queue" if args.queue else what)
+
+
+def _not_a_run_file(text: str) -> None:
+    """A RUN|QUEUE that names a run file (.yaml, .yml, .json) which does not exist is a misspelt or moved run file,
+    not a queue directory to create: say so, with the nearest run files beside it."""
+    import difflib
+
+    from gcs_spawner.runfile import RunFileError
+
+    path = pathlib.Path(text).expanduser()
+    if path.suffix not in (".yaml", ".yml", ".json") or path.exists():
+        return
+    near = sorted(p.name for p in (path.parent if str(path.parent) else pathlib.Path(".")).glob("*")
+                  if p.suffix in (".yaml", ".yml") and p.is_file()) if path.parent.is_dir() else []
+    close = difflib.get_close_matches(path.name, near, n=3)
+    raise RunFileError(f"{text}: no such run file" + (f"; did you mean {', '.join(close)}?" if close else
+                                                      "; give the run file (run.yaml) or the queue (gs://bucket/prefix)"))
 
 
 def zone_list(values: list[str]) -> list[str]:

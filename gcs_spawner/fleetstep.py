@@ -71,7 +71,8 @@ class FleetStep:
         from fleet import gapi
 
         if self.dry_run:
-            self.would(f"send {gapi.request_line(request)}")
+            if not (exists() and self.record.is_ours(resource)):  # what this run made already needs no call
+                self.would(f"send {gapi.request_line(request)}")
             return
         ours = self.record.is_ours(resource)
         if exists():
@@ -153,7 +154,7 @@ class FleetStep:
         from fleet import tpu
 
         zone = self.run.fields.fleet.zones[0]
-        clients = None if self.dry_run else self.clients.tpu_clients()
+        clients = self.clients.tpu_clients()
         for node_id in launching.tpu_names(self.run.name, min(self.run.machines, max(1, self.tasks))):
             def exists(node_id=node_id) -> bool:
                 try:

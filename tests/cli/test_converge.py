@@ -43,6 +43,8 @@ def test_a_count_edit_resizes_the_group_and_the_dry_run_shows_the_same_differenc
     dry = capsys.readouterr().out
     assert world.cloud.mutations()[before:] == []
     assert "  resize  instance_group r1 (us-central1-a): count 2 -> 3 (target size 2 -> 3)" in dry
+    assert [line for line in dry.splitlines() if line.startswith("would send")] == [
+        f"would send ResizeInstanceGroupManagerRequest size=3 zone=us-central1-a project={PROJECT} instance_group_manager=r1"]
     assert recorded_fleet(world)["count"] == 2  # a dry run records nothing
 
     assert up(run_file) == 0
