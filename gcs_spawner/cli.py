@@ -546,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list swept regions' done markers too, for the completion curve (as --html does)")
     p.add_argument("--now", metavar="TIME", help="compute the view as of this UTC time (ISO 8601), e.g. for a report")
     p.add_argument("--machines", action="store_true",
-                   help="list every machine, holder, stale lease and failure reason (the default view fits a screen)")
+                   help="list every machine, holder and stale lease, and the blockers and failure reasons status "
+                        "reads (20 of a kind, with the count of the rest; the default view fits a screen)")
     p.add_argument("--cloud", action="store_true",
                    help="also list the run's resources as the cloud has them (by its label): group members, queued "
                         "resources and their states, and which lost machines still exist")
