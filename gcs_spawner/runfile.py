@@ -277,6 +277,13 @@ def parse_run(raw: object, file: pathlib.Path) -> Run:
     if fields.model:
         source = fields.model.source
         model_source = str(local(source)) if local(source).is_dir() else source
+        if not local(source).is_dir() and (source.startswith((".", "/", "~")) or local(source).exists()
+                                           or source.count("/") > 1):
+            # A Hub id is `name` or `org/name`; a path (./x, /x, ~/x, a/b/c, a file) names a local checkpoint,
+            # which must be a directory.
+            raise RunFileError(f"{file}: model.source: {local(source)} is not a checkpoint directory"
+                               f"{' (it does not exist)' if not local(source).exists() else ''}; give the local "
+                               "checkpoint's directory, or a Hub id such as Qwen/Qwen2.5-0.5B")
     remote = [p for p in job.data_files if not p.startswith(("gs://", "hf://"))]
     if remote:
         raise RunFileError(f"{where}: data_files {remote[0]!r} is a local path, which the machines cannot read; "
@@ -293,6 +300,11 @@ def parse_run(raw: object, file: pathlib.Path) -> Run:
     # The machine spec, named after the run.
     if isinstance(fields.fleet.spec, str):
         spec_path = local(fields.fleet.spec)
+        shipped = CHECKOUT / "templates" / pathlib.Path(fields.fleet.spec).name
+        if not spec_path.exists() and shipped.is_file():
+            raise RunFileError(f"{file}: fleet.spec: {spec_path} does not exist; the machine specs ship in templates/ "
+                               f"(templates/{shipped.name}): copy it beside the run file "
+                               f"(cp {shipped} {spec_path.parent}/), or give its path")
         try:
             spec = specs.load_spec(spec_path)
         except specs.SpecError as err:

@@ -45,3 +45,21 @@ def test_local_runs_help_prints_its_help_and_starts_nothing(tmp_path):
                             timeout=60, env={**os.environ, "LOCAL_RUN_DIR": str(work)})
     assert result.returncode == 0 and "usage: tools/local_run.py" in result.stdout
     assert not work.exists()
+
+
+def test_a_missing_local_checkpoint_is_named_as_a_path_not_a_bad_hub_id(world, capsys):
+    run_file = world.run_file("tpu", model={"source": "./checkpoints/qwen-tiny"})
+    assert main(["validate", str(run_file), "--no-preflight"]) == 65
+    err = capsys.readouterr().err
+    assert f"model.source: {run_file.parent / 'checkpoints' / 'qwen-tiny'} is not a checkpoint directory (it does not " \
+           "exist)" in err
+    assert "Hub" not in err.split("model.source:", 1)[1].split(";")[0]
+
+
+def test_a_run_file_copied_without_its_spec_names_templates_spec(tmp_path, capsys):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text((REPO / "templates" / "run.yaml").read_text())
+    assert main(["validate", str(run_file)]) == 65
+    err = capsys.readouterr().err
+    assert f"fleet.spec: {tmp_path / 'tpu.yaml'} does not exist; the machine specs ship in templates/ " \
+           "(templates/tpu.yaml)" in err
