@@ -5,7 +5,7 @@
     gcs-spawner status run.yaml        progress, machines, cost, ETA (or a queue: gs://bucket/prefix, a directory)
     gcs-spawner down run.yaml          delete exactly what up made; the data stays
 
-and `validate`, `keep` (TPU: replace preempted machines), `logs RUN MACHINE`, `merge`, `export`, plus the steps
+and `validate`, `keep` (delete lost machines; TPU: replace preempted ones), `logs RUN MACHINE`, `merge`, `export`, plus the steps
 `up` takes, each on its own for a queue: `tasks`, `submit`, `mirror`, `upload-code`. The tools in tools/ are
 these subcommands under their old names.
 

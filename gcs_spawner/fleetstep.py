@@ -36,9 +36,10 @@ class FleetStep:
     """The machines step of one `up` (see the module docstring); `report` is up.UpReport."""
 
     def __init__(self, run: Run, project: str, record: RunRecord, clients: Clients, report, dry_run: bool,
-                 would: Callable[[str], None], tasks: int, work):
+                 would: Callable[[str], None], tasks: int, work, say: Callable[[str], None] = lambda line: None):
         self.run, self.project, self.record, self.clients = run, project, record, clients
         self.report, self.dry_run, self.would, self.tasks, self.work = report, dry_run, would, tasks, work
+        self.say = say  # one line per resource made, resized or deleted: what a terminal shows of this step
 
     def apply(self, diff: Difference) -> None:
         launch = specs.Launch.make(self.run.spec, self.run.queue, self.run.fields.code.url)
@@ -63,6 +64,7 @@ class FleetStep:
         for resource, outcome in delete_all(self.clients, resources).items():
             self.record.deleted(resource)
             self.report.deleted.append(resource.describe())
+            self.say(f"machines: deleted {resource.describe()}" + (" (gone already)" if outcome == "gone" else ""))
 
     def _create(self, resource: Resource, request, exists: Callable[[], bool], send: Callable[[object], None]) -> None:
         """Create `resource` with `request` unless this run already made it (see record.py's contract)."""
@@ -96,6 +98,7 @@ class FleetStep:
                           "what was made is recorded, and down deletes it)") from None
         else:
             self.report.created.append(resource.describe())
+            self.say(f"machines: created {resource.describe()}")
             log.info("event=created resource=%s", resource.describe())
         self.record.created(resource)
 
@@ -122,6 +125,7 @@ class FleetStep:
         except gapi.API_ERRORS as err:
             raise UpError(f"resizing {group.describe()} to {resize_to}: {err} (fix the cause and run up again)") from None
         self.report.resized.append(f"{group.describe()} to {resize_to}")
+        self.say(f"machines: resized {group.describe()} to {resize_to}")
         log.info("event=resized resource=%s size=%d", group.describe(), resize_to)
 
     def _queued_resources(self, launch) -> None:
@@ -140,6 +144,7 @@ class FleetStep:
             zone, rid = created.split("/", 1)
             self.record.created(Resource("queued_resource", self.project, rid, zone=zone))
             self.report.created.append(f"queued_resource {rid} ({zone})")
+            self.say(f"machines: created queued_resource {rid} ({zone})")
         self.report.existed += [f"queued_resource {rid}" for rid in report.alive]
         if report.refused and not report.created and not report.alive:
             raise UpError(f"every zone refused the queued resources: {'; '.join(report.refused[:3])}")

@@ -360,7 +360,7 @@ class _Up:
         from gcs_spawner import converge
 
         step = FleetStep(self.run, self.project, self.record, self.clients, self.report, self.dry_run, self.would,
-                         len(self.tasks), self._work())
+                         len(self.tasks), self._work(), self.say)
         step.apply(self.diff)
         if not self.dry_run:
             self.record.update_run({"fleet": converge.record_fleet(self.run)})

@@ -50,6 +50,7 @@ def test_a_count_edit_resizes_the_group_and_the_dry_run_shows_the_same_differenc
     assert up(run_file) == 0
     out = capsys.readouterr().out
     assert "  resize  instance_group r1 (us-central1-a): count 2 -> 3 (target size 2 -> 3)" in out
+    assert "machines: resized instance_group r1 (us-central1-a) to 3" in out  # the step shows on a terminal
     assert [(m, p.rsplit("/", 2)[-2:]) for m, p in world.cloud.mutations()[before:]] == [
         ("POST", ["r1", "resize"])]
     assert world.cloud.resources[GROUP]["targetSize"] == 3
