@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from gcs_spawner.cloud import Clients, Declined, DeleteError, Found, delete_all, delete_request, find_run, identity
-from gcs_spawner.record import KINDS, Recorded, Resource, RunRecord
+from gcs_spawner.record import KINDS, Resource, RunRecord
 
 log = logging.getLogger("gcs_spawner")
 
