@@ -233,6 +233,10 @@ def test_keep_deletes_a_lost_vm_the_cloud_still_has_and_notes_why(world, capsys)
 def test_keep_deletes_a_lost_tpu_vm_the_cloud_still_has(world, capsys):
     run_file = world.run_file("tpu")
     assert up(run_file) == 0
+    capsys.readouterr()
+    assert main(["status", str(run_file)]) == 0  # right after up, status shows the queued resources up made
+    assert f"run resources (recorded in gs://{world.bucket}/jobs/r1/run/resources/): 3 queued resources created" in \
+        capsys.readouterr().out
     _machine_record(world, "r1-0001", "working", 3600, machine_type="v5litepod-8", beat_s=60)
     assert main(["keep", str(run_file), "--once"]) == 0
     out = capsys.readouterr().out
