@@ -428,7 +428,7 @@ def fetch_model_metadata(url: str, directory: pathlib.Path) -> pathlib.Path:
     try:
         names = [e.name for e in store.list("") if _is_model_metadata(e.name)]
         if "config.json" not in names:
-            raise BadInput(f"model: {url!r} holds no config.json; mirror the checkpoint with tools/mirror_model.py")
+            raise BadInput(f"model: {url!r} holds no config.json; mirror the checkpoint with gcs-spawner mirror")
         directory.mkdir(parents=True, exist_ok=True)
         for name in names:
             (directory / name).write_bytes(store.read(name).data)

@@ -136,7 +136,7 @@ def fetch_from_store(url: str, cache_dir: pathlib.Path, weights: bool = True) ->
     if "config.json" not in names:
         raise BadInput(
             f"model={url!r} holds no config.json: mirror the checkpoint there first with "
-            f"tools/mirror_model.py HUB_ID {url}"
+            f"gcs-spawner mirror HUB_ID {url}"
         )
     if not any(name.endswith(".safetensors") for name in names):
         raise BadInput(f"model={url!r} holds no *.safetensors files: the checkpoint must be in safetensors format")

@@ -52,9 +52,17 @@ def credentials_problem(err: BaseException) -> str | None:
         seen.add(id(err))
         if isinstance(err, (auth_exceptions.DefaultCredentialsError, auth_exceptions.RefreshError)):
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            return f"no usable Google Cloud credentials ({first[:160]}): {LOGIN_HINT}"
+            return f"no usable Google Cloud credentials ({_first_sentence(first)}): {LOGIN_HINT}"
         err = err.__cause__ or err.__context__
     return None
+
+
+def _first_sentence(text: str, limit: int = 160) -> str:
+    """The first sentence of `text`, cut at a word (never mid-word) with an ellipsis when it is longer than `limit`."""
+    sentence = text.split(". ", 1)[0].rstrip(".")
+    if len(sentence) <= limit:
+        return sentence
+    return sentence[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 def client_args(endpoint_env: str) -> dict:

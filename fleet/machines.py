@@ -14,6 +14,11 @@ Contract (docs/PROTOCOL.md, "Machine records"):
   machine-minute, not two per task plus the beats. The time accounting stays exact: spells are
   kept in memory and every write carries them, so only the split of at most one beat between
   idle and working can be late, never the machine's total.
+- A machine deleted by another hand (`gcs-spawner down`, or `gcs-spawner keep` deleting a machine the
+  bucket has given up on while the cloud still had it) cannot write its own last record. The deleter writes a
+  *deletion note* instead, `run/deleted/<name>.json` (DELETED_PREFIX; `note_deleted`): who, when, why. Its
+  record stays the machine's alone; status reads a record older than its note as ended at the note
+  (reporting/fleetview.py), so a deleted machine shows as deleted, never as up, and its bill stops there.
 - The body is JSON (the schema below, with the log tail of a failure). The fields that `status`
   needs (state, task, reason, accelerator, code, and what the cost needs) are repeated as custom
   metadata, so one listing of `machines/` (one request per 1000 machines) is the whole cost of
@@ -64,6 +69,29 @@ DEFAULT_BEAT_S = 60.0
 
 class MachineRecordError(ValueError):
     """A machine record or a request to write one is malformed; the message names the field."""
+
+
+#: Deletion notes: one per machine deleted by `down` or `keep` (see the contract above).
+DELETED_PREFIX = "run/deleted/"
+
+
+def note_deleted(store: ObjectStore, name: str, by: str, reason: str, at: dt.datetime | None = None) -> None:
+    """Write the deletion note of machine `name` (the contract above): `by` the command, `reason` why."""
+    at_text = _iso(at or _now())
+    body = {"machine": name, "by": by, "reason": reason, "at": at_text}
+    store.put(f"{DELETED_PREFIX}{name}.json", (json.dumps(body, sort_keys=True) + "\n").encode(),
+              metadata={"by": by, "reason": reason[:500], "at": at_text}, content_type="application/json")
+
+
+def deletion_notes(store: ObjectStore) -> dict[str, dict]:
+    """machine name -> {"by", "reason", "at" (datetime)}, from one listing of DELETED_PREFIX."""
+    notes = {}
+    for entry in store.list(DELETED_PREFIX):
+        if entry.name.endswith(".json"):
+            meta = dict(entry.metadata)
+            notes[entry.name[len(DELETED_PREFIX):-len(".json")]] = {
+                "by": meta.get("by", "?"), "reason": meta.get("reason", ""), "at": parse_time(meta.get("at"))}
+    return notes
 
 
 def record_object(name: str) -> str:

@@ -210,7 +210,8 @@ def parse_spec(raw: object, source: str) -> VmSpec | TpuSpec:
 def load_spec(path: str | Path) -> VmSpec | TpuSpec:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        with path.open() as stream:  # a stream, so that YAML's errors name the file, not "<unicode string>"
+            raw = yaml.safe_load(stream)
     except OSError as err:
         raise SpecError(f"{path}: cannot read the spec file: {err.strerror}") from None
     except yaml.YAMLError as err:

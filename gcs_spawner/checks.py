@@ -102,7 +102,7 @@ def _config_json(run: Run) -> tuple[dict, str]:
     if source:
         return _hub_config(run, source)
     raise CheckError(f"{run.file}: model: {mirror} holds no config.json and the run names no source to mirror from; "
-                     "give model.source (a Hub id or a local checkpoint) or mirror it first (tools/mirror_model.py)")
+                     "give model.source (a Hub id or a local checkpoint) or mirror it first (gcs-spawner mirror SOURCE DEST)")
 
 
 def _hub_config(run: Run, hub_id: str) -> tuple[dict, str]:
@@ -152,7 +152,7 @@ def code_environment(run: Run) -> None:
         store = open_store(code)
         if not store.list_page("", page_size=1).entries:
             raise CheckError(f"{run.file}: code.url: {code} is empty; set code.upload: true, or upload it "
-                             "(tools/upload_code.py)")
+                             "(gcs-spawner upload-code CODE_URL)")
         if not run.fields.code.environment:
             return
         missing = environment.environment_missing(store, run.platform)
@@ -161,7 +161,7 @@ def code_environment(run: Run) -> None:
     if missing:
         raise CheckError(
             f"{run.file}: code.url: {code} lacks {' and '.join(missing)}, which {run.platform} machines install "
-            f"from; upload it with its environment (code.upload: true, or tools/upload_code.py {code}), or set "
+            f"from; upload it with its environment (code.upload: true, or gcs-spawner upload-code {code}), or set "
             "code.environment: false to let the machines install unpinned")
 
 
@@ -190,3 +190,108 @@ def preflight(run: Run, project: str) -> list:
                 seen.add((finding.check, finding.detail))
                 findings.append(finding)
     return findings
+
+
+def zones_offer(run: Run, project: str, clients=None) -> None:
+    """Each zone (or the region) of the fleet exists and offers its machine type, GPU type or TPU accelerator
+    type, before anything is made: the Compute API's machineTypes.get and acceleratorTypes.get
+    (https://cloud.google.com/compute/docs/reference/rest/v1/machineTypes/get,
+    https://cloud.google.com/compute/docs/reference/rest/v1/acceleratorTypes/get), the TPU API's
+    acceleratorTypes.get (https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.acceleratorTypes/get).
+    A 404 on the type is told apart from a zone that does not exist by zones.get (regions.get for a region)."""
+    from google.api_core import exceptions as api_exceptions
+    from google.cloud import compute_v1
+
+    from fleet import compute, gapi
+
+    args = gapi.client_args(compute.ENDPOINT_ENV)
+    fleet = run.fields.fleet
+    field = "fleet.region" if fleet.region else "fleet.zones"
+    if fleet.region:
+        try:
+            region = compute_v1.RegionsClient(**args).get(project=project, region=fleet.region)
+        except api_exceptions.NotFound:
+            raise CheckError(f"{run.file}: fleet.region: region {fleet.region!r} does not exist in project {project}; "
+                             "see 'gcloud compute regions list'") from None
+        zones = [z.rsplit("/", 1)[-1] for z in region.zones][:1]
+    else:
+        zones = list(fleet.zones)
+
+    def missing_zone(zone: str) -> bool:
+        try:
+            compute_v1.ZonesClient(**args).get(project=project, zone=zone)
+            return False
+        except api_exceptions.NotFound:
+            return True
+
+    def refuse(zone: str, type_field: str, type_name: str, offered: list[str], command: str) -> None:
+        if not fleet.region and missing_zone(zone):
+            raise CheckError(f"{run.file}: {field}: zone {zone!r} does not exist in project {project}; give a zone "
+                             "from 'gcloud compute zones list'")
+        some = f" (it offers e.g. {', '.join(sorted(offered)[:6])})" if offered else ""
+        raise CheckError(f"{run.file}: {type_field}: zone {zone} does not offer {type_name!r}{some}; pick another "
+                         f"zone or type: '{command}'")
+
+    def listed(names) -> list[str]:
+        try:
+            return list(names())
+        except api_exceptions.NotFound:
+            return []
+
+    for zone in zones:
+        try:
+            if run.kind == "tpu":
+                from google.cloud import tpu_v2
+
+                tpus = tpu_v2.TpuClient(**gapi.client_args("FLEET_TPU_ENDPOINT"))
+                name = f"projects/{project}/locations/{zone}/acceleratorTypes/{run.spec.accelerator_type}"
+                try:
+                    tpus.get_accelerator_type(name=name)
+                except api_exceptions.NotFound:
+                    offered = listed(lambda: (t.type_ for t in tpus.list_accelerator_types(
+                        parent=f"projects/{project}/locations/{zone}")))
+                    refuse(zone, "fleet.spec.accelerator_type", run.spec.accelerator_type, offered,
+                           f"gcloud compute tpus accelerator-types list --zone={zone}")
+                continue
+            try:
+                compute_v1.MachineTypesClient(**args).get(project=project, zone=zone, machine_type=run.spec.machine_type)
+            except api_exceptions.NotFound:
+                offered = listed(lambda: (t.name for t in compute_v1.MachineTypesClient(**args).list(project=project,
+                                                                                                   zone=zone)))
+                refuse(zone, "fleet.spec.machine_type", run.spec.machine_type, offered,
+                       f"gcloud compute machine-types list --zones={zone}")
+            if run.spec.gpu_type:
+                try:
+                    compute_v1.AcceleratorTypesClient(**args).get(project=project, zone=zone,
+                                                                  accelerator_type=run.spec.gpu_type)
+                except api_exceptions.NotFound:
+                    offered = listed(lambda: (t.name for t in compute_v1.AcceleratorTypesClient(**args).list(
+                        project=project, zone=zone)))
+                    refuse(zone, "fleet.spec.gpu_type", run.spec.gpu_type, offered,
+                           f"gcloud compute accelerator-types list --filter=zone:{zone}")
+        except api_exceptions.GoogleAPICallError as err:  # credentials errors stay the login line (cli.py)
+            raise CheckError(f"{run.file}: {field}: cannot read what zone {zone} offers ({err}); check the project "
+                             "and the credentials") from None
+
+
+def job_addresses(run: Run) -> None:
+    """Every gs:// address of the job (each of data_files, the model's mirror) is in a bucket this account can
+    list, as the queue's is checked: a typo stops here naming the field, not later as a raw 404."""
+    from objectstore import open_store
+
+    where = f"{run.file}: job"
+    addresses = [(f"job.data_files[{i}]", path) for i, path in enumerate(run.job.data_files) if path.startswith("gs://")]
+    addresses.append(("job.model", run.job.model))
+    seen = set()
+    for field, address in addresses:
+        bucket = address.removeprefix("gs://").split("/", 1)[0]
+        if bucket in seen:
+            continue
+        seen.add(bucket)
+        try:
+            open_store(f"gs://{bucket}").list_page("", page_size=1)
+        except NotFound:
+            raise CheckError(f"{where}: {field.removeprefix('job.')}: bucket {bucket} of {address} does not exist, or "
+                             "this account cannot see it; check the bucket's name") from None
+        except StoreError as err:
+            raise CheckError(f"{where}: {field.removeprefix('job.')}: cannot list bucket {bucket} of {address}: {err}") from None

@@ -5,7 +5,7 @@
     gcs-spawner status run.yaml        progress, machines, cost, ETA (or a queue: gs://bucket/prefix, a directory)
     gcs-spawner down run.yaml          delete exactly what up made; the data stays
 
-and `validate`, `keep` (TPU: replace preempted machines), `logs RUN MACHINE`, `merge`, `export`, plus the steps
+and `validate`, `keep` (delete lost machines; TPU: replace preempted ones), `logs RUN MACHINE`, `merge`, `export`, plus the steps
 `up` takes, each on its own for a queue: `tasks`, `submit`, `mirror`, `upload-code`. The tools in tools/ are
 these subcommands under their old names.
 
@@ -63,7 +63,25 @@ def _queue(args, what: str = "QUEUE") -> str:
         raise UsageError(f"give the run file or the queue once: as {what}, or as --queue (got {len(given)})")
     if is_run_file(given[0]):
         return queue_of(given[0])
+    _not_a_run_file(given[0])
     return check_address(given[0], "--queue" if args.queue else what)
+
+
+def _not_a_run_file(text: str) -> None:
+    """A RUN|QUEUE that names a run file (.yaml, .yml, .json) which does not exist is a misspelt or moved run file,
+    not a queue directory to create: say so, with the nearest run files beside it."""
+    import difflib
+
+    from gcs_spawner.runfile import RunFileError
+
+    path = pathlib.Path(text).expanduser()
+    if path.suffix not in (".yaml", ".yml", ".json") or path.exists():
+        return
+    near = sorted(p.name for p in (path.parent if str(path.parent) else pathlib.Path(".")).glob("*")
+                  if p.suffix in (".yaml", ".yml") and p.is_file()) if path.parent.is_dir() else []
+    close = difflib.get_close_matches(path.name, near, n=3)
+    raise RunFileError(f"{text}: no such run file" + (f"; did you mean {', '.join(close)}?" if close else
+                                                      "; give the run file (run.yaml) or the queue (gs://bucket/prefix)"))
 
 
 def zone_list(values: list[str]) -> list[str]:
@@ -144,27 +162,36 @@ def cmd_up(args) -> int:
         reached = up.wait_for_machines(open_store(run.queue), run.machines if run.kind == "vm" else
                                        min(run.machines, len(report.created) + len(report.existed)), args.wait)
         print(f"machines up: {reached}")
-    if args.keep and not args.dry_run and run.kind == "tpu":
-        up.keep(run, project=args.project, interval_s=args.interval)
+    if args.keep and not args.dry_run:
+        from gcs_spawner import keep
+
+        keep.keep(run, project=args.project, interval_s=args.interval)
     return EX_OK
 
 
 def cmd_down(args) -> int:
     from gcs_spawner import down
+    from gcs_spawner.runfile import is_run_file, run_fields
     from objectstore import open_store
 
-    down.down(open_store(_queue(args, "RUN|QUEUE")), dry_run=args.dry_run, yes=args.yes, confirm=_confirmer(args))
+    target = getattr(args, "target", None)
+    fields = run_fields(target) if target and is_run_file(target) else None
+    down.down(open_store(_queue(args, "RUN|QUEUE")), dry_run=args.dry_run, yes=args.yes, confirm=_confirmer(args),
+              run=fields, project=args.project)
     return EX_OK
 
 
 def cmd_keep(args) -> int:
-    from gcs_spawner import up
+    from gcs_spawner import keep
     from gcs_spawner.runfile import load_run
 
-    report = up.keep(load_run(args.run), project=args.project, interval_s=args.interval, once=args.once,
-                     dry_run=args.dry_run, prices=args.prices)
-    print(f"claimable={report.work.claimable} held={report.work.held} alive={len(report.alive)} "
-          f"deleted={len(report.deleted)} created={len(report.created)}")
+    report, lost = keep.keep(load_run(args.run), project=args.project, interval_s=args.interval, once=args.once,
+                             dry_run=args.dry_run, prices=args.prices)
+    line = f"lost_deleted={len(lost.deleted)}"
+    if report is not None:
+        line = (f"claimable={report.work.claimable} held={report.work.held} alive={len(report.alive)} "
+                f"deleted={len(report.deleted)} created={len(report.created)} {line}")
+    print(line)
     return EX_OK
 
 
@@ -209,13 +236,30 @@ def cmd_status(args) -> int:
         if view["total"] == 0 and not _is_queue(store):
             print(f"status: {store.root_url} holds no job.json and no tasks: is this the queue's prefix?",
                   file=sys.stderr)
-        text = json.dumps(view, indent=1) if args.json else render_text(view, all_machines=args.machines)
+        text = json.dumps(view, indent=1) if args.json else "\n".join(
+            [render_text(view, all_machines=args.machines), *_run_lines(args, store, view)])
         if args.watch and sys.stdout.isatty():
             print("\033[H\033[2J", end="")
         print(text, flush=True)
         if not args.watch or view["complete"]:
             return EX_OK
         time.sleep(args.watch)
+
+
+def _run_lines(args, store, view) -> list[str]:
+    """Beneath the queue's view: the run's record, its lost machines and the command that deletes them, and with
+    --cloud the cloud's own view (gcs_spawner/cloudstatus.py)."""
+    from gcs_spawner import cloudstatus
+    from gcs_spawner.runfile import is_run_file, run_fields
+
+    target = args.target or args.queue
+    lines = cloudstatus.record_lines(store)
+    still_there = None
+    if args.cloud:
+        fields = run_fields(args.target) if args.target and is_run_file(args.target) else None
+        cloud, still_there = cloudstatus.cloud_lines(store, fields, args.project)
+        lines += cloud
+    return lines + cloudstatus.lost_lines(view["fleet"]["lost"], target, still_there)
 
 
 def _is_queue(store) -> bool:
@@ -475,8 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p)
     p.add_argument("-y", "--yes", action="store_true", help="do not ask, even if the job is not complete")
     p.add_argument("--dry-run", action="store_true", help="print one line per delete it would send")
+    p.add_argument("--project", help="where to look for the run's resources by its label (default: the run's "
+                                     "project, its record's, else gcloud config)")
 
-    p = command("keep", cmd_keep, "TPU runs: replace preempted queued resources while the queue has work")
+    p = command("keep", cmd_keep, "delete lost machines the cloud still has; TPU: replace preempted queued resources",
+                "Every --interval seconds until the queue is complete: deletes the run's machines that status shows "
+                "lost while the cloud still has them (VM group members and TPU VMs alike, each with a note saying "
+                "why), and for a TPU run on queued resources replaces the preempted ones while the queue has work.")
     p.add_argument("run", type=pathlib.Path, help=run_help)
     p.add_argument("--project", help="default: the run's project, else gcloud config")
     p.add_argument("--interval", type=float, default=60.0, help="seconds between checks (default 60)")
@@ -497,7 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list swept regions' done markers too, for the completion curve (as --html does)")
     p.add_argument("--now", metavar="TIME", help="compute the view as of this UTC time (ISO 8601), e.g. for a report")
     p.add_argument("--machines", action="store_true",
-                   help="list every machine, holder, stale lease and failure reason (the default view fits a screen)")
+                   help="list every machine, holder and stale lease, and the blockers and failure reasons status "
+                        "reads (20 of a kind, with the count of the rest; the default view fits a screen)")
+    p.add_argument("--cloud", action="store_true",
+                   help="also list the run's resources as the cloud has them (by its label): group members, queued "
+                        "resources and their states, and which lost machines still exist")
+    p.add_argument("--project", help="with --cloud: default the run's project, its record's, else gcloud config")
 
     p = command("logs", cmd_logs, "the log tail a machine left in its record (machines/NAME.json)")
     _add_target(p)
@@ -586,7 +640,7 @@ _BAD_INPUT = (
 )
 #: Errors of a step that failed for a reason outside the input (the cloud, the store, the network): exit 1.
 _FAILED = (
-    ("gcs_spawner.up", "UpError"), ("gcs_spawner.down", "DownError"), ("fleet.gapi", "LaunchError"),
+    ("gcs_spawner.fleetstep", "UpError"), ("gcs_spawner.cloud", "DeleteError"), ("fleet.gapi", "LaunchError"),
     ("objectstore.base", "StoreError"), ("fleet.codesync", "CodeSyncError"), ("fleet.keeper", "KeeperError"),
     ("reporting.jobindex", "JobIndexError"), ("activations", "ActivationsError"), ("extract.errors", "ExtractError"),
 )
@@ -631,11 +685,11 @@ def failed(prog: str, err: Exception) -> int:
     """Print `err` as one line (with its notes) and return its exit code: 65 for input that cannot work, 1 for a
     step that failed (or was not confirmed), 2 for a question that could not be asked; a missing credential is the
     one line saying how to log in. Anything else is a bug: re-raised, traceback and all."""
-    from gcs_spawner.up import Declined
+    from gcs_spawner.cloud import Declined
 
     if isinstance(err, Declined):
         _error(prog, err)
-        return EX_USAGE if "pass --yes" in str(err) else EX_FAILED
+        return EX_USAGE if err.cannot_ask else EX_FAILED
     login = _credentials(err)
     if login:
         _error(prog, login)

@@ -1,12 +1,18 @@
-"""`gcs-spawner down RUN`: delete exactly what `up` (and `keep`) made, as the run's record lists it, and nothing
-else: the job, the tasks, the outputs, the markers and the record itself stay in the queue.
+"""`gcs-spawner down RUN`: delete what `up` (and `keep`) made, as the run's record lists it and as the cloud lists it
+under the run's label, and nothing else: the job, the tasks, the outputs, the markers and the record itself stay.
 
-Kinds go in the record's order (gcs_spawner/record.py, KINDS): the groups (their VMs go with them), then the
-templates they used, then TPU queued resources (with force, taking their nodes), then plain TPU nodes; within a
-kind, every resource at once. A 404 is a resource already gone (deleted by hand, by a machine deleting itself, or
-never made because `up` was interrupted before its create). Each one gone is marked `deleted` in the record, so a
-second `down` sends nothing. A job that is not complete (reporting.status's `complete`, the completion rule the
-status page shows) is deleted only when the user says so (`confirm`, or `yes`).
+The record (gcs_spawner/record.py) is what `up` asked for; the label (`spawn-run: NAME`, gcs_spawner/cloud.py) is
+what the cloud holds. `down` deletes both, so an edited run file (another queue, zone or count) or a lost one
+(`down QUEUE`: the record names the run, its project and zones) still deletes everything, and it says what it
+found beyond the record. A resource found beyond the record is marked `deleted` in the record of the queue its
+machines were told, when that queue records it.
+
+Kinds go in the record's order (KINDS): the groups (their VMs go with them), then the templates they used, then
+TPU queued resources (with force, taking their nodes), then plain TPU nodes; within a kind, every resource at once.
+A 404 is a resource already gone (deleted by hand, by a machine deleting itself, or never made because `up` was
+interrupted before its create). Each one gone is marked `deleted` in the record, so a second `down` sends nothing.
+A job that is not complete (reporting.status's `complete`) is deleted only when the user says so (`confirm`, or
+`yes`).
 
 Callers other than the command (tests, the fleet rehearsal) call `down(open_store(run.queue), yes=True)`, with
 the endpoints from FLEET_COMPUTE_ENDPOINT / FLEET_TPU_ENDPOINT or `clients` passed in, as `up.up` takes them.
@@ -14,21 +20,19 @@ the endpoints from FLEET_COMPUTE_ENDPOINT / FLEET_TPU_ENDPOINT or `clients` pass
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from gcs_spawner.record import KINDS, Recorded, Resource, RunRecord
-from gcs_spawner.up import Clients, Declined
+from gcs_spawner.cloud import Clients, Declined, DeleteError, Found, delete_all, delete_request, find_run, identity
+from gcs_spawner.record import KINDS, Resource, RunRecord
 
 log = logging.getLogger("gcs_spawner")
 
 
-class DownError(Exception):
-    """Some deletes failed; the message names each (run down again once the cause is fixed)."""
+DownError = DeleteError  # some deletes failed (exit 1); the message names each
 
 
 @dataclasses.dataclass
@@ -37,30 +41,14 @@ class DownReport:
     gone: list[str] = dataclasses.field(default_factory=list)  # 404: already gone
     skipped: list[str] = dataclasses.field(default_factory=list)  # marked deleted by an earlier down
     would: list[str] = dataclasses.field(default_factory=list)
-
-
-def delete_request(resource: Resource):
-    """The request that deletes `resource` (fleet/compute.py and fleet/tpu.py build it)."""
-    if resource.kind == "instance_group":
-        from fleet import compute
-
-        return compute.delete_group(resource.project, resource.name, zone=resource.zone, region=resource.region)
-    if resource.kind == "instance_template":
-        from fleet import compute
-
-        return compute.delete_template(resource.project, resource.name)
-    from fleet import tpu
-
-    collection = "queuedResources" if resource.kind == "queued_resource" else "nodes"
-    name = f"{tpu.location(resource.project, resource.zone)}/{collection}/{resource.name}"
-    return tpu.delete_queued_resource(name) if resource.kind == "queued_resource" else tpu.delete_node(name)
+    beyond: list[str] = dataclasses.field(default_factory=list)  # found by the label, not in the record
 
 
 def down(store, *, dry_run: bool = False, yes: bool = False, out: TextIO | None = None,
-         confirm: Callable[[str], bool] | None = None, clients: Clients | None = None, parallel: int = 8) -> DownReport:
-    """Delete the resources the queue `store`'s run record lists (see the module docstring)."""
-    from google.api_core import exceptions as api_exceptions
-
+         confirm: Callable[[str], bool] | None = None, clients: Clients | None = None, parallel: int = 8,
+         run=None, project: str | None = None) -> DownReport:
+    """Delete the resources the queue `store`'s run record lists, and those the cloud lists under the run's label
+    (`run`: the run file's fields, runfile.RunFile, when the command was given one; see the module docstring)."""
     from fleet import gapi
 
     out = out or sys.stdout
@@ -70,60 +58,83 @@ def down(store, *, dry_run: bool = False, yes: bool = False, out: TextIO | None 
     listed = record.resources()
     live = [r for r in listed if r.state != "deleted"]
     report.skipped = [r.resource.describe() for r in listed if r.state == "deleted"]
-    if not live:
+    who = identity(record, run, project)
+    beyond: list[Found] = []
+    if who is not None:
+        known = {r.resource for r in live}
+        beyond = [f for f in find_run(clients, who.project, who.name, None, who.zones, who.regions)
+                  if f.resource not in known]
+    if beyond:
+        report.beyond = [f.resource.describe() for f in beyond]
+        print(f"down: found {len(beyond)} resources of run {who.name!r} beyond the record of {store.root_url} "
+              f"(by the label spawn-run={who.name}): " + ", ".join(report.beyond), file=out)
+    if not live and not beyond:
         print(f"down: nothing to delete: {store.url('run/resources/')} lists "
               f"{len(listed)} resources, all deleted already" if listed else
-              f"down: {store.url('run/')} records no resources (was `up` run on this queue?)", file=out)
+              f"down: {store.url('run/')} records no resources (was `up` run on this queue?)"
+              + (f", and the cloud lists none labelled spawn-run={who.name} in project {who.project}" if who else ""),
+              file=out)
         return report
     if not dry_run and not yes:
-        _confirm_incomplete(store, live, confirm)
-    for kind in KINDS:
-        batch = [r for r in live if r.resource.kind == kind]
-        if not batch:
-            continue
-        if dry_run:
-            for recorded in batch:
-                line = f"send {gapi.request_line(delete_request(recorded.resource))}"
-                report.would.append(line)
-                print(f"would {line}", file=out)
-            continue
-        client = clients.compute_clients() if kind in ("instance_group", "instance_template") else clients.tpu_clients()
-
-        def one(recorded: Recorded) -> tuple[Recorded, str]:
-            try:
-                client.send(delete_request(recorded.resource))
-            except api_exceptions.NotFound:
-                return recorded, "gone"
-            record.deleted(recorded.resource)
-            return recorded, "deleted"
-
-        failures = []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(parallel, len(batch)))) as pool:
-            futures = [pool.submit(one, r) for r in batch]
-            for future in concurrent.futures.as_completed(futures):
-                try:
-                    recorded, outcome = future.result()
-                except gapi.API_ERRORS as err:
-                    failures.append(str(err))
-                    continue
-                if outcome == "gone":
-                    record.deleted(recorded.resource)
-                    report.gone.append(recorded.resource.describe())
-                else:
-                    report.deleted.append(recorded.resource.describe())
-                log.info("event=%s resource=%s", outcome, recorded.resource.describe())
-        if failures:
-            raise DownError(f"{len(failures)} of {len(batch)} {kind} deletes failed (run down again once fixed; the "
-                            "rest is deleted or marked):\n  " + "\n  ".join(sorted(failures)))
+        _confirm_incomplete(store, len(live) + len(beyond), confirm)
+    targets = sorted([*(r.resource for r in live), *(f.resource for f in beyond)],
+                     key=lambda r: (KINDS.index(r.kind), r.where, r.name))
     if dry_run:
+        for resource in targets:
+            line = f"send {gapi.request_line(delete_request(resource))}"
+            report.would.append(line)
+            print(f"would {line}", file=out)
         print(f"dry run: {len(report.would)} calls shown, none made", file=out)
-    else:
-        print(f"down: {len(report.deleted)} deleted, {len(report.gone)} already gone; the queue's data stays at "
-              f"{store.root_url}", file=out)
+        return report
+    elsewhere = {f.resource: f.queue for f in beyond}
+    try:
+        outcomes = delete_all(clients, targets, parallel)
+    except DeleteError as err:
+        _mark(record, getattr(err, "outcomes", {}), elsewhere, report)
+        raise
+    _mark(record, outcomes, elsewhere, report)
+    if any(r.kind != "instance_template" and outcomes.get(r) == "deleted" for r in targets):
+        _note_machines(store)
+    print(f"down: {len(report.deleted)} deleted, {len(report.gone)} already gone; the queue's data stays at "
+          f"{store.root_url}", file=out)
     return report
 
 
-def _confirm_incomplete(store, live: list[Recorded], confirm: Callable[[str], bool] | None) -> None:
+def _note_machines(store) -> None:
+    """Write a deletion note (fleet/machines.py) for each machine whose last record is not final: `down` deleted
+    its group or TPU VM, so it will write no record again, and status must not show it up."""
+    import concurrent.futures
+
+    from fleet.machines import FINAL_STATES, PREFIX, note_deleted
+
+    names = [e.name[len(PREFIX):-len(".json")] for e in store.list(PREFIX)
+             if e.name.endswith(".json") and e.metadata.get("state") not in FINAL_STATES]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda name: note_deleted(store, name, "gcs-spawner down", "its fleet was deleted"), names))
+    log.info("event=machines_noted_deleted count=%d", len(names))
+
+
+def _mark(record: RunRecord, outcomes: dict[Resource, str], elsewhere: dict[Resource, str | None],
+          report: DownReport) -> None:
+    """Mark each resource deleted in the record that lists it: this queue's, or (found by the label) the record
+    of the queue its machines were told, when that one lists it."""
+    from objectstore import StoreError, open_store
+
+    for resource, outcome in outcomes.items():
+        (report.gone if outcome == "gone" else report.deleted).append(resource.describe())
+        if resource not in elsewhere:
+            record.deleted(resource)
+            continue
+        queue = elsewhere[resource]
+        try:
+            other = RunRecord(open_store(queue)) if queue and queue != record.store.root_url else record
+            if other.is_ours(resource):
+                other.deleted(resource)
+        except StoreError as err:
+            log.warning("event=record_unmarked resource=%s queue=%s error=%s", resource.describe(), queue, err)
+
+
+def _confirm_incomplete(store, count: int, confirm: Callable[[str], bool] | None) -> None:
     """Ask before deleting the machines of a job that is not complete (reporting.status.snapshot's `complete`),
     or that finished with dead letters (its outputs miss them)."""
     from reporting import status
@@ -133,8 +144,9 @@ def _confirm_incomplete(store, live: list[Recorded], confirm: Callable[[str], bo
         return
     state = "finished with dead letters" if view["complete"] else "not complete"
     question = (f"the job is {state} ({view['done']} of {view['total']} tasks done, {view['failed']} failed); "
-                f"delete its {len(live)} resources anyway? [y/N] ")
+                f"delete its {count} resource{'s' if count != 1 else ''} anyway? [y/N] ")
     if confirm is None:
-        raise Declined(f"{question.split(';')[0]}: down asks first, and stdin is not a terminal: pass --yes")
+        raise Declined(f"{question.split(';')[0]}: down asks first, and stdin is not a terminal: pass --yes",
+                       cannot_ask=True)
     if not confirm(question):
         raise Declined("not confirmed; nothing was deleted")

@@ -1,7 +1,10 @@
 """The run's record in its queue: what `up` made, so that `down` deletes exactly that (docs/PROTOCOL.md, "Layout").
 
-    run/run.json                               the run as `up` last saw it (name, project, kind, count, zones, ...)
+    run/run.json                               the run as `up` last saw it (name, project, queue, ...), and under
+                                               `fleet` the fleet as `up` last made it (kind, count, zones, the
+                                               spec's hash: gcs_spawner/converge.py), written once it is made
     run/resources/<kind>/<where>/<name>.json   one object per cloud resource `up` (or `keep`) asked for
+    run/deleted/<machine>.json                 a machine `down` or `keep` deleted (fleet/machines.py: notes)
 
 `<kind>` is `instance_group`, `instance_template`, `queued_resource` or `tpu_node`; `<where>` is the zone, the
 region, or `global` (templates). The resource's state is in the object's custom metadata as well as its body, so
@@ -104,6 +107,12 @@ class RunRecord:
                 "give this run its own queue prefix (a queue holds one run's job, tasks and resources)")
         self.store.put(RUN_OBJECT, (json.dumps({**summary, "up_at": _now()}, indent=1, sort_keys=True) + "\n").encode(),
                        content_type="application/json")
+
+    def update_run(self, fields: dict) -> None:
+        """Merge `fields` into `run/run.json` (up, once the machines step made what they say)."""
+        earlier = self.read_run() or {}
+        self.store.put(RUN_OBJECT, (json.dumps({**earlier, **fields, "up_at": _now()}, indent=1, sort_keys=True)
+                                    + "\n").encode(), content_type="application/json")
 
     def _write(self, resource: Resource, state: str) -> None:
         body = {**dataclasses.asdict(resource), "state": state, "at": _now()}

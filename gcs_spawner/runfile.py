@@ -224,8 +224,8 @@ def _phrase(problem: Problem, where: str) -> str:
 def _read_mapping(path: pathlib.Path, what: str) -> dict:
     """A YAML file's mapping (a `.json` file is read as JSON: YAML 1.1 would take its `1e-06` for a string)."""
     try:
-        text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        with path.open() as stream:  # a stream, so that YAML's errors name the file, not "<unicode string>"
+            raw = json.load(stream) if path.suffix == ".json" else yaml.safe_load(stream)
     except OSError as err:
         raise RunFileError(f"{what}: cannot read {path}: {err.strerror or err}") from None
     except (yaml.YAMLError, ValueError) as err:
@@ -277,6 +277,13 @@ def parse_run(raw: object, file: pathlib.Path) -> Run:
     if fields.model:
         source = fields.model.source
         model_source = str(local(source)) if local(source).is_dir() else source
+        if not local(source).is_dir() and (source.startswith((".", "/", "~")) or local(source).exists()
+                                           or source.count("/") > 1):
+            # A Hub id is `name` or `org/name`; a path (./x, /x, ~/x, a/b/c, a file) names a local checkpoint,
+            # which must be a directory.
+            raise RunFileError(f"{file}: model.source: {local(source)} is not a checkpoint directory"
+                               f"{' (it does not exist)' if not local(source).exists() else ''}; give the local "
+                               "checkpoint's directory, or a Hub id such as Qwen/Qwen2.5-0.5B")
     remote = [p for p in job.data_files if not p.startswith(("gs://", "hf://"))]
     if remote:
         raise RunFileError(f"{where}: data_files {remote[0]!r} is a local path, which the machines cannot read; "
@@ -293,6 +300,11 @@ def parse_run(raw: object, file: pathlib.Path) -> Run:
     # The machine spec, named after the run.
     if isinstance(fields.fleet.spec, str):
         spec_path = local(fields.fleet.spec)
+        shipped = CHECKOUT / "templates" / pathlib.Path(fields.fleet.spec).name
+        if not spec_path.exists() and shipped.is_file():
+            raise RunFileError(f"{file}: fleet.spec: {spec_path} does not exist; the machine specs ship in templates/ "
+                               f"(templates/{shipped.name}): copy it beside the run file "
+                               f"(cp {shipped} {spec_path.parent}/), or give its path")
         try:
             spec = specs.load_spec(spec_path)
         except specs.SpecError as err:
@@ -343,15 +355,21 @@ def is_run_file(text: str) -> bool:
     return pathlib.Path(text).expanduser().is_file()
 
 
-def queue_of(path: str | pathlib.Path) -> str:
-    """The queue a run file names, with only the run file's own fields checked: what `status`, `down`, `merge`,
-    `logs` and `export` need, which must work after the job or tasks files have moved."""
+def run_fields(path: str | pathlib.Path) -> RunFile:
+    """The run file's own fields, checked alone (not its job, tasks or spec files): what `down` needs to find the
+    run's resources by its label after those files have moved."""
     path = pathlib.Path(path)
     raw = _read_mapping(path, str(path))
     try:
-        fields = RunFile.model_validate(raw)
+        return RunFile.model_validate(raw)
     except ValidationError as error:
         raise RunFileError(f"{path}: {summary(problems(error, RunFile), _phrase)}") from None
+
+
+def queue_of(path: str | pathlib.Path) -> str:
+    """The queue a run file names, with only the run file's own fields checked: what `status`, `down`, `merge`,
+    `logs` and `export` need, which must work after the job or tasks files have moved."""
+    fields = run_fields(path)
     try:
         return check_address(fields.queue, f"{path}: queue", directory=False)
     except BadAddress as err:

@@ -11,10 +11,16 @@ The steps, each logged as `event=step_done step=NAME` when it ends:
 4. `code`: the checkout and its environment uploaded (a sync: unchanged files cost a listing), then checked.
 5. `submit`: the job and the tasks, create-only, in batches of SUBMIT_CHUNK tasks (a batch marker each:
    docs/PROTOCOL.md, "Batches"), so a second `up` finds them all and creates none.
-6. `machines`: VM: the instance template, then the managed instance group (NAME, in its zone or region); TPU:
-   the queued resources through the keeper's own step (fleet/keeper.py: it lists what exists and adds only what
-   is missing), or plain nodes NAME-NNNN. Each create is recorded first (write-ahead) and a 409 on a resource
-   the record holds is taken as done.
+6. `machines`: the difference printed before the question, applied (gcs_spawner/fleetstep.py): VM: the
+   instance template, then the managed instance group (NAME, in its zone or region), resized when the count
+   changed; TPU: the queued resources through the keeper's own step (fleet/keeper.py: it lists what exists and
+   adds only what is missing), or plain nodes NAME-NNNN; a spec change replaces them. Each create is recorded
+   first (write-ahead) and a 409 on a resource the record holds is taken as done. Only then does run/run.json
+   get the fleet as made (`fleet`, with its hashes: gcs_spawner/converge.py).
+
+Before it asks, `up` compares the run file with the record and with what the cloud lists under the run's label,
+and prints the difference (create, resize, replace, delete: gcs_spawner/converge.py); a change to what
+identifies the run (name, queue, job, project) is refused before anything is made. `--dry-run` prints the same.
 
 Ctrl-C (or SIGTERM) at any point leaves what was made recorded; `up` again continues and creates nothing twice,
 and `down` deletes what is recorded. `dry_run` prints one line per call it would make and makes none.
@@ -34,47 +40,19 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from fleet import specs
 from gcs_spawner import checks
+from gcs_spawner.cloud import Clients, Declined
+from gcs_spawner.fleetstep import FleetStep, UpError, vm_resources
 from gcs_spawner.progress import Progress
-from gcs_spawner.record import Resource, RunRecord
+from gcs_spawner.record import RunRecord
 from gcs_spawner.runfile import Run
+
+__all__ = ["Clients", "Declined", "UpError", "UpReport", "up", "validate", "plan_inputs", "wait_for_machines"]
 
 log = logging.getLogger("gcs_spawner")
 
 #: Tasks per submit call: each call is one batch (its marker, its regions), and the progress moves per call.
 SUBMIT_CHUNK = 2000
-
-
-class UpError(Exception):
-    """A step failed for a reason other than bad input (the API or the store refused); the message says which."""
-
-
-class Declined(Exception):
-    """The user did not confirm (or could not be asked: no terminal and no --yes)."""
-
-
-@dataclasses.dataclass
-class Clients:
-    """The Compute and TPU clients `up`, `down` and `keep` send through; made on first use from Application Default
-    Credentials, or the FLEET_*_ENDPOINT overrides (fleet/gapi.py), unless passed in."""
-
-    compute: object | None = None
-    tpu: object | None = None
-
-    def compute_clients(self):
-        if self.compute is None:
-            from fleet import compute
-
-            self.compute = compute.ComputeClients.connect()
-        return self.compute
-
-    def tpu_clients(self):
-        if self.tpu is None:
-            from fleet import tpu
-
-            self.tpu = tpu.TpuClients.connect()
-        return self.tpu
 
 
 @dataclasses.dataclass
@@ -86,16 +64,15 @@ class UpReport:
     existed: list[str] = dataclasses.field(default_factory=list)  # resources an earlier up had created
     submitted: dict = dataclasses.field(default_factory=dict)
     would: list[str] = dataclasses.field(default_factory=list)  # dry run: one line per call
+    difference: list[str] = dataclasses.field(default_factory=list)  # the changes printed before the question
+    deleted: list[str] = dataclasses.field(default_factory=list)  # resources this call deleted (a replace, a count down)
+    resized: list[str] = dataclasses.field(default_factory=list)
 
 
 def resolve_project(run: Run, project: str | None = None) -> str:
-    from fleet import gapi
+    from gcs_spawner import cloud
 
-    found = project or run.fields.project or gapi.default_project()
-    if not found:
-        raise checks.CheckError(f"{run.file}: project: none given and no default; set project in the run file, "
-                                "or run 'gcloud config set project PROJECT'")
-    return found
+    return cloud.resolve_project(run.file, project or run.fields.project)
 
 
 class _Up:
@@ -111,6 +88,7 @@ class _Up:
         self.record = RunRecord(self.store)
         self.report = UpReport()
         self.tasks: list[tuple[str, bytes]] = []
+        self.diff = None  # converge.Difference, once validated
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -131,6 +109,7 @@ class _Up:
         run = self.run
         checks.accelerator(run, self.prices)
         checks.model_config(run)
+        checks.job_addresses(run)
         self.tasks, task_models = _run_tasks(run, tasks_module)
         self._job_in_queue()
         if self.dry_run:
@@ -139,48 +118,55 @@ class _Up:
             checks.bucket_writable(self.store, f"{run.file}: queue")
         if not run.fields.code.upload:
             checks.code_environment(run)
+        checks.zones_offer(run, self.project, self.clients)
         if self.preflight:
             self._preflight()
+        self._difference()
         self._names_are_ours()
         self._plan(task_models)
         self.done("validate")
+
+    def _difference(self) -> None:
+        """The run file against the record and the cloud (gcs_spawner/converge.py), printed; refused when it
+        changes what identifies the run."""
+        from gcs_spawner import cloud, converge
+
+        fleet = self.run.fields.fleet
+        recorded = self.record.read_run()
+        before = (recorded or {}).get("fleet") or {}
+        zones = [*fleet.zones, *(before.get("zones") or ())]
+        regions = [r for r in (fleet.region, before.get("region")) if r]
+        found = cloud.find_run(self.clients, self.project, self.run.name, None, zones, regions)
+        claimable = None if self.dry_run or recorded is None else self._work()().claimable
+        self.diff = converge.difference(self.run, self.project, recorded, found, len(self.tasks), claimable)
+        self.report.difference = self.diff.lines()
+        if self.diff.changes:
+            self.say(f"up: the run file against its record and the cloud (project {self.project}):")
+            for line in self.report.difference:
+                self.say(line)
+        else:
+            self.say(f"up: the cloud already holds what {self.run.file.name} asks for: nothing to create, resize, "
+                     "replace or delete")
+
+    def _work(self):
+        """What the keeper's step asks the queue (gcs_spawner/keep.py); a dry run submitted nothing, so all the
+        run's tasks are claimable."""
+        from fleet import keeper
+        from gcs_spawner.keep import queue_work
+
+        if self.dry_run:
+            return lambda: keeper.Work(claimable=len(self.tasks), held=0, complete=False)
+        return queue_work(self.store)
 
     def _names_are_ours(self) -> None:
         """The template and group this run would make (VMs) are absent, or this run's own (record.py's contract):
         a name taken by something else stops `up` here, before anything is made."""
         if self.run.kind != "vm":
             return  # TPU VMs: the keeper counts only NAME-NNNN it lists, and the names are the run's own
-        for resource, exists in self._vm_resources():
+        for resource, exists in vm_resources(self.run, self.project, self.clients):
             if exists() and not self.record.is_ours(resource):
                 raise checks.CheckError(f"{resource.describe()} exists in project {resource.project} and was not "
                                         f"made by run {self.run.name!r}; delete it, or rename the run")
-
-    def _vm_resources(self):
-        """(resource, exists) for the run's instance template and group."""
-        from google.api_core import exceptions as api_exceptions
-
-        fleet, project, name = self.run.fields.fleet, self.project, self.run.name
-        zone = fleet.zones[0] if fleet.zones else None
-
-        def probe(get: Callable[[], object]) -> Callable[[], bool]:
-            def exists() -> bool:
-                try:
-                    get()
-                    return True
-                except api_exceptions.NotFound:
-                    return False
-            return exists
-
-        clients = self.clients.compute_clients
-        template = Resource("instance_template", project, name)
-        group = Resource("instance_group", project, name, zone=zone, region=fleet.region)
-        def get_group() -> object:
-            if zone:
-                return clients().zonal_groups.get(project=project, zone=zone, instance_group_manager=name)
-            return clients().regional_groups.get(project=project, region=fleet.region, instance_group_manager=name)
-
-        return [(template, probe(lambda: clients().templates.get(project=project, instance_template=name))),
-                (group, probe(get_group))]
 
     def _job_in_queue(self) -> None:
         import json
@@ -249,19 +235,26 @@ class _Up:
             return
         what = (f"create the {self.run.kind} fleet {self.run.name!r} ({self.run.machines} x {self.run.accelerator}"
                 f"{', spot' if self.run.spec.spot else ''}) in project {self.project}")
+        if self.record.read_run() is not None:
+            changes = len(self.diff.changes) if self.diff else 0
+            what = (f"continue run {self.run.name!r} in project {self.project}"
+                    + (f", making the {changes} change{'s' if changes != 1 else ''} above" if changes else ""))
         if self.confirm is None:
-            raise Declined("up asks before it creates anything, and stdin is not a terminal: pass --yes")
+            raise Declined("up asks before it creates anything, and stdin is not a terminal: pass --yes",
+                           cannot_ask=True)
         if not self.confirm(f"{what}. Proceed? [y/N] "):
             raise Declined("not confirmed; nothing was created")
 
     # -- 3. record -----------------------------------------------------------------------------------------------
 
     def begin(self) -> None:
-        fleet = self.run.fields.fleet
-        summary = {"name": self.run.name, "project": self.project, "kind": self.run.kind, "file": str(self.run.file),
-                   "accelerator": self.run.accelerator, "count": fleet.count, "machines": self.run.machines,
-                   "zones": list(fleet.zones), "region": fleet.region, "spot": self.run.spec.spot,
-                   "code": self.run.fields.code.url, "tasks": len(self.tasks)}
+        """run/run.json: the run, and the fleet as an earlier `up` made it (the machines step records the new one
+        once it is made)."""
+        earlier = self.record.read_run() or {}
+        summary = {"name": self.run.name, "project": self.project, "file": str(self.run.file),
+                   "queue": self.run.queue, "code": self.run.fields.code.url, "tasks": len(self.tasks)}
+        if earlier.get("fleet"):
+            summary["fleet"] = earlier["fleet"]
         if self.dry_run:
             self.would(f"write {self.store.url('run/run.json')}")
         else:
@@ -329,8 +322,9 @@ class _Up:
         from taskqueue.submit import submit
 
         if self.dry_run:
-            self.would(f"submit {self.store.url('job.json')} and {len(self.tasks)} tasks (create-only, "
-                       f"{-(-len(self.tasks) // SUBMIT_CHUNK)} batches)")
+            batches = -(-len(self.tasks) // SUBMIT_CHUNK)
+            self.would(f"submit {self.store.url('job.json')} and {len(self.tasks)} task{'s' if len(self.tasks) != 1 else ''} "
+                       f"(create-only, {batches} batch{'es' if batches != 1 else ''})")
             self.done("submit")
             return
         created = existing = 0
@@ -363,105 +357,14 @@ class _Up:
     # -- 7. machines ---------------------------------------------------------------------------------------------
 
     def machines(self) -> None:
-        launch = specs.Launch.make(self.run.spec, self.run.queue, self.run.fields.code.url)
-        if self.run.kind == "vm":
-            self._vm_fleet(launch)
-        elif self.run.spec.use_queued_resources:
-            self._queued_resources(launch)
-        else:
-            self._tpu_nodes(launch)
+        from gcs_spawner import converge
+
+        step = FleetStep(self.run, self.project, self.record, self.clients, self.report, self.dry_run, self.would,
+                         len(self.tasks), self._work(), self.say)
+        step.apply(self.diff)
+        if not self.dry_run:
+            self.record.update_run({"fleet": converge.record_fleet(self.run)})
         self.done("machines")
-
-    def _create(self, resource: Resource, request, exists: Callable[[], bool], send: Callable[[object], None]) -> None:
-        """Create `resource` with `request` unless this run already made it (see record.py's contract)."""
-        from google.api_core import exceptions as api_exceptions
-
-        from fleet import gapi
-
-        if self.dry_run:
-            self.would(f"send {gapi.request_line(request)}")
-            return
-        ours = self.record.is_ours(resource)
-        if exists():
-            if not ours:
-                raise checks.CheckError(f"{resource.describe()} exists in project {resource.project} and was not "
-                                        f"made by run {self.run.name!r}; delete it, or rename the run")
-            self.report.existed.append(resource.describe())
-            self.record.created(resource)
-            return
-        self.record.intend(resource)
-        try:
-            send(request)
-        except api_exceptions.Conflict:
-            if not ours:
-                self.record.store.delete(resource.object)
-                raise checks.CheckError(f"{resource.describe()} was made by someone else while this run asked for it; "
-                                        "rename the run") from None
-            self.report.existed.append(resource.describe())
-        except gapi.API_ERRORS as err:
-            raise UpError(f"{type(request).__name__} {resource.describe()}: {err} (fix the cause and run up again: "
-                          "what was made is recorded, and down deletes it)") from None
-        else:
-            self.report.created.append(resource.describe())
-            log.info("event=created resource=%s", resource.describe())
-        self.record.created(resource)
-
-    def _vm_fleet(self, launch) -> None:
-        from fleet import compute
-
-        fleet, project, name = self.run.fields.fleet, self.project, self.run.name
-        (template, template_exists), (group, group_exists) = self._vm_resources()
-        send = (lambda r: self.clients.compute_clients().send(r))
-        request = compute.insert_template(project, specs.instance_template(self.run.spec, launch, name))
-        self._create(template, request, template_exists, send)
-        size = min(fleet.count, max(1, len(self.tasks)))
-        request = compute.insert_group(project, name, name, size, zone=group.zone, region=fleet.region,
-                                       on_failure=fleet.on_failure.upper().replace("-", "_"))
-        self._create(group, request, group_exists, send)
-
-    def _queued_resources(self, launch) -> None:
-        """The keeper's step makes them: it lists the run's queued resources in every zone and adds only what the
-        claimable work needs, up to the count (fleet/keeper.py), recording each before it is sent."""
-        from fleet import keeper
-
-        # A dry run submitted nothing: the keeper is told the run's tasks are all claimable.
-        work = (lambda: keeper.Work(claimable=len(self.tasks), held=0, complete=False)) if self.dry_run else queue_work(self.store)
-        fleet_keeper = keeper.Keeper(
-            self.clients.tpu_clients(), self.run.spec, launch, self.project, list(self.run.fields.fleet.zones),
-            self.run.machines, work, dry_run=self.dry_run, before_create=self._record_queued)
-        report = fleet_keeper.step()
-        if self.dry_run:  # the keeper printed a line per create (gapi.print_dry_run)
-            self.report.would += [f"send CreateQueuedResourceRequest {c}" for c in report.created]
-            return
-        for created in report.created:
-            zone, rid = created.split("/", 1)
-            self.record.created(Resource("queued_resource", self.project, rid, zone=zone))
-            self.report.created.append(f"queued_resource {rid} ({zone})")
-        self.report.existed += [f"queued_resource {rid}" for rid in report.alive]
-        if report.refused and not report.created and not report.alive:
-            raise UpError(f"every zone refused the queued resources: {'; '.join(report.refused[:3])}")
-
-    def _record_queued(self, zone: str, rid: str) -> None:
-        self.record.intend(Resource("queued_resource", self.project, rid, zone=zone))
-
-    def _tpu_nodes(self, launch) -> None:
-        from google.api_core import exceptions as api_exceptions
-
-        from fleet import launch as launching
-        from fleet import tpu
-
-        zone = self.run.fields.fleet.zones[0]
-        clients = None if self.dry_run else self.clients.tpu_clients()
-        for node_id in launching.tpu_names(self.run.name, min(self.run.machines, max(1, len(self.tasks)))):
-            def exists(node_id=node_id) -> bool:
-                try:
-                    clients.get_node(f"{tpu.location(self.project, zone)}/nodes/{node_id}")
-                    return True
-                except api_exceptions.NotFound:
-                    return False
-            request = tpu.create_node(self.project, zone, node_id, specs.tpu_node(self.run.spec, launch))
-            self._create(Resource("tpu_node", self.project, node_id, zone=zone), request, exists,
-                         lambda r: clients.send(r))
 
     # -- 8. where to watch -------------------------------------------------------------------------------------
 
@@ -471,30 +374,22 @@ class _Up:
         if self.dry_run:
             self.say(f"dry run: {len(self.report.would)} calls shown, none made")
             return
-        self.say(f"up: run {self.run.name!r} is up ({len(self.report.created)} resources created now, "
-                 f"{len(self.report.existed)} there already). Watch it:")
+        made, there = len(self.report.created), len(self.report.existed)
+        changed = [f"{n} {what}" for n, what in ((len(self.report.resized), "resized"),
+                                                 (len(self.report.deleted), "deleted")) if n]
+        self.say(f"up: run {self.run.name!r} is up ({made} resource{'s' if made != 1 else ''} created now, "
+                 f"{there} there already{''.join(', ' + c for c in changed)}). Watch it:")
         self.say(f"  gcs-spawner status {run_file} --watch            progress, machines, cost, ETA")
         self.say(f"  gcs-spawner status {run_file} --publish --watch 60   the page at "
                  f"{self.store.url('status.html')}")
         if self.run.kind == "tpu" and self.run.fields.fleet.keeper:
-            self.say(f"  gcs-spawner keep {run_file}                     replaces preempted TPU VMs until the queue "
-                     "is drained (anywhere with credentials)")
+            self.say(f"  gcs-spawner keep {run_file}                     replaces preempted TPU VMs and deletes lost "
+                     "machines until the queue is drained (anywhere with credentials)")
+        else:
+            self.say(f"  gcs-spawner keep {run_file}                     deletes lost machines the cloud still has, "
+                     "until the queue is drained")
         self.say(f"  gcs-spawner logs {run_file} MACHINE              a failed machine's log tail")
         self.say(f"  gcs-spawner down {run_file}                     deletes what up made; the data stays")
-
-
-def queue_work(store):
-    """What the keeper asks the queue each step (reporting.status.snapshot: a few listings per region): claimable =
-    never claimed, released, or under a lease silent past its TTL; held = under a live lease; complete = status's
-    completion rule (taskqueue/completion.py), the only thing that stops the keeper."""
-    from fleet import keeper
-    from reporting import status
-
-    def work() -> keeper.Work:
-        view = status.snapshot(store)
-        return keeper.Work(claimable=view["pending"] + view["stale"], held=view["leased"], complete=view["complete"])
-
-    return work
 
 
 def plan_inputs(run: Run, task_models, prices: str | None = None):
@@ -564,48 +459,3 @@ def wait_for_machines(store, want: int, timeout_s: float, out: TextIO | None = N
             if up_now >= want or time.monotonic() >= deadline:
                 return up_now
             sleep(5)
-
-
-def keep(run: Run, *, project: str | None = None, interval_s: float = 60.0, once: bool = False, dry_run: bool = False,
-         clients: Clients | None = None, prices: str | None = None, sleep: Callable[[float], None] = time.sleep):
-    """Keep a TPU run's queued resources alive while its queue has claimable work (fleet/keeper.py), recording each
-    replacement before it is sent, so that `down` deletes it too. At the run's `max_dollars` (the fleet's cost so
-    far from its machine records, reporting/cost.py) it makes no more machines; those alive finish their tasks."""
-    from fleet import keeper
-    from objectstore import open_store
-
-    if run.kind != "tpu" or not run.spec.use_queued_resources:
-        raise checks.CheckError(f"{run.file}: fleet.spec: keep replaces TPU queued resources; this run makes "
-                                f"{'VMs (its group replaces them)' if run.kind == 'vm' else 'plain TPU nodes'}")
-    project = resolve_project(run, project)
-    store = open_store(run.queue)
-    record = RunRecord(store)
-    queue = queue_work(store)
-    limit = run.fields.max_dollars
-
-    def work() -> keeper.Work:
-        left = queue()
-        if limit is not None and left.claimable:
-            spent = spent_dollars(store, prices)
-            if spent >= limit:
-                log.warning("event=budget_reached run=%s spent=%.2f max_dollars=%.2f action=no_new_machines",
-                            run.name, spent, limit)
-                return keeper.Work(claimable=0, held=left.held, complete=left.complete)
-        return left
-
-    def before_create(zone: str, rid: str) -> None:
-        record.intend(Resource("queued_resource", project, rid, zone=zone))
-
-    launch = specs.Launch.make(run.spec, run.queue, run.fields.code.url)
-    fleet_keeper = keeper.Keeper((clients or Clients()).tpu_clients(), run.spec, launch, project,
-                                 list(run.fields.fleet.zones), run.machines, work, dry_run=dry_run,
-                                 before_create=before_create)
-    return fleet_keeper.run(interval_s, max_steps=1 if once else None, sleep=sleep)
-
-
-def spent_dollars(store, prices: str | None = None) -> float:
-    """What the run's machines have cost so far, from their records (reporting.fleetview, reporting.cost)."""
-    from reporting.fleetview import fleet_snapshot
-    from reporting.pricing import load_prices
-
-    return fleet_snapshot(store, prices=load_prices(prices))["cost"]["total_dollars"]

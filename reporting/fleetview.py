@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 
 from reporting.cost import fleet_cost
-from fleet.machines import DEFAULT_BEAT_S, PREFIX, record_object
+from fleet.machines import DEFAULT_BEAT_S, PREFIX, deletion_notes, record_object
 from reporting.machinestate import (
     BOOT_STUCK_S,
     CONDITIONS,
@@ -61,7 +61,9 @@ def fleet_snapshot(
     `cost` is what the fleet has cost so far (reporting/cost.py)."""
     now = now or _now()
     rows = sorted((read_row(e, now) for e in store.list(PREFIX) if e.name.endswith(".json")), key=lambda r: r["machine"])
+    notes = deletion_notes(store) if rows else {}
     for row in rows:
+        _ended_by_note(row, notes.get(row["machine"]), now)
         row["condition"] = classify(row)
     workers = [r for r in rows if is_worker(r)]
     by_state = collections.Counter(r["condition"] for r in workers)
@@ -115,6 +117,17 @@ def fleet_snapshot(
     if prices is not None:
         view["cost"] = fleet_cost(rows, prices, now)
     return view
+
+
+def _ended_by_note(row: dict, note: dict | None, now: dt.datetime) -> None:
+    """A machine deleted by `down` or `keep` after its last record (fleet/machines.py, deletion notes) ended there:
+    its row reads `exited` at the note's time, with the note's reason, so it is neither up nor billed after."""
+    if note is None or note["at"] is None or row["state"] in ("failed", "exited"):
+        return
+    if row["at"] is not None and row["at"] > note["at"]:
+        return  # a record written after the note: a new machine under the same name
+    row.update(state="exited", reason=f"deleted by {note['by']}: {note['reason']}", at=note["at"],
+               age_s=round(max(0.0, (now - note["at"]).total_seconds()), 1))
 
 
 def _attention(row: Mapping, condition: str, for_s: float, task: str | None) -> dict:

@@ -168,7 +168,7 @@ def _tasks(path: str) -> list[Task]:
         except BadInput as exc:
             raise BadInput(f"--tasks: line {number} of {path}: {exc}") from exc
     if not tasks:
-        raise BadInput(f"--tasks: {path} holds no tasks; run tools/make_tasks.py first")
+        raise BadInput(f"--tasks: {path} holds no tasks; run gcs-spawner tasks first")
     return tasks
 
 

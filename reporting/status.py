@@ -371,7 +371,12 @@ def render_blockers(view: dict, limit: int | None = None) -> list[str]:
     def names(blockers: list[dict], name) -> str:
         shown = blockers[:limit]
         more = totals.get(blockers[0]["kind"], len(blockers)) - len(shown)
-        return ", ".join(name(b) for b in shown) + (f", ... {more:,} more" if more > 0 else "")
+        if more <= 0:
+            return ", ".join(name(b) for b in shown)
+        if limit is None:  # --machines: all that the view read, and what it did not read, said so
+            return ", ".join(name(b) for b in shown) + (f", and {more:,} more that status does not read (it reads "
+                                                        f"at most {MAX_BLOCKERS} of a kind)")
+        return ", ".join(name(b) for b in shown) + f", ... {more:,} more (--machines lists up to {MAX_BLOCKERS})"
 
     kinds: dict[str, list[dict]] = collections.defaultdict(list)
     for blocker in view.get("blockers", []):
@@ -568,7 +573,7 @@ def render(view: dict, full: bool = False) -> str:
         f"tasks   {approx}{view['total']} total: {view['done']} done ({100 * view['done'] / total:.1f}%), "
         f"{view['pending']} pending, {view['leased']} leased, {view['stale']} stale, {view['failed']} failed",
     ]
-    if view["tasks_per_s"]:
+    if view["tasks_per_s"] and not view["complete"]:  # a finished queue has no rate to fall nor an ETA
         lines.append(eta_text(view))
     counted = reported_counters(view)
     if counted:

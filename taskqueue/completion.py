@@ -15,7 +15,7 @@ Two rules, each written once:
   taken. A dead letter does not block completion (the job's outputs miss it: status names it).
 
 Who reads them: `reporting.status.snapshot` builds a `QueueCount` from its listings and says
-`complete` by it; the keeper (fleet/keeper.py, through the `work()` callable tools/fleetctl.py
+`complete` by it; the keeper (fleet/keeper.py, through the `work()` callable gcs_spawner/keep.py
 gives it) and `down` stop on that `complete`; a worker (taskqueue/spawner.py) starts only after
 `wait_for_job` and leaves `drained` only when its own view, as a `QueueCount`, is complete.
 """

@@ -459,7 +459,7 @@ def finish_batch(
     page = store.list_page(layout.BATCHES, start_offset=name, page_size=1)
     entry = next((e for e in page.entries if e.name == name), None)
     if entry is None:
-        raise SubmitError(f"{store.url(name)} does not exist: `tools/status.py {store.root_url}` lists the running batches")
+        raise SubmitError(f"{store.url(name)} does not exist: `gcs-spawner status {store.root_url}` lists the running batches")
     if entry.metadata.get("state") == layout.BATCH_DONE:
         return f"event=batch_already_done batch={batch_id(name)}"
     first, last = entry.metadata.get("first"), entry.metadata.get("last")

@@ -208,5 +208,16 @@ def main() -> int:
     return 0
 
 
+def parse_args(argv: list[str]) -> None:
+    """No arguments, only the environment variables above: --help prints them and exits before anything runs; any
+    other argument is a usage error (exit 2), not a reason to start the pipeline."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tools/local_run.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
+
+
 if __name__ == "__main__":
+    parse_args(sys.argv[1:])
     sys.exit(main())

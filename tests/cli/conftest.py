@@ -44,14 +44,35 @@ class CountingCloud(FakeCloud):
                 self.created[f"instance_group/{request.body['name']}"] += 1
         return response
 
+    def offer(self, project: str, zone: str, machine_types=(), tpu_types=(), gpu_types=()) -> None:
+        """Zone `zone` of `project` exists and offers these types, as zones.get, machineTypes.get and
+        acceleratorTypes.get (Compute) and acceleratorTypes.get (TPU) answer."""
+        self.add(f"projects/{project}/zones/{zone}", {"kind": "compute#zone", "name": zone, "status": "UP",
+                                                      "region": f"projects/{project}/regions/{zone[:-2]}"})
+        for name in machine_types:
+            self.add(f"projects/{project}/zones/{zone}/machineTypes/{name}",
+                     {"kind": "compute#machineType", "name": name, "zone": zone})
+        for name in gpu_types:
+            self.add(f"projects/{project}/zones/{zone}/acceleratorTypes/{name}",
+                     {"kind": "compute#acceleratorType", "name": name, "zone": zone})
+        for name in tpu_types:
+            self.add(f"projects/{project}/locations/{zone}/acceleratorTypes/{name}",
+                     {"name": f"projects/{project}/locations/{zone}/acceleratorTypes/{name}", "type": name})
+
+    def catalogue(self, path: str) -> bool:
+        """Whether `path` is what a zone offers (not something a run made)."""
+        return "/regions/" in path or "/machineTypes" in path or "/acceleratorTypes" in path or (
+            path.count("/") == 3 and "/zones/" in path)
+
     def ours(self) -> list[str]:
-        """The resources left in the fake (any kind), sorted."""
+        """The resources left in the fake (any kind, not the zones' catalogue), sorted."""
         with self.lock:
-            return sorted(k for k in self.resources if "/regions/" not in k and not k.endswith(("/machineTypes",)))
+            return sorted(k for k in self.resources if not self.catalogue(k))
 
     def reset(self) -> None:
         with self.lock:
-            self.resources.clear()
+            for key in [k for k in self.resources if not self.catalogue(k)]:
+                del self.resources[key]
             self.requests.clear()
             self.created.clear()
 
@@ -59,6 +80,9 @@ class CountingCloud(FakeCloud):
 @pytest.fixture
 def cloud(monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingCloud]:
     server = CountingCloud().start()
+    for zone in ("us-west4-a", "us-east5-b", "us-central1-a"):
+        server.offer(PROJECT, zone, machine_types=("g2-standard-8", "n2-standard-8", "n1-standard-8"),
+                     tpu_types=("v5litepod-8", "v5litepod-16", "v6e-8"), gpu_types=("nvidia-tesla-t4",))
     for name in ("FLEET_COMPUTE_ENDPOINT", "FLEET_TPU_ENDPOINT", "FLEET_CRM_ENDPOINT", "FLEET_STORAGE_ENDPOINT"):
         monkeypatch.setenv(name, server.url)
     try:

@@ -279,7 +279,7 @@ class FakeCloud(FakeHTTPServer):
 
     def _compute(self, request: Request, path: str) -> Response:
         method, body = request.method, request.body
-        if method == "GET" and re.fullmatch(r"projects/[^/]+(/regions/[^/]+)?", path):
+        if method == "GET" and re.fullmatch(r"projects/[^/]+(/(?:regions|zones)/[^/]+)?", path):  # zones.get too
             with self.lock:
                 if path not in self.resources:
                     raise _ApiError(404, f"The resource '{path}' was not found")
@@ -340,6 +340,11 @@ class FakeCloud(FakeHTTPServer):
             if collection == "subnetworks" and method == "POST" and verb == "setPrivateIpGoogleAccess":
                 self.resources[target]["privateIpGoogleAccess"] = bool(body.get("privateIpGoogleAccess"))
                 return self._compute_operation("setPrivateIpGoogleAccess", target, scope)
+            if collection == "instanceGroupManagers" and method == "POST" and verb == "listManagedInstances":
+                # https://cloud.google.com/compute/docs/reference/rest/v1/instanceGroupManagers/listManagedInstances
+                members = [{"instance": f"https://compute.googleapis.com/compute/v1/{m}", "instanceStatus": "RUNNING", "currentAction": "NONE",
+                            "name": m.rsplit("/", 1)[-1]} for m in self._members.get(target, [])]
+                return Response.json(200, {"managedInstances": members})
             if collection == "instanceGroupManagers" and method == "POST" and verb == "resize":
                 self.resources[target]["targetSize"] = int(request.query["size"])
                 self._fill(target)
@@ -365,11 +370,17 @@ class FakeCloud(FakeHTTPServer):
 
     def _tpu(self, request: Request, path: str) -> Response:
         method, body, query = request.method, request.body, request.query
-        match = re.fullmatch(r"(projects/[^/]+/locations/[^/]+)/(nodes|queuedResources|operations)(?:/([^/:]+))?", path)
+        match = re.fullmatch(r"(projects/[^/]+/locations/[^/]+)/(nodes|queuedResources|operations|acceleratorTypes)"
+                             r"(?:/([^/:]+))?", path)
         if not match:
             raise self._unsupported(request)
         location, collection, name = match.groups()
         with self.lock:
+            if collection == "acceleratorTypes" and method == "GET" and name is None:
+                # https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.acceleratorTypes/list
+                key = f"{location}/acceleratorTypes/"
+                items = [v for k, v in sorted(self.resources.items()) if k.startswith(key)]
+                return Response.json(200, {"acceleratorTypes": items})
             if collection == "operations" and method == "GET" and name:
                 return Response.json(200, {"name": path, "done": True,
                                            "response": {"@type": "type.googleapis.com/google.protobuf.Empty"}})
@@ -425,7 +436,17 @@ class FakeCloud(FakeHTTPServer):
             key = f"{scope}/subnetworks/"
             items = [v for k, v in sorted(self.resources.items()) if k.startswith(key)]
             return Response.json(200, {"kind": "compute#subnetworkList", "items": items})
-        if re.fullmatch(r"(machineTypes|subnetworks)/[^/]+", rest):
+        if rest in ("instanceTemplates", "instanceGroupManagers", "machineTypes", "acceleratorTypes"):
+            # instanceTemplates.list, instanceGroupManagers.list (zonal and regional), machineTypes.list and
+            # acceleratorTypes.list: every item at once, no nextPageToken.
+            key = f"{scope}/{rest}/"
+            items = [v for k, v in sorted(self.resources.items()) if k.startswith(key) and "/" not in k[len(key):]]
+            kind = {"instanceTemplates": "compute#instanceTemplateList",
+                    "instanceGroupManagers": "compute#instanceGroupManagerList" if "/zones/" in scope
+                    else "compute#regionInstanceGroupManagerList",
+                    "machineTypes": "compute#machineTypeList", "acceleratorTypes": "compute#acceleratorTypeList"}[rest]
+            return Response.json(200, {"kind": kind, "items": items})
+        if re.fullmatch(r"(machineTypes|subnetworks|acceleratorTypes)/[^/]+", rest):
             target = f"{scope}/{rest}"
             if target not in self.resources:
                 raise _ApiError(404, f"The resource '{target}' was not found")

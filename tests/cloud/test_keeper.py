@@ -1,13 +1,10 @@
-"""fleet.keeper and tools/fleetctl.py keep against the fake TPU API: a preempted spot TPU (its queued
+"""fleet.keeper, and the keeper `gcs-spawner keep` builds (gcs_spawner/keep.py), against the fake TPU API: a preempted spot TPU (its queued
 resource SUSPENDED) is deleted and replaced while claimable work outnumbers the idle machines, never
 in a tail held by others; a refusing zone falls back to the next, and a drained queue stops the keeper."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -93,23 +90,30 @@ def test_keeper_stops_when_the_queue_is_drained_and_creates_nothing(cloud: FakeC
     assert len(cloud.calls()) == before  # not even a listing
 
 
-def test_fleet_keep_tool_dry_run_prints_the_replacement_and_sends_nothing(cloud: FakeCloud, tpu_clients, gcs_bucket: str, gcs_client):
+def test_a_dry_keep_prints_the_replacement_and_sends_nothing(cloud: FakeCloud, tpu_clients, gcs_bucket: str, gcs_client,
+                                                             capsys):
     queue = f"gs://{gcs_bucket}/jobs/j"
     submit(open_store(queue), None, [("t1", json.dumps({"id": "t1"}).encode())])
     fleet_keeper = _keeper(tpu_clients, 1, _free(1))
     fleet_keeper.step()
     cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0000"), "SUSPENDED")
     mutations = len(cloud.mutations())
-    result = subprocess.run(
-        [sys.executable, "tools/fleetctl.py", "keep", str(TPU_SPEC), "--count", "1", "--zone", ZONE_A, "--queue", queue,
-         "--code", "gs://bkt/code/c", "--project", PROJECT, "--once", "--dry-run"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert result.returncode == 0, result.stderr
+    report = _dry_keeper(tpu_clients, queue, 1, [ZONE_A]).step()
+    out = capsys.readouterr().out
     assert len(cloud.mutations()) == mutations
-    assert "would send DeleteQueuedResourceRequest" in result.stdout
-    assert "would send CreateQueuedResourceRequest" in result.stdout and "spawn-tpu-0001" in result.stdout
-    assert "claimable=1 held=0 alive=0 deleted=1 created=1" in result.stdout
+    assert "would send DeleteQueuedResourceRequest" in out
+    assert "would send CreateQueuedResourceRequest" in out and "spawn-tpu-0001" in out
+    assert (report.work.claimable, report.work.held, len(report.alive), report.deleted, len(report.created)) == (
+        1, 0, 0, ["spawn-tpu-0000"], 1)
+
+
+def _dry_keeper(tpu_clients, queue: str, count: int, zones: list[str]) -> keeper.Keeper:
+    """The keeper `gcs-spawner keep --dry-run` builds: its work read from the queue through reporting.status."""
+    from gcs_spawner.keep import queue_work
+
+    spec = specs.load_spec(TPU_SPEC)
+    return keeper.Keeper(tpu_clients, spec, specs.Launch.make(spec, queue, "gs://bkt/code/c"), PROJECT, zones, count,
+                         queue_work(open_store(queue)), dry_run=True)
 
 
 def test_keeper_refuses_plain_node_specs(tmp_path: Path):
@@ -207,8 +211,9 @@ def test_keeper_in_a_simulated_tail_launches_only_while_claimable_work_waits(clo
     assert [alive for _, _, alive, _ in timeline][-4:] == [3, 3, 3, 0]
 
 
-def test_fleet_keep_tool_reads_tasks_held_by_others_as_not_claimable(cloud: FakeCloud, tpu_clients, gcs_bucket: str, gcs_client):
-    """The tool counts the queue through reporting.status: two tasks under live leases of another
+def test_keep_reads_tasks_held_by_others_as_not_claimable(cloud: FakeCloud, tpu_clients, gcs_bucket: str, gcs_client,
+                                                          capsys):
+    """`gcs-spawner keep` counts the queue through reporting.status: two tasks under live leases of another
     worker are held, not claimable, so a preempted machine is deleted and not replaced."""
     queue = f"gs://{gcs_bucket}/jobs/tail"
     store = open_store(queue)
@@ -219,23 +224,16 @@ def test_fleet_keep_tool_reads_tasks_held_by_others_as_not_claimable(cloud: Fake
     fleet_keeper = _keeper(tpu_clients, 2, _free(2))
     fleet_keeper.step()
     cloud.set_queued_resource_state(_qr(ZONE_A, "spawn-tpu-0000"), "SUSPENDED")
-    result = subprocess.run(
-        [sys.executable, "tools/fleetctl.py", "keep", str(TPU_SPEC), "--count", "2", "--zone", f"{ZONE_A},{ZONE_B}",
-         "--queue", queue, "--code", "gs://bkt/code/c", "--project", PROJECT, "--once", "--dry-run"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert result.returncode == 0, result.stderr
-    assert "claimable=0 held=2 alive=1 deleted=1 created=0" in result.stdout
-    assert "CreateQueuedResourceRequest" not in result.stdout
+    report = _dry_keeper(tpu_clients, queue, 2, [ZONE_A, ZONE_B]).step()
+    assert (report.work.claimable, report.work.held, len(report.alive), len(report.deleted), report.created) == (
+        0, 2, 1, 1, [])
+    assert "CreateQueuedResourceRequest" not in capsys.readouterr().out
 
 
 def test_zones_are_accepted_comma_separated_or_repeated():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import fleetctl
-    finally:
-        sys.path.remove(str(REPO / "tools"))
-    assert fleetctl.zone_list(["us-west4-a,us-east5-b", "us-central2-b", "us-west4-a"]) == [
+    from gcs_spawner.cli import zone_list
+
+    assert zone_list(["us-west4-a,us-east5-b", "us-central2-b", "us-west4-a"]) == [
         "us-west4-a", "us-east5-b", "us-central2-b"]
 
 
@@ -245,7 +243,7 @@ def test_keeper_goes_on_while_a_batch_is_being_submitted_and_stops_on_statuss_co
     marker `running`, its tasks not created yet): status says complete False, so the keeper keeps
     watching (it used to stop at `claimable=0 held=0`). Once the batch is finished and its task
     done, status's complete stops it: one rule (taskqueue/completion.py) for both."""
-    from gcs_spawner.up import queue_work  # what `gcs-spawner keep` and tools/fleetctl.py give the keeper
+    from gcs_spawner.keep import queue_work  # what `gcs-spawner keep` gives the keeper
     from reporting.status import snapshot
     from taskqueue.submit import batch_name, begin_batch
 

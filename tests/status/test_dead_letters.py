@@ -91,9 +91,10 @@ def test_blocked_dead_letters_are_counted_in_full_not_from_the_twenty_read(tmp_p
     assert view["blockers_total"] == {"batch": 0, "stale_lease": 0, "dead_letter": 45}
     assert len([b for b in view["blockers"] if b["kind"] == "dead_letter"]) == MAX_REASONS
     named = ", ".join(f"t{k:03d}" for k in range(10))
-    assert f"blocked 45 dead letter(s): {named}, ... 35 more\n" in status(url)
+    assert f"blocked 45 dead letter(s): {named}, ... 35 more (--machines lists up to 20)\n" in status(url)
     named = ", ".join(f"t{k:03d}" for k in range(MAX_REASONS))
-    assert f"blocked 45 dead letter(s): {named}, ... 25 more\n" in status(url, "--machines")
+    assert (f"blocked 45 dead letter(s): {named}, and 25 more that status does not read (it reads at most 20 of a "
+            "kind)\n") in status(url, "--machines")
 
 
 def test_a_dead_letter_without_a_message_reads_the_same_in_the_text_and_on_the_page(tmp_path: Path):
@@ -107,3 +108,24 @@ def test_a_dead_letter_without_a_message_reads_the_same_in_the_text_and_on_the_p
     page = tmp_path / "status.html"
     status(url, "--html", str(page))
     assert "<td class='id'><code>t0</code></td> <td>(no message)</td>" in page.read_text()
+
+
+def test_a_finished_queue_prints_no_rate_and_no_eta(tmp_path: Path):
+    """The defect: a queue whose every task is done kept printing a falling rate and `eta 0.0s (0.0s to 0.0s)`."""
+    from taskqueue.lease import DONE
+
+    url = str(tmp_path / "queue")
+    store = open_store(url)
+    submit(store, None, [(f"t{k:03d}", b"{}") for k in range(6)])
+    for k in range(6):
+        name, body, metadata = marker_of({"task": f"t{k:03d}", "state": DONE, "worker": "w"})
+        store.create(name, body, metadata=metadata)
+    from reporting.status import render
+
+    view = json.loads(status(url, "--json"))
+    assert view["complete"]
+    # The rate as the last done markers measured it (their spread in time; here written at once, so none).
+    view.update(tasks_per_s=0.05, recent_done=6, eta_s=0.0, eta_range_s=[0.0, 0.0])
+    text = render(view)
+    assert "complete: every task has a done or failed marker" in text
+    assert "eta " not in text and "rate " not in text
