@@ -76,17 +76,22 @@ class PhaseLedger:
     the counters into each progress record as it stores it.
 
     `started_at` is when the attempt began on `clock`; the default is the process's creation (`process_age_s`),
-    else now.
+    else now. `phase` is the one the time from then counts to: a resident consumer's later task starts at its
+    claim in `prepare` (its imports, devices and weights are loaded already).
     """
 
-    def __init__(self, started_at: float | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, started_at: float | None = None, clock: Callable[[], float] = time.monotonic, phase: str = "imports"
+    ):
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {', '.join(PHASES)}")
         self._clock = clock
         now = clock()
         if started_at is None:
             age = process_age_s()
             started_at = now - age if age is not None else now
         self._lock = threading.Lock()
-        self._phase = "imports"
+        self._phase = phase
         self._since = started_at
         self._seconds = dict.fromkeys(PHASES, 0.0)
         self._drained_ms = dict.fromkeys(PHASES, 0)
