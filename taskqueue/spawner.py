@@ -12,7 +12,10 @@ core. This module only feeds it events and carries out its actions:
 - a pump thread logs the consumer's output (each line is activity for the backstop);
 - `request_stop` (a signal handler or the preemption watch) tells the core, which signals the consumer.
 
-The consumer contract (environment variables, exit codes) is in docs/PROTOCOL.md.
+With `--resident` the consumer is started once and each task is a request on its standard input and a
+reply on its standard output (`ResidentConsumer`, `_run_resident`); its log is pumped as above.
+
+The consumer contract (environment variables, exit codes, resident requests and replies) is in docs/PROTOCOL.md.
 """
 
 from __future__ import annotations

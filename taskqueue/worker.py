@@ -23,6 +23,10 @@ The rules it implements (docs/PROTOCOL.md, "Heartbeat", "Completion", "Failure",
   is finished, writes nothing more, and the lease stays its own until it expires; whoever takes it
   over then finds the done or failed marker if one was written (the takeover's check) or runs the
   task again. A failure before the consumer starts (reading `job.json`) releases the task instead.
+- **Resident consumers** (issue 44). One process may serve task after task (`spawn.py --resident`): a
+  task's exit code is its reply's, else its process's (`resident_exit_code`), and the process serves
+  the next task only after a task that ended undisturbed and whose reply said its state is sound
+  (`CONSUMER_STAYS`, `TaskRun.consumer_stays`).
 - **Stuck consumers** (issue 17, item 7). With `stuck_after_s`, a consumer that wrote no progress
   record and no output line for that long gets SIGTERM, then SIGKILL after the grace, and the
   attempt counts as failed; `max_task_s` does the same after that much time in all.
