@@ -89,6 +89,7 @@ class Warm:
     engine: Any | None = None
     cache: compilecache.CompileCache | None = None
     tokenizer: Tokenizer | None = None
+    steps: int = 0  # steps the engine has run (a warm engine's first step of a task is a steady one)
 
     @staticmethod
     def key(job: Job) -> str:
@@ -98,6 +99,8 @@ class Warm:
         return self.engine is not None and self.job_key == self.key(job)
 
     def keep(self, job: Job, engine: Any, cache: compilecache.CompileCache | None, tokenizer: Tokenizer) -> None:
+        if engine is not self.engine:
+            self.steps = 0
         self.job_key, self.engine, self.cache, self.tokenizer = self.key(job), engine, cache, tokenizer
 
 
@@ -377,14 +380,18 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                         hidden = {}
                     else:
                         if last is None:
-                            ledger.enter("first_step")  # its program's stages count to theirs (counted_compile)
+                            # Its program's stages count to theirs (counted_compile). A resident consumer's engine
+                            # that has stepped before is warm: the first step of its later tasks is a steady one.
+                            ledger.enter("steady" if warm is not None and warm.steps else "first_step")
                         if batch.segment_ids is not None:  # packed rows (job.packing)
                             hidden = engine.forward(batch.token_ids, batch.segment_ids, batch.positions)
                         else:
                             hidden = engine.forward(batch.token_ids)
-                        if last is None:
+                        if ledger.phase == "first_step":
                             _wait(hidden)
                             ledger.enter("steady")
+                        if warm is not None:
+                            warm.steps += 1
                         last = hidden
                     writer.submit(batch, hidden)
                 if stop.is_set():

@@ -12,7 +12,8 @@ counts too) to its last stored shard, into phases. Every instant is in exactly o
 | `prepare`    | the tokenizer, the writer, and reading and tokenising until the first batch is ready        |
 | `trace`      | tracing and lowering each program (one per batch shape), wherever it happens               |
 | `compile`    | XLA's compile of each program, or its load from the compilation cache                       |
-| `first_step` | the first step, from its dispatch until its outputs are ready                               |
+| `first_step` | the first step, from its dispatch until its outputs are ready (a resident consumer's later  |
+|              | tasks have none: their engine has stepped before, and their first step is a steady one)   |
 | `steady`     | the steady state: from the first step's end to the last step's end, less later programs     |
 | `tail`       | from the last step's end until the last shard is stored                                     |
 

@@ -74,7 +74,7 @@ def test_one_process_serves_tasks_keeping_its_engine_and_survives_a_bad_input_ta
     assert log.count("event=engine_ready") == 1, "the weights are loaded once"
     assert log.count("event=compile_cache state=") == 1, "the runtime and its cache are set up once"
     cold, warm = counters(tmp_path, "a"), counters(tmp_path, "again")
-    for phase in ("imports", "devices", "weights", "trace", "compile"):
+    for phase in ("imports", "devices", "weights", "trace", "compile", "first_step"):
         assert cold.get(counter_name(phase), 0) > 0 and counter_name(phase) not in warm, phase
     # Its ledger starts at its claim: the 2 s before the request count, to `prepare`.
     assert warm[counter_name("prepare")] >= 2000
