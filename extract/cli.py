@@ -100,7 +100,7 @@ def _serve(args: argparse.Namespace, stop) -> int:
     between the tasks of one job."""
     from extract import resident
     from extract.consumer import Stopped, Warm
-    from extract.phases import PhaseLedger
+    from extract.phases import PhaseLedger, process_age_s
 
     given = [flag for flag, _, _ in _FLAGS if getattr(args, flag.lstrip("-").replace("-", "_"))]
     if given:
@@ -109,10 +109,18 @@ def _serve(args: argparse.Namespace, stop) -> int:
     replies = resident.take_stdout()
     warm = Warm()
 
+    first = [True]
+
     def run_task(request: resident.Request) -> resident.Outcome:
-        # The ledger starts at the claim. The first task's imports, devices and weights are this process's; a
+        # The ledger starts at the claim. The first task's imports, devices and weights are this process's, and it
+        # starts no later than the process did (the request waited in the pipe while the interpreter started); a
         # later task's start in `prepare`, unless its job needs another engine.
-        phases = PhaseLedger(started_at=request.claimed_at, phase="imports" if warm.engine is None else "prepare")
+        started_at = request.claimed_at
+        if first[0]:
+            first[0] = False
+            age = process_age_s()
+            started_at = min(started_at, time.monotonic() - age) if age is not None else started_at
+        phases = PhaseLedger(started_at=started_at, phase="imports" if warm.engine is None else "prepare")
         paths = {flag: request.env.get(env) for flag, env, _ in _FLAGS}
         return _run_task(paths, request.env, args, stop, phases, warm)
 
