@@ -137,14 +137,18 @@ def read_counters(progress: pathlib.Path) -> dict[str, int]:
     return counters
 
 
-def run_resident(root: pathlib.Path, names: list[str], job_file: pathlib.Path, tasks: list[dict], env: dict) -> list[dict]:
+def run_resident(
+    root: pathlib.Path, names: list[str], job_file: pathlib.Path, tasks: list[dict], env: dict
+) -> list[dict]:
     """The same tasks on one resident consume.py (SPAWN_RESIDENT=1), driven over its standard input and output as
     `spawn.py --resident` drives it (docs/PROTOCOL.md, "Resident consumers"): each task's phases from its progress
     records, its `process` seconds from the request to the reply; the process's exit after end of input is timed."""
     log_path = root / "resident.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(REPO / "consume.py")], cwd=REPO, env={**env, "SPAWN_RESIDENT": "1"},
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "consume.py")], cwd=REPO, env={**env, "SPAWN_RESIDENT": "1"},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+        )  # fmt: skip
     results = []
     try:
         for name, task in zip(names, tasks):
@@ -211,7 +215,8 @@ def table(results: list[dict]) -> str:
         shown = ", ".join(f"{p['seq_len']}: {p['lower_s'] or 0:.2f} + {p['seconds']:.2f} {p['cache']}"
                           for p in r["programs"]) or "none (kept loaded)"  # fmt: skip
         kept = r["name"].startswith("res-warm")
-        lines.append(f"  {r['name']}: {shown}; weights {r['weights_cache'] or ('kept loaded' if kept else 'read in place')}")
+        weights = r["weights_cache"] or ("kept loaded" if kept else "read in place")
+        lines.append(f"  {r['name']}: {shown}; weights {weights}")
     return "\n".join(lines)
 
 
@@ -227,9 +232,10 @@ def summary(results: list[dict]) -> str:
         fixed = sorted(r["fixed_s"] for r in warm)
         outside = sorted(r["process_s"] - r["wall_s"] for r in warm)
         steady, wall = sum(r["phases"]["steady"] for r in warm), sum(r["wall_s"] for r in warm)
+        process = sum(r["process_s"] for r in warm)
         lines.append(f"{label} warm tasks ({len(warm)}): fixed s median {fixed[len(fixed) // 2]:.2f}, goodput "
-                     f"{steady / wall:.1%} (steady over ledger), {sum(r['phases']['steady'] for r in warm) / sum(r['process_s'] for r in warm):.1%} "
-                     f"(steady over process seconds); seconds outside the ledger median {outside[len(outside) // 2]:.2f}")  # fmt: skip
+                     f"{steady / wall:.1%} (steady over ledger), {steady / process:.1%} (steady over process seconds); "
+                     f"seconds outside the ledger median {outside[len(outside) // 2]:.2f}")  # fmt: skip
     resident = [r for r in results if "exit_s" in r]
     if resident:
         lines.append(f"resident consumer's exit after end of input: {resident[0]['exit_s']:.2f} s")

@@ -187,7 +187,8 @@ def _run_task(paths: dict, env, args: argparse.Namespace, stop, phases, warm=Non
             log.exception("event=failure exit=%d error=%r", code, exc)
         # The task's own input (65) or the store (75) leave the loaded engine as it was; anything else (a bug, the
         # runtime, the device's memory) may not have.
-        return resident.Outcome(code, stays=code in (EX_DATAERR, EX_TEMPFAIL) and not isinstance(exc, DeviceMemoryError))
+        sound = code in (EX_DATAERR, EX_TEMPFAIL) and not isinstance(exc, DeviceMemoryError)
+        return resident.Outcome(code, stays=sound)
 
 
 def exit_now(code: int) -> None:

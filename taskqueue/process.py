@@ -149,7 +149,8 @@ class ResidentConsumer:
     def send(self, task_id: str, env: Mapping[str, str], waited_s: float) -> bool:
         """Write one task's request; False when the process is gone (its exit code then tells the task's end)."""
         assert self.proc is not None and self.proc.stdin is not None
-        request = {"task": task_id, "env": {k: env[k] for k in TASK_VARIABLES if k in env}, "waited_s": round(waited_s, 3)}
+        variables = {k: env[k] for k in TASK_VARIABLES if k in env}
+        request = {"task": task_id, "env": variables, "waited_s": round(waited_s, 3)}
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()

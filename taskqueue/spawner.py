@@ -471,7 +471,8 @@ class Spawner:
                 signals = run.tick(self.clock.monotonic())
                 for action in signals:
                     event = "consumer_kill" if action.signum == signal.SIGKILL else "consumer_stuck"
-                    log.warning("event=%s task=%s pid=%d phase=%s why=%r", event, run.task_id, proc.pid, run.phase.value, run.why)
+                    log.warning("event=%s task=%s pid=%d phase=%s why=%r", event, run.task_id, proc.pid,
+                                run.phase.value, run.why)  # fmt: skip
                 self._perform(signals)
 
     def _resident_line(self, line: str) -> None:
