@@ -6,14 +6,16 @@ the bucket by ranged reads as a fleet machine would. Then `--tasks` tasks of `--
 another as `consume.py` processes with the default settings and a fresh cache directory ($XDG_CACHE_HOME): the
 first is cold (nothing cached), the others warm (the compilation cache and the weights copy of the first). Beside
 them, `--baseline` tasks run with both caches off (EXTRACT_COMPILE_CACHE=off, EXTRACT_WEIGHTS_CACHE=off), as every
-task ran before them.
+task ran before them. Then `--resident` tasks run on one resident consume.py (docs/PROTOCOL.md, "Resident
+consumers") with a fresh cache of its own: its first task cold, the others warm, with its engine kept loaded.
 
 Each column is read from what the queue would get: the phase counters of the task's progress records (summed as
 the done marker sums them, extract/phases.py), and the consumer's log lines for each compiled program. A task
 computes `--layers` decoder layers of the shape (the whole checkpoint is written and copied, only those layers
 are read and computed: a full 24-layer step is too slow for a 2-core machine).
 
-    .venv/bin/python bench/goodput_bench.py                       # Qwen2.5-0.5B shape, 4 layers, 3 tasks + 2 off
+    .venv/bin/python bench/goodput_bench.py                       # Qwen2.5-0.5B shape, 4 layers, 3 tasks + 2 off + 3 resident
+    .venv/bin/python bench/goodput_bench.py --rows 64 --max-seq-len 512 --layers 2 --tasks 2 --baseline 0 --resident 2
     python3 bench/goodput_bench.py --shape Qwen/Qwen2.5-7B --checkpoint-layers 18 --layers 18 --source local \\
         --rows 64 --max-seq-len 2048 --batch-size 8 --packing --tasks 2 --baseline 0   # bench/accelerator_run.sh
 """
@@ -111,19 +113,73 @@ def run_task(root: pathlib.Path, name: str, job_file: pathlib.Path, task: dict, 
     elapsed = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: consume.py exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    counters: dict[str, int] = {}
-    for line in (work / "progress.jsonl").read_text().splitlines():
-        for key, value in json.loads(line).get("counters", {}).items():
-            counters[key] = counters.get(key, 0) + value
+    return phases_of(name, read_counters(work / "progress.jsonl"), proc.stderr, elapsed)
+
+
+def phases_of(name: str, counters: dict[str, int], log_text: str, elapsed: float) -> dict:
+    """One task's phases (its progress records' counters), programs and weights copy (its log), and process time."""
     seconds = {phase: counters.get(counter_name(phase), 0) / 1000 for phase in PHASES}
-    lowering = {int(m[1]): (float(m[2]), float(m[3])) for m in _COMPILE.finditer(proc.stderr)}
+    lowering = {int(m[1]): (float(m[2]), float(m[3])) for m in _COMPILE.finditer(log_text)}
     programs = [{"seq_len": int(m[1]), "seconds": float(m[3]), "cache": m[4],
                  "lower_s": lowering.get(int(m[1]), (None, None))[0], "xla_s": lowering.get(int(m[1]), (None, None))[1]}
-                for m in _PROGRAM.finditer(proc.stderr)]  # fmt: skip
-    weights = _WEIGHTS.search(proc.stderr)
+                for m in _PROGRAM.finditer(log_text)]  # fmt: skip
+    weights = _WEIGHTS.search(log_text)
     copy = None if weights is None else {"reused": int(weights[1]), "copied": int(weights[2])}
     return {"name": name, "process_s": elapsed, "attempts": counters.get(ATTEMPTS, 0), **summarize(seconds),
             "programs": programs, "weights_cache": copy}  # fmt: skip
+
+
+def read_counters(progress: pathlib.Path) -> dict[str, int]:
+    counters: dict[str, int] = {}
+    for line in progress.read_text().splitlines():
+        for key, value in json.loads(line).get("counters", {}).items():
+            counters[key] = counters.get(key, 0) + value
+    return counters
+
+
+def run_resident(
+    root: pathlib.Path, names: list[str], job_file: pathlib.Path, tasks: list[dict], env: dict
+) -> list[dict]:
+    """The same tasks on one resident consume.py (SPAWN_RESIDENT=1), driven over its standard input and output as
+    `spawn.py --resident` drives it (docs/PROTOCOL.md, "Resident consumers"): each task's phases from its progress
+    records, its `process` seconds from the request to the reply; the process's exit after end of input is timed."""
+    log_path = root / "resident.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "consume.py")], cwd=REPO, env={**env, "SPAWN_RESIDENT": "1"},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+        )  # fmt: skip
+    results = []
+    try:
+        for name, task in zip(names, tasks):
+            work = root / name
+            work.mkdir()
+            (work / "task.json").write_text(json.dumps(task))
+            variables = {"SPAWN_TASK_FILE": str(work / "task.json"), "SPAWN_JOB_FILE": str(job_file),
+                         "SPAWN_OUTPUT": str(work / "out"), "SPAWN_PROGRESS_FILE": str(work / "progress.jsonl"),
+                         "SPAWN_TASK_ID": task["id"], "SPAWN_ATTEMPT": "1"}  # fmt: skip
+            before = log_path.stat().st_size
+            started = time.monotonic()
+            proc.stdin.write((json.dumps({"task": task["id"], "env": variables, "waited_s": 0.0}) + "\n").encode())
+            proc.stdin.flush()
+            reply = json.loads(proc.stdout.readline() or "null")
+            elapsed = time.monotonic() - started
+            if not reply or reply["exit_code"] != 0:
+                raise RuntimeError(f"{name}: the resident consume.py replied {reply}:\n{log_path.read_text()[-4000:]}")
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                f.seek(before)
+                text = f.read()
+            results.append(phases_of(name, read_counters(work / "progress.jsonl"), text, elapsed))
+            print(f"  {name}: wall {results[-1]['wall_s']:.1f} s", flush=True)
+        proc.stdin.close()
+        started = time.monotonic()
+        proc.wait(timeout=120)
+        results[-1]["exit_s"] = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return results
 
 
 def weights_side_by_side(url: str, cache_root: pathlib.Path, layers: int, reps: int = 3) -> list[tuple[float, float]]:
@@ -156,9 +212,33 @@ def table(results: list[dict]) -> str:
     lines.append("process".ljust(14) + "".join(f"{r['process_s']:{width}.2f}" for r in results))
     lines.append("  programs: seq_len: trace + compile seconds, and the persistent cache's answer")
     for r in results:
-        shown = ", ".join(f"{p['seq_len']}: {p['lower_s']:.2f} + {p['seconds']:.2f} {p['cache']}"
-                          for p in r["programs"])  # fmt: skip
-        lines.append(f"  {r['name']}: {shown}; weights {r['weights_cache'] or 'read in place'}")
+        shown = ", ".join(f"{p['seq_len']}: {p['lower_s'] or 0:.2f} + {p['seconds']:.2f} {p['cache']}"
+                          for p in r["programs"]) or "none (kept loaded)"  # fmt: skip
+        kept = r["name"].startswith("res-warm")
+        weights = r["weights_cache"] or ("kept loaded" if kept else "read in place")
+        lines.append(f"  {r['name']}: {shown}; weights {weights}")
+    return "\n".join(lines)
+
+
+def summary(results: list[dict]) -> str:
+    """The figures issue 44 asks for: per-task and resident side by side, warm tasks' fixed seconds and goodput, and
+    the seconds a process spends outside its ledger (its start before, its teardown after; a resident task's
+    request-to-reply time less its ledger)."""
+    lines = []
+    for label, prefix in (("per-task", "warm"), ("resident", "res-warm")):
+        warm = [r for r in results if r["name"].startswith(prefix)]
+        if not warm:
+            continue
+        fixed = sorted(r["fixed_s"] for r in warm)
+        outside = sorted(r["process_s"] - r["wall_s"] for r in warm)
+        steady, wall = sum(r["phases"]["steady"] for r in warm), sum(r["wall_s"] for r in warm)
+        process = sum(r["process_s"] for r in warm)
+        lines.append(f"{label} warm tasks ({len(warm)}): fixed s median {fixed[len(fixed) // 2]:.2f}, goodput "
+                     f"{steady / wall:.1%} (steady over ledger), {steady / process:.1%} (steady over process seconds); "
+                     f"seconds outside the ledger median {outside[len(outside) // 2]:.2f}")  # fmt: skip
+    resident = [r for r in results if "exit_s" in r]
+    if resident:
+        lines.append(f"resident consumer's exit after end of input: {resident[0]['exit_s']:.2f} s")
     return "\n".join(lines)
 
 
@@ -169,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-layers", type=int, help="layers written to the checkpoint (default: the shape's)")
     p.add_argument("--tasks", type=int, default=3, help="tasks with the caches on: the first cold, the rest warm")
     p.add_argument("--baseline", type=int, default=2, help="tasks with both caches off")
+    p.add_argument("--resident", type=int, default=3,
+                   help="tasks on one resident consume.py (its own fresh cache): the first cold, the rest warm")
     p.add_argument("--rows", type=int, default=16, help="documents per task")
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=4)
@@ -190,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = root / "model"
         size = write_checkpoint(model_dir, config)
         write_tiny_tokenizer(model_dir, vocab=4096, seed=0, model_max_length=args.max_seq_len)
-        rows = args.rows * (args.tasks + args.baseline)
+        rows = args.rows * (args.tasks + args.baseline + args.resident)
         data_file = write_documents(root / "data.jsonl", rows, seed=1)
         model = str(model_dir)
         if args.source == "gcs":
@@ -223,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(args.baseline):
             results.append(run_task(root, f"off{k + 1}", job_file, task(args.tasks + k), off))
             print(f"  {results[-1]['name']}: wall {results[-1]['wall_s']:.1f} s", flush=True)
+        first = args.tasks + args.baseline
+        if args.resident:
+            resident_env = {**env, "XDG_CACHE_HOME": str(root / "cache-resident")}
+            names = ["res-cold", *(f"res-warm{k}" for k in range(1, args.resident))]
+            results += run_resident(root, names, job_file, [task(first + k) for k in range(args.resident)], resident_env)
         side = []
         if args.source == "gcs" and args.tasks:
             side = weights_side_by_side(model, root / "cache" / "gcs-spawner" / "weights", args.layers)
@@ -230,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results))
         for in_place, copy in side:
             print(f"  weights read side by side: in place {in_place:.2f} s, from the machine's copy {copy:.2f} s")
+        print(summary(results))
         if args.json:
             print(json.dumps({"shape": args.shape, "layers": args.layers, "source": args.source, "results": results,
                               "weights_side_by_side": side}))  # fmt: skip

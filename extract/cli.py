@@ -8,6 +8,9 @@ Exit codes (the consumer contract, extract/errors.py): 0 done; 65 bad input (dea
 retried); 75 transient I/O (retried); 70 any other failure (retried); 128+signal when stopped by
 SIGTERM/SIGINT, after storing only complete shards. A run that has not exited STOP_GRACE_S
 seconds after the signal (e.g. stuck in a compile) exits hard with the same code.
+
+With SPAWN_RESIDENT=1 (`spawn.py --resident`) the process serves task after task, each from a request on its
+standard input (extract/resident.py), and keeps the engine loaded between the tasks of one job.
 """
 
 from __future__ import annotations
@@ -81,26 +84,75 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
     )
-    from extract import multihost
-    from extract.consumer import RunInputs, Stopped, StopRequest, run
-    from extract.job import load_job, load_resume, load_task
+    from extract import resident
+    from extract.consumer import StopRequest
 
     stop = StopRequest()
     _install_signal_handlers(stop)
+    if resident.is_resident():
+        return _serve(args, stop)
+    paths = {flag: _setting(args, flag, env) for flag, env, _ in _FLAGS}
+    return _run_task(paths, os.environ, args, stop, phases).exit_code
+
+
+def _serve(args: argparse.Namespace, stop) -> int:
+    """A resident consumer (extract/resident.py): every task of its worker in this process, the engine kept loaded
+    between the tasks of one job."""
+    from extract import resident
+    from extract.consumer import Stopped, Warm
+    from extract.phases import PhaseLedger, process_age_s
+
+    given = [flag for flag, _, _ in _FLAGS if getattr(args, flag.lstrip("-").replace("-", "_"))]
+    if given:
+        log.error("event=usage error=%s is per task: a resident consumer takes it from each request", given[0])
+        return 2
+    replies = resident.take_stdout()
+    warm = Warm()
+
+    first = [True]
+
+    def run_task(request: resident.Request) -> resident.Outcome:
+        # The ledger starts at the claim. The first task's imports, devices and weights are this process's, and it
+        # starts no later than the process did (the request waited in the pipe while the interpreter started); a
+        # later task's start in `prepare`, unless its job needs another engine.
+        started_at = request.claimed_at
+        if first[0]:
+            first[0] = False
+            age = process_age_s()
+            started_at = min(started_at, time.monotonic() - age) if age is not None else started_at
+        phases = PhaseLedger(started_at=started_at, phase="imports" if warm.engine is None else "prepare")
+        paths = {flag: request.env.get(env) for flag, env, _ in _FLAGS}
+        return _run_task(paths, request.env, args, stop, phases, warm)
+
     try:
-        paths = {flag: _setting(args, flag, env) for flag, env, _ in _FLAGS}
-        for flag, env, _ in _FLAGS[:3]:
+        return resident.serve(run_task, sys.stdin.buffer, replies)
+    except Stopped as stopped:
+        log.warning("event=stopped signal=%d between tasks", stopped.signum)
+        return 128 + stopped.signum
+
+
+def _run_task(paths: dict, env, args: argparse.Namespace, stop, phases, warm=None):
+    """One task from its paths and per-task variables; its exit code, and whether the loaded state stays sound."""
+    from extract import multihost, resident
+    from extract.consumer import RunInputs, Stopped, run
+    from extract.job import load_job, load_resume, load_task
+    from extract.memory import DeviceMemoryError
+
+    try:
+        for flag, variable, _ in _FLAGS[:3]:
             if not paths[flag]:
-                raise BadInput(f"{flag.lstrip('-')}: not given; pass {flag} or set {env}")
+                raise BadInput(f"{flag.lstrip('-')}: not given; pass {flag} or set {variable}")
         job = load_job(paths["--job-file"])
         task = load_task(paths["--task-file"])
-        attempt = os.environ.get("SPAWN_ATTEMPT")
-        task_id = os.environ.get("SPAWN_TASK_ID")
+        attempt = env.get("SPAWN_ATTEMPT")
+        task_id = env.get("SPAWN_TASK_ID")
         if task_id and task_id != task.id:
             raise BadInput(f"task.id: the task file says {task.id!r}, SPAWN_TASK_ID={task_id!r}; pass this task's file")
         role = multihost.role_from_env()
         if role is not None or multihost.has_gaps(paths["--resume-file"], task):
-            return _run_share(role or multihost.SliceRole.single(), job, task, paths, attempt, args, stop)
+            # A share of a slice's task, or a resume with gaps: its own engine, so this process does not stay.
+            return resident.Outcome(_run_share(role or multihost.SliceRole.single(), job, task, paths, attempt, args,
+                                               stop), stays=False)  # fmt: skip
         resume = load_resume(paths["--resume-file"], task)
         if attempt and attempt.isdigit():
             resume = dataclasses.replace(resume, attempt=int(attempt))
@@ -113,17 +165,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_every_s=args.log_every,
             phases=phases,
             compile_cache=True,
+            warm=warm,
         )
         result = run(inputs, stop=stop)
         if result.stopped:
-            return 128 + (stop.signum or signal.SIGTERM)
-        return EX_OK
+            return resident.Outcome(128 + (stop.signum or signal.SIGTERM), stays=False)
+        return resident.Outcome(EX_OK, stays=True)
     except Stopped as stopped:
         log.warning("event=stopped signal=%d before the run loop", stopped.signum)
-        return 128 + stopped.signum
+        return resident.Outcome(128 + stopped.signum, stays=False)
     except multihost.SliceFailed as failed:
         log.error("event=slice_failed exit=%d error=%s", failed.exit_code, failed)
-        return failed.exit_code
+        return resident.Outcome(failed.exit_code, stays=False)
     except Exception as exc:
         code = exit_code_for(exc)
         if code == EX_DATAERR:
@@ -132,20 +185,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("event=transient_failure exit=%d error=%s", code, exc)
         else:
             log.exception("event=failure exit=%d error=%r", code, exc)
-        return code
+        # The task's own input (65) or the store (75) leave the loaded engine as it was; anything else (a bug, the
+        # runtime, the device's memory) may not have.
+        sound = code in (EX_DATAERR, EX_TEMPFAIL) and not isinstance(exc, DeviceMemoryError)
+        return resident.Outcome(code, stays=sound)
 
 
 def exit_now(code: int) -> None:
-    """Leave with `code`. A stopped run leaves without the interpreter's teardown.
+    """Leave with `code`, without the interpreter's teardown.
 
-    By then every stored shard is recorded and the progress file is closed. What is left is
-    JAX's and XLA's teardown, which took 3-4 s on a loaded 2-core machine. A preempted spot VM
-    has 30 s in all (https://cloud.google.com/compute/docs/instances/spot#preemption-process),
-    and the spawner is waiting to report the progress.
+    By then every stored shard is recorded and the progress file is closed (the task's ledger ended with its last
+    record). What is left is JAX's and XLA's teardown: 1 to 4 s on a loaded 2-core machine, outside every phase of
+    the ledger, and paid by the worker, which waits for the exit before it writes the done marker (issue 44). A
+    preempted spot VM has 30 s in all (https://cloud.google.com/compute/docs/instances/spot#preemption-process).
+    Only a host of a multi-host slice that finished well leaves the slow way: `jax.distributed`'s shutdown at exit
+    is the barrier its other hosts wait at.
     """
-    if code < 128:
+    if _distributed_teardown and code == EX_OK:
         sys.exit(code)
     _exit_without_teardown(code)
+
+
+#: Set once this process joined a multi-host slice's JAX program (see exit_now).
+_distributed_teardown = False
 
 
 def _exit_without_teardown(code: int) -> None:
@@ -162,7 +224,9 @@ def _run_share(role, job, task, paths, attempt, args, stop) -> int:
 
     from extract import compilecache
 
+    global _distributed_teardown
     multihost.initialize(role)
+    _distributed_teardown = role.process_count > 1
     compilecache.enable()  # after jax.distributed's set-up: it reads the devices
     inputs = multihost.SliceInputs(
         job=job,

@@ -79,6 +79,31 @@ class StopRequest:
             self._deferred = False
 
 
+@dataclasses.dataclass
+class Warm:
+    """What a resident consumer keeps between tasks (extract/resident.py): the engine (its devices, weights and
+    traced and compiled programs), the compilation cache and the tokenizer, for the job they were loaded for. A task
+    of another job loads its own and replaces them."""
+
+    job_key: str | None = None
+    engine: Any | None = None
+    cache: compilecache.CompileCache | None = None
+    tokenizer: Tokenizer | None = None
+    steps: int = 0  # steps the engine has run (a warm engine's first step of a task is a steady one)
+
+    @staticmethod
+    def key(job: Job) -> str:
+        return json.dumps(job.to_dict(), sort_keys=True)
+
+    def fits(self, job: Job) -> bool:
+        return self.engine is not None and self.job_key == self.key(job)
+
+    def keep(self, job: Job, engine: Any, cache: compilecache.CompileCache | None, tokenizer: Tokenizer) -> None:
+        if engine is not self.engine:
+            self.steps = 0
+        self.job_key, self.engine, self.cache, self.tokenizer = self.key(job), engine, cache, tokenizer
+
+
 @dataclasses.dataclass(frozen=True)
 class RunInputs:
     job: Job
@@ -93,6 +118,8 @@ class RunInputs:
     #: Turn on this machine's compilation cache before the engine loads (consume.py does; in-process callers that
     #: pass their own engine need not).
     compile_cache: bool = False
+    #: A resident consumer's loaded state: used when it fits the job, filled in when it does not.
+    warm: Warm | None = None
 
 
 @dataclasses.dataclass
@@ -274,12 +301,19 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
     ledger.enter("prepare")
     data.check_task_files(task, job.text_field)
     loaded_at = time.monotonic()
-    cache = None
+    cache, tokenizer, warm = None, None, inputs.warm
+    if engine is None and warm is not None and warm.fits(job):
+        engine, cache, tokenizer = warm.engine, warm.cache, warm.tokenizer
+    elif warm is not None and warm.engine is not None:
+        log.info("event=engine_replaced task=%s why=another job", task.id)
+        warm.engine = warm.tokenizer = None  # drop the old engine's device arrays before loading another
     if engine is None:
         engine, cache = ready_engine(job, ledger, inputs.compile_cache)
     ledger.enter("prepare")
     engine.compile_hook = lambda seq_len, packed, stage: counted_compile(ledger, cache, seq_len, packed, stage)
-    tokenizer = load_tokenizer(engine, job)
+    tokenizer = tokenizer or load_tokenizer(engine, job)
+    if warm is not None:
+        warm.keep(job, engine, cache, tokenizer)
     log.info(
         "event=model_ready model=%s model_type=%s outputs=%s batch_size=%d buckets=%s seconds=%.1f",
         job.model, engine.config.model_type, engine.outputs_summary(), engine.batch_size,
@@ -346,14 +380,18 @@ def run(inputs: RunInputs, stop: StopRequest | None = None, engine: Any | None =
                         hidden = {}
                     else:
                         if last is None:
-                            ledger.enter("first_step")  # its program's stages count to theirs (counted_compile)
+                            # Its program's stages count to theirs (counted_compile). A resident consumer's engine
+                            # that has stepped before is warm: the first step of its later tasks is a steady one.
+                            ledger.enter("steady" if warm is not None and warm.steps else "first_step")
                         if batch.segment_ids is not None:  # packed rows (job.packing)
                             hidden = engine.forward(batch.token_ids, batch.segment_ids, batch.positions)
                         else:
                             hidden = engine.forward(batch.token_ids)
-                        if last is None:
+                        if ledger.phase == "first_step":
                             _wait(hidden)
                             ledger.enter("steady")
+                        if warm is not None:
+                            warm.steps += 1
                         last = hidden
                     writer.submit(batch, hidden)
                 if stop.is_set():

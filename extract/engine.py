@@ -165,10 +165,13 @@ class Engine:
         # A gs:// checkpoint's weights are read where they lie (parallel ranged reads); only its small files are cached.
         self.model_dir = resolve_model_dir(model, weights=not from_store)
         self._read_config(self.model_dir / "config.json")
-        # Fail on missing files before any device work.
-        checkpoint = Checkpoint.from_store(model) if from_store else Checkpoint(self.model_dir)
+        # Fail on missing files before any device work. A gs:// checkpoint: this machine's copy when it is sound
+        # already (the headers read from it, not from the bucket), else the bucket's headers, and the copy made once
+        # the step fits (extract/weightcache.py).
+        copied = weightcache.reused_checkpoint(model) if from_store else None
+        checkpoint = copied or (Checkpoint.from_store(model) if from_store else Checkpoint(self.model_dir))
         self._place(layers, sites, mesh, devices)
-        if from_store:  # then from this machine's copy (extract/weightcache.py), made once the step fits
+        if from_store and copied is None:
             checkpoint = weightcache.open_checkpoint(model)
         self._state = load_state(
             checkpoint, self._abstract_state, self.mesh, self._rules, self._compute_dtype, config=self.config

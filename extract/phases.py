@@ -12,7 +12,8 @@ counts too) to its last stored shard, into phases. Every instant is in exactly o
 | `prepare`    | the tokenizer, the writer, and reading and tokenising until the first batch is ready        |
 | `trace`      | tracing and lowering each program (one per batch shape), wherever it happens               |
 | `compile`    | XLA's compile of each program, or its load from the compilation cache                       |
-| `first_step` | the first step, from its dispatch until its outputs are ready                               |
+| `first_step` | the first step, from its dispatch until its outputs are ready (a resident consumer's later  |
+|              | tasks have none: their engine has stepped before, and their first step is a steady one)   |
 | `steady`     | the steady state: from the first step's end to the last step's end, less later programs     |
 | `tail`       | from the last step's end until the last shard is stored                                     |
 
@@ -76,17 +77,22 @@ class PhaseLedger:
     the counters into each progress record as it stores it.
 
     `started_at` is when the attempt began on `clock`; the default is the process's creation (`process_age_s`),
-    else now.
+    else now. `phase` is the one the time from then counts to: a resident consumer's later task starts at its
+    claim in `prepare` (its imports, devices and weights are loaded already).
     """
 
-    def __init__(self, started_at: float | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, started_at: float | None = None, clock: Callable[[], float] = time.monotonic, phase: str = "imports"
+    ):
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {', '.join(PHASES)}")
         self._clock = clock
         now = clock()
         if started_at is None:
             age = process_age_s()
             started_at = now - age if age is not None else now
         self._lock = threading.Lock()
-        self._phase = "imports"
+        self._phase = phase
         self._since = started_at
         self._seconds = dict.fromkeys(PHASES, 0.0)
         self._drained_ms = dict.fromkeys(PHASES, 0)

@@ -255,6 +255,21 @@ class WeightCache:
         finally:
             partial.unlink(missing_ok=True)
 
+    def reuse(self) -> pathlib.Path | None:
+        """The directory when it holds a sound copy of every weights file (and the same index) already, else None;
+        copies nothing."""
+        entries, index = self._weight_entries()
+        if not self.directory.is_dir():
+            return None
+        with self._locked():
+            index_path = self.directory / INDEX_FILE
+            same_index = (not index_path.exists()) if index is None else (
+                index_path.is_file() and index_path.read_bytes() == index)  # fmt: skip
+            if not same_index or not all(self.sound(entry) for entry in entries):
+                return None
+            self.checked["reused"] += len(entries)
+        return self.directory
+
     def sync(self) -> pathlib.Path | None:
         """Make the directory hold sound copies of every weights file (and the index); return it, or None when the
         disk cannot hold them (read in place instead)."""
@@ -288,6 +303,29 @@ class WeightCache:
             else:
                 index_path.write_bytes(index)
         return self.directory
+
+
+def reused_checkpoint(url: str, root: pathlib.Path | None = None) -> Checkpoint | None:
+    """The checkpoint at `url` from this machine's copy when that copy is sound already (its headers read from the
+    local files: no bucket read but the listing), else None: nothing is copied here."""
+    root = root if root is not None else default_root()
+    if root is None:
+        return None
+    started = time.monotonic()
+    cache = WeightCache(
+        objectstore.open_store(url), root / url.removeprefix("gs://").strip("/"),
+        verify_always=os.environ.get(VERIFY_ENV, "").strip().lower() == "always",
+    )  # fmt: skip
+    try:
+        local = cache.reuse()
+    except OSError as exc:  # the local disk, not the bucket: the caller reads the bucket's headers instead
+        log.warning("event=weights_cache_failed url=%s error=%r: reading in place", url, exc)
+        return None
+    if local is None:
+        return None
+    log.info("event=weights_cache url=%s dir=%s reused=%d copied=0 rebuilt=0 seconds=%.1f", url, local,
+             cache.checked["reused"], time.monotonic() - started)  # fmt: skip
+    return Checkpoint(local)
 
 
 def open_checkpoint(url: str, root: pathlib.Path | None = None) -> Checkpoint:

@@ -43,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("queue", help="gs://bucket/prefix or a local directory")
     p.add_argument("--consumer", required=True, help="command run for each task, e.g. 'python consume.py'")
+    p.add_argument(
+        "--resident", action="store_true",
+        help="run one consumer process for every task, its model kept loaded between tasks (it must speak the "
+        "resident protocol, as consume.py does: docs/PROTOCOL.md, 'Resident consumers')",
+    )  # fmt: skip
     p.add_argument("--worker-id", default=None, help="name in leases and logs (default: host-pid-random)")
     p.add_argument("--lease-ttl", type=float, default=120.0, help="seconds a silent lease lives (default 120)")
     p.add_argument("--heartbeat", type=float, default=None, help="seconds between renewals (default TTL/4)")
@@ -146,6 +151,7 @@ def build(argv: list[str] | None = None) -> tuple[argparse.Namespace, Spawner | 
             stuck_after_s=args.stuck_after,
             max_task_s=args.max_task_time,
             job_wait_s=args.job_wait,
+            resident=args.resident,
         )
     except ValueError as exc:
         parser().error(str(exc))

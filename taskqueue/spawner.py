@@ -12,7 +12,10 @@ core. This module only feeds it events and carries out its actions:
 - a pump thread logs the consumer's output (each line is activity for the backstop);
 - `request_stop` (a signal handler or the preemption watch) tells the core, which signals the consumer.
 
-The consumer contract (environment variables, exit codes) is in docs/PROTOCOL.md.
+With `--resident` the consumer is started once and each task is a request on its standard input and a
+reply on its standard output (`ResidentConsumer`, `_run_resident`); its log is pumped as above.
+
+The consumer contract (environment variables, exit codes, resident requests and replies) is in docs/PROTOCOL.md.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from objectstore import ObjectStore, StoreError
 from taskqueue import completion
 from taskqueue.claims import Claim, Claimer, ClaimOptions
 from taskqueue.clock import Clock
-from taskqueue.process import ConsumerSlot, pump_output
+from taskqueue.process import TASK_VARIABLES, ConsumerSlot, ReplyError, ResidentConsumer, pump_output
 from taskqueue.slice import AssignmentBoard, SliceOptions
 from taskqueue.worker import (
     MAX_TAKEOVERS,
@@ -49,6 +52,7 @@ from taskqueue.worker import (
     TaskRun,
     perform_final,
     perform_renew,
+    resident_exit_code,
     verdict_before_start,
 )
 
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MAX_TAKEOVERS", "SLICE_HOST_STOPPED", "ProgressError", "ProgressFile", "SpawnOptions", "Spawner", "Tally"]
 
 ERROR_TAIL_LINES = 40
+TASK_VARIABLES_SET = frozenset(TASK_VARIABLES)
 MAX_PROGRESS_LINE = 64 * 1024
 TICK_S = 0.2
 
@@ -114,6 +119,9 @@ class SpawnOptions:
     #: How long a worker waits for the queue's job.json (and a first task) before it calls the queue
     #: URL wrong (taskqueue.completion.wait_for_job): covers a fleet started before its submit.
     job_wait_s: float = 60.0
+    #: One consumer process for every task this worker runs (docs/PROTOCOL.md, "Resident consumers"), instead of
+    #: one per task: its imports, devices, weights and programs stay loaded between tasks.
+    resident: bool = False
 
     def __post_init__(self) -> None:
         if not self.consumer:
@@ -127,6 +135,9 @@ class SpawnOptions:
             )
         if self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be at least 1, got {self.max_attempts}")
+        if self.resident and self.slice is not None:
+            raise ValueError("--resident: a multi-host slice runs a fresh consumer per task (its hosts' JAX program "
+                             "is one per task); leave --resident out with --slice-hosts")  # fmt: skip
         if self.job_wait_s < 0:
             raise ValueError(f"--job-wait must be 0 or more seconds, got {self.job_wait_s}")
         for flag, value in (("--stuck-after", self.stuck_after_s), ("--max-task-time", self.max_task_s)):
@@ -163,6 +174,8 @@ class Spawner:
         self.stop_reason: str | None = None
         self._stop = threading.Event()
         self._consumer = ConsumerSlot()
+        self._resident = ResidentConsumer(options.consumer, self._resident_line) if options.resident else None
+        self._tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)  # the resident task's
         self._job: bytes | None = None
         # The core of the task in hand, and the lock every thread takes to feed it an event.
         self._run: TaskRun | None = None
@@ -209,6 +222,14 @@ class Spawner:
         if self._job is None:
             log.info("event=worker_exit worker=%s reason=stopped waiting_for=job", self.options.worker)
             return "stopped"
+        try:
+            return self._drain()
+        finally:
+            if self._resident is not None and self._resident.proc is not None:
+                code = self._resident.close()
+                log.info("event=resident_exit exit_code=%s processes=%d", code, self._resident.starts)
+
+    def _drain(self) -> str:
         handled = 0
         self.tell_state("idle")
         for claim in self.claimer:
@@ -325,6 +346,8 @@ class Spawner:
             log.warning("event=consumer_not_started task=%s why=%r", claim.task_id, stale.why)
             return stale
         progress = ProgressFile(progress_path)
+        if self._resident is not None:
+            return self._run_resident(claim, run, env, progress)
         tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
         with self._core_lock:
             proc = self._consumer.start(self.options.consumer, env)
@@ -365,6 +388,99 @@ class Spawner:
         if isinstance(action, Abandon):
             log.warning("event=lease_lost task=%s why=%s", claim.task_id, action.why)
         return action
+
+    def _run_resident(self, claim: Claim, run: TaskRun, env: dict[str, str], progress: ProgressFile):
+        """The task on the resident consumer (started first if none runs): one request, then its reply or the
+        process's exit, under the same core, heartbeats and backstop as a per-task consumer. Returns the core's
+        final action; the consumer serves the next task only if the core says so (`TaskRun.consumer_stays`)."""
+        resident, lease = self._resident, claim.lease
+        with self._core_lock:
+            if not resident.running():
+                if resident.proc is not None:  # it died between tasks: not this task's fault, nor an attempt
+                    log.warning("event=resident_lost exit_code=%s: starting another", resident.close(grace_s=0))
+                resident.start({k: v for k, v in env.items() if k not in TASK_VARIABLES_SET})
+                log.info("event=resident_start pid=%d processes=%d", resident.proc.pid, resident.starts)
+            self._consumer.hold(resident.proc)
+            self._tail.clear()
+            self._run = run
+            if self._stop.is_set():  # a stop that arrived while we were starting it
+                self._perform(run.stop(self.stop_reason or "stopped", self.clock.monotonic()))
+        proc = resident.proc
+        sent = resident.send(claim.task_id, env, self.clock.monotonic() - run.started)
+        log.info("event=consumer_start task=%s pid=%d attempt=%d resident=true task_on_process=%d",
+                 claim.task_id, proc.pid, lease.attempt, resident.started_tasks)  # fmt: skip
+        beat_stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat_loop, args=(lease, run, progress, beat_stop), daemon=True)
+        beat.start()
+        try:
+            reply = self._wait_reply(proc, run, claim.task_id) if sent else None
+        finally:
+            beat_stop.set()
+            beat.join()
+            with self._core_lock:
+                self._run = None
+        process_code = proc.poll()
+        exit_code = resident_exit_code(None if reply is None else reply["exit_code"], process_code)
+        with self._core_lock:
+            self._read_progress(run, progress)
+            stays = run.consumer_stays(reply is not None and reply["stays"])
+            tail = "\n".join(self._tail)
+        if not stays:
+            code = resident.close()
+            log.info("event=resident_exit task=%s exit_code=%s why=%s", claim.task_id, code,
+                     "its state is not sound" if reply is not None and not reply["stays"] else run.phase.value)  # fmt: skip
+        with self._core_lock:
+            self._consumer.clear()
+        log.info(
+            "event=consumer_exit task=%s exit_code=%d seconds=%.1f resident=true replied=%s stays=%s",
+            claim.task_id, exit_code, self.clock.monotonic() - run.started, reply is not None, stays,
+        )  # fmt: skip
+        error = {
+            "attempt": lease.attempt,
+            "worker": self.options.worker,
+            "exit_code": exit_code,
+            "error": tail[-4000:],
+            "at": self.clock.wall_iso(),
+        }
+        with self._core_lock:
+            action = run.exited(exit_code, error)
+        if isinstance(action, Abandon):
+            log.warning("event=lease_lost task=%s why=%s", claim.task_id, action.why)
+        return action
+
+    def _wait_reply(self, proc: subprocess.Popen, run: TaskRun, task_id: str) -> dict | None:
+        """The resident consumer's reply to `task_id`, or None when the process ended without one; ticks the core
+        meanwhile as `_wait` does. A line that is not this task's reply ends the process (it broke the protocol:
+        its state is unknown) and counts as its exit without a reply."""
+        while True:
+            reply = self._resident.reply(TICK_S)
+            if isinstance(reply, ReplyError) or (isinstance(reply, dict) and reply["task"] != task_id):
+                log.error("event=resident_reply_broken task=%s error=%s", task_id,
+                          reply if isinstance(reply, ReplyError) else f"a reply for task {reply['task']!r}")  # fmt: skip
+                self._consumer.signal(signal.SIGKILL)
+                proc.wait()
+                return None
+            if reply is not None:
+                return reply
+            if proc.poll() is not None:
+                return self._resident.reply(0.5)  # a reply written just before it exited (a stop's)
+            with self._core_lock:
+                signals = run.tick(self.clock.monotonic())
+                for action in signals:
+                    event = "consumer_kill" if action.signum == signal.SIGKILL else "consumer_stuck"
+                    log.warning("event=%s task=%s pid=%d phase=%s why=%r", event, run.task_id, proc.pid,
+                                run.phase.value, run.why)  # fmt: skip
+                self._perform(signals)
+
+    def _resident_line(self, line: str) -> None:
+        """A line of the resident consumer's log: logged under the task it runs, kept for its error record, and
+        activity for the stuck-task backstop."""
+        with self._core_lock:
+            run = self._run
+            self._tail.append(line)
+            if run is not None:
+                run.output_line(self.clock.monotonic())
+        logging.getLogger("consumer").info("task=%s | %s", run.task_id if run is not None else "-", line)
 
     def _pump(self, proc: subprocess.Popen, task_id: str, tail: collections.deque, run: TaskRun) -> None:
         def activity() -> None:

@@ -23,6 +23,10 @@ The rules it implements (docs/PROTOCOL.md, "Heartbeat", "Completion", "Failure",
   is finished, writes nothing more, and the lease stays its own until it expires; whoever takes it
   over then finds the done or failed marker if one was written (the takeover's check) or runs the
   task again. A failure before the consumer starts (reading `job.json`) releases the task instead.
+- **Resident consumers** (issue 44). One process may serve task after task (`spawn.py --resident`): a
+  task's exit code is its reply's, else its process's (`resident_exit_code`), and the process serves
+  the next task only after a task that ended undisturbed and whose reply said its state is sound
+  (`CONSUMER_STAYS`, `TaskRun.consumer_stays`).
 - **Stuck consumers** (issue 17, item 7). With `stuck_after_s`, a consumer that wrote no progress
   record and no output line for that long gets SIGTERM, then SIGKILL after the grace, and the
   attempt counts as failed; `max_task_s` does the same after that much time in all.
@@ -155,6 +159,22 @@ ON_EXIT: dict[tuple[Phase, str], str] = {
     (Phase.STOPPING, HOST_STOPPED): "release",
 }
 
+#: A resident consumer (docs/PROTOCOL.md, "Resident consumers"): may it serve the next task, by the phase the task
+#: ended in? Only a task that ran to its reply undisturbed keeps it, and only when the consumer said its loaded
+#: state is sound (`stays`: a 0, a 65 for the task's own input, a 75 for the store). Every other phase signalled
+#: it (SIGTERM for a stop or the backstop, SIGKILL for a lost lease or a broken contract): it is on its way out.
+CONSUMER_STAYS: dict[Phase, bool] = {
+    Phase.RUNNING: True,
+    Phase.STOPPING: False,
+    Phase.STUCK: False,
+    Phase.LOST: False,
+    Phase.BROKEN: False,
+}
+#: A resident consumer's process exit codes that say nothing about a task when it exited without a reply to it:
+#: a clean exit, or 65 (the consumer's own set-up, not the task's input: a task's bad input gets a reply).
+NOT_THE_TASKS = (0, EX_DATAERR)
+EX_SOFTWARE = 70
+
 #: Phases in which a stop signal, the backstop or a renewal failure still changes something.
 _ACTIVE = (Phase.RUNNING, Phase.STOPPING, Phase.STUCK)
 
@@ -167,6 +187,17 @@ def exit_class(exit_code: int, is_slice_leader: bool) -> str:
     if is_slice_leader and exit_code == SLICE_HOST_STOPPED:
         return HOST_STOPPED
     return FAILED
+
+
+def resident_exit_code(reply_code: int | None, process_code: int | None) -> int:
+    """A resident consumer's exit code for a task, for `TaskRun.exited`: its reply's when it replied; else the
+    process's (it died on the task, as a per-task consumer would), except that an exit without a reply is never a
+    success nor the task's bad input (NOT_THE_TASKS): it counts as a failed attempt (70)."""
+    if reply_code is not None:
+        return reply_code
+    if process_code is None or process_code in NOT_THE_TASKS:
+        return EX_SOFTWARE
+    return process_code
 
 
 def verdict_before_start(takeovers: int, problem: str | None) -> str | None:
@@ -277,6 +308,11 @@ class TaskRun:
         return [Signal(signal.SIGTERM)]
 
     # -- the end --------------------------------------------------------------------------------
+
+    def consumer_stays(self, stays: bool) -> bool:
+        """A resident consumer just ended this task (before `exited`): whether it may serve the next one, by the
+        phase the task is in (CONSUMER_STAYS) and what it said of its own state (`stays`)."""
+        return stays and CONSUMER_STAYS.get(self.phase, False)
 
     def exited(self, exit_code: int, error: dict) -> FinalAction:
         """The consumer exited with `exit_code`; `error` is this attempt's error record should it count."""

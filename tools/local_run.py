@@ -4,7 +4,7 @@
 1. a model: a small random Qwen2 checkpoint with a tokenizer trained on the spot (or $MODEL);
 2. a dataset: local parquet files with FineWeb-Edu's columns (or $DATASET / $DATA_FILES);
 3. tasks planned by tools/make_tasks.py and submitted by tools/submit.py to a local queue;
-4. $WORKERS spawn.py workers (default 3) in parallel, each running consume.py per task;
+4. $WORKERS spawn.py workers (default 3) in parallel, each with one resident consume.py serving its tasks;
 5. tools/status.py (and its page, local-run/status.html), then tools/merge.py;
 6. the activations read back through the reader API, with their shapes and counts;
 7. the training loader's first shuffled batch (docs/TRAINING.md);
@@ -125,10 +125,11 @@ def main() -> int:
         pathlib.Path(queue).mkdir(parents=True, exist_ok=True)  # a local queue is a directory that exists
     sh(sys.executable, "tools/submit.py", queue, "--job", str(job_file), "--tasks", str(tasks_file))
 
-    step(f"4. {workers} workers drain the queue, each running consume.py per task")
+    step(f"4. {workers} workers drain the queue, each with one resident consume.py for its tasks")
     logs = WORK / "logs"
     logs.mkdir()
-    spawn = [sys.executable, "spawn.py", queue, "--consumer", "python consume.py", "--lease-ttl", "60", "--idle-timeout", "20"]
+    spawn = [sys.executable, "spawn.py", queue, "--consumer", "python consume.py", "--resident", "--lease-ttl", "60",
+             "--idle-timeout", "20"]
     print("$ " + shlex.join(["python", *spawn[1:]]) + f"   (x{workers}, logs in {logs})", flush=True)
     procs = []
     for k in range(workers):

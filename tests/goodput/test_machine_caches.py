@@ -249,3 +249,20 @@ def test_the_engine_loads_a_bucket_model_from_the_copy_and_refuses_a_step_that_c
     assert copy.read_bytes() == (model / "model.safetensors").read_bytes()
     leaves = jax.tree.leaves(from_bucket._state), jax.tree.leaves(from_disk._state)
     assert len(leaves[0]) == len(leaves[1]) and all(np.array_equal(a, b) for a, b in zip(*leaves))
+
+
+def test_a_sound_copy_gives_the_headers_without_reading_the_buckets_weights_files(tmp_path, gcs, gcs_client, gcs_bucket):
+    """Issue 44: a warm load read up to 8 MiB of every safetensors file from the bucket for its header."""
+    url = f"gs://{gcs_bucket}/model"
+    tensors = write_bucket_model(url, tmp_path)
+    root = tmp_path / "cache"
+    assert weightcache.reused_checkpoint(url, root) is None  # no copy yet: nothing is copied here either
+    assert not list(root.rglob("*.safetensors"))
+    weightcache.open_checkpoint(url, root)
+    gcs.reset_counts()
+    checkpoint = weightcache.reused_checkpoint(url, root)
+    assert gcs.counts()["reads"] == 1, "the index only; the two files' headers come from the copies"
+    assert checkpoint.model_dir == copies(root, url) and checkpoint.store is None
+    assert all(np.array_equal(checkpoint.read(name), value) for name, value in tensors.items())
+    (copies(root, url) / "model-00002-of-00002.safetensors").write_bytes(b"changed")
+    assert weightcache.reused_checkpoint(url, root) is None  # a changed copy is not sound: the caller copies again

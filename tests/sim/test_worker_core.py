@@ -15,6 +15,7 @@ from taskqueue import layout
 from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, LeaseLost, encode, new_lease_body
 from taskqueue.worker import (
+    CONSUMER_STAYS,
     ON_EXIT,
     Abandon,
     Complete,
@@ -27,6 +28,7 @@ from taskqueue.worker import (
     TaskRun,
     exit_class,
     perform_final,
+    resident_exit_code,
 )
 from tests.queue.conftest import submit_tasks
 from tests.workers import Workers, markers
@@ -217,3 +219,50 @@ def test_a_stuck_or_overlong_consumer_is_stopped_and_counts_as_a_failed_attempt(
     assert all(reason in e["error"] for e in letter["errors"]), letter
     assert "event=consumer_stuck" in workers.log("w")
     assert not list(open_store(url).list(layout.DONE))
+
+
+# -- resident consumers (docs/PROTOCOL.md, "Resident consumers") --------------------------------
+
+
+def a_run_in(phase: Phase) -> TaskRun:
+    """A run brought into `phase` by the event that leads there."""
+    run = a_run()
+    if phase is Phase.STOPPING:
+        run.stop("SIGTERM", now=1.0)
+    elif phase is Phase.STUCK:
+        run.tick(now=101.0)
+    elif phase is Phase.LOST:
+        run.renewal_failed(LeaseLost("stolen"), now=1.0)
+    elif phase is Phase.BROKEN:
+        run.broken("not JSON")
+    assert run.phase is phase
+    return run
+
+
+def test_the_resident_table_covers_every_phase_a_task_can_end_in():
+    ends = {Phase.RUNNING, Phase.STOPPING, Phase.STUCK, Phase.LOST, Phase.BROKEN}
+    assert set(CONSUMER_STAYS) == ends
+    assert [phase for phase, stays in CONSUMER_STAYS.items() if stays] == [Phase.RUNNING]
+
+
+@pytest.mark.parametrize("said", [True, False], ids=["says-it-stays", "says-it-leaves"])
+@pytest.mark.parametrize("phase", list(CONSUMER_STAYS), ids=lambda p: p.value)
+def test_a_resident_consumer_serves_on_only_after_an_undisturbed_task_and_only_if_it_says_so(phase, said):
+    """Every other phase signalled the consumer (SIGTERM or SIGKILL): it never gets the next task."""
+    assert a_run_in(phase).consumer_stays(said) is (said and phase is Phase.RUNNING)
+
+
+@pytest.mark.parametrize(
+    ("reply", "process", "expected"),
+    [
+        (0, None, 0), (65, None, 65), (75, None, 75), (143, -15, 143),  # a reply tells
+        (None, 1, 1), (None, -9, -9), (None, 143, 143),  # it died on the task: its own exit code, as per task
+        (None, 0, 70), (None, 65, 70), (None, None, 70),  # no reply: never a success, never the task's bad input
+    ],
+)  # fmt: skip
+def test_a_resident_tasks_exit_code_comes_from_its_reply_else_from_the_process(reply, process, expected):
+    assert resident_exit_code(reply, process) == expected
+    # And the table of exits reads it as a per-task consumer's: an exit without a reply is a failed attempt.
+    action = a_run().exited(resident_exit_code(reply, process), ERROR)
+    if reply is None and process in (0, 65, None):
+        assert isinstance(action, Release) and action.error is not None

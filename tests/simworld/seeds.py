@@ -24,7 +24,10 @@ What a seed draws:
 - machines killed at any request or at any moment (requests in flight are applied after), SIGTERM and
   preemption at any time, suspensions, replacements booting after them;
 - each attempt's consumer: outputs written, then exit 0, 1 or 65, a crash, or a hang (the stuck-task
-  backstop stops it), and how it answers SIGTERM;
+  backstop stops it), and how it answers SIGTERM; in half the worlds the consumer is resident
+  (`spawn.py --resident`): one process per worker serves its tasks while the worker core lets it
+  (`TaskRun.consumer_stays`), and now and then dies between tasks (no consumer's start-up is timed: a
+  resident world runs as its per-task twin would, so the seeds that found bugs replay the same worlds);
 - late submissions of any size, before the first split, into existing regions and after the last,
   while workers run, wait or leave, their creates in flight together on a pool of 1 to 16; a
   submitter killed at any point, interrupted once or twice (Ctrl-C, SIGTERM) at any point, and one
@@ -58,7 +61,9 @@ Invariants, checked for every seed (`Violation.invariant` is the number):
    interrupt cut its wait short); at the end, after the runs again, no batch is `running`;
 8. whenever a status snapshot says `complete`, every task in the store has its marker;
 9. every task create the store applies lands while a `running` batch marker covers the task: no
-   submit finishes its batch while one of its creates can still be applied.
+   submit finishes its batch while one of its creates can still be applied;
+10. a resident consumer that was signalled (a stop, the backstop, a lost lease) or that did not say its
+   state is sound never serves another task.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ from taskqueue.worker import (
     TaskRun,
     perform_final,
     perform_renew,
+    resident_exit_code,
     verdict_before_start,
 )
 from tests.simworld.scheduler import EPOCH, Actor, InlineExecutor, Scheduler, SimClock, SimExecutor
@@ -164,6 +170,9 @@ class WorldConfig:
     #: At the end, a batch comes and goes between the two listings of batches/ of a status snapshot, then
     #: of a worker's drained check (`World.straddle`): only layout.PRUNED tells (invariants 8 and 4).
     straddle: bool = False
+    #: Resident consumers (spawn.py --resident); drawn from a generator of its own, so that every other draw of
+    #: a seed's world is what it was before resident consumers existed.
+    resident: bool = False
 
     @property
     def pickup_bound_s(self) -> float:
@@ -205,6 +214,7 @@ class WorldConfig:
             p_interrupt=rng.choice([0.0, 0.3]),
             lifecycle=rng.random() < 0.3,
             straddle=rng.random() < 0.25,  # drawn last: the draws before it make the same worlds as before it was
+            resident=random.Random(f"resident-{seed}").random() < 0.5,
         )
 
 
@@ -380,6 +390,27 @@ class ScriptedConsumer:
     def wake_at(self) -> float:
         """When it next does something: its exit once SIGTERM reached it (it writes nothing more), else its next step."""
         return self.exit_at if self.exit_at is not None else self.next_at
+
+
+class SimResident:
+    """A resident consumer process (taskqueue.process.ResidentConsumer) in virtual time: which tasks it served,
+    whether a signal reached it, whether it said its state was sound, and whether it dies before its next task."""
+
+    def __init__(self, world: "World", machine: str, number: int) -> None:
+        self.name = f"{machine}/resident-{number}"
+        self.signalled = False
+        self.sound = True  # it said it stays (its last reply's `stays`)
+        self.served: list[str] = []
+        self.dies_idle = random.Random(f"resident-{world.config.seed}-{self.name}").random() < 0.1
+
+    def reply(self, consumer: ScriptedConsumer) -> tuple[int | None, bool]:
+        """Its reply to the task `consumer` scripted: (exit code, stays), or (None, False) when it died on the task
+        without one (a crash, SIGKILL). A clean end or the task's bad input keeps it; exit 1 and a SIGTERM it acted
+        on do not. One that ignores SIGTERM knows of no stop, and says it stays: only the worker core keeps it out."""
+        code = consumer.exit_code
+        if code is None or code < 0:
+            return None, False
+        return code, code in (0, 65) and consumer.exit_at is None
 
 
 class World:
@@ -911,9 +942,28 @@ class SimWorker:
             stuck_after_s=c.stuck_after_s,
         )  # fmt: skip
         self.tally = Tally()
+        self.resident: SimResident | None = None  # the resident consumer, while the core keeps it
+        self.resident_starts = 0
 
     def _now(self) -> float:
         return self.clock.monotonic()
+
+    def _resident_for(self, task_id: str) -> SimResident:
+        """The resident consumer for the next task: the kept one, or a fresh one if there is none or it died idle."""
+        world, resident = self.world, self.resident
+        if resident is not None and (resident.signalled or not resident.sound):
+            world.violation(10, f"{resident.name} serves task {task_id} after it was signalled or said it was not "
+                                f"sound (it served {resident.served})")  # fmt: skip
+        if resident is not None and resident.dies_idle:
+            world.stats["resident_died_idle"] += 1  # not an attempt of any task: a fresh process starts
+            resident = None
+        if resident is None:
+            self.resident_starts += 1
+            world.stats["resident_starts"] += 1
+            resident = SimResident(world, self.machine.name, self.resident_starts)
+        self.resident = resident
+        resident.served.append(task_id)
+        return resident
 
     def left_waiting(self) -> None:
         m = self.machine
@@ -1005,6 +1055,9 @@ class SimWorker:
             else:
                 world.violation(2, f"{self.machine.name} starts a consumer on task {claim.task_id}, which has a done marker")
         consumer = ScriptedConsumer(world, claim.task_id, lease.attempt, lease.token, len(lease.committed), self._now())
+        resident = self._resident_for(claim.task_id) if world.config.resident else None
+        if resident is not None and len(resident.served) > 1:
+            world.stats["resident_warm_tasks"] += 1
         next_beat = self._now() + self.options.heartbeat_s
         stop_told = False
         for turn in itertools.count():
@@ -1035,8 +1088,15 @@ class SimWorker:
             wake = min(next_beat, consumer.wake_at(), self._now() + TICK_S)
             self.clock.wait(threading.Event(), max(0.0, wake - self._now()))
         run.progress(consumer.advance(self.store, self._now()), self._now())
-        error = {"attempt": lease.attempt, "worker": self.machine.name, "exit_code": consumer.exit_code, "error": ""}
-        action = run.exited(consumer.exit_code, error)
+        exit_code = consumer.exit_code
+        if resident is not None:  # as Spawner._run_resident: the reply's code, else the process's; kept if the core says
+            reply_code, stays = resident.reply(consumer)
+            exit_code = resident_exit_code(reply_code, None if reply_code is not None else consumer.exit_code)
+            resident.sound = stays
+            if not run.consumer_stays(stays):
+                self.resident = None
+        error = {"attempt": lease.attempt, "worker": self.machine.name, "exit_code": exit_code, "error": ""}
+        action = run.exited(exit_code, error)
         self._settle(run, lease, action)
         if run.phase is not Phase.SETTLED:
             raise AssertionError("the core did not settle")
@@ -1044,6 +1104,8 @@ class SimWorker:
     def _signal(self, consumer: ScriptedConsumer, actions: list[Signal]) -> None:
         for action in actions:
             consumer.signal(action.signum, self._now())
+            if self.resident is not None:
+                self.resident.signalled = True
 
 
 # -- running seeds ---------------------------------------------------------------------------------
