@@ -592,6 +592,24 @@ _FAILED = (
 )
 
 
+#: The extra (setup.cfg extras_require) that brings each module a command may need beyond the base install
+#: (`pip install .`): a command that reaches one without it says so in one line instead of a traceback.
+EXTRA_OF = {
+    **dict.fromkeys(("jax", "jaxlib", "flax", "transformers", "tokenizers", "datasets", "huggingface_hub",
+                     "safetensors", "pyarrow"), "extract"),
+    "ml_dtypes": "train", "matplotlib": "status",
+}  # fmt: skip
+
+
+def missing_extra(err: BaseException) -> str | None:
+    """The one line for a module of an extra that this install lacks; None for any other error."""
+    root = (getattr(err, "name", None) or "").split(".")[0]
+    if not isinstance(err, ModuleNotFoundError) or root not in EXTRA_OF:
+        return None
+    return (f"this command needs {root}, which the base install does not have: pip install "
+            f"'gcs-spawner[{EXTRA_OF[root]}]' (or, in a checkout, pip install -e '.[{EXTRA_OF[root]}]')")
+
+
 def _is(err: BaseException, names) -> bool:
     """Whether `err` is one of the named classes whose module is already imported (an error of a module never
     imported cannot have been raised)."""
@@ -636,6 +654,10 @@ def failed(prog: str, err: Exception) -> int:
     if isinstance(err, Declined):
         _error(prog, err)
         return EX_USAGE if "pass --yes" in str(err) else EX_FAILED
+    extra = missing_extra(err)
+    if extra:
+        _error(prog, extra)
+        return EX_FAILED
     login = _credentials(err)
     if login:
         _error(prog, login)
