@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -49,6 +50,10 @@ RESUMABLE_CHUNK = 100 * 2**20
 #: Listings before a worker's first claim (docs/PROTOCOL.md, "Claim"): splits/ and swept/, then one region's
 #: tasks/ and leases/, whatever the queue's size.
 STARTUP_LISTINGS = 4
+#: GPUs of compute capability 9.0 or later, whose cuDNN flash attention takes head_dim up to 256
+#: (extract/kernel_choice.py): Hopper (H100, H200) and Blackwell (B200) per https://developer.nvidia.com/cuda-gpus;
+#: the A100 is 8.0, the L4 8.9, the T4 7.5.
+HOPPER_OR_LATER = re.compile(r"\b(H100|H200|B200|GB200)\b")
 #: Above this a shard is worth a warning: the writer holds a whole shard in host memory while it uploads it.
 SHARD_WARN_BYTES = 4 * 2**30
 
@@ -292,7 +297,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     # and model loading come on top). Machines with nothing left delete themselves, so billing follows the work.
     rounds = math.ceil(n_tasks / args.machines) if n_tasks else 0
     # Fixed seconds: every task's start and tail, and each machine's first task's copy and compiles.
-    fixed_hours = (n_tasks * fixed["warm_s"] + min(n_tasks, args.machines) * fixed["first_task_extra_s"]) / 3600
+    fixed_hours = fixed_machine_hours(fixed, n_tasks, args.machines)
     fixed.update(machine_hours=fixed_hours, on_demand=fixed_hours * machine.on_demand_per_hour,
                  spot=fixed_hours * machine.spot_per_hour)  # fmt: skip
     wall_hours = rounds * (sum(task_seconds) / n_tasks / 3600) if n_tasks else 0.0
@@ -441,20 +446,16 @@ def memory_plan(job: Job, config, outputs, machine: pricing.Accelerator, prices:
     the engine's own decision for that platform and dtype. Chips form a pure data-parallel mesh when one replica
     fits a chip, else the smallest model axis that fits, as the engine chooses.
     """
-    import jax.numpy as jnp  # only here: the rest of the plan does not need JAX
-
-    from extract import attention, memory
+    from extract import kernel_choice, memory
 
     platform = "tpu" if machine.family in prices.tpu else "gpu"
     usable = memory.usable_bytes(machine.family, platform)
-    kernel = attention.choose_kernel(
-        platform, jnp.dtype(job.compute_dtype_name), config.head_dim,
-        softcap=getattr(config, "attn_logit_softcapping", None),
-    ).kernel  # fmt: skip
+    kernel = kernel_choice.for_model(platform, job.compute_dtype_name, config,
+                                     hopper=bool(HOPPER_OR_LATER.search(machine.family))).kernel  # fmt: skip
     shape = dict(
         config=config, depth=config.depth_for(outputs), kept=config.hidden_units(outputs),
-        compute_bytes=jnp.dtype(job.compute_dtype_name).itemsize,
-        out_bytes=jnp.dtype(job.out_dtype_name).itemsize, kernel=kernel, packed=job.packing,
+        compute_bytes=costmodel.DTYPE_BYTES[job.compute_dtype], out_bytes=costmodel.DTYPE_BYTES[job.dtype],
+        kernel=kernel, packed=job.packing,
     )  # fmt: skip
     axes = [m for m in range(1, machine.chips + 1) if machine.chips % m == 0]
     model_axis = axes[0]
@@ -616,6 +617,12 @@ def task_fixed_seconds(job: Job, config, depth: int, machine: pricing.Accelerato
     if given is not None:
         fixed.update(warm_s=given, source="given (--fixed-seconds)", assumed=False)
     return fixed
+
+
+def fixed_machine_hours(fixed: dict, tasks: int, machines: int) -> float:
+    """Machine-hours of the fixed seconds (`task_fixed_seconds`): every task's warm start and tail, and each
+    machine's first task's copy and compiles."""
+    return (tasks * fixed["warm_s"] + min(tasks, machines) * fixed["first_task_extra_s"]) / 3600
 
 
 def _fixed_line(fixed: dict) -> str:
