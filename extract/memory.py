@@ -51,7 +51,9 @@ GIB = 2**30
 #: https://cloud.google.com/tpu/docs/v4 (32 GiB), https://cloud.google.com/tpu/docs/v5e (16 GiB),
 #: https://cloud.google.com/tpu/docs/v5p (95 GiB), https://cloud.google.com/tpu/docs/v6e (32 GiB),
 #: https://www.nvidia.com/en-us/data-center/h100/ (80 GB), https://www.nvidia.com/en-us/data-center/h200/ (141 GB),
-#: https://www.nvidia.com/en-us/data-center/a100/ (40 or 80 GB), https://www.nvidia.com/en-us/data-center/l4/ (24 GB).
+#: https://www.nvidia.com/en-us/data-center/a100/ (40 or 80 GB), https://www.nvidia.com/en-us/data-center/l4/ (24 GB),
+#: https://www.nvidia.com/en-us/data-center/dgx-b200/ (1,440 GB for 8 B200: 180 GB),
+#: https://www.nvidia.com/en-us/data-center/tesla-t4/ (16 GB).
 HBM_BYTES = (
     (r"TPU v6|^v6e$", 32 * GIB),
     (r"TPU v5 lite|TPU v5e|^v5e$", 16 * GIB),
@@ -62,6 +64,8 @@ HBM_BYTES = (
     (r"A100.*80GB", 80 * 10**9),
     (r"A100", 40 * 10**9),
     (r"\bL4\b", 24 * 10**9),
+    (r"B200", 180 * 10**9),
+    (r"\bT4\b", 16 * 10**9),
 )
 #: What the JAX client may allocate of a chip's HBM: on GPUs it preallocates 75% by default
 #: (XLA_PYTHON_CLIENT_MEM_FRACTION; https://docs.jax.dev/en/latest/gpu_memory_allocation.html); a TPU's runtime

@@ -112,12 +112,13 @@ def cmd_plan(args) -> int:
     from reporting.plan import make_plan, render
 
     run = load_run(args.run)
+    prices = checks.prices_file(run, args.prices)
     _, task_models = _run_tasks(run, tasks_module)
-    if checks.cpu_fleet(run):
-        line = checks.cpu_fleet_price(run, args.prices)
+    if checks.cpu_fleet(run) or checks.accelerator(run, prices) is None:
+        line = checks.cpu_fleet_price(run, prices) if checks.cpu_fleet(run) else checks.unpriced(run, prices, False)
         print(json.dumps({"plan": None, "why": line}, indent=1) if args.json else line)
         return EX_OK
-    inputs = plan_inputs(run, task_models, args.prices)
+    inputs = plan_inputs(run, task_models, prices)
     try:
         plan = make_plan(inputs)
         rows = considered_resources(inputs, plan, [run.accelerator, *run.fields.fleet.alternatives], run.spec.spot)

@@ -105,7 +105,7 @@ class _Up:
 
         self.run, self.dry_run, self.yes, self.out = run, dry_run, yes, out
         self.confirm, self.clients = confirm, clients or Clients()
-        self.preflight, self.prices = preflight, prices
+        self.preflight, self.prices = preflight, checks.prices_file(run, prices)
         self.project = resolve_project(run, project)
         self.store = open_store(run.queue)
         self.record = RunRecord(self.store)
@@ -222,6 +222,9 @@ class _Up:
 
         if checks.cpu_fleet(self.run):
             self.say(checks.cpu_fleet_price(self.run, self.prices))
+            return
+        if checks.accelerator(self.run, self.prices) is None:
+            self.say(checks.unpriced(self.run, self.prices))
             return
         inputs = plan_inputs(self.run, task_models, self.prices)
         try:
