@@ -60,6 +60,7 @@ _PEAK_BF16_FLOPS = (
     (r"A100", 312e12),
     (r"L40S", 362e12),
     (r"\bL4\b", 121e12),
+    (r"\bT4\b", 65e12),  # fp16: the T4 has no bf16 units (https://www.nvidia.com/en-us/data-center/tesla-t4/)
 )
 
 
