@@ -108,9 +108,21 @@ def cmd_plan(args) -> int:
     from gcs_spawner.checks import CheckError
     from gcs_spawner.runfile import load_run
     from gcs_spawner.up import _run_tasks, plan_inputs
+    from reporting import plan as planner
     from reporting.considered import considered_resources, render_considered
     from reporting.plan import make_plan, render
+    from reporting.planflags import JOB_FLAGS, add_job_arguments
 
+    if args.accelerator is not None:  # a job file alone: JOB --accelerator TYPE [its flags]
+        plan = make_plan(planner.job_inputs(args))
+        print(json.dumps(plan, indent=1) if args.json else render(plan))
+        return EX_OK
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_job_arguments(defaults)
+    given = [name for name in JOB_FLAGS if getattr(args, name) != getattr(defaults.parse_args([]), name)]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')}: a flag of a job planned alone (JOB --accelerator TYPE); a "
+                         "run file's plan takes it from the file (its plan section and fleet)")
     run = load_run(args.run)
     prices = checks.prices_file(run, args.prices)
     _, task_models = _run_tasks(run, tasks_module)
@@ -447,10 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     run_help = "the run file (run.yaml; docs/schema/run.json)"
-    p = command("plan", cmd_plan, "what the run will cost: tokens, FLOPs, hours, $, TB, on every accelerator it allows")
-    p.add_argument("run", type=pathlib.Path, help=run_help)
+    p = command("plan", cmd_plan, "what the run will cost: tokens, FLOPs, hours, $, TB, on every accelerator it allows",
+                "What the run will cost: tokens, FLOPs, hours, $, TB, on every accelerator it allows. With "
+                "--accelerator, the file is a job.json planned alone (tools/plan.py), with the flags below.")
+    p.add_argument("run", type=pathlib.Path, metavar="RUN|JOB", help=f"{run_help}, or job.json with --accelerator")
     p.add_argument("--json", action="store_true", help="print the plan (and the considered resources) as JSON")
-    p.add_argument("--prices", help="price table JSON (default: reporting/prices.json)")
+    p.add_argument("--prices", help="price table JSON (default: the run file's plan.prices, else reporting/prices.json)")
+    _add_plan_flags(p)
 
     p = command("validate", cmd_validate, "check everything up would check, create nothing")
     p.add_argument("run", type=pathlib.Path, help=run_help)
@@ -577,6 +592,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python-mirror", action="store_true",
                    help="also upload the fleet's CPython archive as that uv downloads it (firewalled fleets)")
     return parser
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a job planned alone (reporting/planflags.py: argparse only, so --help stays light)."""
+    from reporting.planflags import add_job_arguments
+
+    add_job_arguments(p)
 
 
 #: Errors that mean "the input cannot work": exit 65. Named here, imported only when one is raised.

@@ -1,4 +1,5 @@
-"""What a job will cost, before it is launched: `tools/plan.py JOB --accelerator v5litepod-8 [--tasks tasks.jsonl]`.
+"""What a job will cost, before it is launched: `gcs-spawner plan RUN`, or a job alone with
+`gcs-spawner plan JOB --accelerator v5litepod-8 [--tasks tasks.jsonl]` (tools/plan.py under its old name).
 
 Prints tokens, FLOPs to the deepest layer, machine-hours at an assumed MFU, on-demand and spot dollars, output
 bytes and their Cloud Storage cost per month, the storage operations of the claim protocol, and a
@@ -12,7 +13,7 @@ Rows come from the tasks file, else from the data files' parquet footers, else f
 from tokenising a sample of rows (--sample-rows) with the checkpoint's tokenizer, else from --tokens-per-row.
 A job on a Hub model or dataset can be planned without the Hub:
 
-    plan.py job.json --accelerator v6e-8 --rows 9672101 --tokens-per-row 1040
+    gcs-spawner plan job.json --accelerator v6e-8 --rows 9672101 --tokens-per-row 1040
 
 (the model's config.json comes from --model-config, a local or gs:// checkpoint directory, whose weights are never
 read, or a built-in copy for a few Hub ids: extract/costmodel.py, KNOWN_CONFIGS).
@@ -26,20 +27,17 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
-import logging
 import math
 import pathlib
 import re
-import sys
 import tempfile
 
 from activations.format import output_key, sites_of
 from extract import costmodel
-from extract.errors import EX_DATAERR, BadInput, exit_for_failure
+from extract.errors import BadInput
 from extract.job import Job, Task, load_job
 from reporting import pricing
-
-log = logging.getLogger("plan")
+from reporting.planflags import JOB_FLAGS, add_job_arguments
 
 TB = 1e12
 GIB = 2**30
@@ -89,31 +87,23 @@ class PlanInputs:
     stats_source: str | None = None
 
 
+def job_inputs(args: argparse.Namespace) -> PlanInputs:
+    """PlanInputs of `gcs-spawner plan JOB --accelerator TYPE ...` (`args.run` is the job file)."""
+    return PlanInputs(job=str(args.run), prices=args.prices, json=args.json,
+                      **{name: getattr(args, name) for name in JOB_FLAGS})  # fmt: skip
+
+
 def parse_args(argv) -> PlanInputs:
+    """PlanInputs from the command line of a job alone: `JOB --accelerator TYPE [flags]` (for tests and tools)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("job", help="job.json")
-    p.add_argument("--accelerator", required=True, help="TPU type (v5litepod-8, v6e-8, v4-8, v5p-8) or GPU machine type")
-    p.add_argument("--tasks", help="tasks.jsonl from tools/make_tasks.py: rows and task sizes come from it")
-    p.add_argument("--rows", type=int, help="rows in the job (instead of tasks or footers)")
-    p.add_argument("--tokens-per-row", type=float, help="mean stored tokens per row (instead of a tokenised sample)")
-    p.add_argument("--stats", help='JSON file {"rows": N, "tokens_per_row": X, "source": "..."} instead of the flags')
-    p.add_argument("--sample-rows", type=int, default=1024, help="rows to tokenise for tokens per row (default 1024)")
-    p.add_argument("--model-config", help="the model's config.json, when the job's model is not a local directory")
-    p.add_argument("--tokenizer", help="a directory with the model's tokenizer, when the model is not local")
-    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
-    p.add_argument("--count", dest="machines", type=int, default=32,
-                   help="machines in the fleet, for the wall-clock time (default 32)")
-    p.add_argument("--machines", dest="machines", type=int, help=argparse.SUPPRESS)  # the old name of --count
-    p.add_argument("--target-minutes", type=float, default=10.0, help="task length to aim for (default 10)")
-    p.add_argument("--fixed-seconds", type=float, help="a task's fixed seconds on a warm machine, measured (status's goodput line); default: the platform's figure")
-    p.add_argument("--heartbeat", type=float, default=30.0, help="spawn.py --heartbeat seconds (default 30)")
-    p.add_argument("--storage", default="region", help="bucket location class in the price table (default region)")
-    p.add_argument("--months", type=float, default=1.0, help="months the output is kept, for storage $ (default 1)")
-    p.add_argument("--warn-output-tb", type=float, default=10.0, help="warn above this many TB of output (default 10)")
-    p.add_argument("--storage-budget-tb", type=float, help="suggest the token_sample whose output fits this many TB")
+    p.add_argument("run", metavar="job", help="job.json")
+    add_job_arguments(p)
     p.add_argument("--prices", help="price table JSON (default: reporting/prices.json)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return PlanInputs(**vars(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    if args.accelerator is None:
+        p.error("--accelerator is required")
+    return job_inputs(args)
 
 
 def _check_flags(args) -> None:
@@ -695,21 +685,3 @@ def render(plan: dict) -> str:
         lines.append("")
         lines.append("!!! WARNING: " + warning)
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        plan = make_plan(args)
-    except pricing.PriceError as exc:
-        log.error("event=plan_failed exit=%d error=%s", EX_DATAERR, exc)
-        return EX_DATAERR
-    except Exception as exc:
-        return exit_for_failure(exc, log, "plan_failed")  # 65 bad input, 75 transient, as for consume.py
-    print(json.dumps(plan, indent=1) if args.json else render(plan))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
