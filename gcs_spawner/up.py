@@ -515,7 +515,7 @@ def plan_inputs(run: Run, task_models, prices: str | None = None):
         tokenizer=str(run.file.parent / section.tokenizer) if section.tokenizer else None, mfu=section.mfu,
         machines=run.machines, target_minutes=section.target_minutes, fixed_seconds=section.fixed_seconds,
         months=section.months,
-        storage_budget_tb=section.storage_budget_tb, prices=prices)
+        storage_budget_tb=section.storage_budget_tb, prices=prices, queue=run.queue)
 
 
 def _run_tasks(run: Run, tasks_module):

@@ -43,7 +43,9 @@ def considered_resources(inputs: PlanInputs, plan: dict, names: list[str], spot:
             continue
         hours = flops / (machine.peak_flops * inputs.mfu) / 3600
         memory = memory_plan(job, config, outputs, machine, prices)
-        fixed_s = task_fixed_seconds(job, config, config.depth_for(outputs), machine, prices, given=inputs.fixed_seconds)
+        # The run's own type: the plan's fixed seconds (measured by the queue's ledgers where it has them).
+        fixed_s = plan["tasks"]["fixed"] if name == inputs.accelerator else task_fixed_seconds(
+            job, config, config.depth_for(outputs), machine, prices, given=inputs.fixed_seconds)
         fixed_hours = fixed_machine_hours(fixed_s, tasks, inputs.machines)
         rows.append({
             "accelerator": name, "family": machine.family, "chips": machine.chips, "hosts": machine.hosts,

@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import pathlib
 import re
@@ -38,6 +39,8 @@ from extract.errors import BadInput
 from extract.job import Job, Task, load_job
 from reporting import pricing
 from reporting.planflags import JOB_FLAGS, add_job_arguments
+
+log = logging.getLogger("plan")
 
 TB = 1e12
 GIB = 2**30
@@ -85,6 +88,7 @@ class PlanInputs:
     json: bool = False
     job_label: str | None = None
     stats_source: str | None = None
+    queue: str | None = None  # a queue whose done markers' ledgers give the fixed seconds (`ledgers_of`)
 
 
 def job_inputs(args: argparse.Namespace) -> PlanInputs:
@@ -247,7 +251,8 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     rate = machine.peak_flops * args.mfu
     machine_hours = flops / rate / 3600
     seconds_per_row = costmodel.seconds_per_row(config, depth, tokens, rate)
-    fixed = task_fixed_seconds(job, config, depth, machine, prices, given=args.fixed_seconds)
+    fixed = task_fixed_seconds(job, config, depth, machine, prices, given=args.fixed_seconds,
+                               measured=ledgers_of(args.queue) if args.fixed_seconds is None else None)
     recommended = costmodel.recommend_rows_per_task(
         config, depth, tokens, rate, args.target_minutes * 60, job.shard_size, fixed_seconds=fixed["warm_s"]
     )
@@ -595,17 +600,43 @@ def _memory_line(m: dict) -> str:
     )
 
 
+def ledgers_of(queue: str | None) -> dict | None:
+    """What the done markers of `queue` say of their consumers' phases (reporting.goodput.summary: fixed seconds an
+    attempt, over how many attempts), with the queue's URL; None without a queue, or one whose markers report no
+    phases yet (or that cannot be read: the plan then uses the assumed figures, and says so)."""
+    if not queue:
+        return None
+    import objectstore
+    from reporting.status import snapshot
+
+    try:
+        goodput = snapshot(objectstore.open_store(queue))["goodput"]
+    except (objectstore.StoreError, OSError) as err:
+        log.warning("event=ledgers_unread queue=%s error=%s", queue, err)
+        return None
+    if not goodput or goodput["fixed_s_per_attempt"] is None:
+        return None
+    return {**goodput, "queue": queue}
+
+
 def task_fixed_seconds(job: Job, config, depth: int, machine: pricing.Accelerator, prices: pricing.PriceTable,
-                       given: float | None = None) -> dict:  # fmt: skip
-    """A task's fixed seconds on `machine` (extract/costmodel.py, STARTUP_COSTS: assumptions until a device of the
-    platform has measured them), for the job's programs: one per bucket, at most. `given` (--fixed-seconds, e.g.
-    from a first run's status) replaces the warm figure."""
+                       given: float | None = None, measured: dict | None = None) -> dict:  # fmt: skip
+    """A task's fixed seconds on `machine`, for the job's programs (one per bucket, at most): `given`
+    (--fixed-seconds) if there is one; else the ledgers of earlier done markers of the run's queue (`measured`,
+    `ledgers_of`: the mean fixed seconds of an attempt, first tasks' copies and compiles included, on the machines
+    that ran them, which are the queue's fleet: the run's own accelerator); else the platform's figures
+    (extract/costmodel.py, STARTUP_COSTS: labelled assumptions until a device of the platform measured them)."""
     platform = "tpu" if machine.family in prices.tpu else "gpu"
     compute_bytes = {"bf16": 2, "fp32": 4}[job.compute_dtype]
     startup = costmodel.STARTUP_COSTS[platform]
     fixed = {"platform": platform, **costmodel.task_fixed_seconds(startup, config, depth, len(job.buckets), compute_bytes)}
     if given is not None:
         fixed.update(warm_s=given, source="given (--fixed-seconds)", assumed=False)
+    elif measured is not None:
+        fixed.update(warm_s=measured["fixed_s_per_attempt"], first_task_extra_s=0.0, assumed=False,
+                     source=f"measured: the ledgers of {measured['attempts']} attempts' done markers in "
+                            f"{measured['queue']} (their mean fixed seconds, first tasks' copies and compiles "
+                            "included)")  # fmt: skip
     return fixed
 
 

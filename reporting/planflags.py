@@ -9,7 +9,7 @@ import argparse
 #: takes them from the run file instead.
 JOB_FLAGS = ("accelerator", "tasks", "rows", "tokens_per_row", "stats", "sample_rows", "model_config", "tokenizer",
              "mfu", "machines", "target_minutes", "fixed_seconds", "heartbeat", "storage", "months",
-             "warn_output_tb", "storage_budget_tb")  # fmt: skip
+             "warn_output_tb", "storage_budget_tb", "queue")  # fmt: skip
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,9 +29,11 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machines", dest="machines", type=int, help=argparse.SUPPRESS)  # the old name of --count
     p.add_argument("--target-minutes", type=float, default=10.0, help="task length to aim for (default 10)")
     p.add_argument("--fixed-seconds", type=float, help="a task's fixed seconds on a warm machine, measured (status's "
-                   "goodput line); default: the platform's figure")  # fmt: skip
+                   "goodput line); default: --queue's ledgers, else the platform's figure")  # fmt: skip
     p.add_argument("--heartbeat", type=float, default=30.0, help="spawn.py --heartbeat seconds (default 30)")
     p.add_argument("--storage", default="region", help="bucket location class in the price table (default region)")
     p.add_argument("--months", type=float, default=1.0, help="months the output is kept, for storage $ (default 1)")
     p.add_argument("--warn-output-tb", type=float, default=10.0, help="warn above this many TB of output (default 10)")
     p.add_argument("--storage-budget-tb", type=float, help="suggest the token_sample whose output fits this many TB")
+    p.add_argument("--queue", help="a queue (gs://B/jobs/J or a directory) whose done markers' ledgers give the fixed "
+                   "seconds a task (default: the platform's assumed figures)")  # fmt: skip
