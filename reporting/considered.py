@@ -16,7 +16,8 @@ import pathlib
 import tempfile
 
 from reporting import pricing
-from reporting.plan import PlanInputs, _n, fixed_machine_hours, memory_plan, task_fixed_seconds
+from reporting.plan import PlanInputs, fixed_machine_hours, memory_plan, task_fixed_seconds
+from reporting.planrender import _n
 
 
 def considered_resources(inputs: PlanInputs, plan: dict, names: list[str], spot: bool) -> list[dict]:
