@@ -35,7 +35,9 @@ A job with `dtype: fp8` stores each layer as fp8 e4m3 (`F8_E4M3`, 1 byte a value
 value saturates (`quantize_per_token`; bench/fp8_storage.py measured what it loses). Readers return the product
 (`dequantize`), and the statistics are those of the product.
 
-Only numpy (and ml_dtypes for bfloat16) is needed here: a trainer's machine imports this without JAX or the queue.
+Only numpy (and ml_dtypes for bfloat16 and fp8) is needed here: a trainer's machine imports this without JAX or the
+queue. Without ml_dtypes (the base install, `pip install .`, whose planner and queue verbs name outputs and sites but
+read no tensor) the module imports, and a bfloat16 or fp8 tensor is refused naming the extra that brings it.
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
+
+try:
+    import ml_dtypes
+except ModuleNotFoundError:  # the base install: see the module docstring
+    ml_dtypes = None
 
 FORMAT = "activations/v1"
 #: Shards that store only some positions of each document: v1's tensors plus `positions` (activations.sampling).
@@ -61,15 +67,17 @@ _ALIGN = 8
 
 #: safetensors dtype codes <-> numpy dtypes (bfloat16 from ml_dtypes).
 CODES = {
-    "BF16": np.dtype(ml_dtypes.bfloat16),
     "F16": np.dtype(np.float16),
     "F32": np.dtype(np.float32),
     "F64": np.dtype(np.float64),
     "I32": np.dtype(np.int32),
     "I64": np.dtype(np.int64),
     "U8": np.dtype(np.uint8),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
+if ml_dtypes is not None:
+    CODES.update(BF16=np.dtype(ml_dtypes.bfloat16), F8_E4M3=np.dtype(ml_dtypes.float8_e4m3fn))
+#: What brings the codes ml_dtypes supplies, for the error that meets one without it.
+NEEDS_ML_DTYPES = "bfloat16 and fp8 need ml_dtypes: pip install 'gcs-spawner[train]' (or [extract])"
 CODE_OF = {dtype: code for code, dtype in CODES.items()}
 
 
@@ -82,6 +90,8 @@ def numpy_dtype(name: str) -> np.dtype:
     aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
     name = aliases.get(name, name)
     if name in ("bfloat16", "float8_e4m3fn"):
+        if ml_dtypes is None:
+            raise ModuleNotFoundError(f"dtype {name}: {NEEDS_ML_DTYPES}", name="ml_dtypes")
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 
@@ -183,7 +193,7 @@ def scale_key(output: Output) -> str:
     return f"scale.{output_key(output)}"
 
 
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn) if ml_dtypes is not None else None
 #: e4m3's largest finite value: a token's scale maps its largest magnitude there.
 FP8_MAX = 448.0
 
@@ -313,7 +323,8 @@ class TensorSpec:
         except (KeyError, TypeError, ValueError) as exc:
             raise ShardFormatError(f"tensor {name}: malformed header entry {spec!r}") from exc
         if code not in CODES:
-            raise ShardFormatError(f"tensor {name}: dtype {code} is not supported here")
+            needs = f"; {NEEDS_ML_DTYPES}" if code in ("BF16", "F8_E4M3") else ""
+            raise ShardFormatError(f"tensor {name}: dtype {code} is not supported here{needs}")
         dtype = CODES[code]
         count = int(np.prod(shape, dtype=np.int64))
         if end - begin != count * dtype.itemsize or begin < 0:
@@ -482,7 +493,7 @@ def document_positions(offsets: np.ndarray) -> np.ndarray:
 def as_float32(rows: np.ndarray) -> np.ndarray:
     """Activations as float32. bfloat16 is the top half of a float32, so it widens by an integer shift (numpy runs
     that without the GIL, unlike ml_dtypes' cast) and the result is exact."""
-    if rows.dtype == CODES["BF16"]:
+    if rows.dtype == CODES.get("BF16"):
         wide = np.empty(rows.shape, dtype=np.uint32)
         np.left_shift(rows.view(np.uint16), 16, out=wide, dtype=np.uint32)
         return wide.view(np.float32)

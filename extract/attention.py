@@ -9,7 +9,8 @@
 | `splash` | Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) | TPU |
 | `xla` | `jax.nn.dot_product_attention(implementation="xla")`: the cuDNN path's arguments on XLA's own kernel | only when asked (tests: it checks how we drive the cuDNN path, on CPU) |
 
-The engine makes the decision once, logs it once (`event=attention`), and binds it around the trace of its programs
+The decision is `extract.kernel_choice` (JAX-free: the planner asks it too). The engine makes it once, logs it
+once (`event=attention`), and binds it around the trace of its programs
 (`with use(Binding(...))`). Outside a binding (tests of the model, tools), `attend` is the oracle.
 
 Shapes: q [B, T, N, H], k and v [B, S, K, H], the result [B, T, N, H]; N query heads share K key/value heads in
@@ -35,82 +36,19 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from extract.errors import BadInput
+# The decision is JAX-free, so the planner asks it too; it is re-exported here for the engine and the tests.
+from extract.kernel_choice import (  # noqa: F401
+    CUDNN, CUDNN_MAX_HEAD_DIM, KERNELS, MATERIALISED, SPLASH, XLA, AttentionUnavailable, Choice, choose_kernel,
+    for_model,
+)
 from extract.sharding import DATA, MODEL
 
 # Stands in for -inf in masked attention logits: exp() underflows to exactly 0 and no row is ever all-masked
 # (a token always sees itself), so no NaN can appear.
 _MASKED = float(np.finfo(np.float32).min)
 
-MATERIALISED, XLA, CUDNN, SPLASH = "materialised", "xla", "cudnn", "splash"
-KERNELS = (MATERIALISED, XLA, CUDNN, SPLASH)
-#: cuDNN flash attention's head-dim limit: 256 on Hopper and later, 128 before (jax._src.cudnn.fused_attention_
-#: stablehlo.check_is_flash_attention), and a multiple of 8.
-CUDNN_MAX_HEAD_DIM = {True: 256, False: 128}
 #: Splash attention's key blocks must be multiples of the TPU's 128 lanes; rows are padded up to one.
 SPLASH_LANES = 128
-
-
-class AttentionUnavailable(BadInput):
-    """An attention kernel was asked for where it cannot run (wrong backend, dtype, head size, or soft-capping)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """Which kernel computes attention, and why: the line the engine logs once at start."""
-
-    kernel: str
-    reason: str
-
-
-def choose_kernel(
-    platform: str,
-    dtype,
-    head_dim: int,
-    *,
-    softcap: float | None = None,
-    requested: str = "auto",
-    hopper: bool = True,
-) -> Choice:
-    """The decision, as a table: the fused kernel of the backend when it can do the job, else the oracle.
-
-    `platform` is the devices' (`cpu`, `gpu`, `tpu`), `dtype` the compute dtype, `softcap` the model's logit
-    soft-cap (None if it has none), `hopper` whether the GPU is compute capability 9.0 or later. `requested` is
-    `auto` or a kernel name; a named kernel that cannot serve this model is an `AttentionUnavailable` naming
-    `attention`.
-    """
-    dtype = jnp.dtype(dtype)
-    half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    limit = CUDNN_MAX_HEAD_DIM[hopper]
-    cudnn_refusal = (
-        f"platform {platform} is not a GPU" if platform != "gpu"
-        else f"compute dtype {dtype.name}: cuDNN flash attention takes bf16 or fp16" if not half
-        else f"head_dim {head_dim}: cuDNN flash attention needs a multiple of 8, at most {limit}"
-        if head_dim % 8 or head_dim > limit
-        else "softcap: jax.nn.dot_product_attention has no logit soft-capping" if softcap is not None
-        else None
-    )  # fmt: skip
-    if requested == "auto":
-        if not half:
-            # cuDNN takes no float32; splash's in-kernel matmuls would not honour HIGHEST. The oracle does.
-            return Choice(MATERIALISED, f"compute dtype {dtype.name}: the oracle, at HIGHEST matmul precision")
-        if platform == "gpu":
-            if cudnn_refusal is None:
-                return Choice(CUDNN, "GPU: cuDNN flash attention through jax.nn.dot_product_attention")
-            return Choice(MATERIALISED, f"no fused GPU kernel for this model ({cudnn_refusal})")
-        if platform == "tpu":
-            return Choice(SPLASH, "TPU: Pallas splash attention")
-        return Choice(MATERIALISED, f"platform {platform}: no fused kernel")
-    if requested in (MATERIALISED, XLA):
-        return Choice(requested, "requested")
-    if requested == CUDNN:
-        if cudnn_refusal is not None:
-            raise AttentionUnavailable(f"attention={requested!r} cannot run here: {cudnn_refusal}; use 'auto'")
-        return Choice(CUDNN, "requested")
-    if requested == SPLASH:
-        where = "requested" if platform == "tpu" else f"requested; Pallas interpret mode on {platform} (slow)"
-        return Choice(SPLASH, where)
-    raise AttentionUnavailable(f"attention={requested!r} is not a kernel: use 'auto' or one of {', '.join(KERNELS)}")
 
 
 @dataclasses.dataclass(frozen=True)

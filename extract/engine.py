@@ -60,6 +60,7 @@ _PEAK_BF16_FLOPS = (
     (r"A100", 312e12),
     (r"L40S", 362e12),
     (r"\bL4\b", 121e12),
+    (r"\bT4\b", 65e12),  # fp16: the T4 has no bf16 units (https://www.nvidia.com/en-us/data-center/tesla-t4/)
 )
 
 
@@ -293,11 +294,10 @@ class Engine:
     def _choose_attention(self, device: jax.Device) -> attention.Choice:
         """The attention kernel, decided once for the model and the devices, and logged once."""
         capability = getattr(device, "compute_capability", None)  # "9.0" on an H100; absent off CUDA
-        choice = attention.choose_kernel(
+        choice = attention.for_model(  # the planner asks the same function (extract/kernel_choice.py)
             device.platform,
             self._compute_dtype,
-            self.config.head_dim,
-            softcap=self.config.attention_softcap,  # Gemma 2's; the other families have none
+            self.config,
             requested=self._requested_attention,
             hopper=capability is None or float(capability) >= 9.0,
         )

@@ -1,12 +1,12 @@
 """Device memory of one extraction step: what must fit on each device, and the largest batch that does.
 
-Arithmetic on the config, without devices, so `tools/plan.py` sizes a job on a laptop and the engine checks a job
+Arithmetic on the config, without devices or JAX, so `gcs-spawner plan` sizes a job on a laptop (the base install) and the engine checks a job
 before it loads any weight. Per device, one step of `rows` rows of `seq_len` tokens holds (`StepMemory`):
 
 - **weights** of the computed layers only: every parameter of the model the engine builds for `depth` layers
   (embedding, GPT-2's position table, the layers with whatever norms, biases and MLP their family has, the final
-  norm when the whole stack is built), counted from its shapes (`nnx.eval_shape`: no memory is allocated), in the
-  compute dtype, each divided by the model axis where `extract.sharding.ShardingRules` splits its role (heads when
+  norm when the whole stack is built), counted from the shapes it declares (`declared_shapes`, held equal to
+  `nnx.eval_shape` of the built model by a test), in the compute dtype, each divided by the model axis where `extract.sharding.ShardingRules` splits its role (heads when
   they divide the axis, key/value heads only if the query heads split too, the MLP width, the hidden size of the
   embedding);
 - **activations**: the peak inside one decoder layer, the larger of its attention half (residual, normed input,
@@ -51,7 +51,9 @@ GIB = 2**30
 #: https://cloud.google.com/tpu/docs/v4 (32 GiB), https://cloud.google.com/tpu/docs/v5e (16 GiB),
 #: https://cloud.google.com/tpu/docs/v5p (95 GiB), https://cloud.google.com/tpu/docs/v6e (32 GiB),
 #: https://www.nvidia.com/en-us/data-center/h100/ (80 GB), https://www.nvidia.com/en-us/data-center/h200/ (141 GB),
-#: https://www.nvidia.com/en-us/data-center/a100/ (40 or 80 GB), https://www.nvidia.com/en-us/data-center/l4/ (24 GB).
+#: https://www.nvidia.com/en-us/data-center/a100/ (40 or 80 GB), https://www.nvidia.com/en-us/data-center/l4/ (24 GB),
+#: https://www.nvidia.com/en-us/data-center/dgx-b200/ (1,440 GB for 8 B200: 180 GB),
+#: https://www.nvidia.com/en-us/data-center/tesla-t4/ (16 GB).
 HBM_BYTES = (
     (r"TPU v6|^v6e$", 32 * GIB),
     (r"TPU v5 lite|TPU v5e|^v5e$", 16 * GIB),
@@ -62,6 +64,8 @@ HBM_BYTES = (
     (r"A100.*80GB", 80 * 10**9),
     (r"A100", 40 * 10**9),
     (r"\bL4\b", 24 * 10**9),
+    (r"B200", 180 * 10**9),
+    (r"\bT4\b", 16 * 10**9),
 )
 #: What the JAX client may allocate of a chip's HBM: on GPUs it preallocates 75% by default
 #: (XLA_PYTHON_CLIENT_MEM_FRACTION; https://docs.jax.dev/en/latest/gpu_memory_allocation.html); a TPU's runtime
@@ -121,23 +125,65 @@ class StepMemory:
         )
 
 
+def _role_splits(config: ModelConfig, model_axis: int) -> dict[str, int]:
+    """What the model axis divides each tensor role by: the dimension it splits, where that divides the axis
+    (`_split`), as extract.sharding.ShardingRules.for_config splits it (tests/extract_model/test_memory.py holds
+    them equal); key/value heads only where the query heads split too."""
+    heads = _split(config.num_attention_heads, model_axis)
+    kv_heads = _split(config.num_key_value_heads, model_axis) if heads > 1 else 1
+    ffw = _split(config.intermediate_size, model_axis)
+    return {
+        "embedding": _split(config.hidden_size, model_axis), "q_proj": heads, "kv_proj": kv_heads, "o_proj": heads,
+        "q_bias": heads, "kv_bias": kv_heads, "mlp_in": ffw, "mlp_out": ffw, "mlp_bias": ffw, "replicated": 1,
+    }  # fmt: skip
+
+
 def weight_bytes(config: ModelConfig, depth: int, compute_bytes: int, model_axis: int = 1) -> int:
     """Weights of the model computing `depth` layers on one device, in the compute dtype: the built model's
-    parameters (`parameter_shapes`), each divided by the model axis where the sharding rules split its role."""
-    from extract.sharding import MODEL, ShardingRules  # imports JAX: only here, where the weights are counted
+    parameters (`declared_shapes`), each divided by the model axis where the sharding rules split its role."""
+    splits = _role_splits(config, model_axis)
+    return sum(math.prod(shape) // splits[role] for shape, role in declared_shapes(config, depth)) * compute_bytes
 
-    rules = ShardingRules.for_config(config, model_axis)
-    total = 0
-    for shape, role in parameter_shapes(config, depth):
-        splits = sum(axis == MODEL for axis in tuple(getattr(rules, role)))
-        total += math.prod(shape) // model_axis**splits
-    return total * compute_bytes
+
+def declared_shapes(config: ModelConfig, depth: int) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """(shape, sharding role) of every parameter `extract.model.DecoderModel` declares for `depth` layers, read
+    from the config alone, without JAX: the planner runs on the base install (`pip install .`), which has none.
+    tests/extract_model/test_memory.py holds it equal to the built model's own (`parameter_shapes`,
+    `nnx.eval_shape`) for every family, and test_family_structure.py to transformers' parameter count."""
+    d, f = config.hidden_size, config.intermediate_size
+    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+
+    def norm(shape: tuple[int, ...], role: str = "replicated") -> list:
+        return [(shape, role)] * (2 if config.norm == "layer_norm" else 1)  # a LayerNorm has a bias
+
+    layer = [((d, n, h), "q_proj"), ((d, k, h), "kv_proj"), ((d, k, h), "kv_proj"), ((n, h, d), "o_proj")]
+    if config.qkv_bias:
+        layer += [((n, h), "q_bias"), ((k, h), "kv_bias"), ((k, h), "kv_bias")]
+    if config.o_bias:
+        layer += [((d,), "replicated")]
+    if config.qk_norm == "head":
+        layer += norm((h,)) + norm((h,))
+    elif config.qk_norm == "projection":
+        layer += norm((n, h), "q_bias") + norm((k, h), "kv_bias")
+    for _ in config.layer_norms:
+        layer += norm((d,))
+    layer += [((d, f), "mlp_in")] * (2 if config.mlp == "gated" else 1) + [((f, d), "mlp_out")]
+    if config.mlp_bias:
+        layer += [((f,), "mlp_bias"), ((d,), "replicated")]
+    shapes = [((config.vocab_size, d), "embedding")]
+    if config.position_table:
+        shapes.append(((config.position_table, d), "embedding"))
+    shapes += layer * depth
+    if depth == config.num_hidden_layers:
+        shapes += norm((d,))
+    return tuple(shapes)
 
 
 @functools.lru_cache(maxsize=32)
 def parameter_shapes(config: ModelConfig, depth: int) -> tuple[tuple[tuple[int, ...], str], ...]:
     """(shape, sharding role) of every parameter of the model the engine builds to compute `depth` layers, from
-    `nnx.eval_shape` (shapes only; a 28-layer 7B model takes about half a second, so results are kept)."""
+    `nnx.eval_shape` (shapes only; a 28-layer 7B model takes about half a second, so results are kept): the
+    reference `declared_shapes` is held to."""
     import jax.numpy as jnp  # only here: the rest of this module is plain arithmetic
     from flax import nnx
 

@@ -2,8 +2,9 @@
 
 Each check raises `CheckError` naming what is wrong and what to do (exit 65), or returns what it found:
 
-- `accelerator`: the fleet's type is one the planner prices (`reporting.pricing`), so that a run never launches
-  machines whose cost nobody could state (a misspelt `v6f-8` stops here, not at the API);
+- `accelerator`: the fleet's type as the planner prices it (`reporting.pricing`): a TPU type of a family the table
+  lacks (a misspelt `v6f-8`) stops here; a VM machine type it does not price goes on, saying so (`unpriced`), but
+  a spending limit then needs a price (the run file's `plan.prices`, or `--prices`);
 - `model_config`: the model's config.json is readable (from the mirror, the local source, the run's
   `plan.model_config`, or the Hub for a Hub source) and its family is one the extraction supports
   (`extract.config.ModelConfig`);
@@ -30,17 +31,46 @@ class CheckError(Exception):
     """A check found the run unable to work as written; the message names the field or resource and the fix."""
 
 
+def prices_file(run: Run, given: str | None = None) -> str | None:
+    """The price table a run is planned with: --prices (`given`), else the run file's `plan.prices` (from the run
+    file's directory), else None (the shipped reporting/prices.json)."""
+    if given is not None:
+        return given
+    return str(run.file.parent / run.fields.plan.prices) if run.fields.plan.prices else None
+
+
 def accelerator(run: Run, prices_file: str | None = None):
     """The fleet's accelerator as the planner prices it (`reporting.pricing.Accelerator`); for a CPU fleet
-    (`cpu_fleet`), its machine type's hourly prices (`reporting.pricing.MachinePrice`, the table's cpu_machines)."""
+    (`cpu_fleet`), its machine type's hourly prices (`reporting.pricing.MachinePrice`, the table's cpu_machines);
+    None for a VM machine type the table does not price (`unpriced` says what that means). A TPU type of a family
+    the table lacks is refused (CheckError): the table prices every size of the families it lists."""
     from reporting import pricing
 
     field = "fleet.spec.accelerator_type" if run.kind == "tpu" else "fleet.spec.machine_type"
     try:
         prices = pricing.load_prices(prices_file)
+        if run.kind == "vm" and not prices.priced(run.accelerator):
+            return None
         return prices.machine_price(run.accelerator) if cpu_fleet(run) else prices.accelerator(run.accelerator)
     except pricing.PriceError as err:
         raise CheckError(f"{run.file}: {field}: {err}") from None
+
+
+def unpriced(run: Run, prices_file: str | None = None, hold_limit: bool = True) -> str:
+    """What `plan` and `up` say of a machine type the price table does not price: that no hours or dollars can be
+    stated, and how to give a price. With a spending limit, which needs a price to hold the run to, a CheckError
+    asks for one (the run file's plan.prices, or --prices) instead, unless not `hold_limit` (plan: it only says)."""
+    from reporting import pricing
+
+    table = pricing.load_prices(prices_file)
+    kind = "cpu_machines" if cpu_fleet(run) else "gpu_machines (with its GPU, their count and peak)"
+    ask = (f"to price it, copy {table.source}, add {run.accelerator} under {kind}, and name the copy in the run "
+           "file's plan.prices or pass --prices FILE")
+    if hold_limit and run.fields.max_dollars is not None:
+        raise CheckError(f"{run.file}: max_dollars: {run.accelerator} has no price in {table.source}, so the limit "
+                         f"cannot be held; {ask}")
+    return (f"plan: {run.machines} x {run.accelerator}: not in the price table {table.source}, so no hours or $ can "
+            f"be stated for this run ({table.suggestion(run.accelerator).split('; or ')[0]}); {ask}")
 
 
 def cpu_fleet(run: Run) -> bool:
@@ -53,6 +83,8 @@ def cpu_fleet_price(run: Run, prices_file: str | None = None) -> str:
     """What `plan` and `up` say of a CPU fleet instead of a plan: its machines' price per hour and why there is no
     estimate. A spending limit, which nothing could hold the run to, is refused (CheckError)."""
     price = accelerator(run, prices_file)
+    if price is None:
+        return unpriced(run, prices_file)
     spot = run.spec.spot
     per_hour = price.spot_per_hour if spot else price.on_demand_per_hour
     if run.fields.max_dollars is not None:

@@ -126,16 +126,29 @@ def cmd_plan(args) -> int:
     from gcs_spawner.checks import CheckError
     from gcs_spawner.runfile import load_run
     from gcs_spawner.up import _run_tasks, plan_inputs
+    from reporting import plan as planner
     from reporting.considered import considered_resources, render_considered
     from reporting.plan import make_plan, render
+    from reporting.planflags import JOB_FLAGS, add_job_arguments
 
+    if args.accelerator is not None:  # a job file alone: JOB --accelerator TYPE [its flags]
+        plan = make_plan(planner.job_inputs(args))
+        print(json.dumps(plan, indent=1) if args.json else render(plan))
+        return EX_OK
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_job_arguments(defaults)
+    given = [name for name in JOB_FLAGS if getattr(args, name) != getattr(defaults.parse_args([]), name)]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')}: a flag of a job planned alone (JOB --accelerator TYPE); a "
+                         "run file's plan takes it from the file (its plan section and fleet)")
     run = load_run(args.run)
+    prices = checks.prices_file(run, args.prices)
     _, task_models = _run_tasks(run, tasks_module)
-    if checks.cpu_fleet(run):
-        line = checks.cpu_fleet_price(run, args.prices)
+    if checks.cpu_fleet(run) or checks.accelerator(run, prices) is None:
+        line = checks.cpu_fleet_price(run, prices) if checks.cpu_fleet(run) else checks.unpriced(run, prices, False)
         print(json.dumps({"plan": None, "why": line}, indent=1) if args.json else line)
         return EX_OK
-    inputs = plan_inputs(run, task_models, args.prices)
+    inputs = plan_inputs(run, task_models, prices)
     try:
         plan = make_plan(inputs)
         rows = considered_resources(inputs, plan, [run.accelerator, *run.fields.fleet.alternatives], run.spec.spot)
@@ -490,10 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     run_help = "the run file (run.yaml; docs/schema/run.json)"
-    p = command("plan", cmd_plan, "what the run will cost: tokens, FLOPs, hours, $, TB, on every accelerator it allows")
-    p.add_argument("run", type=pathlib.Path, help=run_help)
+    p = command("plan", cmd_plan, "what the run will cost: tokens, FLOPs, hours, $, TB, on every accelerator it allows",
+                "What the run will cost: tokens, FLOPs, hours, $, TB, on every accelerator it allows. With "
+                "--accelerator, the file is a job.json planned alone (tools/plan.py), with the flags below.")
+    p.add_argument("run", type=pathlib.Path, metavar="RUN|JOB", help=f"{run_help}, or job.json with --accelerator")
     p.add_argument("--json", action="store_true", help="print the plan (and the considered resources) as JSON")
-    p.add_argument("--prices", help="price table JSON (default: reporting/prices.json)")
+    p.add_argument("--prices", help="price table JSON (default: the run file's plan.prices, else reporting/prices.json)")
+    _add_plan_flags(p)
 
     p = command("validate", cmd_validate, "check everything up would check, create nothing")
     p.add_argument("run", type=pathlib.Path, help=run_help)
@@ -632,6 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a job planned alone (reporting/planflags.py: argparse only, so --help stays light)."""
+    from reporting.planflags import add_job_arguments
+
+    add_job_arguments(p)
+
+
 #: Errors that mean "the input cannot work": exit 65. Named here, imported only when one is raised.
 _BAD_INPUT = (
     ("extract.errors", "BadInput"), ("gcs_spawner.runfile", "RunFileError"), ("gcs_spawner.checks", "CheckError"),
@@ -644,6 +667,24 @@ _FAILED = (
     ("objectstore.base", "StoreError"), ("fleet.codesync", "CodeSyncError"), ("fleet.keeper", "KeeperError"),
     ("reporting.jobindex", "JobIndexError"), ("activations", "ActivationsError"), ("extract.errors", "ExtractError"),
 )
+
+
+#: The extra (setup.cfg extras_require) that brings each module a command may need beyond the base install
+#: (`pip install .`): a command that reaches one without it says so in one line instead of a traceback.
+EXTRA_OF = {
+    **dict.fromkeys(("jax", "jaxlib", "flax", "transformers", "tokenizers", "datasets", "huggingface_hub",
+                     "safetensors", "pyarrow"), "extract"),
+    "ml_dtypes": "train", "matplotlib": "status",
+}  # fmt: skip
+
+
+def missing_extra(err: BaseException) -> str | None:
+    """The one line for a module of an extra that this install lacks; None for any other error."""
+    root = (getattr(err, "name", None) or "").split(".")[0]
+    if not isinstance(err, ModuleNotFoundError) or root not in EXTRA_OF:
+        return None
+    return (f"this command needs {root}, which the base install does not have: pip install "
+            f"'gcs-spawner[{EXTRA_OF[root]}]' (or, in a checkout, pip install -e '.[{EXTRA_OF[root]}]')")
 
 
 def _is(err: BaseException, names) -> bool:
@@ -690,6 +731,10 @@ def failed(prog: str, err: Exception) -> int:
     if isinstance(err, Declined):
         _error(prog, err)
         return EX_USAGE if err.cannot_ask else EX_FAILED
+    extra = missing_extra(err)
+    if extra:
+        _error(prog, extra)
+        return EX_FAILED
     login = _credentials(err)
     if login:
         _error(prog, login)

@@ -146,6 +146,9 @@ class PlanSection(Model):
     months: _positive_number("must be a positive number of months") = Field(1.0, description="months output is kept")
     storage_budget_tb: _positive_number("must be a positive number of TB") | None = Field(
         None, description="suggest the token_sample whose output fits this many TB")
+    prices: Text | None = Field(
+        None, description="a price table (a copy of reporting/prices.json), from this file: it prices a machine type "
+                          "the shipped one does not, or your own prices; --prices overrides it")
 
 
 class RunFile(Model):

@@ -82,7 +82,7 @@ class _Up:
 
         self.run, self.dry_run, self.yes, self.out = run, dry_run, yes, out
         self.confirm, self.clients = confirm, clients or Clients()
-        self.preflight, self.prices = preflight, prices
+        self.preflight, self.prices = preflight, checks.prices_file(run, prices)
         self.project = resolve_project(run, project)
         self.store = open_store(run.queue)
         self.record = RunRecord(self.store)
@@ -208,6 +208,9 @@ class _Up:
 
         if checks.cpu_fleet(self.run):
             self.say(checks.cpu_fleet_price(self.run, self.prices))
+            return
+        if checks.accelerator(self.run, self.prices) is None:
+            self.say(checks.unpriced(self.run, self.prices))
             return
         inputs = plan_inputs(self.run, task_models, self.prices)
         try:
@@ -407,7 +410,7 @@ def plan_inputs(run: Run, task_models, prices: str | None = None):
         tokenizer=str(run.file.parent / section.tokenizer) if section.tokenizer else None, mfu=section.mfu,
         machines=run.machines, target_minutes=section.target_minutes, fixed_seconds=section.fixed_seconds,
         months=section.months,
-        storage_budget_tb=section.storage_budget_tb, prices=prices)
+        storage_budget_tb=section.storage_budget_tb, prices=prices, queue=run.queue)
 
 
 def _run_tasks(run: Run, tasks_module):

@@ -4,8 +4,9 @@ SkyPilot's `sky launch` prints the resources it considered with their price and 
 that table for a run (`gcs-spawner plan RUN`, and `up` before it asks to proceed). The plan (`reporting.plan`) is
 made once, for the run's own accelerator; each other type is priced from the same FLOPs, tasks and output, so the
 rows differ only where the machine does: its peak (hence machine-hours and wall clock), its hourly prices, and
-whether the job's batch fits its memory (`reporting.plan.memory_plan`). Storage and operations cost the same on
-every row and are in every total.
+whether the job's batch fits its memory (`reporting.plan.memory_plan`), and the fixed seconds a task pays on it
+(`reporting.plan.task_fixed_seconds`), priced at its rate as the plan's total prices them. Storage and operations
+cost the same on every row and are in every total, so the run's row costs what the plan's total says.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pathlib
 import tempfile
 
 from reporting import pricing
-from reporting.plan import PlanInputs, _n, memory_plan
+from reporting.plan import PlanInputs, fixed_machine_hours, memory_plan, task_fixed_seconds
+from reporting.planrender import _n
 
 
 def considered_resources(inputs: PlanInputs, plan: dict, names: list[str], spot: bool) -> list[dict]:
@@ -31,7 +33,7 @@ def considered_resources(inputs: PlanInputs, plan: dict, names: list[str], spot:
     outputs = costmodel.job_outputs(job, config)
     flops = plan["compute"]["flops"]
     tasks = plan["tasks"]["count"]
-    fixed = plan["storage"]["dollars"] + plan["operations"]["dollars"]
+    fixed = plan["storage"]["dollars"] + plan["operations"]["dollars"]  # the same on every row
     rounds = math.ceil(tasks / inputs.machines) if tasks else 0
     rows = []
     for name in dict.fromkeys(names):
@@ -42,11 +44,16 @@ def considered_resources(inputs: PlanInputs, plan: dict, names: list[str], spot:
             continue
         hours = flops / (machine.peak_flops * inputs.mfu) / 3600
         memory = memory_plan(job, config, outputs, machine, prices)
+        # The run's own type: the plan's fixed seconds (measured by the queue's ledgers where it has them).
+        fixed_s = plan["tasks"]["fixed"] if name == inputs.accelerator else task_fixed_seconds(
+            job, config, config.depth_for(outputs), machine, prices, given=inputs.fixed_seconds)
+        fixed_hours = fixed_machine_hours(fixed_s, tasks, inputs.machines)
         rows.append({
             "accelerator": name, "family": machine.family, "chips": machine.chips, "hosts": machine.hosts,
             "machine_hours": hours, "wall_clock_hours": rounds * hours / tasks if tasks else 0.0,
-            "spot_dollars": hours * machine.spot_per_hour + fixed,
-            "on_demand_dollars": hours * machine.on_demand_per_hour + fixed,
+            "fixed_machine_hours": fixed_hours,
+            "spot_dollars": (hours + fixed_hours) * machine.spot_per_hour + fixed,
+            "on_demand_dollars": (hours + fixed_hours) * machine.on_demand_per_hour + fixed,
             "fits": memory["fits"], "max_batch_size": memory["max_batch_size"],
             "chosen": name == inputs.accelerator, "cheapest": False, "error": None,
         })
@@ -72,7 +79,7 @@ def render_considered(rows: list[dict], machines: int, spot: bool, months: float
                       fits, mark))
     widths = [max(len(line[i]) for line in table) for i in range(len(header) - 1)]
     lines = [f"considered resources ({machines} machines of each; $ to finish = compute + storage for "
-             f"{months:g} month(s) + operations; cheapest by {'spot' if spot else 'on-demand'} price):"]
+             f"{months:g} month(s) + operations + the tasks' fixed seconds; cheapest by {'spot' if spot else 'on-demand'} price):"]
     for line in table:
         lines.append("  " + "  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1])
     return "\n".join(line.rstrip() for line in lines)

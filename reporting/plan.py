@@ -1,4 +1,5 @@
-"""What a job will cost, before it is launched: `tools/plan.py JOB --accelerator v5litepod-8 [--tasks tasks.jsonl]`.
+"""What a job will cost, before it is launched: `gcs-spawner plan RUN`, or a job alone with
+`gcs-spawner plan JOB --accelerator v5litepod-8 [--tasks tasks.jsonl]` (tools/plan.py under its old name).
 
 Prints tokens, FLOPs to the deepest layer, machine-hours at an assumed MFU, on-demand and spot dollars, output
 bytes and their Cloud Storage cost per month, the storage operations of the claim protocol, and a
@@ -12,7 +13,7 @@ Rows come from the tasks file, else from the data files' parquet footers, else f
 from tokenising a sample of rows (--sample-rows) with the checkpoint's tokenizer, else from --tokens-per-row.
 A job on a Hub model or dataset can be planned without the Hub:
 
-    plan.py job.json --accelerator v6e-8 --rows 9672101 --tokens-per-row 1040
+    gcs-spawner plan job.json --accelerator v6e-8 --rows 9672101 --tokens-per-row 1040
 
 (the model's config.json comes from --model-config, a local or gs:// checkpoint directory, whose weights are never
 read, or a built-in copy for a few Hub ids: extract/costmodel.py, KNOWN_CONFIGS).
@@ -29,14 +30,16 @@ import json
 import logging
 import math
 import pathlib
-import sys
+import re
 import tempfile
 
 from activations.format import output_key, sites_of
 from extract import costmodel
-from extract.errors import EX_DATAERR, BadInput, exit_for_failure
+from extract.errors import BadInput
 from extract.job import Job, Task, load_job
 from reporting import pricing
+from reporting.planflags import JOB_FLAGS, add_job_arguments
+from reporting.planrender import _n, _si, render  # noqa: F401 (render: the plan's text, for its callers)
 
 log = logging.getLogger("plan")
 
@@ -49,6 +52,10 @@ RESUMABLE_CHUNK = 100 * 2**20
 #: Listings before a worker's first claim (docs/PROTOCOL.md, "Claim"): splits/ and swept/, then one region's
 #: tasks/ and leases/, whatever the queue's size.
 STARTUP_LISTINGS = 4
+#: GPUs of compute capability 9.0 or later, whose cuDNN flash attention takes head_dim up to 256
+#: (extract/kernel_choice.py): Hopper (H100, H200) and Blackwell (B200) per https://developer.nvidia.com/cuda-gpus;
+#: the A100 is 8.0, the L4 8.9, the T4 7.5.
+HOPPER_OR_LATER = re.compile(r"\b(H100|H200|B200|GB200)\b")
 #: Above this a shard is worth a warning: the writer holds a whole shard in host memory while it uploads it.
 SHARD_WARN_BYTES = 4 * 2**30
 
@@ -82,33 +89,26 @@ class PlanInputs:
     json: bool = False
     job_label: str | None = None
     stats_source: str | None = None
+    queue: str | None = None  # a queue whose done markers' ledgers give the fixed seconds (`ledgers_of`)
+
+
+def job_inputs(args: argparse.Namespace) -> PlanInputs:
+    """PlanInputs of `gcs-spawner plan JOB --accelerator TYPE ...` (`args.run` is the job file)."""
+    return PlanInputs(job=str(args.run), prices=args.prices, json=args.json,
+                      **{name: getattr(args, name) for name in JOB_FLAGS})  # fmt: skip
 
 
 def parse_args(argv) -> PlanInputs:
+    """PlanInputs from the command line of a job alone: `JOB --accelerator TYPE [flags]` (for tests and tools)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("job", help="job.json")
-    p.add_argument("--accelerator", required=True, help="TPU type (v5litepod-8, v6e-8, v4-8, v5p-8) or GPU machine type")
-    p.add_argument("--tasks", help="tasks.jsonl from tools/make_tasks.py: rows and task sizes come from it")
-    p.add_argument("--rows", type=int, help="rows in the job (instead of tasks or footers)")
-    p.add_argument("--tokens-per-row", type=float, help="mean stored tokens per row (instead of a tokenised sample)")
-    p.add_argument("--stats", help='JSON file {"rows": N, "tokens_per_row": X, "source": "..."} instead of the flags')
-    p.add_argument("--sample-rows", type=int, default=1024, help="rows to tokenise for tokens per row (default 1024)")
-    p.add_argument("--model-config", help="the model's config.json, when the job's model is not a local directory")
-    p.add_argument("--tokenizer", help="a directory with the model's tokenizer, when the model is not local")
-    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
-    p.add_argument("--count", dest="machines", type=int, default=32,
-                   help="machines in the fleet, for the wall-clock time (default 32)")
-    p.add_argument("--machines", dest="machines", type=int, help=argparse.SUPPRESS)  # the old name of --count
-    p.add_argument("--target-minutes", type=float, default=10.0, help="task length to aim for (default 10)")
-    p.add_argument("--fixed-seconds", type=float, help="a task's fixed seconds on a warm machine, measured (status's goodput line); default: the platform's figure")
-    p.add_argument("--heartbeat", type=float, default=30.0, help="spawn.py --heartbeat seconds (default 30)")
-    p.add_argument("--storage", default="region", help="bucket location class in the price table (default region)")
-    p.add_argument("--months", type=float, default=1.0, help="months the output is kept, for storage $ (default 1)")
-    p.add_argument("--warn-output-tb", type=float, default=10.0, help="warn above this many TB of output (default 10)")
-    p.add_argument("--storage-budget-tb", type=float, help="suggest the token_sample whose output fits this many TB")
+    p.add_argument("run", metavar="job", help="job.json")
+    add_job_arguments(p)
     p.add_argument("--prices", help="price table JSON (default: reporting/prices.json)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return PlanInputs(**vars(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    if args.accelerator is None:
+        p.error("--accelerator is required")
+    return job_inputs(args)
 
 
 def _check_flags(args) -> None:
@@ -252,7 +252,8 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     rate = machine.peak_flops * args.mfu
     machine_hours = flops / rate / 3600
     seconds_per_row = costmodel.seconds_per_row(config, depth, tokens, rate)
-    fixed = task_fixed_seconds(job, config, depth, machine, prices, given=args.fixed_seconds)
+    fixed = task_fixed_seconds(job, config, depth, machine, prices, given=args.fixed_seconds,
+                               measured=ledgers_of(args.queue) if args.fixed_seconds is None else None)
     recommended = costmodel.recommend_rows_per_task(
         config, depth, tokens, rate, args.target_minutes * 60, job.shard_size, fixed_seconds=fixed["warm_s"]
     )
@@ -292,7 +293,7 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
     # and model loading come on top). Machines with nothing left delete themselves, so billing follows the work.
     rounds = math.ceil(n_tasks / args.machines) if n_tasks else 0
     # Fixed seconds: every task's start and tail, and each machine's first task's copy and compiles.
-    fixed_hours = (n_tasks * fixed["warm_s"] + min(n_tasks, args.machines) * fixed["first_task_extra_s"]) / 3600
+    fixed_hours = fixed_machine_hours(fixed, n_tasks, args.machines)
     fixed.update(machine_hours=fixed_hours, on_demand=fixed_hours * machine.on_demand_per_hour,
                  spot=fixed_hours * machine.spot_per_hour)  # fmt: skip
     wall_hours = rounds * (sum(task_seconds) / n_tasks / 3600) if n_tasks else 0.0
@@ -441,20 +442,16 @@ def memory_plan(job: Job, config, outputs, machine: pricing.Accelerator, prices:
     the engine's own decision for that platform and dtype. Chips form a pure data-parallel mesh when one replica
     fits a chip, else the smallest model axis that fits, as the engine chooses.
     """
-    import jax.numpy as jnp  # only here: the rest of the plan does not need JAX
-
-    from extract import attention, memory
+    from extract import kernel_choice, memory
 
     platform = "tpu" if machine.family in prices.tpu else "gpu"
     usable = memory.usable_bytes(machine.family, platform)
-    kernel = attention.choose_kernel(
-        platform, jnp.dtype(job.compute_dtype_name), config.head_dim,
-        softcap=getattr(config, "attn_logit_softcapping", None),
-    ).kernel  # fmt: skip
+    kernel = kernel_choice.for_model(platform, job.compute_dtype_name, config,
+                                     hopper=bool(HOPPER_OR_LATER.search(machine.family))).kernel  # fmt: skip
     shape = dict(
         config=config, depth=config.depth_for(outputs), kept=config.hidden_units(outputs),
-        compute_bytes=jnp.dtype(job.compute_dtype_name).itemsize,
-        out_bytes=jnp.dtype(job.out_dtype_name).itemsize, kernel=kernel, packed=job.packing,
+        compute_bytes=costmodel.DTYPE_BYTES[job.compute_dtype], out_bytes=costmodel.DTYPE_BYTES[job.dtype],
+        kernel=kernel, packed=job.packing,
     )  # fmt: skip
     axes = [m for m in range(1, machine.chips + 1) if machine.chips % m == 0]
     model_axis = axes[0]
@@ -577,132 +574,47 @@ def dtype_advice(job, widths, stored_tokens: float, total: float) -> str:
     return f"  - dtype {fp8}, about half; fp16 is the same size as bf16 (2 bytes a value)"
 
 
-def _n(value: float) -> str:
-    """A figure for people: thousands separated, and small values still visible (0.000412, not 0.00)."""
-    if value == 0 or abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 1:
-        return f"{value:,.2f}"
-    return f"{value:.3g}"
+def ledgers_of(queue: str | None) -> dict | None:
+    """What the done markers of `queue` say of their consumers' phases (reporting.goodput.summary: fixed seconds an
+    attempt, over how many attempts), with the queue's URL; None without a queue, or one whose markers report no
+    phases yet (or that cannot be read: the plan then uses the assumed figures, and says so)."""
+    if not queue:
+        return None
+    import objectstore
+    from reporting.status import snapshot
 
-
-def _si(value: float, unit: str) -> str:
-    for scale, prefix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:,.2f} {prefix}{unit}"
-    return f"{value:,.0f} {unit}"
-
-
-def _memory_line(m: dict) -> str:
-    mesh = f"mesh data={m['mesh']['data']},model={m['mesh']['model']}"
-    if m["usable_bytes_per_chip"] is None:
-        return f"  memory      {m['chip']}: unknown; {m['attention']} attention, {mesh}"
-    return (
-        f"  memory      {_si(m['step_bytes_per_chip'], 'B')} a chip for a step of batch_size {m['batch_size']} of "
-        f"{_si(m['usable_bytes_per_chip'], 'B')} usable ({m['attention']} attention, {mesh}); up to batch_size "
-        f"{m['max_batch_size']} fits ({m['max_tokens_per_step']:,} tokens a step)"
-    )
+    try:
+        goodput = snapshot(objectstore.open_store(queue))["goodput"]
+    except (objectstore.StoreError, OSError) as err:
+        log.warning("event=ledgers_unread queue=%s error=%s", queue, err)
+        return None
+    if not goodput or goodput["fixed_s_per_attempt"] is None:
+        return None
+    return {**goodput, "queue": queue}
 
 
 def task_fixed_seconds(job: Job, config, depth: int, machine: pricing.Accelerator, prices: pricing.PriceTable,
-                       given: float | None = None) -> dict:  # fmt: skip
-    """A task's fixed seconds on `machine` (extract/costmodel.py, STARTUP_COSTS: assumptions until a device of the
-    platform has measured them), for the job's programs: one per bucket, at most. `given` (--fixed-seconds, e.g.
-    from a first run's status) replaces the warm figure."""
+                       given: float | None = None, measured: dict | None = None) -> dict:  # fmt: skip
+    """A task's fixed seconds on `machine`, for the job's programs (one per bucket, at most): `given`
+    (--fixed-seconds) if there is one; else the ledgers of earlier done markers of the run's queue (`measured`,
+    `ledgers_of`: the mean fixed seconds of an attempt, first tasks' copies and compiles included, on the machines
+    that ran them, which are the queue's fleet: the run's own accelerator); else the platform's figures
+    (extract/costmodel.py, STARTUP_COSTS: labelled assumptions until a device of the platform measured them)."""
     platform = "tpu" if machine.family in prices.tpu else "gpu"
     compute_bytes = {"bf16": 2, "fp32": 4}[job.compute_dtype]
     startup = costmodel.STARTUP_COSTS[platform]
     fixed = {"platform": platform, **costmodel.task_fixed_seconds(startup, config, depth, len(job.buckets), compute_bytes)}
     if given is not None:
         fixed.update(warm_s=given, source="given (--fixed-seconds)", assumed=False)
+    elif measured is not None:
+        fixed.update(warm_s=measured["fixed_s_per_attempt"], first_task_extra_s=0.0, assumed=False,
+                     source=f"measured: the ledgers of {measured['attempts']} attempts' done markers in "
+                            f"{measured['queue']} (their mean fixed seconds, first tasks' copies and compiles "
+                            "included)")  # fmt: skip
     return fixed
 
 
-def _fixed_line(fixed: dict) -> str:
-    share = f", {fixed['share_of_job']:.1%} of the tasks' time" if fixed["share_of_job"] is not None else ""
-    programs = f"{fixed['programs']} program{'s' if fixed['programs'] != 1 else ''}"
-    return (
-        f"  fixed       ~{_n(fixed['warm_s'])} s a task on a {fixed['platform'].upper()} machine that ran the job "
-        f"before{share}; ~{_n(fixed['first_task_extra_s'])} s more on its first (the weights from the bucket, "
-        f"{programs} compiled): {_n(fixed['machine_hours'])} machine-hours, on-demand {_n(fixed['on_demand'])} "
-        f"spot {_n(fixed['spot'])} $ (in total $); {fixed['source'].replace('assumed:', 'ASSUMED:', 1)}"
-    )
-
-
-def render(plan: dict) -> str:
-    t, c, a, tm = plan["tokens"], plan["compute"], plan["accelerator"], plan["time"]
-    o, s, ops, tk = plan["output"], plan["storage"], plan["operations"], plan["tasks"]
-    d, total = plan["compute_dollars"], plan["total_dollars"]
-    sp = plan["sampling"]
-    lines = [
-        f"plan for {plan['job']}",
-        f"  model       {plan['model']['name']} ({plan['model']['model_type']}, hidden {plan['model']['hidden_size']}, "
-        f"{plan['model']['num_hidden_layers']} layers; config: {plan['model']['config']})",
-        f"  layers      {plan['layers']}" + (f", sites {plan['sites']}" if plan["sites"] else "")
-        + f": {plan['layers_computed']} decoder layers computed",
-        f"  rows        {t['rows']:,} ({t['rows_source']})",
-        f"  tokens      {t['rows']:,} rows x {t['tokens_per_row']:,.1f} tokens/row = {_si(t['tokens'], 'tokens')}"
-        f"  ({t['source']})",
-        f"  compute     {_si(c['flops'], 'FLOP')} = {_si(c['flops_per_token'], 'FLOP')}/token to layer "
-        f"{plan['layers_computed']}",
-        f"  accelerator {a['name']}: {a['chips']} x {a['family']}, peak {_si(a['peak_flops'], 'FLOP/s')}, "
-        f"assumed MFU {a['mfu']:.2f}",
-        f"  time        {_n(tm['machine_hours'])} machine-hours ({_n(tm['chip_hours'])} chip-hours); "
-        f"{_n(tm['wall_clock_hours'])} h wall clock on {tm['machines']} machines ({tm['rounds']} rounds of tasks)",
-        f"  compute $   on-demand {_n(d['on_demand'])}   spot {_n(d['spot'])}   "
-        f"({_n(a['on_demand_per_hour'])} / {_n(a['spot_per_hour'])} $/machine-hour)",
-        f"  stored      {_si(sp['stored_tokens'], 'tokens')} of {_si(sp['processed_tokens'], 'tokens')} processed "
-        f"({sp['stored_fraction']:.1%}; token_sample {sp['token_sample']:g}, drop_first {sp['drop_first']}); "
-        f"{sp['documents_covered']:,.0f} documents keep at least one token ({sp['documents_covered_fraction']:.1%}), "
-        f"{_n(sp['stored_tokens_per_covered_document'])} tokens each",
-        f"  output      {_si(o['bytes'], 'B')} ({o['bytes_per_token']:,} B/token in {o['dtype']}, {o['shards']:,} shards "
-        f"of ~{_si(o['shard_bytes'], 'B')}, {o['shard_rows']:,} rows each: cut by {o['shard_cut_by']})",
-        f"  storage $   {_n(s['dollars_per_month'])} per month ({s['location']} Standard, "
-        f"{s['per_gib_month']} $/GiB-month); {_n(s['dollars'])} for {s['months']:g} month(s)",
-        f"  operations  {ops['class_a_total']:,} Class A ({_n(ops['per_task'])}/task: "
-        + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in ops["class_a"].items())
-        + f") = {_n(ops['dollars'])} $",
-        _memory_line(plan["memory"]),
-        f"  tasks       {tk['count']:,} tasks ({tk['from']}), ~{_n(tk['mean_minutes'])} min each",
-        _fixed_line(tk["fixed"]),
-        f"  recommend   --rows-per-task {tk['recommended_rows_per_task']}: ~{_n(tk['recommended_task_minutes'])} min a "
-        f"task on {a['name']} (target {tk['target_minutes']:g} min; at least {_n(tk['fixed']['min_task_minutes'])} "
-        f"keeps the fixed seconds under {tk['fixed']['max_share']:.0%})",
-        f"  total $     on-demand {_n(total['on_demand'])}   spot {_n(total['spot'])}   "
-        f"(compute + fixed + storage for {s['months']:g} month(s) + operations)",
-        f"  prices      {plan['prices']['file']} as of {plan['prices']['as_of']}; spot figures are approximate",
-    ]
-    budget = plan.get("storage_budget")
-    if budget is not None and budget["token_sample"] is None:
-        lines.append(f"  budget      {budget['tb']:g} TB: no token_sample fits; the per-row and per-shard bytes alone "
-                     "exceed it (fewer rows or layers)")  # fmt: skip
-    elif budget is not None:
-        lines.append(
-            f"  budget      {budget['tb']:g} TB: token_sample {budget['token_sample']:g} stores "
-            f"{_si(budget['stored_tokens'], 'tokens')} in {_si(budget['bytes'], 'B')} ({budget['shards']:,} shards, "
-            f"{_n(budget['dollars_per_month'])} $/month); {budget['documents_covered']:,.0f} documents keep a token "
-            f"({budget['documents_covered_fraction']:.1%}), {_n(budget['stored_tokens_per_covered_document'])} each; "
-            f"every token of fewer rows would cover {budget['rows_if_unsampled']:,}"
-        )
-    for warning in plan["warnings"]:
-        lines.append("")
-        lines.append("!!! WARNING: " + warning)
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        plan = make_plan(args)
-    except pricing.PriceError as exc:
-        log.error("event=plan_failed exit=%d error=%s", EX_DATAERR, exc)
-        return EX_DATAERR
-    except Exception as exc:
-        return exit_for_failure(exc, log, "plan_failed")  # 65 bad input, 75 transient, as for consume.py
-    print(json.dumps(plan, indent=1) if args.json else render(plan))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def fixed_machine_hours(fixed: dict, tasks: int, machines: int) -> float:
+    """Machine-hours of the fixed seconds (`task_fixed_seconds`): every task's warm start and tail, and each
+    machine's first task's copy and compiles."""
+    return (tasks * fixed["warm_s"] + min(tasks, machines) * fixed["first_task_extra_s"]) / 3600

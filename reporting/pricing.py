@@ -105,11 +105,7 @@ class PriceTable:
         if match:
             family = next((k for k, f in self.tpu.items() if f["type_prefix"] == match.group(1)), None)
         if family is None:
-            raise PriceError(
-                f"accelerator: {name!r} is not in the price table {self.source}; use a TPU type such as "
-                f"{', '.join(self.known_accelerators())} (any size of those families), or add the machine type "
-                "to the table"
-            )
+            raise PriceError(f"accelerator: {name!r} is not in the price table {self.source}; {self.suggestion(name)}")
         f = self.tpu[family]
         units = int(match.group(2))
         if units % f["cores_per_chip"]:
@@ -130,23 +126,36 @@ class PriceTable:
             spot_per_hour=chips * f["spot_per_chip_hour"],
         )
 
+    def suggestion(self, name: str) -> str:
+        """What to use instead of an unpriced `name`: types of its own kind (a TPU type's family sizes, or the GPU
+        and CPU machine types), and how to price it."""
+        if is_tpu_type(name):
+            tpus = [f"{f['type_prefix']}-{f['chips_per_host'] * f['cores_per_chip']}" for f in self.tpu.values()]
+            return (f"use a TPU type such as {', '.join(tpus)} (any size of those families), or add its family to a "
+                    "copy of the table and pass it with --prices")  # fmt: skip
+        return (f"GPU machine types priced: {', '.join(self.gpu_machines)}; CPU machine types: "
+                f"{', '.join(self.cpu_machines) or 'none'}; or add it to a copy of the table and pass it with --prices")
+
+    def priced(self, name: str) -> bool:
+        """Whether the table prices machine type `name` (a TPU type of a listed family, a GPU or a CPU type)."""
+        try:
+            self.machine_price(name)
+        except PriceError:
+            return False
+        return True
+
     def machine_price(self, name: str) -> MachinePrice:
         """The hourly prices of any priced machine type: a CPU machine type, else an accelerator
         (`accelerator`'s rules and errors)."""
         if name in self.cpu_machines:
             m = self.cpu_machines[name]
             return MachinePrice(name, m["on_demand_per_hour"], m["spot_per_hour"])
-        try:
-            machine = self.accelerator(name)
-        except PriceError as exc:
-            if not self.cpu_machines:
-                raise
-            raise PriceError(f"{exc}; CPU machine types priced: {', '.join(self.cpu_machines)}") from None
+        machine = self.accelerator(name)
         return MachinePrice(name, machine.on_demand_per_hour, machine.spot_per_hour)
 
     def _kept(self, group: str, current: Mapping[str, Any]) -> Mapping[str, Any] | None:
         figure = self.figures.get(group)
-        if not figure or figure["status"] != "kept" or any(current.get(k) != v for k, v in figure["values"].items()):
+        if not figure or figure["status"] == "confirmed" or any(current.get(k) != v for k, v in figure["values"].items()):
             return None
         return figure
 
@@ -161,6 +170,9 @@ class PriceTable:
     def _note(self, group: str, figure: Mapping[str, Any] | None) -> str | None:
         if figure is None:
             return None
+        if figure["status"] == "unconfirmed":
+            return (f"{group} prices are an estimate added on {figure['as_of']}, never confirmed from Google's page "
+                    f"({self.source}, figures.{group}); check {figure['source']}")  # fmt: skip
         return (f"{group} prices are those read around {figure['as_of']}, not confirmed at the {self.as_of} refresh "
                 f"({self.source}, figures.{group}); check {figure['source']}")  # fmt: skip
 
@@ -187,6 +199,12 @@ class PriceTable:
                 f"use one of {', '.join(self.storage)}"
             )
         return self.storage[location]
+
+
+def is_tpu_type(name: str) -> bool:
+    """Whether `name` reads as a TPU accelerator type (`v5litepod-8`, `v6e-8`, `v4-16`), not a VM machine type
+    (`g2-standard-8`, `n2-standard-16`: a series, a class and a size)."""
+    return bool(re.fullmatch(r"v[0-9][a-z0-9]*-[0-9]+", name or ""))
 
 
 def _number(where: str, value: Any) -> float:
@@ -270,15 +288,16 @@ def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
     figures: dict[str, dict[str, Any]] = {}
     for group, spec in (_section(raw, "figures", source) if "figures" in raw else {}).items():
         where = f"{source}: figures.{group}"
-        if not isinstance(spec, Mapping) or spec.get("status") not in ("confirmed", "kept"):
+        if not isinstance(spec, Mapping) or spec.get("status") not in ("confirmed", "kept", "unconfirmed"):
             raise PriceError(f"{where}.status: got {spec.get('status') if isinstance(spec, Mapping) else spec!r}; "
-                             "use 'confirmed' (read from the page at the refresh) or 'kept' (not found: an older reading)")  # fmt: skip
+                             "use 'confirmed' (read from the page at the refresh), 'kept' (not found: an older "
+                             "reading) or 'unconfirmed' (an estimate never read from the page)")  # fmt: skip
         if not isinstance(spec.get("as_of"), str) or not re.fullmatch(r"\d{4}-\d{2}-\d{2}", spec["as_of"]):
             raise PriceError(f"{where}.as_of: got {spec.get('as_of')!r}; write the date of the reading, YYYY-MM-DD")
         if not isinstance(spec.get("source"), str) or not spec["source"]:
             raise PriceError(f"{where}.source: missing; name the page the figures come from")
         values = spec.get("values", {})
-        if spec["status"] == "kept" and (not isinstance(values, Mapping) or not values):
+        if spec["status"] != "confirmed" and (not isinstance(values, Mapping) or not values):
             raise PriceError(f"{where}.values: missing; a kept group names the figures it keeps, e.g. "
                              "{\"on_demand_per_hour\": 0.85}")  # fmt: skip
         figures[group] = {"status": spec["status"], "as_of": spec["as_of"], "source": spec["source"],

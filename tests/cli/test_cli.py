@@ -46,8 +46,10 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_plan_marks_the_cheapest_of_the_accelerators_the_run_allows(world, capsys):
-    """The rows are priced from the same FLOPs: machine-hours scale as 1/peak and dollars as hours x price, so the
-    cheapest is the one with the lowest price per peak FLOP/s (reporting/prices.json, read here independently)."""
+    """The rows are priced from the same FLOPs: machine-hours scale as 1/peak and dollars as (hours + the tasks'
+    fixed hours) x price, the fixed hours the same on every TPU (one platform's figures), so the cheapest is the
+    lowest (hours + fixed) x price (reporting/prices.json, read here independently), and the run's row costs what
+    the plan's total says."""
     from reporting.pricing import load_prices
 
     names = ["v5litepod-8", "v6e-8", "v5p-8", "v4-8"]
@@ -58,12 +60,19 @@ def test_plan_marks_the_cheapest_of_the_accelerators_the_run_allows(world, capsy
     assert list(rows) == names
     prices = load_prices()
     fixed = plan["storage"]["dollars"] + plan["operations"]["dollars"]
+    fixed_hours = plan["tasks"]["fixed"]["machine_hours"]
+    assert fixed_hours > 0
     for name in names:
         machine = prices.accelerator(name)
         hours = plan["compute"]["flops"] / (machine.peak_flops * 0.35) / 3600
         assert math.isclose(rows[name]["machine_hours"], hours, rel_tol=1e-9)
-        assert math.isclose(rows[name]["spot_dollars"], hours * machine.spot_per_hour + fixed, rel_tol=1e-9)
-    cheapest = min(names, key=lambda n: prices.accelerator(n).spot_per_hour / prices.accelerator(n).peak_flops)
+        assert math.isclose(rows[name]["spot_dollars"], (hours + fixed_hours) * machine.spot_per_hour + fixed,
+                            rel_tol=1e-9)
+    assert rows["v5litepod-8"]["spot_dollars"] == pytest.approx(plan["total_dollars"]["spot"], rel=1e-9)
+    assert rows["v5litepod-8"]["on_demand_dollars"] == pytest.approx(plan["total_dollars"]["on_demand"], rel=1e-9)
+    assert len({round(row["spot_dollars"], 9) for row in rows.values()}) == len(names)  # no two rows tie
+    cheapest = min(names, key=lambda n: (plan["compute"]["flops"] / (prices.accelerator(n).peak_flops * 0.35) / 3600
+                                         + fixed_hours) * prices.accelerator(n).spot_per_hour)
     assert [n for n in names if rows[n]["cheapest"]] == [cheapest]
     assert [n for n in names if rows[n]["chosen"]] == ["v5litepod-8"]
     assert rows["v5litepod-8"]["machine_hours"] == pytest.approx(plan["time"]["machine_hours"], rel=1e-9)

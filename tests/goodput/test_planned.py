@@ -86,3 +86,32 @@ def test_a_packed_job_defaults_to_one_bucket_and_pays_almost_no_padding_for_it()
         for batch in pack_window(window, 8, default_buckets(2048), 0):
             real, padded, single = real + batch.n_tokens, padded + batch.token_ids.size, single + 8 * 2048
     assert 0 <= (1 - real / single) - (1 - real / padded) < 0.01
+
+
+def test_the_plan_takes_its_fixed_seconds_from_the_queues_ledgers_where_they_exist(tmp_path):
+    """Done markers whose consumers reported their phases give the fixed seconds of an attempt (reporting.goodput:
+    48 s over 3 attempts = 16 s), labelled as measured, in place of the platform's assumed figure; a queue whose
+    markers report none leaves the assumed figure, labelled ASSUMED."""
+    from extract.phases import ATTEMPTS, counter_name
+    from objectstore import open_store
+    from reporting.plan import render
+    from taskqueue import layout
+    from tests.goodput.test_goodput_status import T01, T02
+
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    empty = plan_of(tmp_path, JOB, "--queue", str(queue))
+    assert empty["tasks"]["fixed"]["assumed"] and "ASSUMED" in render(empty)
+
+    store = open_store(str(queue))
+    for task, phases, attempts in (("t01", T01, 2), ("t02", T02, 1)):
+        counters = json.dumps({**{counter_name(p): ms for p, ms in phases.items()}, ATTEMPTS: attempts})
+        store.create(layout.done_object(task), b"{}", metadata={"completed_at": "2026-11-28T09:00:00+00:00",
+                                                                 "seconds": "100.0", "counters": counters})  # fmt: skip
+    measured = plan_of(tmp_path, JOB, "--queue", str(queue))
+    fixed = measured["tasks"]["fixed"]
+    assert fixed["warm_s"] == 16.0 and fixed["first_task_extra_s"] == 0.0 and not fixed["assumed"]
+    assert fixed["source"].startswith("measured: the ledgers of 3 attempts") and str(queue) in fixed["source"]
+    assert "ASSUMED" not in render(measured) and "16.00 s a task" in render(measured)
+    count = measured["tasks"]["count"]
+    assert fixed["machine_hours"] == pytest.approx(count * 16.0 / 3600)

@@ -546,7 +546,8 @@ def test_price_table_peaks_agree_with_the_engines_mfu_table():
 
     device_kinds = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5p", "v6e": "TPU v6 lite",
                     "NVIDIA H100 80GB": "NVIDIA H100 80GB HBM3", "NVIDIA A100 40GB": "NVIDIA A100-SXM4-40GB",
-                    "NVIDIA A100 80GB": "NVIDIA A100-SXM4-80GB", "NVIDIA L4": "NVIDIA L4"}  # fmt: skip
+                    "NVIDIA A100 80GB": "NVIDIA A100-SXM4-80GB", "NVIDIA L4": "NVIDIA L4",
+                    "NVIDIA H200 141GB": "NVIDIA H200", "NVIDIA B200": "NVIDIA B200", "NVIDIA T4": "Tesla T4"}  # fmt: skip
     table = pricing.load_prices()
     for name in table.known_accelerators():
         machine = table.accelerator(name)

@@ -45,3 +45,21 @@ def test_gpu_plan_uses_cudnn_and_what_the_jax_client_allocates(tmp_path):
     assert m["attention"] == "cudnn" and m["usable_bytes_per_chip"] == int(0.75 * 80e9)
     fp32 = plan(tmp_path, "a3-highgpu-8g", max_seq_len=2048, batch_size=64, compute_dtype="fp32")["memory"]
     assert fp32["attention"] == "materialised" and fp32["max_batch_size"] < m["max_batch_size"]
+
+
+def test_gpu_plan_for_gemma2_asks_the_engines_kernel_decision_and_sizes_the_oracle(tmp_path):
+    """Gemma 2 soft-caps its attention logits, which cuDNN through JAX cannot: the engine runs the oracle on a GPU
+    (extract/kernel_choice.py, `for_model`). The planner asks the same decision, so its largest batch is the one
+    whose materialised [rows, heads, T, T] logits fit; it used to read the cap under config.json's name, find
+    none, and size cuDNN's far smaller working set (a batch the engine then refuses)."""
+    from extract import kernel_choice
+
+    m = plan(tmp_path, "a3-highgpu-8g", model="google/gemma-2-2b", max_seq_len=2048, batch_size=8,
+             layers=[12])["memory"]  # fmt: skip
+    config = ModelConfig.from_dict(KNOWN_CONFIGS["google/gemma-2-2b"])
+    assert config.attention_softcap == 50.0
+    assert kernel_choice.for_model("gpu", "bfloat16", config).kernel == m["attention"] == "materialised"
+    shape = dict(config=config, depth=12, kept=1, seq_len=2048, compute_bytes=2, out_bytes=2, packed=False)
+    usable = int(0.75 * 80e9)
+    assert m["max_batch_size"] == 8 * memory.rows_that_fit(usable, kernel="materialised", **shape)
+    assert m["max_batch_size"] < 8 * memory.rows_that_fit(usable, kernel="cudnn", **shape)

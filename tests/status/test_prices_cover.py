@@ -53,8 +53,9 @@ def test_every_priced_group_says_how_the_last_refresh_found_it():
     assert set(table.figures) == set(groups)
     for group, figure in table.figures.items():
         assert figure["source"].startswith("https://cloud.google.com/"), group
-        assert figure["as_of"] <= table.as_of and figure["note"], group
-        if figure["status"] == "kept":  # the mark names the figures it keeps, and they are the table's
+        # a figure added since the refresh, never read from the page, is dated when it was added
+        assert (figure["as_of"] <= table.as_of or figure["status"] == "unconfirmed") and figure["note"], group
+        if figure["status"] != "confirmed":  # the mark names the figures it keeps, and they are the table's
             assert figure["values"] and all(groups[group][k] == v for k, v in figure["values"].items()), group
     assert table.figures["storage.region"]["status"] == "confirmed" and table.figures["storage.region"]["as_of"] == table.as_of
 
