@@ -406,6 +406,23 @@ class TpuRehearsal(FleetRehearsal):
         cloud.set_region(PROJECT, region, quotas)
         cloud.resources[f"projects/{PROJECT}/regions/{region}"]["zones"] = [f"projects/{PROJECT}/zones/{ZONE}"]
 
+    def operator(self, *argv: str, timeout: float = 1800) -> Command:
+        """`gcs-spawner ARGV`, or a tool when ARGV[0] is tools/NAME.py, in a process of its own; raises
+        RehearsalError unless it exits 0."""
+        if not argv[0].startswith("tools/"):
+            return self.gcs_spawner(*argv, timeout=timeout)
+        before = len(self.cloud.mutations())
+        started, clock = time.time(), time.monotonic()
+        result = subprocess.run([sys.executable, *argv], cwd=REPO, env=self.operator_env(), stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=timeout)
+        command = Command(list(argv), result.returncode, result.stdout, result.stderr, started,
+                          time.monotonic() - clock, self.cloud.mutations()[before:])
+        (self.workdir / f"{Path(argv[0]).stem}-{started:.0f}.log").write_text(result.stdout + result.stderr)
+        if result.returncode != 0:
+            raise RehearsalError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout[-2000:]}\n"
+                                 f"{result.stderr[-3000:]}")
+        return command
+
     def upload_cpu_code(self) -> float:
         """The code with the CPU lock, its wheelhouse and the interpreter (module docstring: why the CPU lock)."""
         started = time.monotonic()
@@ -417,26 +434,31 @@ class TpuRehearsal(FleetRehearsal):
         return time.monotonic() - started
 
 
-def write_runs(directory: Path, job: Path, tasks: Path, model: Path) -> dict[str, Path]:
-    """Two run files on one queue: the 4-host slice and the single host, from templates/tpu.yaml, with the
-    rehearsal's spawn flags (short leases and waits, the slice's heartbeat timeout)."""
-    paths = {}
-    for name, accelerator in ((SLICE_RUN, SLICE_TYPE), (SINGLE_RUN, SINGLE_TYPE)):
-        spec = yaml.safe_load((REPO / "templates" / "tpu.yaml").read_text())
-        spec.update({"accelerator_type": accelerator, "external_ip": False,
-                     "spawn_flags": ["--on-empty", "delete", "--preemption-watch", "auto", "--lease-ttl", "30",
-                                     "--max-attempts", "4", "--idle-timeout", "40", "--job-wait", "60",
-                                     "--slice-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]})  # fmt: skip
-        run = {"name": name, "project": PROJECT, "queue": QUEUE,
-               "job": os.path.relpath(job, directory), "tasks": {"file": os.path.relpath(tasks, directory)},
-               "model": {"source": os.path.relpath(model, directory)},
-               "code": {"url": CODE, "upload": False, "environment": False},  # uploaded with the CPU lock (module docstring)
-               "fleet": {"spec": spec, "count": 1, "zones": [ZONE]}}  # fmt: skip
-        path = directory / f"{name}.yaml"
-        path.write_text(f"# The TPU fleet rehearsal's run {name} (tests/boot/tpu_fleet.py)\n"
-                        + yaml.safe_dump(run, sort_keys=False, default_flow_style=None))
-        paths[name] = path
-    return paths
+SPAWN_FLAGS = ["--on-empty", "delete", "--preemption-watch", "auto", "--lease-ttl", "30", "--max-attempts", "4",
+               "--idle-timeout", "40", "--job-wait", "60", "--slice-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
+
+
+def tpu_spec(name: str, accelerator: str) -> dict:
+    """templates/tpu.yaml as the rehearsal's: `accelerator`, no external IP, short leases and waits."""
+    spec = yaml.safe_load((REPO / "templates" / "tpu.yaml").read_text())
+    spec.update({"name": name, "accelerator_type": accelerator, "external_ip": False, "spawn_flags": SPAWN_FLAGS})
+    return spec
+
+
+def write_run(directory: Path, job: Path, tasks: Path, model: Path) -> tuple[Path, Path]:
+    """The slice's run file (a queue holds one run, and a run's spec one accelerator type), and the single host's
+    spec for tools/create_tpus.py and tools/fleetctl.py, the documented by-hand way, on the same queue."""
+    run = {"name": SLICE_RUN, "project": PROJECT, "queue": QUEUE,
+           "job": os.path.relpath(job, directory), "tasks": {"file": os.path.relpath(tasks, directory)},
+           "model": {"source": os.path.relpath(model, directory)},
+           "code": {"url": CODE, "upload": False, "environment": False},  # uploaded with the CPU lock (module docstring)
+           "fleet": {"spec": tpu_spec(SLICE_RUN, SLICE_TYPE), "count": 1, "zones": [ZONE]}}  # fmt: skip
+    path = directory / f"{SLICE_RUN}.yaml"
+    path.write_text(f"# The TPU fleet rehearsal's run (tests/boot/tpu_fleet.py)\n"
+                    + yaml.safe_dump(run, sort_keys=False, default_flow_style=None))
+    spec = directory / f"{SINGLE_RUN}-spec.yaml"
+    spec.write_text(yaml.safe_dump(tpu_spec(SINGLE_RUN, SINGLE_TYPE), sort_keys=False, default_flow_style=None))
+    return path, spec
 
 
 # -- the rehearsal
@@ -502,6 +524,12 @@ def rehearse(workdir: Path, tasks: int = 6, timeout: float = 1800) -> TpuReport:
             os.environ["STORAGE_EMULATOR_HOST"] = emulator
 
 
+def _holding(log: str) -> int:
+    """Tasks a leader or single host holds now, from its log: claims less those settled."""
+    return len(re.findall(r"event=claimed task=", log)) - len(re.findall(
+        r"event=(?:done|released|task_settled|dead_letter) task=", log))
+
+
 def _read_json(store, name: str) -> dict | None:
     from objectstore import NotFound
 
@@ -522,7 +550,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
         commands: list[tuple[str, Command]] = []
 
         def command(label: str, *argv: str) -> Command:
-            result = world.gcs_spawner(*argv)
+            result = world.operator(*argv)
             commands.append((label, result))
             return result
 
@@ -536,14 +564,16 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             job_body.update({"batch_size": 4, "shard_size": 4})
             job.write_text(json.dumps(job_body))
             tasks = [json.loads(line)["id"] for line in lines]
-            runs = write_runs(workdir, job, planned, job.parent / "model")
+            run_file, single_spec = write_run(workdir, job, planned, job.parent / "model")
+            by_hand = ["--queue", QUEUE, "--code", CODE, "--zone", ZONE, "--project", PROJECT]
             os.environ["STORAGE_EMULATOR_HOST"] = world.gcs.url
             store = open_store(QUEUE)
             world.upload_cpu_code()
             fleet = world.tpus
 
-            first_ups = {name: command(f"up {name}", "up", str(path), "--yes") for name, path in runs.items()}
-            second_ups = {name: command(f"up {name} again", "up", str(path), "--yes") for name, path in runs.items()}
+            first_ups = {SLICE_RUN: command(f"up {SLICE_RUN}", "up", str(run_file), "--yes")}
+            second_ups = {SLICE_RUN: command(f"up {SLICE_RUN} again", "up", str(run_file), "--yes")}
+            command(f"create_tpus.py {SINGLE_RUN}", "tools/create_tpus.py", str(single_spec), "--count", "1", *by_hand)
             slice_node = f"{SLICE_RUN}-0000"
             single_node = f"{SINGLE_RUN}-0000"
             # A follower killed mid-task: its share has begun, so the slice's program is one across its hosts.
@@ -564,22 +594,32 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             # The slice, one host short, could only fail its next attempts: Cloud TPU preempts it now.
             qr_slice = f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{slice_node}"
             fleet.preempt(qr_slice)
-            keep_replace = command(f"keep {SLICE_RUN} --once", "keep", str(runs[SLICE_RUN]), "--once")
-            # The tail: nothing claimable (every task done or held). The single host is preempted then, and
-            # keep must not replace it.
-            tail_view = _wait("the tail (nothing claimable, a task held)", lambda: (lambda v: v if (
-                v["pending"] + v["stale"] == 0 and v["leased"] > 0) else None)(snapshot(store)), timeout)
+            keep_replace = command(f"keep {SLICE_RUN} --once", "keep", str(run_file), "--once")
+            # The tail: nothing claimable, the slice holding the last task(s), the single host idle (it holds no
+            # lease, so its shutdown hands nothing back). The single host is preempted then, and keep must not
+            # replace it: no claimable task outnumbers the free workers.
+            single = fleet.of(single_node)[0]
+
+            def tail() -> dict | None:
+                view = snapshot(store)
+                if view.get("complete") or single.ended is not None:
+                    raise RehearsalError(f"the queue drained (or {single_node} left) before a tail with the slice "
+                                         f"working and {single_node} idle: {view}")
+                idle = _holding(single.log()) == 0 and "event=worker_start" in single.log()
+                return view if view["pending"] + view["stale"] == 0 and view["leased"] > 0 and idle else None
+
+            tail_view = _wait("the tail (nothing claimable, the slice working, the single host idle)", tail, timeout)
             qr_single = f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{single_node}"
             fleet.preempt(qr_single)
-            keep_tail = command(f"keep {SINGLE_RUN} --once (tail)", "keep", str(runs[SINGLE_RUN]), "--once")
+            keep_tail = command(f"fleetctl.py keep {SINGLE_RUN} --once (tail)", "tools/fleetctl.py", "keep",
+                                str(single_spec), "--count", "1", "--once", *by_hand)
             _wait("every task done and every host gone", lambda: (
                 len(store.list_page("done/").entries) == len(tasks)
                 and all(h.ended for h in fleet.hosts)), timeout)  # fmt: skip
-            command("status", "status", str(runs[SLICE_RUN]))
+            command("status", "status", str(run_file))
             view = snapshot(store)
-            for name, path in runs.items():
-                command(f"down {name}", "down", str(path))
-            command("merge", "merge", str(runs[SLICE_RUN]))
+            command(f"down {SLICE_RUN}", "down", str(run_file))
+            command("merge", "merge", str(run_file))
         finally:
             stop_release()
         for host in fleet.hosts:
@@ -727,21 +767,26 @@ def check(report: TpuReport) -> list[str]:
     if not marker or int(marker.get("fencing_token") or 0) == report.killed_token:
         problems.append(f"{report.killed_task} was not completed on a retry after the kill: its done marker {marker}")
     # The keeper: a replacement while claimable tasks outnumber free workers, none in the tail.
-    replace = re.search(r"claimable=(\d+) held=(\d+) alive=(\d+) deleted=(\d+) created=(\d+)", report.keep_replace.stdout)
-    if not replace or replace.group(4) != "1" or replace.group(5) != "1" or int(replace.group(1)) < 1:
-        problems.append(f"keep after the slice's preemption said {report.keep_replace.stdout.strip()!r}: it should delete "
-                        "the suspended queued resource and make one, claimable tasks outnumbering free workers")
-    tail = re.search(r"claimable=(\d+) held=(\d+) alive=(\d+) deleted=(\d+) created=(\d+)", report.keep_tail.stdout)
-    if not tail or tail.group(1) != "0" or tail.group(4) != "1" or tail.group(5) != "0" or report.keep_tail.creates():
-        problems.append(f"keep in the tail said {report.keep_tail.stdout.strip()!r} and sent {report.keep_tail.creates()}: "
-                        "it should delete the suspended queued resource and make nothing")
-    # up twice: the first made one queued resource per run, the second nothing.
+    [replace] = report.keep_replace.events("keeper_step") or [{}]
+    if (replace.get("deleted"), replace.get("created")) != ("1", "1") or int(replace.get("claimable", 0)) < 1 \
+            or len(report.keep_replace.creates()) != 1:
+        problems.append(f"keep after the slice's preemption stepped {replace} and sent {report.keep_replace.creates()}: "
+                        "it should delete the suspended queued resource and make one, claimable tasks outnumbering "
+                        "free workers")
+    [tail] = report.keep_tail.events("keeper_step") or [{}]
+    if (tail.get("claimable"), tail.get("deleted"), tail.get("created")) != ("0", "1", "0") or report.keep_tail.creates():
+        problems.append(f"keep in the tail stepped {tail} and sent {report.keep_tail.creates()}: it should delete the "
+                        "suspended queued resource and make nothing")
+    # up twice: the first made the run's queued resource, the second nothing.
     for name, first in report.first_ups.items():
-        if first.created() != [f"queued_resource {name}-0000 ({ZONE})"] or len(first.creates()) != 1:
-            problems.append(f"the first up of {name} said it made {first.created()} and sent {first.creates()}")
+        summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", first.stdout)
+        if not summary or summary.groups() != ("1", "0") or [p.rsplit("/", 1)[1] for _, p in first.creates()] != [
+                "queuedResources"]:
+            problems.append(f"the first up of {name} said {summary.group(0) if summary else first.stdout[-300:]!r} "
+                            f"and sent {first.creates()}: its one queued resource expected")
     for name, again in report.second_ups.items():
         summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", again.stdout)
-        if again.created() or again.creates() or not summary or summary.group(1) != "0":
+        if again.created() or again.creates() or not summary or summary.groups() != ("0", "1"):
             problems.append(f"the second up of {name} created {again.created()}, sent {again.creates()}, said "
                             f"{summary.group(0) if summary else again.stdout[-300:]!r}: it should make nothing")
     # Self-deletion: the slice alive when the queue drained deletes its queued resource once, from host 0.
