@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.boot.rehearsal import skip_or_fail_without_the_tools
-from tests.boot.tpu_fleet import check, rehearse
+from tests.boot.tpu_fleet import breakages, check, rehearse
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -23,3 +23,4 @@ def test_a_tpu_fleet_claims_as_a_slice_loses_a_host_heals_and_leaves(tmp_path):
     report = rehearse(tmp_path, tasks=4)
     print("\n" + "\n".join(report.lines()))
     assert check(report) == []
+    assert breakages(report) == []  # each way issue 43 names to break it fails the check

@@ -66,7 +66,7 @@ import yaml
 
 from tests.boot.fleet import Command, FleetRehearsal, _wait
 from tests.boot.rehearsal import (
-    BUCKET, METADATA_ADDRESS, PROJECT, REPO, ZONE, Disk, Namespaces, RehearsalError, machine_env, prepare_disk,
+    _HOLDER, BUCKET, METADATA_ADDRESS, PROJECT, REPO, ZONE, Disk, Namespaces, RehearsalError, machine_env, prepare_disk,
     release_host, remove_in_background, standin_release,
 )  # fmt: skip
 from tests.cloud.fakecloud import PROJECT_NUMBER
@@ -142,6 +142,36 @@ def vm_prefix(node_id: str) -> str:
     import hashlib
 
     return f"t1v-n-{hashlib.sha1(node_id.encode()).hexdigest()[:8]}"
+
+
+class HostNamespaces(Namespaces):
+    """A host's namespaces with a UTS namespace too, holding the TPU VM's hostname: JAX's CPU collectives (gloo)
+    resolve the host's own name to find the address to listen on, and every host here would otherwise carry this
+    machine's name, which resolves nowhere inside (found by this rehearsal: `gloo/transport/tcp/device.cc:99 rv
+    == 0. -3 vs 0`, getaddrinfo's EAI_AGAIN)."""
+
+    def __init__(self, lower: Path, disks: list[Disk], hostname: str):
+        super().__init__(lower, disks)
+        self.hostname = hostname
+
+    def start(self) -> "HostNamespaces":
+        self.holder = subprocess.Popen(
+            ["unshare", "--net", "--mount", "--pid", "--uts", "--fork", "--propagation", "private",
+             "bash", "-c", _HOLDER, "holder", str(self.lower), *(str(d.path) for d in self.disks)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "REAPER": sys.executable})
+        if self.holder.stdout.readline().strip() != "ready":
+            self.stop()
+            raise RehearsalError(f"the host's namespaces did not come up: {self.holder.stderr.read()[-2000:]}")
+        children = Path(f"/proc/{self.holder.pid}/task/{self.holder.pid}/children").read_text().split()
+        self.pid = int(children[0])
+        subprocess.run(["nsenter", "--target", str(self.pid), "--uts", "hostname", self.hostname], check=True,
+                       capture_output=True, timeout=30)
+        return self
+
+    def run(self, disk: Disk, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        command = ["nsenter", "--target", str(self.pid), "--net", "--mount", "--pid", "--uts", "--",
+                   "chroot", str(disk.root), "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 class Switch:
@@ -277,13 +307,19 @@ class TpuFleet:
             threads[-1].start()
 
     def _boot(self, host: Host, values: dict[str, str], switch: Switch) -> None:
+        name = values["instance/name"]
         try:
-            host.ns = Namespaces(self.world.lower, [host.disk]).start()
+            host.ns = HostNamespaces(self.world.lower, [host.disk], name).start()
             switch.attach(host.ns.pid, host.address)
             host.metadata = host.ns.in_netns(lambda: FakeMetadata(values).start(METADATA_ADDRESS))
             host.gcs = host.ns.in_netns(lambda: self.world.listener_gcs())
             host.api = host.ns.in_netns(lambda: self.world.cloud.listen())
             prepare_disk(host.ns.view(host.disk), host.gcs.url, host.api.url)
+            # The slice's hosts by name, as a VPC's internal DNS answers for its VMs
+            # (https://cloud.google.com/compute/docs/internal-dns).
+            peers = [entry.split(":") for entry in values["instance/attributes/worker-network-endpoints"].split(",")]
+            with (host.ns.view(host.disk) / "etc/hosts").open("a") as hosts:
+                hosts.writelines(f"{address} {peer}\n" for peer, _, address in peers)
             host.started = time.time()
             result = host.ns.run(host.disk, ["/usr/local/sbin/google-startup-script"],
                                  machine_env(host.gcs.url, host.api.url), timeout=3600)
@@ -702,6 +738,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n".join(report.lines()))
     problems = check(report)
+    uncaught = breakages(report)
+    print(f"checks tried against the report broken 4 ways: {4 - len(uncaught)} caught"
+          + (f"; not caught: {uncaught}" if uncaught else ""))
+    problems += [f"the checks did not catch {what}" for what in uncaught]
     for problem in problems:
         print(f"PROBLEM {problem}")
     if problems or args.keep:
@@ -819,6 +859,27 @@ def check(report: TpuReport) -> list[str]:
     if not report.view.get("complete"):
         problems.append("status does not say complete")
     return problems
+
+
+def breakages(report: TpuReport) -> list[str]:
+    """The checks, tried against the report broken in the ways issue 43 names: each breakage must fail `check`.
+    Returns the breakages that did not (none: every one was caught)."""
+    host = next((h for h in report.hosts if report.records.get(h.record_name)), None)
+    again = report.second_ups[SLICE_RUN]
+    created_again = dataclasses.replace(
+        again, stdout=again.stdout.replace("(0 resources created now, 1 there already)",
+                                           "(1 resources created now, 1 there already)"),
+        mutations=[*again.mutations, ("POST", f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources")])
+    name = next(iter(report.writes), "")
+    broken = {
+        "a host that never wrote its final record": dataclasses.replace(
+            report, records={k: v for k, v in report.records.items() if host is None or k != host.record_name}),
+        "a second up that creates again": dataclasses.replace(report, second_ups={SLICE_RUN: created_again}),
+        "an output written twice": dataclasses.replace(report, writes={**report.writes, name: 2}),
+        "a task without its done marker": dataclasses.replace(
+            report, done={k: v for k, v in report.done.items() if k != f"done/{report.tasks[0]}.json"}),
+    }
+    return [what for what, bad in broken.items() if not set(check(bad)) - set(check(report))]
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ It also answers the `gcloud compute` commands docs/CLOUD.md shows, through gclou
 create` and `routers nats create` (routers insert, get and patch), `networks subnets update
 --enable-private-ip-google-access` (subnetworks.setPrivateIpGoogleAccess), and the TPU listings
 (`tpus tpu-vm list`, `tpus queued-resources list`).
+
+With `machines` set, a managed instance group's members are booted (tests/boot/fleet.py); with `tpu_hosts` set,
+the hosts of each node a queued resource provisions are (tests/boot/tpu_fleet.py).
 """
 
 from __future__ import annotations
