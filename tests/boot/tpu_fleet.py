@@ -612,9 +612,10 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             command(f"create_tpus.py {SINGLE_RUN}", "tools/create_tpus.py", str(single_spec), "--count", "1", *by_hand)
             slice_node = f"{SLICE_RUN}-0000"
             single_node = f"{SINGLE_RUN}-0000"
-            # A follower killed mid-task: its share has begun, so the slice's program is one across its hosts.
-            victim = _wait("a follower of the slice running its share", lambda: next(
-                (h for h in fleet.of(slice_node) if h.index == 2 and "event=follower_consumer_start" in h.log()),
+            # A follower killed mid-task: its consumer has joined the slice's program (jax.distributed.initialize
+            # returns once every host has connected) and built its engine.
+            victim = _wait("a follower of the slice computing its share", lambda: next(
+                (h for h in fleet.of(slice_node) if h.index == 2 and "event=engine_ready" in h.log()),
                 None), timeout)
             leader = fleet.of(slice_node)[0]
             killed_task, killed_token = re.findall(r"event=follower_consumer_start task=(\S+) token=(\d+)", victim.log())[-1]
