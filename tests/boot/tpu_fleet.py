@@ -632,24 +632,30 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             qr_slice = f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{slice_node}"
             fleet.preempt(qr_slice)
             keep_replace = command(f"keep {SLICE_RUN} --once", "keep", str(run_file), "--once")
-            # The tail: nothing claimable, the slice holding the last task(s), the single host idle (it holds no
-            # lease, so its shutdown hands nothing back). The single host is preempted then, and keep must not
-            # replace it: no claimable task outnumbers the free workers.
+            # The tail: nothing claimable, one machine holding the last task(s), the other idle (it holds no lease,
+            # so its shutdown hands nothing back). The idle one is preempted then, and its keeper must not replace
+            # it: no claimable task outnumbers the free workers.
             single = fleet.of(single_node)[0]
+            replacement = f"{SLICE_RUN}-0001"
 
-            def tail() -> dict | None:
+            def tail() -> tuple[Host, dict] | None:
                 view = snapshot(store)
-                if view.get("complete") or single.ended is not None:
-                    raise RehearsalError(f"the queue drained (or {single_node} left) before a tail with the slice "
-                                         f"working and {single_node} idle: {view}")
-                idle = _holding(single.log()) == 0 and "event=worker_start" in single.log()
-                return view if view["pending"] + view["stale"] == 0 and view["leased"] > 0 and idle else None
+                leaders = [h for h in (single, *fleet.of(replacement)[:1]) if h.ended is None]
+                if view.get("complete") or len(leaders) < 2:
+                    raise RehearsalError(f"the queue drained (or a machine left) before a tail with one machine "
+                                         f"working and the other idle: {view}")
+                if view["pending"] + view["stale"] or not view["leased"]:
+                    return None
+                idle = [h for h in leaders if _holding(h.log()) == 0 and "event=worker_start" in h.log()]
+                return (idle[0], view) if len(idle) == 1 else None
 
-            tail_view = _wait("the tail (nothing claimable, the slice working, the single host idle)", tail, timeout)
-            qr_single = f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{single_node}"
-            fleet.preempt(qr_single)
-            keep_tail = command(f"fleetctl.py keep {SINGLE_RUN} --once (tail)", "tools/fleetctl.py", "keep",
-                                str(single_spec), "--count", "1", "--once", *by_hand)
+            idle, tail_view = _wait("the tail (nothing claimable, one machine working, the other idle)", tail, timeout)
+            fleet.preempt(f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{idle.node_id}")
+            if idle is single:
+                keep_tail = command(f"fleetctl.py keep {SINGLE_RUN} --once (tail)", "tools/fleetctl.py", "keep",
+                                    str(single_spec), "--count", "1", "--once", *by_hand)
+            else:
+                keep_tail = command(f"keep {SLICE_RUN} --once (tail)", "keep", str(run_file), "--once")
             _wait("every task done and every host gone", lambda: (
                 len(store.list_page("done/").entries) == len(tasks)
                 and all(h.ended for h in fleet.hosts)), timeout)  # fmt: skip
