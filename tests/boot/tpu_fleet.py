@@ -609,7 +609,6 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
 
             first_ups = {SLICE_RUN: command(f"up {SLICE_RUN}", "up", str(run_file), "--yes")}
             second_ups = {SLICE_RUN: command(f"up {SLICE_RUN} again", "up", str(run_file), "--yes")}
-            command(f"create_tpus.py {SINGLE_RUN}", "tools/create_tpus.py", str(single_spec), "--count", "1", *by_hand)
             slice_node = f"{SLICE_RUN}-0000"
             single_node = f"{SINGLE_RUN}-0000"
             # A follower killed mid-task: its consumer has joined the slice's program (jax.distributed.initialize
@@ -632,10 +631,13 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             qr_slice = f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{slice_node}"
             fleet.preempt(qr_slice)
             keep_replace = command(f"keep {SLICE_RUN} --once", "keep", str(run_file), "--once")
+            # The single host joins now, beside the new slice: the two share what is left, so that the slice runs
+            # tasks to done too (a single host that came first would finish them while a slice boots).
+            command(f"create_tpus.py {SINGLE_RUN}", "tools/create_tpus.py", str(single_spec), "--count", "1", *by_hand)
             # The tail: nothing claimable, one machine holding the last task(s), the other idle (it holds no lease,
             # so its shutdown hands nothing back). The idle one is preempted then, and its keeper must not replace
             # it: no claimable task outnumbers the free workers.
-            single = fleet.of(single_node)[0]
+            single = _wait(f"{single_node}'s host", lambda: next(iter(fleet.of(single_node)), None), timeout)
             replacement = f"{SLICE_RUN}-0001"
 
             def tail() -> tuple[Host, dict] | None:
