@@ -48,18 +48,15 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
