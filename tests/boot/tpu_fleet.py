@@ -86,6 +86,8 @@ HEARTBEAT_TIMEOUT_S = 10  # --slice-heartbeat-timeout: how long a slice takes to
 #: release; 2 x the heartbeat timeout leaves a loaded machine its step.
 ATTEMPT_END_BOUND_S = 2 * HEARTBEAT_TIMEOUT_S + 10
 SERVICE_ACCOUNT = f"{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
+#: A lease taken, in a worker's log: a claim, or a takeover of a released or expired lease (taskqueue/claims.py).
+CLAIM = r"event=(?:claimed|takeover|steal) task="
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
@@ -243,7 +245,7 @@ class Host:
 
     def first_claim(self) -> float | None:
         """When it first claimed (its fencing token: the lease's generation, microseconds since the epoch)."""
-        tokens = [int(t) / 1e6 for t in re.findall(r"event=claimed task=\S+ token=(\d+)", self.log())]
+        tokens = [int(t) / 1e6 for t in re.findall(CLAIM + r"\S+ token=(\d+)", self.log())]
         return min(tokens, default=None)
 
     def first_join(self) -> float | None:
@@ -559,7 +561,7 @@ def rehearse(workdir: Path, tasks: int = 6, timeout: float = 1800) -> TpuReport:
 
 def _holding(log: str) -> int:
     """Tasks a leader or single host holds now, from its log: claims less those settled."""
-    return len(re.findall(r"event=claimed task=", log)) - len(re.findall(
+    return len(re.findall(CLAIM, log)) - len(re.findall(
         r"event=(?:done|released|task_settled|dead_letter) task=", log))
 
 
@@ -788,7 +790,7 @@ def check(report: TpuReport) -> list[str]:
             problems.append(f"{node} booted hosts {[(h.index, h.address) for h in members]}, not {want} at addresses of their own")
     # Host 0 claims; every host of a slice computes its share of each task its leader ran to done.
     for host in hosts:
-        claims = len(re.findall(r"event=claimed task=", host.log()))
+        claims = len(re.findall(CLAIM, host.log()))
         if host.index > 0 and claims:
             problems.append(f"follower {host.record_name} claimed {claims} tasks: only host 0 of a slice claims")
     for leader in (h for h in hosts if h.hosts > 1 and h.index == 0):
