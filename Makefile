@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: run test clean browser rehearsal-tools rehearsal mutants
+.PHONY: run test clean browser rehearsal-tools rehearsal rehearsal-tpu mutants
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,15 @@ rehearsal-tools:
 # `make test` runs it at a smaller size (tests/boot/test_fleet.py).
 rehearsal: $(VENV)/.test-installed rehearsal-tools
 	$(PY) -m tests.boot.fleet
+
+# The TPU fleet rehearsed (tests/boot/tpu_fleet.py), driven by `gcs-spawner` from two run files on one queue
+# (`up` twice each, `keep --once`, `status`, `down`, `merge`): a v5litepod-16 slice (4 hosts in namespaces of
+# their own, on a network of their own, one jax.distributed program) and a v5litepod-8 booted from the fake TPU
+# API's queued resources, a follower killed mid-task, a preempted slice replaced, a preemption in the tail left
+# alone; its figures are in docs/CLOUD.md. Needs root. `make test` runs it at a smaller size
+# (tests/boot/test_tpu_fleet.py).
+rehearsal-tpu: $(VENV)/.test-installed rehearsal-tools
+	$(PY) -m tests.boot.tpu_fleet
 
 test: $(VENV)/.test-installed browser rehearsal-tools
 	$(PY) -m pytest -n 2

@@ -178,9 +178,16 @@ def run(
     """
     args, spawner = build(argv)
     install_stop_signals(spawner)
-    # A slice's follower claims nothing; its leader's record speaks for the slice.
-    if args.machine_record != "off" and machine_state is not None and isinstance(spawner, Spawner):
-        spawner.on_state = machine_state(spawner.store, args.machine_record == "on")
+    # A slice's follower claims nothing, so its leader's record speaks for the slice's work; but startup.sh wrote
+    # this host's own record too (NODE-wN), which must not stay `installing` forever: a follower says it follows
+    # (idle, role follower) and, when it stops following, how it ended (exited, with its reason).
+    on_state = None
+    if args.machine_record != "off" and machine_state is not None:
+        on_state = machine_state(spawner.store, args.machine_record == "on")
+        if isinstance(spawner, Spawner):
+            spawner.on_state = on_state
+        elif on_state is not None:
+            on_state("idle", role="follower")
     watcher = None
     if args.preemption_watch != "off" and watch_preemption is not None:
         watcher = watch_preemption(lambda: spawner.request_stop("preempted"), args.preemption_watch == "on")
@@ -197,6 +204,8 @@ def run(
         if watcher is not None:
             watcher.stop()
     if isinstance(spawner, Follower):
+        if on_state is not None:
+            on_state("exited", reason=f"follower {reason}", role="follower")
         return 0  # a slice deletes itself once, from its leader: never from a follower
     if (reason in ("drained", "idle") and args.on_empty == "delete") or (
         reason == "drained" and args.on_empty == "delete-when-drained"

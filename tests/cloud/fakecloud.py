@@ -18,6 +18,9 @@ It also answers the `gcloud compute` commands docs/CLOUD.md shows, through gclou
 create` and `routers nats create` (routers insert, get and patch), `networks subnets update
 --enable-private-ip-google-access` (subnetworks.setPrivateIpGoogleAccess), and the TPU listings
 (`tpus tpu-vm list`, `tpus queued-resources list`).
+
+With `machines` set, a managed instance group's members are booted (tests/boot/fleet.py); with `tpu_hosts` set,
+the hosts of each node a queued resource provisions are (tests/boot/tpu_fleet.py).
 """
 
 from __future__ import annotations
@@ -60,6 +63,18 @@ class Machines(Protocol):
         """`instance` was deleted through the API: shut it down."""
 
 
+class TpuHosts(Protocol):
+    """Whatever runs the hosts of the TPU nodes a fake queued resource makes (tests/boot/tpu_fleet.py
+    boots each host as a rehearsal machine). Called with the fake's lock held: start work, never wait."""
+
+    def node_created(self, node: str, resource: dict) -> None:
+        """`node` ("projects/P/locations/Z/nodes/N") exists now, READY: boot one host per entry of its
+        `networkEndpoints` from `resource`."""
+
+    def node_deleted(self, node: str) -> None:
+        """`node` is gone (deleted through the API, or its queued resource SUSPENDED): stop its hosts."""
+
+
 class _ApiError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -93,6 +108,11 @@ class FakeCloud(FakeHTTPServer):
         self.machines: Machines | None = None
         self._members: dict[str, list[str]] = {}  # group path -> its members' instance paths, oldest first
         self._names = random.Random(36)
+        #: When set, each node a queued resource provisions is handed to it once READY, with a network of
+        #: its own (`networkEndpoints` on 10.<n>.0.0/24, n counting nodes from 1), and each node that goes
+        #: (a delete, a SUSPENDED or FAILED queued resource) is reported. Without it, nodes are records only.
+        self.tpu_hosts: TpuHosts | None = None
+        self._node_networks = itertools.count(1)
 
     # -- helpers for tests
 
@@ -405,9 +425,12 @@ class FakeCloud(FakeHTTPServer):
                 for spec in body.get("tpu", {}).get("nodeSpec", []):
                     for node_id in queued_node_ids(spec):
                         node_name = f"{spec['parent']}/nodes/{node_id}"
+                        subnet = next(self._node_networks) if self.tpu_hosts is not None else 0
                         self.resources[node_name] = {**spec.get("node", {}), "name": node_name, "state": "READY",
                                                      "queuedResource": target,
-                                                     "networkEndpoints": network_endpoints(spec.get("node", {}))}
+                                                     "networkEndpoints": network_endpoints(spec.get("node", {}), subnet)}
+                        if self.tpu_hosts is not None:
+                            self.tpu_hosts.node_created(node_name, self.resources[node_name])
                 return self._lro(location, resource, "google.cloud.tpu.v2.QueuedResource")
             target = f"{location}/{collection}/{name}"
             if target not in self.resources:
@@ -421,7 +444,10 @@ class FakeCloud(FakeHTTPServer):
                         raise _ApiError(400, f"{target} has nodes {owned}; delete them first or pass force=true")
                     for node_name in owned:
                         del self.resources[node_name]
+                        self._node_gone(node_name)
                 del self.resources[target]
+                if collection == "nodes":
+                    self._node_gone(target)
                 return self._lro(location, None, "google.protobuf.Empty")
         raise self._unsupported(request)
 
@@ -519,6 +545,11 @@ class FakeCloud(FakeHTTPServer):
             if state in ("SUSPENDED", "FAILED"):
                 for key in [k for k, v in self.resources.items() if v.get("queuedResource") == name]:
                     del self.resources[key]
+                    self._node_gone(key)
+
+    def _node_gone(self, node: str) -> None:
+        if self.tpu_hosts is not None:
+            self.tpu_hosts.node_deleted(node)
 
 def queued_node_ids(node_spec: dict) -> list[str]:
     """The nodes one nodeSpec of a queued resource provisions: `nodeId`, or for a multislice
@@ -536,13 +567,13 @@ def queued_node_ids(node_spec: dict) -> list[str]:
     return [f"{params['nodeIdPrefix']}-{i}" for i in range(count)]
 
 
-def network_endpoints(node: dict) -> list[dict]:
-    """One endpoint per host: v2-v5p types count TensorCores (8 per host), v5e/v6e count chips
-    (up to 8 on a single host, 4 per host in a multi-host slice)."""
+def network_endpoints(node: dict, subnet: int = 0) -> list[dict]:
+    """One endpoint per host, on 10.0.<subnet>.0/24: v2-v5p types count TensorCores (8 per host), v5e/v6e
+    count chips (up to 8 on a single host, 4 per host in a multi-host slice)."""
     kind, _, size = node.get("acceleratorType", "v5litepod-1").rpartition("-")
     size = int(size)
     if kind in ("v5litepod", "v6e"):
         hosts = 1 if size <= 8 else size // 4
     else:
         hosts = max(1, size // 8)
-    return [{"ipAddress": f"10.0.0.{i + 2}", "port": 8470} for i in range(hosts)]
+    return [{"ipAddress": f"10.0.{subnet}.{i + 2}", "port": 8470} for i in range(hosts)]

@@ -1,0 +1,901 @@
+"""The TPU fleet, rehearsed: queued resources whose TPU VM hosts boot as rehearsal machines, a 4-host slice that
+claims as one and runs one JAX program across its hosts' namespaces, a follower host killed mid-task, a
+preempted slice replaced by `keep`, a preemption in the tail that `keep` leaves alone, and every slice
+deleting its own queued resource once the queue drains.
+
+    sudo .venv/bin/python -m tests.boot.tpu_fleet [--tasks 6] [--keep]
+    make rehearsal-tpu                                 # the same, with its defaults
+
+What is real and what stands in per host is the boot rehearsal's (tests/boot/rehearsal.py, docs/CLOUD.md "The
+boot, rehearsed"): the cached Debian root filesystem on a disk of its own in namespaces of its own (network,
+PID, mount), the real startup/startup.sh from its own metadata server at 169.254.169.254:80, the real gcloud
+and uv, the code, wheels and interpreter in the bucket, spawn.py and consume.py on the tiny model. What this
+adds is the TPU side (docs/CLOUD.md, "The TPU fleet, rehearsed"):
+
+- the fake TPU API (tests/cloud/fakecloud.py, `tpu_hosts`) gives each node a queued resource provisions a
+  network of its own (`networkEndpoints` on 10.0.<n>.0/24, one per host: 4 for a v5litepod-16, 1 for a
+  v5litepod-8) and hands it to `TpuFleet`, which boots one rehearsal machine per endpoint. The hosts of a node
+  share a switch: a network namespace the rehearsal makes, holding a bridge, with one veth pair per host (its
+  `eth0` in the host's namespace, at its endpoint's address). No address is added outside those namespaces;
+- each host's metadata is a TPU VM's (`tpu_vm_metadata`): `accelerator-type`, `agent-worker-number`,
+  `worker-network-endpoints` (`name:index:ip` per host, comma-separated) and `tpu-env` (`KEY: 'value'` lines
+  with NODE_ID, WORKER_ID, ZONE, ...), read as JAX's own Cloud TPU detection reads them (jax 0.10.2,
+  jax/_src/clusters/cloud_tpu_cluster.py: `agent-worker-number` is the process id, each endpoint's third
+  `:` field the host address, `tpu-env` lines split at the first ':' and stripped of quotes), with the node's
+  metadata from the queued resource (startup-script, spawn-*, spawn-queued-resource) on top;
+- one stand-in on purpose: `spawn-accelerator` is `cpu`, so the hosts install the CPU lock, which the
+  rehearsal uploads itself (tools/upload_code.py --lock cpu --wheelhouse --python-mirror; the run files have
+  `code.upload: false`). The tpu lock's wheelhouse is 521 MB (libtpu), a sync and install for each of the
+  5 hosts, and libtpu finds no TPU here: JAX would run on CPU either way;
+- a host's end is a guest shutdown: SIGTERM to the worker, up to SHUTDOWN_GRACE_S for it to exit, then every
+  process in its namespaces is killed; a node deleted through the API shuts down SHUTDOWN_S later, and a
+  preemption (https://cloud.google.com/tpu/docs/preemptible: "shut down", the node's state PREEMPTED; a spot
+  queued resource goes SUSPENDED, https://cloud.google.com/tpu/docs/queued-resources) shuts every host down
+  and moves the queued resource to SUSPENDED. A killed host (`kill`) gets no shutdown: SIGKILL of its
+  namespaces.
+
+The operator drives two runs on one queue, each command a process of its own (`python -m gcs_spawner`):
+`slice16` (templates/tpu.yaml as a v5litepod-16, count 1) and `single8` (a v5litepod-8, count 1). In order:
+`up` each, `up` each again (nothing new), a follower of the slice killed mid-task, the slice preempted once its
+attempt has ended, `keep slice16 --once` (claimable tasks outnumber free workers: it replaces it), the
+single-host machine preempted once nothing is claimable and `keep single8 --once` (the tail: nothing made),
+the queue drained, each slice deleting its queued resource from host 0, `status`, `down` each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.boot.fleet import Command, FleetRehearsal, _wait
+from tests.boot.rehearsal import (
+    _HOLDER, BUCKET, METADATA_ADDRESS, PROJECT, REPO, ZONE, Disk, Namespaces, RehearsalError, machine_env, prepare_disk,
+    release_host, remove_in_background, standin_release,
+)  # fmt: skip
+from tests.cloud.fakecloud import PROJECT_NUMBER
+from tests.cloud.fakehttp import Listener
+from tests.cloud.fakemetadata import FakeMetadata, gce_vm
+from tests.fakegcs.server import FakeGCS
+
+QUEUE = f"gs://{BUCKET}/jobs/tpu"
+CODE = f"gs://{BUCKET}/code/tpu"
+SLICE_RUN, SINGLE_RUN = "slice16", "single8"
+SLICE_TYPE, SINGLE_TYPE = "v5litepod-16", "v5litepod-8"
+#: The Compute Engine machine type under each v5e host (https://cloud.google.com/tpu/docs/v5e: a v5litepod-16's
+#: 4 hosts are ct5lp-hightpu-4t, 4 chips each; a v5litepod-8 is one ct5lp-hightpu-8t).
+HOST_MACHINE_TYPES = {SLICE_TYPE: "ct5lp-hightpu-4t", SINGLE_TYPE: "ct5lp-hightpu-8t"}
+SHUTDOWN_S = 3.0  # from a delete request to the shutdown's start
+SHUTDOWN_GRACE_S = 20.0  # from SIGTERM to the kill (a guest shutdown's stand-in)
+HEARTBEAT_TIMEOUT_S = 10  # --slice-heartbeat-timeout: how long a slice takes to notice a silent host
+#: The bound the docs state for a slice's attempt to end after a follower host is SIGKILLed: its peers' next
+#: collective fails at once, and at worst the coordination service's heartbeat timeout, plus the leader's
+#: release; 2 x the heartbeat timeout leaves a loaded machine its step.
+ATTEMPT_END_BOUND_S = 2 * HEARTBEAT_TIMEOUT_S + 10
+SERVICE_ACCOUNT = f"{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
+#: A lease taken, in a worker's log: a claim, or a takeover of a released or expired lease (taskqueue/claims.py).
+CLAIM = r"event=(?:claimed|takeover|steal) task="
+LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def log_time(line: str) -> float | None:
+    """Epoch seconds of a worker log line (`logging`'s asctime, this machine's local time)."""
+    match = LOG_TIME.match(line)
+    if not match:
+        return None
+    return time.mktime(time.strptime(match.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + int(match.group(1)[20:]) / 1e3
+
+
+def first_event(log: str, pattern: str) -> float | None:
+    for line in log.splitlines():
+        if re.search(pattern, line):
+            at = log_time(line)
+            if at is not None:
+                return at
+    return None
+
+
+def tpu_vm_metadata(node: dict, index: int, vm_name: str, cpu_lock: bool = True) -> dict[str, str]:
+    """What host `index` of TPU node `node` (the API's resource) finds on its metadata server: a GCE VM's
+    values (tests/cloud/fakemetadata.gce_vm) with the node's metadata and the attributes Cloud TPU sets."""
+    node_id = node["name"].rsplit("/", 1)[1]
+    accelerator = node["acceleratorType"]
+    endpoints = node["networkEndpoints"]
+    attributes = dict(node.get("metadata", {}))
+    if cpu_lock:
+        attributes["spawn-accelerator"] = "cpu"  # the rehearsal's stand-in: the CPU lock (module docstring)
+    tpu_env = {"ACCELERATOR_TYPE": accelerator, "CONSUMER_PROJECT_ID": PROJECT, "NODE_ID": node_id,
+               "WORKER_ID": str(index), "ZONE": ZONE, "TYPE": accelerator.split("-")[0].upper()}
+    attributes.update({
+        "accelerator-type": accelerator,
+        "agent-worker-number": str(index),
+        "worker-network-endpoints": ",".join(f"{vm_prefix(node_id)}-w-{i}:{i}:{e['ipAddress']}"
+                                             for i, e in enumerate(endpoints)),
+        "tpu-env": "".join(f"{key}: '{value}'\n" for key, value in tpu_env.items()),
+    })
+    values = gce_vm(PROJECT, ZONE, vm_name, attributes)
+    values.update({
+        "instance/machine-type": f"projects/{PROJECT_NUMBER}/machineTypes/{HOST_MACHINE_TYPES.get(accelerator, 'ct5lp-hightpu-4t')}",
+        "instance/scheduling/provisioning-model": "SPOT",
+        "instance/service-accounts/default/token": json.dumps(
+            {"access_token": "ya29.rehearsal-token", "expires_in": 3599, "token_type": "Bearer"}),
+    })
+    return values
+
+
+def vm_prefix(node_id: str) -> str:
+    """A TPU VM's hosts are Compute Engine VMs named t1v-n-<hex>-w-<i>; the hex is the node's, made up here."""
+    import hashlib
+
+    return f"t1v-n-{hashlib.sha1(node_id.encode()).hexdigest()[:8]}"
+
+
+class HostNamespaces(Namespaces):
+    """A host's namespaces with a UTS namespace too, holding the TPU VM's hostname: JAX's CPU collectives (gloo)
+    resolve the host's own name to find the address to listen on, and every host here would otherwise carry this
+    machine's name, which resolves nowhere inside (found by this rehearsal: `gloo/transport/tcp/device.cc:99 rv
+    == 0. -3 vs 0`, getaddrinfo's EAI_AGAIN)."""
+
+    def __init__(self, lower: Path, disks: list[Disk], hostname: str):
+        super().__init__(lower, disks)
+        self.hostname = hostname
+
+    def start(self) -> "HostNamespaces":
+        self.holder = subprocess.Popen(
+            ["unshare", "--net", "--mount", "--pid", "--uts", "--fork", "--propagation", "private",
+             "bash", "-c", _HOLDER, "holder", str(self.lower), *(str(d.path) for d in self.disks)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "REAPER": sys.executable})
+        if self.holder.stdout.readline().strip() != "ready":
+            self.stop()
+            raise RehearsalError(f"the host's namespaces did not come up: {self.holder.stderr.read()[-2000:]}")
+        children = Path(f"/proc/{self.holder.pid}/task/{self.holder.pid}/children").read_text().split()
+        self.pid = int(children[0])
+        subprocess.run(["nsenter", "--target", str(self.pid), "--uts", "hostname", self.hostname], check=True,
+                       capture_output=True, timeout=30)
+        return self
+
+    def run(self, disk: Disk, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        command = ["nsenter", "--target", str(self.pid), "--net", "--mount", "--pid", "--uts", "--",
+                   "chroot", str(disk.root), "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+class Switch:
+    """A slice's network: a namespace of its own holding a bridge, one veth pair per host."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.holder = subprocess.Popen(
+            ["unshare", "--net", "bash", "-c", "set -euo pipefail; ip link set lo up; "
+             "ip link add name br0 type bridge; ip link set br0 up; echo ready; exec sleep infinity"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if self.holder.stdout.readline().strip() != "ready":
+            raise RehearsalError(f"the switch of {name} did not come up: {self.holder.stderr.read()[-1000:]}")
+        self.links = 0
+
+    def attach(self, host_pid: int, address: str) -> None:
+        """A veth pair: one end on the bridge, the other `eth0` at `address`/24 in the namespace of `host_pid`."""
+        port = f"p{self.links}"
+        self.links += 1
+        here = ["nsenter", "--target", str(self.holder.pid), "--net", "--"]
+        there = ["nsenter", "--target", str(host_pid), "--net", "--"]
+        for command in ([*here, "ip", "link", "add", "name", port, "type", "veth", "peer", "name", "eth0", "netns",
+                         str(host_pid)],
+                        [*here, "ip", "link", "set", port, "master", "br0", "up"],
+                        [*there, "ip", "addr", "add", f"{address}/24", "dev", "eth0"],
+                        [*there, "ip", "link", "set", "eth0", "up"]):
+            result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            if result.returncode != 0:
+                raise RehearsalError(f"{' '.join(command)}: {result.stderr.strip()}")
+
+    def stop(self) -> None:
+        if self.holder.poll() is None:
+            self.holder.kill()
+            self.holder.wait(timeout=30)
+
+
+@dataclasses.dataclass
+class Host:
+    """One TPU VM host of one node: its disk, namespaces, metadata server and listeners, and how it went."""
+
+    node: str  # projects/P/locations/Z/nodes/N
+    index: int
+    hosts: int
+    address: str
+    disk: Disk
+    accelerator: str
+    started: float = 0.0
+    ended: float | None = None
+    end: str = ""  # self-deleted (its slice's delete), preempted, killed, still up at the end
+    console: str = ""
+    ns: Namespaces | None = None
+    metadata: FakeMetadata | None = None
+    gcs: FakeGCS | None = None
+    api: Listener | None = None
+    requests: int = 0
+    saved_log: str | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.node.rsplit("/", 1)[1]
+
+    @property
+    def record_name(self) -> str:
+        """machines/<name>.json: the node id for worker 0, NODE-wN for the others (startup.sh's machine_name)."""
+        return self.node_id if self.index == 0 else f"{self.node_id}-w{self.index}"
+
+    def log(self) -> str:
+        if self.saved_log is not None:
+            return self.saved_log
+        path = self.disk.path / "upper/var/log/spawn-worker.service.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def first_claim(self) -> float | None:
+        """When it first claimed (its fencing token: the lease's generation, microseconds since the epoch)."""
+        tokens = [int(t) / 1e6 for t in re.findall(CLAIM + r"\S+ token=(\d+)", self.log())]
+        return min(tokens, default=None)
+
+    def first_join(self) -> float | None:
+        """When a follower first started its share of a task (its consumer joining the slice's program)."""
+        return first_event(self.log(), r"event=follower_consumer_start")
+
+    def tasks_run(self) -> int:
+        """Tasks it ran to done (the leader's or a single host's `done`), or shares it ran (a follower)."""
+        if self.hosts > 1 and self.index > 0:
+            return len(re.findall(r"event=follower_consumer_exit task=\S+ exit_code=0", self.log()))
+        return len(re.findall(r"event=done task=", self.log()))
+
+    def count_requests(self) -> int:
+        if self.gcs is not None:
+            self.requests = (sum(self.gcs.counts().values()) + (self.api.served if self.api else 0)
+                             + (len(self.metadata.requests) if self.metadata else 0))  # fmt: skip
+        return self.requests
+
+
+class TpuFleet:
+    """Boots the hosts of every node the fake TPU API makes, and shuts them down when it goes."""
+
+    def __init__(self, world: "TpuRehearsal"):
+        self.world = world
+        self.lock = threading.Lock()
+        self.hosts: list[Host] = []
+        self.switches: dict[str, Switch] = {}
+
+    # -- what the fake TPU API calls (its lock held: start work, never wait for it)
+
+    def node_created(self, node: str, resource: dict) -> None:
+        endpoints = resource["networkEndpoints"]
+        with self.lock:
+            made = [Host(node, i, len(endpoints), e["ipAddress"],
+                         Disk(self.world.workdir / f"{node.rsplit('/', 1)[1]}-w{i}"), resource["acceleratorType"])
+                    for i, e in enumerate(endpoints)]
+            self.hosts += made
+        threading.Thread(target=self._boot_node, args=(node, resource, made), name=f"boot-{node}", daemon=True).start()
+
+    def node_deleted(self, node: str) -> None:
+        threading.Timer(SHUTDOWN_S, self.shutdown_node, args=(node, "self-deleted")).start()
+
+    # -- the hosts
+
+    def of(self, node_id: str) -> list[Host]:
+        with self.lock:
+            return [h for h in self.hosts if h.node_id == node_id]
+
+    def _boot_node(self, node: str, resource: dict, hosts: list[Host]) -> None:
+        switch = Switch(node)
+        with self.lock:
+            self.switches[node] = switch
+        threads = []
+        for host in hosts:
+            values = tpu_vm_metadata(resource, host.index, f"{vm_prefix(host.node_id)}-w-{host.index}")
+            threads.append(threading.Thread(target=self._boot, args=(host, values, switch), daemon=True,
+                                            name=f"boot-{host.record_name}"))
+            threads[-1].start()
+
+    def _boot(self, host: Host, values: dict[str, str], switch: Switch) -> None:
+        name = values["instance/name"]
+        try:
+            host.ns = HostNamespaces(self.world.lower, [host.disk], name).start()
+            switch.attach(host.ns.pid, host.address)
+            host.metadata = host.ns.in_netns(lambda: FakeMetadata(values).start(METADATA_ADDRESS))
+            host.gcs = host.ns.in_netns(lambda: self.world.listener_gcs())
+            host.api = host.ns.in_netns(lambda: self.world.cloud.listen())
+            prepare_disk(host.ns.view(host.disk), host.gcs.url, host.api.url)
+            # The slice's hosts by name, as a VPC's internal DNS answers for its VMs
+            # (https://cloud.google.com/compute/docs/internal-dns).
+            peers = [entry.split(":") for entry in values["instance/attributes/worker-network-endpoints"].split(",")]
+            with (host.ns.view(host.disk) / "etc/hosts").open("a") as hosts:
+                hosts.writelines(f"{address} {peer}\n" for peer, _, address in peers)
+            host.started = time.time()
+            result = host.ns.run(host.disk, ["/usr/local/sbin/google-startup-script"],
+                                 machine_env(host.gcs.url, host.api.url), timeout=3600)
+            host.console = result.stdout + result.stderr
+        except Exception as err:  # noqa: BLE001 - a host stopped mid-boot, or one that never came up: on record
+            host.console += f"\nrehearsal: the boot ended: {type(err).__name__}: {err}"
+        (self.world.workdir / f"console-{host.record_name}.log").write_text(host.console)
+
+    def _worker_pids(self, host: Host) -> list[int]:
+        """spawn.py's processes in the host's PID namespace (the worker and, on a slice, nothing else)."""
+        if host.ns is None or not host.ns.pid:
+            return []
+        own = os.readlink(f"/proc/{host.ns.pid}/ns/pid")
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if os.readlink(entry / "ns/pid") == own and b"spawn.py" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+        return pids
+
+    def shutdown(self, host: Host, why: str) -> None:
+        """A guest shutdown: SIGTERM to the worker, up to SHUTDOWN_GRACE_S for it to exit, then the kill."""
+        if host.ended is not None:
+            return
+        for pid in self._worker_pids(host):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        while time.monotonic() < deadline and self._worker_pids(host):
+            time.sleep(0.5)
+        self.halt(host, why)
+
+    def shutdown_node(self, node: str, why: str) -> None:
+        with self.lock:
+            hosts = [h for h in self.hosts if h.node == node and h.ended is None]
+        threads = [threading.Thread(target=self.shutdown, args=(h, why), daemon=True) for h in hosts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def halt(self, host: Host, why: str) -> None:
+        """Every process in the host's namespaces dies (SIGKILL); its log and request count are kept."""
+        with self.lock:
+            if host.ended is not None:
+                return
+            host.ended, host.end = time.time(), why
+        if host.ns is not None:
+            host.ns.stop()
+        host.count_requests()
+        host.saved_log = host.log()
+        (self.world.workdir / f"worker-{host.record_name}.log").write_text(host.saved_log)
+        for server in (host.metadata, host.gcs, host.api):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    server.stop()
+
+    def preempt(self, queued_resource: str) -> None:
+        """Cloud TPU preempts a spot slice: every host shuts down, the queued resource goes SUSPENDED (its node gone)."""
+        node_id = queued_resource.rsplit("/", 1)[1]
+        with self.lock:
+            hosts = [h for h in self.hosts if h.node_id == node_id and h.ended is None]
+        threads = [threading.Thread(target=self.shutdown, args=(h, "preempted"), daemon=True) for h in hosts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.world.cloud.set_queued_resource_state(queued_resource, "SUSPENDED")
+
+    def stop_all(self) -> None:
+        with self.lock:
+            hosts = [h for h in self.hosts if h.ended is None]
+            switches = list(self.switches.values())
+        for host in hosts:
+            self.halt(host, "still up at the end")
+        for switch in switches:
+            switch.stop()
+
+
+class TpuRehearsal(FleetRehearsal):
+    """The operator's side (the fake bucket and TPU API on 127.0.0.1, the commands) and a `TpuFleet`."""
+
+    def __init__(self, workdir: Path):
+        super().__init__(workdir)
+        self.tpus = TpuFleet(self)
+        self.writes: collections.Counter[str] = collections.Counter()
+
+    def start(self) -> "TpuRehearsal":
+        super().start()
+        self.cloud.machines = None
+        self.cloud.tpu_hosts = self.tpus
+        self.open_tpu_project()
+        commit = self.gcs.storage.commit
+
+        def counted(bucket: str, name: str, *args, **kwargs):  # every object write, to find one written twice
+            stored = commit(bucket, name, *args, **kwargs)
+            with self.gcs.storage.lock:
+                self.writes[name] += 1
+            return stored
+
+        self.gcs.storage.commit = counted
+        return self
+
+    def stop(self, keep_disks: bool = False) -> None:
+        self.tpus.stop_all()
+        super().stop(keep_disks)
+        if not keep_disks:
+            remove_in_background([h.disk.path for h in self.tpus.hosts if h.disk.path.exists()])
+
+    def open_tpu_project(self) -> None:
+        """What the pre-flight reads for a TPU fleet: the service account's roles (roles/tpu.admin to delete its
+        own queued resource), the bucket's region, the v5e quota."""
+        cloud, member, region = self.cloud, f"serviceAccount:{SERVICE_ACCOUNT}", ZONE.rsplit("-", 1)[0]
+        cloud.project_policies[PROJECT]["bindings"].append({"role": "roles/tpu.admin", "members": [member]})
+        quotas = {metric: (limit, usage) for metric, limit, usage in (
+            ("CPUS", 96, 0), ("N2_CPUS", 96, 0), ("TPU_LITE_PODSLICE_V5", 64, 0),
+            ("PREEMPTIBLE_TPU_LITE_PODSLICE_V5", 64, 0))}
+        cloud.set_region(PROJECT, region, quotas)
+        cloud.resources[f"projects/{PROJECT}/regions/{region}"]["zones"] = [f"projects/{PROJECT}/zones/{ZONE}"]
+
+    def operator(self, *argv: str, timeout: float = 1800) -> Command:
+        """`gcs-spawner ARGV`, or a tool when ARGV[0] is tools/NAME.py, in a process of its own; raises
+        RehearsalError unless it exits 0."""
+        if not argv[0].startswith("tools/"):
+            return self.gcs_spawner(*argv, timeout=timeout)
+        before = len(self.cloud.mutations())
+        started, clock = time.time(), time.monotonic()
+        result = subprocess.run([sys.executable, *argv], cwd=REPO, env=self.operator_env(), stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=timeout)
+        command = Command(list(argv), result.returncode, result.stdout, result.stderr, started,
+                          time.monotonic() - clock, self.cloud.mutations()[before:])
+        (self.workdir / f"{Path(argv[0]).stem}-{started:.0f}.log").write_text(result.stdout + result.stderr)
+        if result.returncode != 0:
+            raise RehearsalError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout[-2000:]}\n"
+                                 f"{result.stderr[-3000:]}")
+        return command
+
+    def upload_cpu_code(self) -> float:
+        """The code with the CPU lock, its wheelhouse and the interpreter (module docstring: why the CPU lock)."""
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "tools/upload_code.py", CODE, "--lock", "cpu", "--wheelhouse",
+                                 "--python-mirror"], cwd=REPO, env=self.operator_env(), capture_output=True,
+                                text=True, timeout=1800)
+        if result.returncode != 0:
+            raise RehearsalError(f"tools/upload_code.py failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        return time.monotonic() - started
+
+
+SPAWN_FLAGS = ["--on-empty", "delete", "--preemption-watch", "auto", "--lease-ttl", "30", "--max-attempts", "4",
+               "--idle-timeout", "40", "--job-wait", "60", "--slice-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
+
+
+def tpu_spec(name: str, accelerator: str) -> dict:
+    """templates/tpu.yaml as the rehearsal's: `accelerator`, no external IP, short leases and waits."""
+    spec = yaml.safe_load((REPO / "templates" / "tpu.yaml").read_text())
+    spec.update({"name": name, "accelerator_type": accelerator, "external_ip": False, "spawn_flags": SPAWN_FLAGS})
+    return spec
+
+
+def write_run(directory: Path, job: Path, tasks: Path, model: Path) -> tuple[Path, Path]:
+    """The slice's run file (a queue holds one run, and a run's spec one accelerator type), and the single host's
+    spec for tools/create_tpus.py and tools/fleetctl.py, the documented by-hand way, on the same queue."""
+    run = {"name": SLICE_RUN, "project": PROJECT, "queue": QUEUE,
+           "job": os.path.relpath(job, directory), "tasks": {"file": os.path.relpath(tasks, directory)},
+           "model": {"source": os.path.relpath(model, directory)},
+           "code": {"url": CODE, "upload": False, "environment": False},  # uploaded with the CPU lock (module docstring)
+           "fleet": {"spec": tpu_spec(SLICE_RUN, SLICE_TYPE), "count": 1, "zones": [ZONE]}}  # fmt: skip
+    path = directory / f"{SLICE_RUN}.yaml"
+    path.write_text(f"# The TPU fleet rehearsal's run (tests/boot/tpu_fleet.py)\n"
+                    + yaml.safe_dump(run, sort_keys=False, default_flow_style=None))
+    spec = directory / f"{SINGLE_RUN}-spec.yaml"
+    spec.write_text(yaml.safe_dump(tpu_spec(SINGLE_RUN, SINGLE_TYPE), sort_keys=False, default_flow_style=None))
+    return path, spec
+
+
+# -- the rehearsal
+
+
+@dataclasses.dataclass
+class TpuReport:
+    wall_s: float
+    tasks: list[str]
+    hosts: list[Host]
+    commands: list[tuple[str, Command]]
+    first_ups: dict[str, Command]
+    second_ups: dict[str, Command]
+    killed: str  # record name of the follower host killed
+    killed_task: str
+    killed_token: int  # the fencing token of the attempt the kill ended
+    attempt_end_s: float | None  # from the kill to the leader's consumer exit
+    lease_after_kill: dict  # the killed task's lease once the attempt ended
+    keep_replace: Command
+    keep_tail: Command
+    tail_work: dict  # status when the tail preemption happened
+    records: dict[str, dict]  # machines/<name>.json bodies at the end
+    done: dict[str, dict]
+    index: dict
+    writes: dict[str, int]  # object name -> writes, for outputs and done markers
+    qr_deletes: list[tuple[str, str]]  # (queued resource, which host's listener sent it)
+    left: list[str]
+    view: dict
+    same_as_one_process: list[str]  # problems comparing a slice's task with a single-process run
+    compared_task: str
+
+    def lines(self) -> list[str]:
+        out = [f"TPU fleet rehearsal: {len(self.hosts)} hosts of {len({h.node for h in self.hosts})} nodes, "
+               f"{len(self.tasks)} tasks, wall {self.wall_s:.1f} s, load average {os.getloadavg()[0]:.1f} "
+               f"({os.cpu_count()} cores)"]
+        for label, command in self.commands:
+            out.append(f"  gcs-spawner {label}: {command.seconds:.1f} s")
+        out.append(f"  follower {self.killed} killed mid-task {self.killed_task}: the slice's attempt ended "
+                   + (f"{self.attempt_end_s:.1f} s later" if self.attempt_end_s is not None else "never")
+                   + f" (bound {ATTEMPT_END_BOUND_S} s)")
+        out.append(f"  {'slice':14s} {'host':>4s} {'boot to first claim/join':>25s} {'tasks run':>9s} "
+                   f"{'requests':>8s}  {'final record':24s} end")
+        for host in self.hosts:
+            at = host.first_claim() if host.index == 0 else host.first_join()
+            to = f"{at - host.started:.1f} s" if at and host.started else "-"
+            record = self.records.get(host.record_name, {})
+            final = f"{record.get('state', '-')} ({record.get('reason', '')})" if record else "none"
+            out.append(f"  {host.node_id:14s} {host.index:4d} {to:>25s} {host.tasks_run():9d} {host.requests:8d}  "
+                       f"{final:24s} {host.end}")
+        out.append(f"  wall time {self.wall_s:.1f} s")
+        return out
+
+
+def rehearse(workdir: Path, tasks: int = 6, timeout: float = 1800) -> TpuReport:
+    began = time.monotonic()
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    try:
+        return _rehearse(workdir, tasks, timeout, began)
+    finally:
+        if emulator is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = emulator
+
+
+def _holding(log: str) -> int:
+    """Tasks a leader or single host holds now, from its log: claims less those settled."""
+    return len(re.findall(CLAIM, log)) - len(re.findall(
+        r"event=(?:done|released|task_settled|dead_letter) task=", log))
+
+
+def _read_json(store, name: str) -> dict | None:
+    from objectstore import NotFound
+
+    try:
+        return json.loads(store.read(name).data)
+    except NotFound:
+        return None
+
+
+def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> TpuReport:
+    from objectstore import open_store
+    from reporting.status import snapshot
+
+    with TpuRehearsal(workdir) as world:
+        release, listing = standin_release(world.lower)
+        world.python_release, stop_release = release_host(release)
+        world.python_downloads = listing
+        commands: list[tuple[str, Command]] = []
+
+        def command(label: str, *argv: str) -> Command:
+            result = world.operator(*argv)
+            commands.append((label, result))
+            return result
+
+        try:
+            job, planned = world.stage_job("tpu", rows=4 * task_count, rows_per_task=8, files=2, upload_model=False)
+            lines = planned.read_text().splitlines()
+            if len(lines) != task_count:
+                raise RehearsalError(f"make_tasks planned {len(lines)} tasks, not {task_count}")
+            # batch_size is the slice's global batch: it divides by its 4 hosts.
+            job_body = json.loads(job.read_text())
+            job_body.update({"batch_size": 4, "shard_size": 4})
+            job.write_text(json.dumps(job_body))
+            tasks = [json.loads(line)["id"] for line in lines]
+            run_file, single_spec = write_run(workdir, job, planned, job.parent / "model")
+            by_hand = ["--queue", QUEUE, "--code", CODE, "--zone", ZONE, "--project", PROJECT]
+            os.environ["STORAGE_EMULATOR_HOST"] = world.gcs.url
+            store = open_store(QUEUE)
+            world.upload_cpu_code()
+            fleet = world.tpus
+
+            first_ups = {SLICE_RUN: command(f"up {SLICE_RUN}", "up", str(run_file), "--yes")}
+            second_ups = {SLICE_RUN: command(f"up {SLICE_RUN} again", "up", str(run_file), "--yes")}
+            slice_node = f"{SLICE_RUN}-0000"
+            single_node = f"{SINGLE_RUN}-0000"
+            # A follower killed mid-task: its consumer has joined the slice's program (jax.distributed.initialize
+            # returns once every host has connected) and built its engine.
+            victim = _wait("a follower of the slice computing its share", lambda: next(
+                (h for h in fleet.of(slice_node) if h.index == 2 and "event=engine_ready" in h.log()),
+                None), timeout)
+            leader = fleet.of(slice_node)[0]
+            killed_task, killed_token = re.findall(r"event=follower_consumer_start task=(\S+) token=(\d+)", victim.log())[-1]
+            settled = re.compile(rf"event=(?:released|task_settled|dead_letter|done) task={re.escape(killed_task)} ")
+            before = len([line for line in leader.log().splitlines() if settled.search(line)])
+            killed_at = time.time()
+            fleet.halt(victim, "killed (SIGKILL of its namespaces)")
+            _wait("the slice's attempt to end", lambda: len(
+                [line for line in leader.log().splitlines() if settled.search(line)]) > before, ATTEMPT_END_BOUND_S * 3)
+            ended = [log_time(line) for line in leader.log().splitlines() if settled.search(line)][before:]
+            attempt_end_s = (ended[0] - killed_at) if ended and ended[0] else None
+            lease_after_kill = _read_json(store, f"leases/{killed_task}.json") or {}
+            # The slice, one host short, could only fail its next attempts: Cloud TPU preempts it now.
+            qr_slice = f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{slice_node}"
+            fleet.preempt(qr_slice)
+            keep_replace = command(f"keep {SLICE_RUN} --once", "keep", str(run_file), "--once")
+            # The single host joins now, beside the new slice: the two share what is left, so that the slice runs
+            # tasks to done too (a single host that came first would finish them while a slice boots).
+            command(f"create_tpus.py {SINGLE_RUN}", "tools/create_tpus.py", str(single_spec), "--count", "1", *by_hand)
+            # The tail: nothing claimable, one machine holding the last task(s), the other idle (it holds no lease,
+            # so its shutdown hands nothing back). The idle one is preempted then, and its keeper must not replace
+            # it: no claimable task outnumbers the free workers.
+            single = _wait(f"{single_node}'s host", lambda: next(iter(fleet.of(single_node)), None), timeout)
+            replacement = f"{SLICE_RUN}-0001"
+
+            def tail() -> tuple[Host, dict] | None:
+                view = snapshot(store)
+                leaders = [h for h in (single, *fleet.of(replacement)[:1]) if h.ended is None]
+                if view.get("complete") or len(leaders) < 2:
+                    raise RehearsalError(f"the queue drained (or a machine left) before a tail with one machine "
+                                         f"working and the other idle: {view}")
+                if view["pending"] + view["stale"] or not view["leased"]:
+                    return None
+                idle = [h for h in leaders if _holding(h.log()) == 0 and "event=worker_start" in h.log()]
+                return (idle[0], view) if len(idle) == 1 else None
+
+            idle, tail_view = _wait("the tail (nothing claimable, one machine working, the other idle)", tail, timeout)
+            fleet.preempt(f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{idle.node_id}")
+            if idle is single:
+                # tools/fleetctl.py went with issue 47 (one keeper: gcs-spawner keep, for a run's own resources): a
+                # machine made by hand has no keeper to ask, so only the run's slice can be the tail's test.
+                raise RehearsalError("the tail found the by-hand single host idle: since tools/fleetctl.py went, only "
+                                     "the run's slice has a keeper (gcs-spawner keep) to ask in the tail")
+            else:
+                keep_tail = command(f"keep {SLICE_RUN} --once (tail)", "keep", str(run_file), "--once")
+            _wait("every task done and every host gone", lambda: (
+                len(store.list_page("done/").entries) == len(tasks)
+                and all(h.ended for h in fleet.hosts)), timeout)  # fmt: skip
+            command("status", "status", str(run_file))
+            view = snapshot(store)
+            command(f"down {SLICE_RUN}", "down", str(run_file))
+            command("merge", "merge", str(run_file))
+        finally:
+            stop_release()
+        for host in fleet.hosts:
+            host.count_requests()
+        records = {e.name[len("machines/"):-len(".json")]: _read_json(store, e.name) for e in store.list("machines/")}
+        done = {e.name: _read_json(store, e.name) for e in store.list("done/")}
+        index = _read_json(store, "index.json") or {}
+        writes = {name: n for name, n in world.writes.items()
+                  if name.startswith("jobs/tpu/") and ("/out/" in name or "/done/" in name)}
+        qr_deletes = [(call.path.rsplit("/", 1)[1], call.headers.get("host", ""))
+                      for call in world.cloud.calls("DELETE", "/queuedResources/")]
+        left = sorted(k for k in world.cloud.resources if re.search(r"/(nodes|queuedResources)/", k))
+        compared, problems = compare_with_one_process(world, store, done, workdir)
+        return TpuReport(time.monotonic() - began, tasks, list(fleet.hosts), commands, first_ups, second_ups,
+                         victim.record_name, killed_task, int(killed_token), attempt_end_s, lease_after_kill, keep_replace, keep_tail,
+                         tail_view, records, done, index, writes, qr_deletes, left, view, problems, compared)
+
+
+def safetensors_tensors(blob: bytes) -> dict[str, tuple[str, list[int], bytes]]:
+    """Each tensor of a safetensors file as (dtype, shape, its bytes), read from the format's header (an 8-byte
+    little-endian length, then JSON naming each tensor's dtype, shape and data_offsets): bf16 included, which
+    numpy cannot load."""
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + length])
+    base = 8 + length
+    return {name: (entry["dtype"], entry["shape"], blob[base + entry["data_offsets"][0]:base + entry["data_offsets"][1]])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def compare_with_one_process(world: TpuRehearsal, store, done: dict[str, dict], workdir: Path) -> tuple[str, list[str]]:
+    """Run a task that a slice completed again, in one process with 4 CPU devices (the slice's 4 hosts have one
+    each, so the automatic layout is the same), and compare every shard: the same names, and each tensor's bytes.
+    Returns (the task, its problems)."""
+    from taskqueue import layout
+
+    by_slice = sorted(f"done/{task}.json" for h in world.tpus.hosts if h.hosts > 1 and h.index == 0
+                      for task in re.findall(r"event=done task=(\S+)", h.log()))
+    if not by_slice or by_slice[0] not in done:
+        return "", [f"no task done by a slice to compare (the slices' leaders logged {by_slice})"]
+    marker = done[by_slice[0]]
+    task_id = marker["task"]
+    prefix = layout.output_prefix(task_id, int(marker["fencing_token"]))
+    scratch = workdir / f"one-process-{task_id}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "job.json").write_bytes(store.read(layout.JOB).data)
+    (scratch / "task.json").write_bytes(store.read(layout.task_object(task_id)).data)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPAWN_")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4", PYTHONUNBUFFERED="1",
+               STORAGE_EMULATOR_HOST=world.gcs.url)
+    result = subprocess.run([sys.executable, "consume.py", "--job-file", str(scratch / "job.json"), "--task-file",
+                             str(scratch / "task.json"), "--output", str(scratch / "out"), "--progress-file",
+                             str(scratch / "progress.jsonl")], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=900)
+    if result.returncode != 0:
+        return task_id, [f"the single-process run of {task_id} exited {result.returncode}: {result.stderr[-2000:]}"]
+    local = {str(p.relative_to(scratch / "out")): p.read_bytes() for p in (scratch / "out").rglob("*")
+             if p.is_file() and p.suffix == ".safetensors"}
+    remote = {e.name[len(prefix) + 1:]: store.read(e.name).data for e in store.list(prefix + "/")
+              if e.name.endswith(".safetensors")}
+    problems = []
+    if not local or sorted(local) != sorted(remote):
+        problems.append(f"{task_id}: the slice wrote shards {sorted(remote)}, one process {sorted(local)}")
+    for name in sorted(set(local) & set(remote)):
+        mine, theirs = safetensors_tensors(local[name]), safetensors_tensors(remote[name])
+        if sorted(mine) != sorted(theirs):
+            problems.append(f"{task_id} {name}: tensors {sorted(theirs)} from the slice, {sorted(mine)} from one process")
+            continue
+        differ = [key for key in mine if mine[key] != theirs[key]]
+        if differ:
+            problems.append(f"{task_id} {name}: tensors {differ} differ from one process's (dtype, shape or bytes)")
+    return task_id, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.boot.tpu_fleet", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=int, default=6, help="tasks of 8 rows (default 6)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (disks, consoles, logs)")
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="tpu-fleet-rehearsal-"))
+    try:
+        report = rehearse(workdir, args.tasks)
+    except RehearsalError as err:
+        print(f"TPU fleet rehearsal failed: {err} (consoles and logs: {workdir})", file=sys.stderr)
+        return 1
+    print("\n".join(report.lines()))
+    problems = check(report)
+    uncaught = breakages(report)
+    print(f"checks tried against the report broken 4 ways: {4 - len(uncaught)} caught"
+          + (f"; not caught: {uncaught}" if uncaught else ""))
+    problems += [f"the checks did not catch {what}" for what in uncaught]
+    for problem in problems:
+        print(f"PROBLEM {problem}")
+    if problems or args.keep:
+        print(f"consoles and logs: {workdir}")
+    else:
+        remove_in_background([workdir])
+    return 1 if problems else 0
+
+
+def _final(record: dict | None) -> str:
+    return f"{record.get('state')} ({record.get('reason', '')})" if record else "no record"
+
+
+def check(report: TpuReport) -> list[str]:
+    """What must be true of the TPU fleet's life (issue 43); each failure as a line (none: all held)."""
+    problems = []
+    hosts = report.hosts
+    expected = {f"done/{t}.json" for t in report.tasks}
+    if set(report.done) != expected:
+        problems.append(f"done markers {sorted(report.done)} are not one per task {sorted(expected)}")
+    runs_to_done = sum(h.tasks_run() for h in hosts if h.index == 0)
+    if runs_to_done != len(report.tasks):
+        problems.append(f"the leaders and single hosts ran {runs_to_done} tasks to done, not {len(report.tasks)}")
+    totals = report.index.get("totals", {})
+    if totals.get("tasks") != len(report.tasks) or {s["task"] for s in report.index.get("shards", [])} != set(report.tasks):
+        problems.append(f"the merged index is not complete: totals {totals}")
+    twice = {name: n for name, n in report.writes.items() if n > 1}
+    if twice or not report.writes:
+        problems.append(f"outputs or done markers written more than once: {twice}" if twice else "no output was written")
+    # The nodes: exactly those up and keep asked for, each host booted from its own endpoint.
+    nodes = sorted({h.node_id for h in hosts})
+    if nodes != [f"{SINGLE_RUN}-0000", f"{SLICE_RUN}-0000", f"{SLICE_RUN}-0001"]:
+        problems.append(f"hosts booted for nodes {nodes}: the two up made and the one keep made expected")
+    for node in nodes:
+        members = [h for h in hosts if h.node_id == node]
+        want = 4 if node.startswith(SLICE_RUN) else 1
+        if sorted(h.index for h in members) != list(range(want)) or len({h.address for h in members}) != want:
+            problems.append(f"{node} booted hosts {[(h.index, h.address) for h in members]}, not {want} at addresses of their own")
+    # Host 0 claims; every host of a slice computes its share of each task its leader ran to done.
+    for host in hosts:
+        claims = len(re.findall(CLAIM, host.log()))
+        if host.index > 0 and claims:
+            problems.append(f"follower {host.record_name} claimed {claims} tasks: only host 0 of a slice claims")
+    for leader in (h for h in hosts if h.hosts > 1 and h.index == 0):
+        finished = re.findall(r"event=done task=(\S+)", leader.log())
+        for follower in (h for h in hosts if h.node == leader.node and h.index > 0 and not h.end.startswith("killed")):
+            shares = set(re.findall(r"event=follower_consumer_exit task=(\S+) exit_code=0", follower.log()))
+            if not set(finished) <= shares:
+                problems.append(f"{follower.record_name} did not compute its share of {sorted(set(finished) - shares)}, "
+                                f"which its leader ran to done")
+    if not any(re.search(r"event=done task=", h.log()) for h in hosts if h.hosts > 1 and h.index == 0):
+        problems.append("no slice ran a task to done")
+    if not report.compared_task or report.same_as_one_process:
+        problems.append(f"a slice's shards against one process: {report.same_as_one_process}")
+    # The killed follower: the attempt ends within the bound, the lease is let go, the task done on a retry.
+    if report.attempt_end_s is None or report.attempt_end_s > ATTEMPT_END_BOUND_S:
+        problems.append(f"the slice's attempt ended {report.attempt_end_s} s after {report.killed} was killed "
+                        f"(bound {ATTEMPT_END_BOUND_S} s)")
+    lease = report.lease_after_kill
+    if lease.get("state") == "held" and int(lease.get("fencing_token", lease.get("token", 0)) or 0) == report.killed_token:
+        problems.append(f"the lease of {report.killed_task} was still held by the killed attempt: {lease}")
+    marker = report.done.get(f"done/{report.killed_task}.json") or {}
+    if not marker or int(marker.get("fencing_token") or 0) == report.killed_token:
+        problems.append(f"{report.killed_task} was not completed on a retry after the kill: its done marker {marker}")
+    # The keeper: a replacement while claimable tasks outnumber free workers, none in the tail.
+    [replace] = report.keep_replace.events("keeper_step") or [{}]
+    if (replace.get("deleted"), replace.get("created")) != ("1", "1") or int(replace.get("claimable", 0)) < 1 \
+            or len(report.keep_replace.creates()) != 1:
+        problems.append(f"keep after the slice's preemption stepped {replace} and sent {report.keep_replace.creates()}: "
+                        "it should delete the suspended queued resource and make one, claimable tasks outnumbering "
+                        "free workers")
+    [tail] = report.keep_tail.events("keeper_step") or [{}]
+    if (tail.get("claimable"), tail.get("deleted"), tail.get("created")) != ("0", "1", "0") or report.keep_tail.creates():
+        problems.append(f"keep in the tail stepped {tail} and sent {report.keep_tail.creates()}: it should delete the "
+                        "suspended queued resource and make nothing")
+    # up twice: the first made the run's queued resource, the second nothing.
+    for name, first in report.first_ups.items():
+        summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", first.stdout)
+        if not summary or summary.groups() != ("1", "0") or [p.rsplit("/", 1)[1] for _, p in first.creates()] != [
+                "queuedResources"]:
+            problems.append(f"the first up of {name} said {summary.group(0) if summary else first.stdout[-300:]!r} "
+                            f"and sent {first.creates()}: its one queued resource expected")
+    for name, again in report.second_ups.items():
+        summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", again.stdout)
+        if again.created() or again.creates() or not summary or summary.groups() != ("0", "1"):
+            problems.append(f"the second up of {name} created {again.created()}, sent {again.creates()}, said "
+                            f"{summary.group(0) if summary else again.stdout[-300:]!r}: it should make nothing")
+    # Self-deletion: the slice alive when the queue drained deletes its queued resource once, from host 0.
+    drained = [h for h in hosts if h.index == 0 and h.end == "self-deleted"]
+    if not drained:
+        problems.append("no slice deleted itself when the queue drained")
+    for leader in drained:
+        sent = [via for qr, via in report.qr_deletes if qr == leader.node_id]
+        own = leader.api.url.split("//", 1)[1] if leader.api else "?"
+        if sent != [own]:
+            problems.append(f"{leader.node_id}'s queued resource was deleted through {sent}, not once from its host 0 ({own})")
+    # Every host's final record says how it ended.
+    wanted = {"self-deleted": ({"deleting"}, {"exited"}), "preempted": ({"exited"}, {"exited"})}
+    for host in hosts:
+        record = report.records.get(host.record_name)
+        if host.end.startswith("killed"):
+            if not record or record.get("state") in ("failed", "deleting", "exited"):
+                problems.append(f"{host.record_name} was killed, yet its record is {_final(record)}")
+            continue
+        if host.end not in wanted:
+            problems.append(f"{host.record_name} ended {host.end!r}: every host should end by its slice's delete or a "
+                            "preemption")
+            continue
+        states = wanted[host.end][0 if host.index == 0 else 1]
+        if not record or record.get("state") not in states or not record.get("reason"):
+            problems.append(f"{host.record_name} ended {host.end}, and its final record is {_final(record)} "
+                            f"(expected {'/'.join(sorted(states))} with a reason)")
+    if report.left:
+        problems.append(f"down left {report.left}")
+    if not report.view.get("complete"):
+        problems.append("status does not say complete")
+    return problems
+
+
+def breakages(report: TpuReport) -> list[str]:
+    """The checks, tried against the report broken in the ways issue 43 names: each breakage must fail `check`.
+    Returns the breakages that did not (none: every one was caught)."""
+    host = next((h for h in report.hosts if report.records.get(h.record_name)), None)
+    again = report.second_ups[SLICE_RUN]
+    created_again = dataclasses.replace(
+        again, stdout=again.stdout.replace("(0 resources created now, 1 there already)",
+                                           "(1 resources created now, 1 there already)"),
+        mutations=[*again.mutations, ("POST", f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources")])
+    name = next(iter(report.writes), "")
+    broken = {
+        "a host that never wrote its final record": dataclasses.replace(
+            report, records={k: v for k, v in report.records.items() if host is None or k != host.record_name}),
+        "a second up that creates again": dataclasses.replace(report, second_ups={SLICE_RUN: created_again}),
+        "an output written twice": dataclasses.replace(report, writes={**report.writes, name: 2}),
+        "a task without its done marker": dataclasses.replace(
+            report, done={k: v for k, v in report.done.items() if k != f"done/{report.tasks[0]}.json"}),
+    }
+    return [what for what, bad in broken.items() if not set(check(bad)) - set(check(report))]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
