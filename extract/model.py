@@ -1,7 +1,7 @@
 """The decoder of every supported family in Flax NNX, truncated at the deepest activation the caller wants.
 
 transformers has no Flax version of these models, so this is ours. One decoder covers every family
-(extract/config.py, `FAMILIES`): the blocks they share (attention with its options, the gated and the plain MLP, the
+(extract/families.py, `FAMILIES`): the blocks they share (attention with its options, the gated and the plain MLP, the
 norms, RoPE, learned positions) are written once, and `ModelConfig` says which parts exist and how they behave. Per
 family, the differences are:
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from extract.config import DEFAULTS, ModelConfig
+from extract.config import ModelConfig
+from extract.families import DEFAULTS
 from extract.errors import BadInput
 from extract.model import ACTIVATIONS
 
