@@ -19,8 +19,9 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from activations.format import SITES, HookPoint, Output, output_order
+from activations.format import ROUTER_SITES, SITES, HookPoint, Output, output_order
 from extract.errors import BadInput
+from extract.experts import Moe
 from extract.families import FAMILIES, Family
 from extract.rope import Rope
 
@@ -40,6 +41,22 @@ NORM_POSITIONS = {
 NORMS = ("rms", "rms_scale_in_float32", "rms_one_plus", "layer_norm")
 #: The MLP: `gated` is down(act(gate x) * up x) (SwiGLU, GeGLU); `plain` is down(act(up x + b)) + b (GPT-2, NeoX).
 MLPS = ("gated", "plain")
+
+#: Mixtures of experts (and their kin) that are still refused, with what they need beyond the supported families,
+#: as their transformers 5.24 modeling files compute it: named in the refusal, read from config.json alone.
+UNSUPPORTED = {
+    "deepseek_v2": "multi-head latent attention (q_lora_rank, kv_lora_rank) and group-limited expert routing "
+                   "(n_group, topk_group)",
+    "deepseek_v3": "multi-head latent attention (q_lora_rank, kv_lora_rank) and sigmoid expert routing with a "
+                   "score-correction bias, group-limited (n_group, topk_group)",
+    "gpt_oss": "attention sinks (a learned logit per head in every softmax) and experts with biases and a clamped "
+               "SwiGLU (swiglu_limit)",
+    "glm4_moe": "sigmoid expert routing with a score-correction bias, group-limited (n_group, topk_group)",
+    "phimoe": "sparsemixer routing",
+    "qwen3_next": "gated DeltaNet linear-attention layers and gated attention",
+    "dbrx": "its fused expert tensors and clipped q/k/v (clip_qkv)",
+    "jamba": "Mamba layers",
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +92,7 @@ class ModelConfig:
     query_scale: float = 0.0  # the softmax scale: 1/sqrt(head_dim) (0 means that), Gemma 1/sqrt(query_pre_attn_scalar)
     attention_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     sliding_rope: Rope | None = None  # Gemma 3: the sliding layers' own RoPE (local base frequency)
+    moe: Moe | None = None  # Mixtral, Qwen-MoE, OLMoE: the mixture of experts (extract/experts.py); None: dense
     #: config.json as read (for `to_dict`); not part of the architecture's identity.
     raw: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -99,8 +117,17 @@ class ModelConfig:
 
     @property
     def sites(self) -> tuple[str, ...]:
-        """The hook sites a layer of this family has (`Family.sites`)."""
-        return self.family.sites(self)
+        """The hook sites some layer of this model has (`Family.sites` of each layer), in SITES order."""
+        present = {site for layer in range(self.num_hidden_layers) for site in self.layer_sites(layer)}
+        return tuple(site for site in SITES if site in present)
+
+    def layer_sites(self, layer: int) -> tuple[str, ...]:
+        """The hook sites decoder layer `layer` has (`Family.sites`)."""
+        return self.family.sites(self, layer)
+
+    def moe_layer(self, layer: int) -> Moe | None:
+        """The mixture of experts of decoder layer `layer`; None where its MLP is dense."""
+        return self.moe if self.moe is not None and self.moe.sparse_layers[layer] else None
 
     @property
     def mlp_projections(self) -> int:
@@ -121,9 +148,12 @@ class ModelConfig:
         return self.rope
 
     def width(self, output: Output) -> int:
-        """Values per token of one output: intermediate_size for the MLP's hidden activations, else hidden_size."""
+        """Values per token of one output: intermediate_size for the MLP's hidden activations, num_experts for the
+        router's, else hidden_size."""
         if isinstance(output, HookPoint) and output.site == "mlp_hidden":
             return self.intermediate_size
+        if isinstance(output, HookPoint) and output.site in ROUTER_SITES and self.moe is not None:
+            return self.moe.num_experts
         return self.hidden_size
 
     def hidden_units(self, outputs: Sequence[Output]) -> float:
@@ -143,8 +173,17 @@ class ModelConfig:
         return min(depth, self.num_hidden_layers)
 
     def hook_points(self, sites: Mapping[str, Sequence[int]] | None) -> tuple[HookPoint, ...]:
-        """A job's `sites` as sorted hook points (`normalize_sites`), refusing a site this family does not have."""
-        return normalize_sites(sites, self.num_hidden_layers, defined=self.sites, family=self.model_type)
+        """A job's `sites` as sorted hook points (`normalize_sites`), refusing a site this family does not have, and
+        a site of a layer that lacks it (a router site of a dense layer, `mlp_hidden` of a mixture of experts)."""
+        points = normalize_sites(sites, self.num_hidden_layers, defined=self.sites, family=self.model_type)
+        for point in points:
+            if point.site not in self.layer_sites(point.layer):
+                sparse = [i for i in range(self.num_hidden_layers) if self.moe_layer(i)]
+                why = ("its MLP is dense (mixture-of-experts layers: " + ", ".join(map(str, sparse)) + ")"
+                       if point.site in ROUTER_SITES else "its MLP is a mixture of experts, with no one hidden "
+                       "activation; keep mlp_out (the block's output) or the router's sites")  # fmt: skip
+                raise BadInput(f"sites.{point.site}: layer {point.layer} has no {point.site}: {why}")
+        return points
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
@@ -153,9 +192,10 @@ class ModelConfig:
         family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
         if family is None:
             supported = "; ".join(f"{name} ({family.name})" for name, family in FAMILIES.items())
+            missing = f" (it needs {UNSUPPORTED[model_type]}, which is not implemented)" if model_type in UNSUPPORTED else ""
             raise BadInput(
-                f"{source}: model_type={model_type!r} is not supported; supported model_type values are "
-                f"{supported}. MoE variants are not"
+                f"{source}: model_type={model_type!r} is not supported{missing}; supported model_type values are "
+                f"{supported}"
             )
         text, text_source = family.language_model(raw, source)
         fields = family.fields(text, text_source, model_type)

@@ -22,9 +22,10 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from activations.format import SITES
+from activations.format import ROUTER_SITES, SITES
 from extract import names
 from extract.errors import BadInput
+from extract.experts import Moe
 from extract.fields import Fields, decoder, qwen_windows, window, windows_from_layer_types
 from extract.rope import DEFAULT_THETA, one_block, read_layer_type_ropes, resolve_block
 
@@ -32,16 +33,29 @@ if TYPE_CHECKING:  # annotations only: extract.config reads config.json through 
     from extract.config import ModelConfig
 
 
-def layer_sites(config: ModelConfig) -> tuple[str, ...]:
-    """The hook sites a layer has: all of SITES, but `resid_mid` where attention and MLP run in parallel (NeoX),
-    since no residual stream lies between them."""
-    return tuple(s for s in SITES if not (config.parallel_residual and s == "resid_mid"))
+def layer_sites(config: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The hook sites decoder layer `layer` has: those of SITES its structure computes. No `resid_mid` where attention
+    and MLP run in parallel (NeoX: no residual stream lies between them); the router's sites only in a mixture of
+    experts, which has no one `mlp_hidden`."""
+    moe = config.moe_layer(layer)
+    return tuple(
+        site for site in SITES
+        if not (config.parallel_residual and site == "resid_mid")
+        and not (site in ROUTER_SITES and moe is None)
+        and not (site == "mlp_hidden" and moe is not None)
+    )  # fmt: skip
 
 
-def dense_mlp_weights(config: ModelConfig, layer: int) -> int:
-    """The MLP weights one token multiplies with in decoder layer `layer`: its matrices (three gated: gate, up,
-    down; two plain), each hidden_size x intermediate_size."""
-    return config.mlp_projections * config.hidden_size * config.intermediate_size
+def mlp_weights(config: ModelConfig, layer: int) -> int:
+    """The MLP weights one token multiplies with in decoder layer `layer`: a dense MLP's matrices (three gated: gate,
+    up, down; two plain), each hidden_size x intermediate_size; of a mixture of experts, the router, the `top_k`
+    chosen experts' three matrices, and a shared expert with its gate. (The memory model counts every expert: it
+    counts the built model's parameters.)"""
+    d, moe = config.hidden_size, config.moe_layer(layer)
+    if moe is None:
+        return config.mlp_projections * d * config.intermediate_size
+    shared = 3 * d * moe.shared_expert_size + d if moe.shared_expert_size else 0
+    return d * moe.num_experts + moe.top_k * 3 * d * moe.expert_size + shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +75,9 @@ class Family:
     #: The model_type of the language model's config, nested as `text_config` (a multimodal checkpoint); None: the
     #: config is the language model's.
     text_config: str | None = None
-    sites: Callable[[ModelConfig], tuple[str, ...]] = layer_sites
-    mlp_weights: Callable[[ModelConfig, int], int] = dense_mlp_weights
+    #: (config, decoder layer) -> the layer's hook sites.
+    sites: Callable[[ModelConfig, int], tuple[str, ...]] = layer_sites
+    mlp_weights: Callable[[ModelConfig, int], int] = mlp_weights
 
     def fields(self, raw: Mapping[str, Any], source: str, model_type: str) -> Fields:
         return Fields(raw, source, model_type, defaults=self.defaults, aliases=self.aliases,
@@ -290,6 +305,113 @@ def _gemma3(f: Fields, common: dict) -> dict:
     return dict(gemma, rope=full, sliding_rope=sliding, qk_norm="head")
 
 
+# -- mixtures of experts (extract/experts.py) ----------------------------------------------------------------------
+
+
+def _experts(f: Fields, num_layers: int, *, experts: str, size: str, norm_topk_prob: bool | None = None,
+             shared: bool = False, sparse_step: bool = False, float32_weights: bool = False) -> Moe:  # fmt: skip
+    """The mixture's sizes from the fields named `experts` and `size`; `norm_topk_prob` fixed (Mixtral) or read;
+    Qwen-MoE's sparse layers (`sparse_step`): layer i is sparse unless listed in mlp_only_layers, where
+    (i + 1) % decoder_sparse_step == 0 (its DecoderLayer's rule).
+
+    The count of experts may be written under either name, `num_experts` or `num_local_experts`: each config class
+    maps one to the other (its `attribute_map`), and Qwen3MoeConfig saves its `num_experts` as num_local_experts."""
+    other = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}[experts]
+    if not f.given(experts) and f.given(other):
+        experts = other
+    num_experts, top_k = f.positive(experts), f.positive("num_experts_per_tok")
+    if top_k > num_experts:
+        raise f.bad("num_experts_per_tok", f"is more than the {num_experts} experts ({f.key(experts)})")
+    sparse = [True] * num_layers
+    if sparse_step:
+        step, dense = f.positive("decoder_sparse_step"), f.get("mlp_only_layers")
+        dense = [] if dense is None else dense
+        if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+            raise f.bad("mlp_only_layers", "must be a list of decoder layers (from 0) whose MLP is dense")
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    return Moe(
+        num_experts=num_experts, top_k=top_k, expert_size=f.positive(size),
+        norm_topk_prob=f.flag("norm_topk_prob") if norm_topk_prob is None else norm_topk_prob,
+        sparse_layers=tuple(sparse), shared_expert_size=f.positive("shared_expert_intermediate_size") if shared else 0,
+        float32_weights=float32_weights,
+    )  # fmt: skip
+
+
+def _mixtral(f: Fields, common: dict) -> dict:
+    """Mixtral: Mistral's layer (every layer slides over `sliding_window` when set; none by default) with a mixture of
+    `num_local_experts` SwiGLU experts of intermediate_size in every layer; the chosen weights always renormalised
+    and kept in float32 (`MixtralTopKRouter`)."""
+    num_layers = common["num_hidden_layers"]
+    head_dim = f.head_dim(common["hidden_size"], common["num_attention_heads"], null_means_divided=True)
+    moe = _experts(f, num_layers, experts="num_local_experts", size="intermediate_size", norm_topk_prob=True,
+                   float32_weights=True)  # fmt: skip
+    return decoder(
+        f, common, head_dim, rope=f.rope(head_dim, default_theta=MIXTRAL_THETA), activation=f.activation("hidden_act"),
+        sliding_windows=(window(f),) * num_layers, moe=moe,
+    )  # fmt: skip
+
+
+#: `MixtralConfig.default_theta`: its RoPE base when config.json gives none.
+MIXTRAL_THETA = 1_000_000.0
+
+
+def _no_sliding(f: Fields, why: str) -> None:
+    if f.flag("use_sliding_window"):
+        raise f.bad("use_sliding_window", f"is not supported for {f.model_type} ({why}); set it false")
+
+
+def _qwen2_moe(f: Fields, common: dict) -> dict:
+    """Qwen1.5-MoE, Qwen2-MoE: Qwen2's attention (biases on q, k, v under `qkv_bias`); a mixture of
+    `moe_intermediate_size` experts plus a shared expert (`shared_expert_intermediate_size`) whose output is scaled by
+    sigmoid(x · shared_expert_gate); dense layers by `decoder_sparse_step` and `mlp_only_layers`. Sliding windows are
+    refused: no released checkpoint uses them."""
+    _no_sliding(f, "no released checkpoint slides")
+    num_layers = common["num_hidden_layers"]
+    head_dim = f.head_dim(common["hidden_size"], common["num_attention_heads"], null_means_divided=False)
+    moe = _experts(f, num_layers, experts="num_experts", size="moe_intermediate_size", shared=True, sparse_step=True)
+    return decoder(
+        f, common, head_dim, rope=f.rope(head_dim), qkv_bias=f.flag("qkv_bias"), activation=f.activation("hidden_act"),
+        sliding_windows=(None,) * num_layers, moe=moe,
+    )  # fmt: skip
+
+
+def _qwen3_moe(f: Fields, common: dict) -> dict:
+    """Qwen3-MoE: Qwen3's attention (per-head q/k RMSNorm; biases under attention_bias; every layer slides over
+    `sliding_window` only under use_sliding_window); a mixture of `moe_intermediate_size` experts, no shared expert;
+    dense layers by `decoder_sparse_step` and `mlp_only_layers`; `norm_topk_prob` either way."""
+    num_layers = common["num_hidden_layers"]
+    head_dim = f.head_dim(common["hidden_size"], common["num_attention_heads"], null_means_divided=False)
+    slides = f.flag("use_sliding_window") and f.get("sliding_window") is not None
+    bias = f.flag("attention_bias")
+    moe = _experts(f, num_layers, experts="num_experts", size="moe_intermediate_size", sparse_step=True)
+    return decoder(
+        f, common, head_dim, rope=f.rope(head_dim), qkv_bias=bias, o_bias=bias, qk_norm="head",
+        activation=f.activation("hidden_act"),
+        sliding_windows=((f.positive("sliding_window") if slides else None),) * num_layers, moe=moe,
+    )  # fmt: skip
+
+
+def _olmoe(f: Fields, common: dict) -> dict:
+    """OLMoE: norms before the sublayers (Llama's RMSNorm), q/k RMSNorm over the whole projection (all heads at once)
+    before RoPE, biases under attention_bias; a mixture of `num_experts` SwiGLU experts of intermediate_size in every
+    layer. `clip_qkv` (clamping q, k, v) is refused: no released OLMoE uses it. Its config class has no window, but
+    its attention passes a `sliding_window` that config.json gives to every layer (none when absent)."""
+    if f.get("clip_qkv") is not None:
+        raise f.bad("clip_qkv", "is not supported (clamping q, k and v); no released OLMoE sets it: make it null")
+    num_layers = common["num_hidden_layers"]
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    head_dim = f.head_dim(hidden, heads, null_means_divided=False)
+    if head_dim * heads != hidden:  # OlmoeAttention sizes its q norm by hidden_size: transformers fails otherwise
+        raise f.bad("head_dim", f"times num_attention_heads={heads} must be hidden_size={hidden}: OLMoE's q/k norms "
+                    "are hidden_size wide (transformers fails on this config too)")  # fmt: skip
+    bias = f.flag("attention_bias")
+    moe = _experts(f, num_layers, experts="num_experts", size="intermediate_size")
+    return decoder(
+        f, common, head_dim, rope=f.rope(head_dim), qkv_bias=bias, o_bias=bias, qk_norm="projection",
+        activation=f.activation("hidden_act"), sliding_windows=(window(f),) * num_layers, moe=moe,
+    )  # fmt: skip
+
+
 #: The defaults of transformers' config classes (5.24) for every field read here; they apply when config.json leaves
 #: the field out. `tests/extract_model/test_families.py` checks them against the classes themselves.
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -325,6 +447,21 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    attn_logit_softcapping=50.0, use_bidirectional_attention=None),
     "gemma3_text": _GEMMA3,
     "gemma3": _GEMMA3,  # the multimodal checkpoints' text_config is a Gemma3TextConfig
+    "mixtral": dict(zip(_SIZES, (32000, 4096, 14336, 32, 32)), num_key_value_heads=8, head_dim=None,
+                    hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5, sliding_window=None,
+                    num_experts_per_tok=2, num_local_experts=8),
+    "qwen2_moe": dict(zip(_SIZES, (151936, 2048, 5632, 24, 16)), num_key_value_heads=16, hidden_act="silu",
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, use_sliding_window=False,
+                      decoder_sparse_step=1, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                      num_experts_per_tok=4, num_experts=60, norm_topk_prob=False, mlp_only_layers=None,
+                      qkv_bias=True),
+    "qwen3_moe": dict(zip(_SIZES, (151936, 2048, 6144, 24, 32)), num_key_value_heads=4, hidden_act="silu",
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, attention_bias=False,
+                      use_sliding_window=False, sliding_window=4096, decoder_sparse_step=1, moe_intermediate_size=768,
+                      num_experts_per_tok=8, num_experts=128, norm_topk_prob=False, mlp_only_layers=None),
+    "olmoe": dict(zip(_SIZES, (50304, 2048, 2048, 16, 16)), num_key_value_heads=None, hidden_act="silu",
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, attention_bias=False, clip_qkv=None,
+                  num_experts_per_tok=8, num_experts=64, norm_topk_prob=False),
 }  # fmt: skip
 
 #: model_type -> its family. Qwen2.5 checkpoints say "qwen2"; Llama 2 to 3.2 say "llama"; Pythia "gpt_neox";
@@ -345,5 +482,9 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("Gemma 3 text-only", DEFAULTS["gemma3_text"], _gemma3, names.LLAMA),
     "gemma3": Family("Gemma 3 multimodal, its language model", DEFAULTS["gemma3"], _gemma3, names.GEMMA3_MULTIMODAL,
                      text_config="gemma3_text"),
+    "mixtral": Family("Mixtral", DEFAULTS["mixtral"], _mixtral, names.MIXTRAL),
+    "qwen2_moe": Family("Qwen1.5-MoE, Qwen2-MoE", DEFAULTS["qwen2_moe"], _qwen2_moe, names.QWEN2_MOE),
+    "qwen3_moe": Family("Qwen3-MoE", DEFAULTS["qwen3_moe"], _qwen3_moe, names.QWEN_MOE),
+    "olmoe": Family("OLMoE", DEFAULTS["olmoe"], _olmoe, names.QWEN_MOE, nullable_kv_heads=True),
 }  # fmt: skip
 

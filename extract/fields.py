@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from extract.errors import BadInput
-from extract.rope import Rope, read_rope
+from extract.rope import DEFAULT_THETA, Rope, read_rope
 
 #: transformers' ACT2FN names -> the activation the MLP applies (`extract.model.ACTIVATIONS`).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
@@ -103,9 +103,10 @@ class Fields:
         self.require_divisible_heads(hidden, heads)
         return hidden // heads
 
-    def rope(self, head_dim: int) -> Rope:
+    def rope(self, head_dim: int, default_theta: float = DEFAULT_THETA) -> Rope:
         return read_rope(
-            self.raw, head_dim, self.source, max_position_embeddings=self.defaults["max_position_embeddings"]
+            self.raw, head_dim, self.source, max_position_embeddings=self.defaults["max_position_embeddings"],
+            default_theta=default_theta,
         )
 
     def require_divisible_heads(self, hidden: int, heads: int) -> None:

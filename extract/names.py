@@ -42,6 +42,12 @@ class Stored:
     name: str
     layout: str = "vector"
     ranges: Ranges | None = None
+    #: A mixture's experts, one tensor each (as released): `name` holds `{}` for the expert's index, and the
+    #: parameter is their `experts` tensors stacked, expert 0 first. 0: one tensor.
+    experts: int = 0
+
+    def expert_names(self) -> tuple[str, ...]:
+        return tuple(self.name.format(e) for e in range(self.experts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,7 @@ class _Entry:
     name: str
     layout: str = "vector"
     part: Callable[[ModelConfig], Ranges] | None = None
+    experts: bool = False  # one tensor per expert: `name` holds `{}` for its index
 
 
 def _linear(name: str, part: Callable[[ModelConfig], Ranges] | None = None) -> _Entry:
@@ -159,6 +166,34 @@ LLAMA = Scheme(
     layers=_llama_layer,
 )
 
+# -- mixtures of experts (Mixtral, Qwen-MoE, OLMoE) ------------------------------------------------------------
+#: Every expert is its own SwiGLU MLP, one Linear tensor each, as released and as transformers 5 saves them (its
+#: checkpoint conversion mapping merges them into [experts, ...] tensors at load and splits them again at save:
+#: transformers/conversion_mapping.py, "mixtral" and "qwen2_moe", which qwen3_moe and olmoe share). The router is
+#: one Linear of [experts, hidden]. Dense layers of a Qwen-MoE keep Qwen2's `mlp.*_proj` names.
+
+
+def _experts(block: str, router: str, gate: str, up: str, down: str) -> dict[tuple[str, ...], _Entry]:
+    return {
+        ("mlp", "router"): _linear(f"{block}.{router}.weight"),
+        ("mlp", "experts", "gate_proj"): _Entry(f"{block}.experts.{{}}.{gate}.weight", "linear", experts=True),
+        ("mlp", "experts", "up_proj"): _Entry(f"{block}.experts.{{}}.{up}.weight", "linear", experts=True),
+        ("mlp", "experts", "down_proj"): _Entry(f"{block}.experts.{{}}.{down}.weight", "linear", experts=True),
+    }
+
+
+_QWEN_SHARED = {
+    ("mlp", "shared_expert", "gate_proj"): _linear("mlp.shared_expert.gate_proj.weight"),
+    ("mlp", "shared_expert", "up_proj"): _linear("mlp.shared_expert.up_proj.weight"),
+    ("mlp", "shared_expert", "down_proj"): _linear("mlp.shared_expert.down_proj.weight"),
+    ("mlp", "shared_expert_gate"): _linear("mlp.shared_expert_gate.weight"),
+}
+
+
+def _moe_layer(experts: Mapping) -> Callable[[ModelConfig], dict[tuple[str, ...], _Entry]]:
+    return lambda config: {**_llama_layer(config), **experts}
+
+
 # -- GPT-2 and GPT-NeoX ------------------------------------------------------------------------------------------
 
 
@@ -218,6 +253,10 @@ GPT_NEOX = Scheme(
     layers=_neox_layer,
 )  # fmt: skip
 PHI3 = dataclasses.replace(LLAMA, layers=lambda config: _llama_layer(config, _PHI3_FUSED))
+MIXTRAL = dataclasses.replace(LLAMA, layers=_moe_layer(_experts("block_sparse_moe", "gate", "w1", "w3", "w2")))
+QWEN_MOE = dataclasses.replace(LLAMA, layers=_moe_layer(_experts("mlp", "gate", "gate_proj", "up_proj", "down_proj")))
+QWEN2_MOE = dataclasses.replace(QWEN_MOE, layers=_moe_layer({
+    **_experts("mlp", "gate", "gate_proj", "up_proj", "down_proj"), **_QWEN_SHARED}))  # fmt: skip
 GEMMA3_MULTIMODAL = dataclasses.replace(LLAMA, prefixes=("language_model.model.", "model.language_model."))
 
 
@@ -238,4 +277,5 @@ def tensor_for(config: ModelConfig, path: Sequence, prefix: str) -> Stored:
         entry, where = scheme.layers(config).get(key[2:]), prefix + scheme.layer.format(key[1])
     if entry is None:
         raise KeyError(f"model parameter {'/'.join(map(str, key))} has no {config.model_type} checkpoint tensor")
-    return Stored(where + entry.name, entry.layout, entry.part(config) if entry.part else None)
+    experts = config.moe.num_experts if entry.experts and config.moe is not None else 0
+    return Stored(where + entry.name, entry.layout, entry.part(config) if entry.part else None, experts)

@@ -57,11 +57,15 @@ def test_the_entry_names_a_distinct_checkpoint_tensor_for_every_parameter(model_
 def test_the_entry_hook_sites_are_what_its_layers_return_and_its_planning_figure_is_the_active_mlp(model_type):
     config = small_config(model_type)
     model = built(config)
-    every_site = [HookPoint(site, layer) for layer in range(config.num_hidden_layers) for site in config.sites]
+    every_site = [HookPoint(site, layer) for layer in range(config.num_hidden_layers) for site in config.layer_sites(layer)]
     got = model(jnp.ones((1, 4), jnp.int32), every_site)
     assert set(got) == set(every_site)
     assert all(np.isfinite(np.asarray(value)).all() for value in got.values())
     for layer in range(config.num_hidden_layers):
         mlp = parameters(model.layers[layer].mlp)
         matrices = sum(math.prod(shape) for shape in mlp.values() if len(shape) == 2)
-        assert config.family.mlp_weights(config, layer) == matrices, (layer, mlp)
+        experts = sum(math.prod(shape) for shape in mlp.values() if len(shape) == 3)  # a mixture's [E, in, out]
+        moe = config.moe_layer(layer)
+        assert (moe is None) == (experts == 0)
+        active = matrices + (experts // moe.num_experts * moe.top_k if moe else 0)  # only the chosen experts
+        assert config.family.mlp_weights(config, layer) == active, (layer, mlp)
