@@ -17,7 +17,8 @@ A shard is a standard safetensors file (docs/EXTRACTION.md, "Output shards"):
 Hidden states (transformers' `output_hidden_states` index, an `int` everywhere) are stored as `layer_<L>`, as they
 always were. A hook point (`HookPoint(site, layer)`: one site of decoder layer `layer`, counted from 0) is stored as
 `<site>_<layer>`; its statistics as `stats.<site>_<layer>.*`. The sites are SITES (docs/EXTRACTION.md, "Hook sites");
-`mlp_hidden` is `intermediate_size` wide, every other site `hidden_size`.
+`mlp_hidden` is `intermediate_size` wide, `router_logits` and `expert_weights` `num_experts`, every other site
+`hidden_size`.
 
 The statistics come first in the data section, so one ranged read after the header fetches all of them; they are
 computed from the stored values (after the cast to the output dtype), so they describe exactly what a reader gets.
@@ -101,8 +102,15 @@ def numpy_dtype(name: str) -> np.dtype:
 #: the residual stream entering the layer; what attention adds to it (after Gemma's post-attention norm); the
 #: residual between attention and MLP; the MLP's input (after its norm, weight applied); the MLP's hidden
 #: activations (act(gate) * up, `intermediate_size` wide); what the MLP adds (after Gemma's post-MLP norm); the
-#: residual stream leaving the layer (never final-normed).
-SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_out", "resid_post")
+#: residual stream leaving the layer (never final-normed). A mixture-of-experts layer (Mixtral, Qwen-MoE, OLMoE) has
+#: no one MLP hidden activation, and adds its router's: the router's logits per expert (`router_logits`), and the
+#: weight each expert's output gets (`expert_weights`: zero for the experts not chosen, so the chosen experts are its
+#: nonzero entries), both `num_experts` wide; its `mlp_out` is the block's output (every chosen expert's, weighted,
+#: plus a shared expert's).
+SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_out", "resid_post", "router_logits",
+         "expert_weights")  # fmt: skip
+#: The sites only a mixture-of-experts layer has.
+ROUTER_SITES = ("router_logits", "expert_weights")
 #: The site name of hidden states (plain ints) where a site must be named, e.g. the loader's `site=`.
 HIDDEN = "hidden"
 

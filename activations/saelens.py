@@ -49,6 +49,11 @@ HOOKS = {
     "mlp_hidden": "mlp.hook_post",
     "mlp_out": "hook_mlp_out",
     "resid_post": "hook_resid_post",
+    # TransformerLens's MoE component (components/mlps/moe.py) names the router's weights hook_expert_weights (its
+    # versions keep the top k per token, or, as here, every expert with zeros where not chosen) and has no hook on
+    # the router's logits: that one is named as its neighbours are.
+    "router_logits": "mlp.hook_router_logits",
+    "expert_weights": "mlp.hook_expert_weights",
 }
 assert tuple(HOOKS) == SITES
 

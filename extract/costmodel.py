@@ -147,12 +147,16 @@ def output_widths(config: ModelConfig, outputs: Sequence[Output]) -> tuple[int, 
     return tuple(config.width(output) for output in outputs)
 
 
-def projection_flops_per_token(config: ModelConfig) -> int:
-    """Matmul FLOPs of one decoder layer's projections for one token (2 per multiply-add): q, k, v, o and the MLP's
-    matrices (three gated, two plain: `ModelConfig.mlp_projections`)."""
-    d, f = config.hidden_size, config.intermediate_size
-    n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    return 2 * (d * n * h + 2 * d * k * h + n * h * d + config.mlp_projections * d * f)
+def projection_flops_per_token(config: ModelConfig, layer: int = 0) -> int:
+    """Matmul FLOPs of decoder layer `layer`'s projections for one token (2 per multiply-add): q, k, v, o and the
+    MLP weights the token multiplies with (its family's planning figure, `Family.mlp_weights`)."""
+    d, n, k, h = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    return 2 * (d * n * h + 2 * d * k * h + n * h * d + config.family.mlp_weights(config, layer))
+
+
+def stack_projection_flops_per_token(config: ModelConfig, depth: int) -> int:
+    """`projection_flops_per_token` summed over the first `depth` decoder layers."""
+    return sum(projection_flops_per_token(config, layer) for layer in range(depth))
 
 
 def attention_flops_per_token_per_key(config: ModelConfig) -> int:
@@ -162,7 +166,8 @@ def attention_flops_per_token_per_key(config: ModelConfig) -> int:
 
 def flops_per_token(config: ModelConfig, depth: int, seq_len: int) -> float:
     """Forward FLOPs per token of a `seq_len`-token sample through `depth` decoder layers (Engine's count)."""
-    return float(depth * (projection_flops_per_token(config) + attention_flops_per_token_per_key(config) * seq_len))
+    attention = depth * attention_flops_per_token_per_key(config) * seq_len
+    return float(stack_projection_flops_per_token(config, depth) + attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,10 +220,11 @@ class TokenEstimate:
 
 
 def job_flops(config: ModelConfig, depth: int, tokens: TokenEstimate) -> float:
-    """Total forward FLOPs of the job: depth · (P · sum n + A · sum n²), the engine's per-sample count summed."""
-    return depth * (
-        projection_flops_per_token(config) * tokens.tokens
-        + attention_flops_per_token_per_key(config) * tokens.tokens_sq
+    """Total forward FLOPs of the job: P · sum n + depth · A · sum n² (P the layers' projections summed), the
+    engine's per-sample count summed."""
+    return (
+        stack_projection_flops_per_token(config, depth) * tokens.tokens
+        + depth * attention_flops_per_token_per_key(config) * tokens.tokens_sq
     )
 
 

@@ -11,7 +11,8 @@ before it loads any weight. Per device, one step of `rows` rows of `seq_len` tok
   embedding);
 - **activations**: the peak inside one decoder layer, the larger of its attention half (residual, normed input,
   q/k/v, their float32 RoPE copies, the attention output and its projection) and its MLP half (residual, normed
-  input, gate, up, their product, the projection), per token;
+  input, gate, up, their product, the projection; of a mixture of experts, every expert's, `moe_bytes_per_token`),
+  per token;
 - **attention**: the kernel's working set beyond those (`attention_bytes`): the materialised oracle's float32
   logits and probabilities ([rows, heads, T, T], the term that grows with T squared), cuDNN's softmax statistics
   (plus, for packed rows, the [rows, 1, T, T] same-document bias), splash's head-major copies of q/k/v/out;
@@ -237,6 +238,8 @@ def step_memory(
     c = compute_bytes
     attention_half = (4 * d + (2 * heads + 2 * kv_heads) * h) * c + (heads + kv_heads) * h * 4  # + float32 RoPE
     mlp_half = (3 * d + config.mlp_projections * width) * c  # gated: gate, up, their product; plain: up, act(up)
+    if config.moe is not None and any(config.moe.sparse_layers[:depth]):
+        mlp_half = max(mlp_half, moe_bytes_per_token(config, c, model_axis))
     inputs = 3 * 4 * (1 + held_steps)  # token ids, segment ids, positions: int32
     activations = tokens * (max(attention_half, mlp_half) + inputs) if depth else tokens * (d * c + inputs)
     attention = (
@@ -244,6 +247,20 @@ def step_memory(
     )
     outputs = kept * tokens * d * (c + out_bytes + held_steps * out_bytes)
     return StepMemory(weight_bytes(config, depth, c, model_axis), int(activations), attention, int(outputs))
+
+
+def moe_bytes_per_token(config: ModelConfig, compute_bytes: int, model_axis: int = 1) -> int:
+    """A mixture-of-experts layer's MLP half per token on one device (extract.model.MoeBlock): residual, normed input
+    and output; the router's logits, float32 probabilities and each expert's weight; and every expert's gate, up,
+    their product and its weighted copy ([E, F] per token: every expert runs on every token), split over the model
+    axis by expert where the experts divide it, else by each expert's width (`extract.sharding`)."""
+    moe = config.moe
+    by_expert = _split(moe.num_experts, model_axis)
+    by_width = _split(moe.expert_size, model_axis) if by_expert == 1 else 1
+    experts = moe.num_experts // by_expert * (moe.expert_size // by_width)
+    router = moe.num_experts * (compute_bytes + 4 + 4)
+    shared = 3 * moe.shared_expert_size * compute_bytes
+    return 3 * config.hidden_size * compute_bytes + router + 4 * experts * compute_bytes + shared
 
 
 def check_fits(

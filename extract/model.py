@@ -1,7 +1,7 @@
 """The decoder of every supported family in Flax NNX, truncated at the deepest activation the caller wants.
 
 transformers has no Flax version of these models, so this is ours. One decoder covers every family
-(extract/config.py, `FAMILIES`): the blocks they share (attention with its options, the gated and the plain MLP, the
+(extract/families.py, `FAMILIES`): the blocks they share (attention with its options, the gated and the plain MLP, the
 norms, RoPE, learned positions) are written once, and `ModelConfig` says which parts exist and how they behave. Per
 family, the differences are:
 
@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding
 from activations.format import HookPoint, Output
 from extract.attention import attend
 from extract.config import ModelConfig
+from extract.experts import Moe
 from extract.rope import Rope
 from extract.sharding import ShardingRules
 
@@ -203,8 +204,8 @@ class MLP(nnx.Module):
     """`gated`: down(act(gate x) * up x); `plain`: down(act(up x + b)) + b (ModelConfig.mlp). Returns the output
     and the hidden activations (what goes into the down-projection)."""
 
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
-        d, f = config.hidden_size, config.intermediate_size
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, intermediate_size: int | None = None):
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = _param(rngs, (d, f), dtype, "mlp_in") if config.mlp == "gated" else None
         self.up_proj = _param(rngs, (d, f), dtype, "mlp_in")
         self.down_proj = _param(rngs, (f, d), dtype, "mlp_out")
@@ -226,11 +227,70 @@ class MLP(nnx.Module):
         return out, hidden
 
 
+class Experts(nnx.Module):
+    """A mixture's SwiGLU experts, stacked: gate and up [E, D, F], down [E, F, D] (E experts, F each one's width)."""
+
+    def __init__(self, config: ModelConfig, num_experts: int, size: int, dtype, rngs: nnx.Rngs):
+        d = config.hidden_size
+        self.gate_proj = _param(rngs, (num_experts, d, size), dtype, "expert_in")
+        self.up_proj = _param(rngs, (num_experts, d, size), dtype, "expert_in")
+        self.down_proj = _param(rngs, (num_experts, size, d), dtype, "expert_out")
+
+
+class MoeBlock(nnx.Module):
+    """A mixture of experts in place of the MLP (`ModelConfig.moe`, routing as extract/experts.py states it): the
+    router picks each token's `top_k` experts, whose outputs are added, each times its weight; a Qwen2-MoE shared
+    expert adds its output times sigmoid(x · w) for every token. Returns the block's output, the router's logits and
+    the weight each expert got ([B, T, E], zero where not chosen).
+
+    Every expert runs on every token and the experts not chosen are weighted by an exact zero: no token is ever
+    dropped for capacity, the result is transformers' (an unchosen expert adds 0, exactly), and the experts split
+    over the mesh like any other tensor. It costs num_experts / top_k times the chosen experts' arithmetic."""
+
+    def __init__(self, config: ModelConfig, moe: Moe, dtype, rngs: nnx.Rngs):
+        self.router = _param(rngs, (config.hidden_size, moe.num_experts), dtype, "router")
+        self.experts = Experts(config, moe.num_experts, moe.expert_size, dtype, rngs)
+        shared = moe.shared_expert_size
+        self.shared_expert = MLP(config, dtype, rngs, intermediate_size=shared) if shared else None
+        self.shared_expert_gate = _param(rngs, (config.hidden_size, 1), dtype, "replicated") if shared else None
+        self.moe, self.activation = moe, config.activation
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The router's logits [B, T, E] and each expert's weight [B, T, E] (zero where not chosen)."""
+        logits = jnp.einsum("BTD,DE->BTE", x, self.router[...])
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        # Ties go to the higher expert index, as torch.topk on CPU breaks them (extract/experts.py): top_k prefers the
+        # lower index, so it runs over the experts in reverse.
+        top, reversed_chosen = jax.lax.top_k(probs[..., ::-1], self.moe.top_k)
+        chosen = self.moe.num_experts - 1 - reversed_chosen
+        if self.moe.norm_topk_prob:
+            top = top / jnp.sum(top, axis=-1, keepdims=True)
+        if not self.moe.float32_weights:
+            top = top.astype(x.dtype)
+        one_hot = jax.nn.one_hot(chosen, self.moe.num_experts, dtype=top.dtype)  # [B, T, K, E]
+        return logits, jnp.einsum("BTK,BTKE->BTE", top, one_hot)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        logits, weights = self.route(x)
+        gate = jnp.einsum("BTD,EDF->BTEF", x, self.experts.gate_proj[...])
+        up = jnp.einsum("BTD,EDF->BTEF", x, self.experts.up_proj[...])
+        hidden = ACTIVATIONS[self.activation](gate) * up
+        # transformers weights each expert's output after its down-projection; weighting its hidden activations
+        # first is the same sum (the weight is a scalar per token and expert) without a [B, T, E, D] tensor.
+        weighted = (hidden * weights[..., None]).astype(x.dtype)
+        out = jnp.einsum("BTEF,EFD->BTD", weighted, self.experts.down_proj[...])
+        if self.shared_expert is not None:
+            shared, _ = self.shared_expert(x)
+            gate_value = jax.nn.sigmoid(jnp.einsum("BTD,DO->BTO", x, self.shared_expert_gate[...]))
+            out = out + gate_value * shared
+        return out, logits, weights
+
+
 class DecoderLayer(nnx.Module):
     """Attention and MLP, each added to the residual stream, with the norms where the family puts them
     (`ModelConfig.norm_position`: the norms of `NORM_POSITIONS`), one after the other or in parallel (NeoX)."""
 
-    def __init__(self, config: ModelConfig, window: int | None, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, window: int | None, dtype, rngs: nnx.Rngs, moe: Moe | None = None):
         norms = config.layer_norms
 
         def norm(name: str) -> Norm | None:
@@ -240,7 +300,7 @@ class DecoderLayer(nnx.Module):
         self.attention = Attention(config, window, dtype, rngs)
         self.attention_out_norm = norm("attention_out_norm")
         self.mlp_norm = norm("mlp_norm")
-        self.mlp = MLP(config, dtype, rngs)
+        self.mlp = MLP(config, dtype, rngs) if moe is None else MoeBlock(config, moe, dtype, rngs)
         self.mlp_out_norm = norm("mlp_out_norm")
         self.parallel = config.parallel_residual
 
@@ -261,7 +321,10 @@ class DecoderLayer(nnx.Module):
                 sites["resid_mid"] = x = x + attn_out
         with jax.named_scope("mlp"):
             sites["mlp_in"] = self._maybe(self.mlp_norm, x)
-            mlp_out, sites["mlp_hidden"] = self.mlp(sites["mlp_in"])
+            if isinstance(self.mlp, MoeBlock):
+                mlp_out, sites["router_logits"], sites["expert_weights"] = self.mlp(sites["mlp_in"])
+            else:
+                mlp_out, sites["mlp_hidden"] = self.mlp(sites["mlp_in"])
             sites["mlp_out"] = mlp_out = self._maybe(self.mlp_out_norm, mlp_out)
             # NeoX adds mlp_out + attn_out first, then the residual (GPTNeoXLayer): the same order, the same rounding.
             sites["resid_post"] = (mlp_out + attn_out) + x if self.parallel else x + mlp_out
@@ -294,7 +357,7 @@ class DecoderModel(nnx.Module):
             _param(rngs, (config.position_table, d), dtype, "embedding") if config.position_table else None
         )
         self.layers = nnx.List(
-            [DecoderLayer(config, config.sliding_windows[i], dtype, rngs) for i in range(num_layers)]
+            [DecoderLayer(config, config.sliding_windows[i], dtype, rngs, config.moe_layer(i)) for i in range(num_layers)]
         )
         full_stack = num_layers == config.num_hidden_layers
         self.final_norm = _norm(config, (d,), dtype) if full_stack else None

@@ -14,7 +14,8 @@ are contiguous in the file): Phi-3's `qkv_proj` ([q; k; v] rows) and `gate_up_pr
 [..., heads, 3 * head_dim] and chunks the last axis); GPT-2's `c_attn`, a Conv1D whose q, k and v are column blocks
 (read whole, then sliced).
 
-Each family is one entry of `SCHEMES`: the tensor prefixes its checkpoints use (tried in order: the first under which
+Each family's names are one `Scheme`, which its entry in the family registry (`extract.families.FAMILIES`) holds: the
+tensor prefixes its checkpoints use (tried in order: the first under which
 the embedding exists), the names outside the layers, and those of one layer. The Llama-like families share one layer
 table whose norms are named by where they sit (`ModelConfig.norm_position`: `input_layernorm` and
 `post_attention_layernorm` before the sublayers; Gemma 2's four; OLMo 2's two after).
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from extract.config import ModelConfig
+if TYPE_CHECKING:  # annotations only: the family registry, which extract.config reads through, holds these schemes
+    from extract.config import ModelConfig
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -39,6 +42,12 @@ class Stored:
     name: str
     layout: str = "vector"
     ranges: Ranges | None = None
+    #: A mixture's experts, one tensor each (as released): `name` holds `{}` for the expert's index, and the
+    #: parameter is their `experts` tensors stacked, expert 0 first. 0: one tensor.
+    experts: int = 0
+
+    def expert_names(self) -> tuple[str, ...]:
+        return tuple(self.name.format(e) for e in range(self.experts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +55,7 @@ class _Entry:
     name: str
     layout: str = "vector"
     part: Callable[[ModelConfig], Ranges] | None = None
+    experts: bool = False  # one tensor per expert: `name` holds `{}` for its index
 
 
 def _linear(name: str, part: Callable[[ModelConfig], Ranges] | None = None) -> _Entry:
@@ -149,12 +159,40 @@ def _llama_layer(config: ModelConfig, fused: Mapping | None = None) -> dict[tupl
     return {**_LLAMA_ATTENTION, **_LLAMA_MLP, **norms, **(fused or {})}
 
 
-_LLAMA = Scheme(
+LLAMA = Scheme(
     prefixes=("model.", ""),
     model={("embedding",): _Entry("embed_tokens.weight"), ("final_norm", "scale"): _Entry("norm.weight")},
     layer="layers.{}.",
     layers=_llama_layer,
 )
+
+# -- mixtures of experts (Mixtral, Qwen-MoE, OLMoE) ------------------------------------------------------------
+#: Every expert is its own SwiGLU MLP, one Linear tensor each, as released and as transformers 5 saves them (its
+#: checkpoint conversion mapping merges them into [experts, ...] tensors at load and splits them again at save:
+#: transformers/conversion_mapping.py, "mixtral" and "qwen2_moe", which qwen3_moe and olmoe share). The router is
+#: one Linear of [experts, hidden]. Dense layers of a Qwen-MoE keep Qwen2's `mlp.*_proj` names.
+
+
+def _experts(block: str, router: str, gate: str, up: str, down: str) -> dict[tuple[str, ...], _Entry]:
+    return {
+        ("mlp", "router"): _linear(f"{block}.{router}.weight"),
+        ("mlp", "experts", "gate_proj"): _Entry(f"{block}.experts.{{}}.{gate}.weight", "linear", experts=True),
+        ("mlp", "experts", "up_proj"): _Entry(f"{block}.experts.{{}}.{up}.weight", "linear", experts=True),
+        ("mlp", "experts", "down_proj"): _Entry(f"{block}.experts.{{}}.{down}.weight", "linear", experts=True),
+    }
+
+
+_QWEN_SHARED = {
+    ("mlp", "shared_expert", "gate_proj"): _linear("mlp.shared_expert.gate_proj.weight"),
+    ("mlp", "shared_expert", "up_proj"): _linear("mlp.shared_expert.up_proj.weight"),
+    ("mlp", "shared_expert", "down_proj"): _linear("mlp.shared_expert.down_proj.weight"),
+    ("mlp", "shared_expert_gate"): _linear("mlp.shared_expert_gate.weight"),
+}
+
+
+def _moe_layer(experts: Mapping) -> Callable[[ModelConfig], dict[tuple[str, ...], _Entry]]:
+    return lambda config: {**_llama_layer(config), **experts}
+
 
 # -- GPT-2 and GPT-NeoX ------------------------------------------------------------------------------------------
 
@@ -197,45 +235,47 @@ def _neox_layer(config: ModelConfig) -> dict[tuple[str, ...], _Entry]:
     }
 
 
-#: model_type -> its names. Gemma 3's multimodal checkpoints keep the language model under `language_model.model.`
-#: as released (and as transformers 5 saves them), or `model.language_model.` as some transformers 4 versions saved
-#: them.
-SCHEMES: dict[str, Scheme] = {
-    "gpt2": Scheme(
-        prefixes=("transformer.", ""),
-        model={("embedding",): _Entry("wte.weight"), ("position_embedding",): _Entry("wpe.weight"),
-               **{("final_norm", *k): e for k, e in _norm("ln_f", bias=True).items()}},
-        layer="h.{}.",
-        layers=_gpt2_layer,
-    ),  # fmt: skip
-    "gpt_neox": Scheme(
-        prefixes=("gpt_neox.", ""),
-        model={("embedding",): _Entry("embed_in.weight"),
-               **{("final_norm", *k): e for k, e in _norm("final_layer_norm", bias=True).items()}},
-        layer="layers.{}.",
-        layers=_neox_layer,
-    ),  # fmt: skip
-    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text"), _LLAMA),
-    "phi3": dataclasses.replace(_LLAMA, layers=lambda config: _llama_layer(config, _PHI3_FUSED)),
-    "gemma3": dataclasses.replace(_LLAMA, prefixes=("language_model.model.", "model.language_model.")),
-}
+#: The families' schemes (each family's entry in `extract.families.FAMILIES` names one). Gemma 3's multimodal
+#: checkpoints keep the language model under `language_model.model.` as released (and as transformers 5 saves them),
+#: or `model.language_model.` as some transformers 4 versions saved them.
+GPT2 = Scheme(
+    prefixes=("transformer.", ""),
+    model={("embedding",): _Entry("wte.weight"), ("position_embedding",): _Entry("wpe.weight"),
+           **{("final_norm", *k): e for k, e in _norm("ln_f", bias=True).items()}},
+    layer="h.{}.",
+    layers=_gpt2_layer,
+)  # fmt: skip
+GPT_NEOX = Scheme(
+    prefixes=("gpt_neox.", ""),
+    model={("embedding",): _Entry("embed_in.weight"),
+           **{("final_norm", *k): e for k, e in _norm("final_layer_norm", bias=True).items()}},
+    layer="layers.{}.",
+    layers=_neox_layer,
+)  # fmt: skip
+PHI3 = dataclasses.replace(LLAMA, layers=lambda config: _llama_layer(config, _PHI3_FUSED))
+MIXTRAL = dataclasses.replace(LLAMA, layers=_moe_layer(_experts("block_sparse_moe", "gate", "w1", "w3", "w2")))
+QWEN_MOE = dataclasses.replace(LLAMA, layers=_moe_layer(_experts("mlp", "gate", "gate_proj", "up_proj", "down_proj")))
+QWEN2_MOE = dataclasses.replace(QWEN_MOE, layers=_moe_layer({
+    **_experts("mlp", "gate", "gate_proj", "up_proj", "down_proj"), **_QWEN_SHARED}))  # fmt: skip
+GEMMA3_MULTIMODAL = dataclasses.replace(LLAMA, prefixes=("language_model.model.", "model.language_model."))
 
 
 def prefix_for(config: ModelConfig, names: Collection[str]) -> str:
     """The prefix of this checkpoint's decoder tensors: the first of the family's prefixes under which its
     embedding is stored (checkpoints of a bare decoder, `LlamaModel`, carry none); the first prefix when none is."""
-    scheme = SCHEMES[config.model_type]
+    scheme = config.family.names
     embedding = scheme.model[("embedding",)].name
     return next((p for p in scheme.prefixes if p + embedding in names), scheme.prefixes[0])
 
 
 def tensor_for(config: ModelConfig, path: Sequence, prefix: str) -> Stored:
     """Where the model parameter `path` is stored; a KeyError for a parameter the family's names do not cover."""
-    scheme = SCHEMES[config.model_type]
+    scheme = config.family.names
     key = tuple(path)
     entry, where = scheme.model.get(key), prefix
     if entry is None and len(key) >= 3 and key[0] == "layers":
         entry, where = scheme.layers(config).get(key[2:]), prefix + scheme.layer.format(key[1])
     if entry is None:
         raise KeyError(f"model parameter {'/'.join(map(str, key))} has no {config.model_type} checkpoint tensor")
-    return Stored(where + entry.name, entry.layout, entry.part(config) if entry.part else None)
+    experts = config.moe.num_experts if entry.experts and config.moe is not None else 0
+    return Stored(where + entry.name, entry.layout, entry.part(config) if entry.part else None, experts)

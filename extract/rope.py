@@ -123,13 +123,15 @@ def read_rope(
     source: str = "config.json",
     *,
     max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS,
+    default_theta: float = DEFAULT_THETA,
 ) -> Rope:
     """Resolve a config dict's RoPE fields as transformers' generic `convert_rope_params_to_dict` does; `BadInput`
     for whatever is not honoured exactly.
 
-    `max_position_embeddings` is the family's default for that field (transformers' config class default)."""
+    `max_position_embeddings` is the family's default for that field (transformers' config class default), and
+    `default_theta` its base when config.json gives none (the config class's `default_theta`: 1e6 for Mixtral)."""
     field, block = one_block(raw, source)
-    block.setdefault("rope_theta", raw["rope_theta"] if "rope_theta" in raw else DEFAULT_THETA)
+    block.setdefault("rope_theta", raw["rope_theta"] if "rope_theta" in raw else default_theta)
     if "partial_rotary_factor" in raw:
         block.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     return resolve_block(

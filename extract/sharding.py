@@ -1,7 +1,8 @@
 """How the model is laid out on devices: the ("data", "model") mesh and one PartitionSpec per tensor role.
 
 Policy. Every local device joins one mesh. Batches are split over "data". Over "model" we split attention heads
-and the MLP intermediate dimension (tensor parallelism), each only where its size divides the axis; key/value heads
+and the MLP intermediate dimension (tensor parallelism), and a mixture's experts (by expert where their count
+divides the axis, else by each expert's width), each only where its size divides the axis; key/value heads
 that are fewer than the axis, or do not divide it, stay replicated. The automatic choice
 (`extract.memory.choose_mesh_shape`, beside the memory model it rests on) is pure data parallelism whenever one
 replica (weights plus one micro-batch's activations) fits a device, because that needs no collectives at all;
@@ -41,6 +42,9 @@ class ShardingRules:
     mlp_in: P  # [D, F] gate and up projections
     mlp_out: P  # [F, D] down projection
     mlp_bias: P  # [F] the up projection's bias (GPT-2, NeoX)
+    router: P  # [D, E] a mixture's router
+    expert_in: P  # [E, D, F] its experts' gate and up projections
+    expert_out: P  # [E, F, D] their down projections
     replicated: P  # norm scales, output bias
     tokens: P  # [B, T]
     activations: P  # [B, T, D], also every returned output ([B, T, F] for the MLP's hidden activations)
@@ -55,6 +59,11 @@ class ShardingRules:
         kv_heads = split_if_divides(config.num_key_value_heads) if heads else None
         ffw = split_if_divides(config.intermediate_size)
         hidden = split_if_divides(config.hidden_size)
+        # A mixture's experts split by expert where their count divides the axis (each device computes its experts'
+        # share of every token, one all-reduce adds them), else by each expert's width, as a dense MLP's.
+        moe = config.moe
+        by_expert = split_if_divides(moe.num_experts) if moe else None
+        expert_width = None if by_expert or not moe else split_if_divides(moe.expert_size)
         return cls(
             embedding=P(None, hidden),
             q_proj=P(None, heads, None),
@@ -65,6 +74,9 @@ class ShardingRules:
             mlp_in=P(None, ffw),
             mlp_out=P(ffw, None),
             mlp_bias=P(ffw),
+            router=P(),
+            expert_in=P(by_expert, None, expert_width),
+            expert_out=P(by_expert, expert_width, None),
             replicated=P(),
             tokens=P(DATA, None),
             activations=P(DATA, None, None),

@@ -479,7 +479,15 @@ def load_state(
         shape = tuple(variable.get_value().shape)
         sharding = NamedSharding(mesh, getattr(rules, variable.get_metadata()["role"]))
         rows = stored.ranges if stored.layout != "conv1d" else None  # Conv1D parts are columns: read whole
-        host = to_model_layout(stored, checkpoint.read(stored.name, rows), shape)
+        if stored.experts:  # one tensor per expert, stacked along the model's first (experts) axis
+            if shape[0] != stored.experts:
+                raise BadInput(f"{stored.name}: the config has {shape[0]} experts, the names {stored.experts}")
+            host = np.stack([
+                to_model_layout(dataclasses.replace(stored, name=name), checkpoint.read(name, rows), shape[1:])
+                for name in stored.expert_names()
+            ])  # fmt: skip
+        else:
+            host = to_model_layout(stored, checkpoint.read(stored.name, rows), shape)
         # astype copies out of the memory map (and converts); skip the copy when the layout already matches.
         host = np.ascontiguousarray(host.astype(target_dtype, copy=False))
         placed = jax.device_put(host, sharding)

@@ -47,6 +47,14 @@ FAMILIES: dict[str, dict] = {
     "gemma3_text": GEMMA3_TEXT,
     "gemma3": dict(text_config=dict(GEMMA3_TEXT, model_type="gemma3_text"), vision_config=TINY_VISION,
                    mm_tokens_per_image=4),
+    # Mixtures of experts: four experts, two a token, so that every expert is chosen in the parity samples; Qwen2-MoE
+    # with its shared expert and a dense layer between sparse ones, Qwen3-MoE renormalising its top-k weights.
+    "mixtral": dict(SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=5),
+    "qwen2_moe": dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, mlp_only_layers=[1]),
+    "qwen3_moe": dict(SMALL, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True),
+    "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2, pad_token_id=0),
 }  # fmt: skip
 
 #: Released models' shapes (their config.json, with a small vocabulary and few layers: the width is what matters).
@@ -88,9 +96,22 @@ REAL = {
         model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, sliding_window=1024,
         rope_scaling={"factor": 8.0, "rope_type": "linear"}, layer_types=["sliding_attention", "full_attention"]),
         vision_config=TINY_VISION, mm_tokens_per_image=4)),
+    # Mixtures at their released widths, every expert (their config.json's sizes and routing).
+    "Mixtral-8x7B": ("mixtral", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1e6, sliding_window=None)),
+    "Qwen3-30B-A3B": ("qwen3_moe", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=40960,
+        rope_theta=1e6)),
+    "OLMoE-1B-7B": ("olmoe", dict(
+        hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        rope_theta=10000.0, pad_token_id=1)),
 }  # fmt: skip
 #: The real shapes' layers and sample lengths (the bench's --real and the real_shape tests).
-REAL_LAYERS = {"Llama-3.1-8B": 1, "OLMo-2-7B": 1}  # the widest: one layer; the others two
+REAL_LAYERS = {"Llama-3.1-8B": 1, "OLMo-2-7B": 1, "Mixtral-8x7B": 1, "Qwen3-30B-A3B": 1}  # the widest: one layer
 REAL_LENGTHS = [32, 20]
 
 
@@ -114,9 +135,13 @@ class FamilyModel:
 
     @property
     def sites(self) -> list[str]:
-        """The hook sites transformers' layers of this family have (no resid_mid where attention and MLP are
+        """The hook sites transformers' first layer of this family has (no resid_mid where attention and MLP are
         parallel)."""
-        return [site for site in SITES if site in _site_modules(decoder_layers(self.torch_model)[0])]
+        return self.layer_sites(0)
+
+    def layer_sites(self, layer: int) -> list[str]:
+        """The hook sites of transformers' layer `layer` (a mixture of experts has the router's, and no mlp_hidden)."""
+        return [site for site in SITES if site in _site_modules(decoder_layers(self.torch_model)[layer])]
 
     @property
     def vocab_size(self) -> int:
@@ -126,7 +151,8 @@ class FamilyModel:
     def every_output(self) -> list[Output]:
         """Every hidden state and every site of every layer."""
         layers = range(self.num_hidden_layers)
-        return [*range(self.num_hidden_layers + 1), *(HookPoint(site, layer) for layer in layers for site in self.sites)]
+        return [*range(self.num_hidden_layers + 1),
+                *(HookPoint(site, layer) for layer in layers for site in self.layer_sites(layer))]  # fmt: skip
 
     def reference(self, token_ids: list[int], dtype: torch.dtype = torch.float32) -> dict[Output, np.ndarray]:
         """transformers' activations for one unpadded sample, every output, as float64 numpy [T, width], from the
@@ -167,6 +193,9 @@ def write_family_model(
     base = FAMILIES.get(model_type, SMALL) if base is None else base
     config = AutoConfig.for_model(model_type, **{**base, **overrides})
     config._attn_implementation = "eager"
+    # A mixture's experts one by one, as transformers' eager loop runs them (its default grouped matmul has no
+    # float64 kernel for the reference).
+    config._experts_implementation = "eager"
     with no_init_weights():  # every parameter is drawn below; at a real width transformers' own init is slow
         model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -212,7 +241,8 @@ def _site_modules(block: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, st
     parallel have no such stream."""
     attention = next(getattr(block, n) for n in ("self_attn", "attention", "attn") if hasattr(block, n))
     mlp = block.mlp
-    down = next(getattr(mlp, n) for n in ("down_proj", "dense_4h_to_h", "c_proj") if hasattr(mlp, n))
+    moe = hasattr(mlp, "experts")  # a mixture of experts: its router is `mlp.gate` (a *TopKRouter)
+    down = None if moe else next(getattr(mlp, n) for n in ("down_proj", "dense_4h_to_h", "c_proj") if hasattr(mlp, n))
     post_norms = hasattr(block, "post_feedforward_layernorm")
     if post_norms:
         pre_mlp = getattr(block, "pre_feedforward_layernorm", None)
@@ -226,7 +256,11 @@ def _site_modules(block: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, st
         "mlp_hidden": (down, "input"),
         "mlp_out": (block.post_feedforward_layernorm, "output") if post_norms else (mlp, "output"),
         "resid_post": (block, "output"),
+        "router_logits": (getattr(mlp, "gate", None), "router_logits"),
+        "expert_weights": (getattr(mlp, "gate", None), "expert_weights"),
     }
+    for site in ("router_logits", "expert_weights") if not moe else ("mlp_hidden",):
+        del sites[site]
     if getattr(block, "use_parallel_residual", False):
         del sites["resid_mid"]
     return sites
@@ -237,7 +271,18 @@ def _hook(module: torch.nn.Module, kind: str, captured: dict, key: HookPoint):
     def first(value):
         return value[0] if isinstance(value, tuple) else value
 
-    if kind == "input":
+    if kind in ("router_logits", "expert_weights"):
+
+        def router(module, _args, output):
+            # The router returns (logits, the chosen experts' weights, their indices), over the batch's tokens.
+            logits, weights, chosen = output
+            if kind == "router_logits":
+                captured[key] = logits[None]
+            else:
+                captured[key] = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, chosen, weights)[None]
+
+        handle = module.register_forward_hook(router)
+    elif kind == "input":
 
         def pre(_module, args, kwargs):
             captured[key] = first(args) if args else kwargs["hidden_states"]

@@ -39,9 +39,9 @@ def rewrite_single_file(path, drop=lambda name: False):
 def test_unknown_model_type_names_the_field_and_the_supported_ones(qwen2_untied, tmp_path):
     path = copy_model(qwen2_untied, tmp_path)
     config = json.loads((path / "config.json").read_text())
-    config["model_type"] = "mixtral"
+    config["model_type"] = "deepseek_v3"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(BadInput, match=r"model_type='mixtral'.*gpt2 .*gpt_neox .*llama .*mistral .*qwen2 .*qwen3 .*phi3 .*olmo2 .*gemma .*gemma2 .*gemma3_text .*gemma3 "):
+    with pytest.raises(BadInput, match=r"model_type='deepseek_v3'.*latent attention.*gpt2 .*gpt_neox .*llama .*mistral .*qwen2 .*qwen3 .*phi3 .*olmo2 .*gemma .*gemma2 .*gemma3_text .*gemma3 "):
         engine(path)
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from extract.config import DEFAULTS, ModelConfig
+from extract.config import ModelConfig
+from extract.families import DEFAULTS
 from extract.errors import BadInput
 from extract.model import ACTIVATIONS
 
@@ -33,6 +34,7 @@ CONFIG_CLASSES = {
     "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config",
     "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
     "gemma3": "Gemma3TextConfig",  # the multimodal config's text_config
+    "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig",
 }  # fmt: skip
 #: A vision tower as small as Gemma 3's multimodal model accepts (never run: the inputs are text).
 TINY_VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
@@ -76,6 +78,9 @@ class Reading:
     mlp: str
     position_table: int
     activation: tuple[float, ...]  # the gate activation at a few points
+    #: per layer, a mixture of experts' (experts, top k, expert width, renormalised, shared expert width, float32
+    #: weights); None for a dense MLP.
+    moe: tuple[tuple | None, ...] = ()
 
 
 _POINTS = np.linspace(-4, 4, 17, dtype=np.float32)
@@ -116,11 +121,14 @@ def transformers_reading(tmp_path: pathlib.Path, config: dict) -> Reading:
             ropes.append((getattr(rotary, f"{layer_type}_inv_freq"), getattr(rotary, f"{layer_type}_attention_scaling")))
         elif rotary is not None:
             ropes.append((rotary.inv_freq, rotary.attention_scaling))
-        # Mistral's and Phi-3's attention pass the config's window to every layer; the others keep their layer's.
-        everywhere = text.model_type in ("mistral", "phi3")
-        windows.append(text.sliding_window if everywhere else getattr(attention, "sliding_window", None))
+        # Mistral's, Phi-3's, Mixtral's and OLMoE's attention pass the config's window to every layer; the others
+        # keep their layer's.
+        everywhere = text.model_type in ("mistral", "phi3", "mixtral", "olmoe")
+        windows.append(getattr(text, "sliding_window", None) if everywhere else getattr(attention, "sliding_window", None))
     attention, mlp, norms = block_parts(blocks[0])
-    act = next(getattr(mlp, n) for n in ("act_fn", "activation_fn", "act") if hasattr(mlp, n))
+    moe = tuple(_their_moe(block.mlp, text) for block in blocks)
+    gated = mlp.experts if hasattr(mlp, "experts") else mlp  # an expert's activation is the MLP's
+    act = next(getattr(gated, n) for n in ("act_fn", "activation_fn", "act") if hasattr(gated, n))
     with torch.inference_mode():
         activation = act(torch.from_numpy(_POINTS)).numpy()
     q_norm = getattr(attention, "q_norm", None)
@@ -138,7 +146,8 @@ def transformers_reading(tmp_path: pathlib.Path, config: dict) -> Reading:
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=mlp.down_proj.in_features if hasattr(mlp, "down_proj") else (
-            mlp.dense_4h_to_h.in_features if hasattr(mlp, "dense_4h_to_h") else mlp.c_fc.nf),
+            mlp.dense_4h_to_h.in_features if hasattr(mlp, "dense_4h_to_h") else mlp.c_fc.nf) if not hasattr(
+            mlp, "experts") else text.intermediate_size,  # a mixture's dense layers (Qwen-MoE) are this wide
         query_scale=attention.scaling,
         # Gemma 3's attention keeps attn_logit_softcapping but never passes it to the kernel (modeling_gemma3.py).
         softcap=attention.attn_logit_softcapping if text.model_type == "gemma2" else None,
@@ -154,10 +163,22 @@ def transformers_reading(tmp_path: pathlib.Path, config: dict) -> Reading:
         norm_eps=next(iter(norms.values())).eps if hasattr(next(iter(norms.values())), "eps") else next(
             iter(norms.values())).variance_epsilon,
         parallel_residual=bool(getattr(block, "use_parallel_residual", False)),
-        mlp="gated" if hasattr(mlp, "gate_proj") or hasattr(mlp, "gate_up_proj") else "plain",
+        mlp="gated" if hasattr(gated, "gate_proj") or hasattr(gated, "gate_up_proj") else "plain",
         position_table=decoder.wpe.num_embeddings if hasattr(decoder, "wpe") else 0,
         activation=tuple(activation.astype(float)),
+        moe=moe,
     )  # fmt: skip
+
+
+def _their_moe(mlp: torch.nn.Module, text) -> tuple | None:
+    """A transformers layer's mixture, read from its modules: experts and their width from the stacked weights,
+    top k and renormalisation from the router; Mixtral's router renormalises and keeps float32 weights always."""
+    if not hasattr(mlp, "experts"):
+        return None
+    experts, width = mlp.experts.down_proj.shape[0], mlp.experts.down_proj.shape[2]
+    mixtral = text.model_type == "mixtral"
+    shared = mlp.shared_expert.down_proj.in_features if hasattr(mlp, "shared_expert") else 0
+    return (experts, mlp.gate.top_k, width, True if mixtral else mlp.gate.norm_topk_prob, shared, mixtral)
 
 
 def our_reading(config: dict) -> Reading:
@@ -180,7 +201,15 @@ def our_reading(config: dict) -> Reading:
         mlp=ours.mlp,
         position_table=ours.position_table,
         activation=tuple(np.asarray(ACTIVATIONS[ours.activation](jnp.asarray(_POINTS))).astype(float)),
+        moe=tuple(_our_moe(ours.moe_layer(i)) for i in range(ours.num_hidden_layers)),
     )
+
+
+def _our_moe(moe) -> tuple | None:
+    if moe is None:
+        return None
+    return (moe.num_experts, moe.top_k, moe.expert_size, moe.norm_topk_prob, moe.shared_expert_size,
+            moe.float32_weights)  # fmt: skip
 
 
 def assert_same_reading(ours: Reading, theirs: Reading) -> None:
@@ -213,6 +242,13 @@ FAMILY_EXTRAS = {
     "qwen2": {"use_sliding_window": True, "max_window_layers": 1},  # so that sliding_window matters
     "qwen3": {"use_sliding_window": True, "max_window_layers": 1},
     "gemma3_text": {"sliding_window_pattern": 2}, "gemma3": {"sliding_window_pattern": 2},
+    # Mixtures: few experts, narrow ones (their defaults are 8 to 128 experts); Qwen3-MoE slides every layer under
+    # use_sliding_window, Qwen2-MoE refuses it (so its sliding_window is left as transformers' dense reading).
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "use_sliding_window": True},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
 }  # fmt: skip
 COMBINATIONS = [
     (model_type, dict(zip(STATES, states)))
@@ -366,7 +402,9 @@ REFUSED = {
     "gemma-bidirectional": ("gemma", {"use_bidirectional_attention": True},
                             "use_bidirectional_attention=True is not supported"),
     "gemma3-multimodal-text_config-not-an-object": ("gemma3", {"text_config": [1]}, "text_config must be a JSON object"),
-    "mixtral": ("mixtral", {}, "model_type='mixtral' is not supported; supported model_type values are gpt2"),
+    "deepseek-mla": ("deepseek_v3", {}, "model_type='deepseek_v3' is not supported \\(it needs multi-head latent "
+                     "attention .*\\); supported model_type values are gpt2"),
+    "gpt-oss-sinks": ("gpt_oss", {}, "model_type='gpt_oss' is not supported \\(it needs attention sinks"),
 }  # fmt: skip
 
 

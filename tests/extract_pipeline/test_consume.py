@@ -264,7 +264,7 @@ def _broken_model(tiny_models, tmp_path, how: str) -> pathlib.Path:
     if how in ("model_type", "rope_conflict"):
         config = json.loads((model / "config.json").read_text())
         if how == "model_type":
-            config["model_type"] = "mixtral"  # MoE: not supported
+            config["model_type"] = "deepseek_v3"  # MoE with latent attention: not supported
         else:  # transformers would run YaRN at theta 10000 here (tests/extract_model/test_rope_and_windows.py)
             config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
             config["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
