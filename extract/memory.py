@@ -168,13 +168,24 @@ def declared_shapes(config: ModelConfig, depth: int) -> tuple[tuple[tuple[int, .
         layer += norm((n, h), "q_bias") + norm((k, h), "kv_bias")
     for _ in config.layer_norms:
         layer += norm((d,))
-    layer += [((d, f), "mlp_in")] * (2 if config.mlp == "gated" else 1) + [((f, d), "mlp_out")]
-    if config.mlp_bias:
-        layer += [((f,), "mlp_bias"), ((d,), "replicated")]
+
+    def mlp(width: int) -> list:
+        shapes = [((d, width), "mlp_in")] * (2 if config.mlp == "gated" else 1) + [((width, d), "mlp_out")]
+        return shapes + ([((width,), "mlp_bias"), ((d,), "replicated")] if config.mlp_bias else [])
+
+    def mixture(moe) -> list:  # extract.model.MoeBlock: the router, the stacked experts, a shared expert and its gate
+        e, w = moe.num_experts, moe.expert_size
+        shapes = [((d, e), "router"), ((e, d, w), "expert_in"), ((e, d, w), "expert_in"), ((e, w, d), "expert_out")]
+        if moe.shared_expert_size:
+            shapes += mlp(moe.shared_expert_size) + [((d, 1), "replicated")]
+        return shapes
+
     shapes = [((config.vocab_size, d), "embedding")]
     if config.position_table:
         shapes.append(((config.position_table, d), "embedding"))
-    shapes += layer * depth
+    for index in range(depth):
+        moe = config.moe_layer(index)
+        shapes += layer + (mixture(moe) if moe is not None else mlp(f))
     if depth == config.num_hidden_layers:
         shapes += norm((d,))
     return tuple(shapes)
