@@ -305,6 +305,14 @@ class WeightCache:
         return self.directory
 
 
+def _machine_copy(url: str, root: pathlib.Path) -> WeightCache:
+    """The machine's copy of the checkpoint at `url`, under `root` (verified on every use when VERIFY_ENV says so)."""
+    return WeightCache(
+        objectstore.open_store(url), root / url.removeprefix("gs://").strip("/"),
+        verify_always=os.environ.get(VERIFY_ENV, "").strip().lower() == "always",
+    )  # fmt: skip
+
+
 def reused_checkpoint(url: str, root: pathlib.Path | None = None) -> Checkpoint | None:
     """The checkpoint at `url` from this machine's copy when that copy is sound already (its headers read from the
     local files: no bucket read but the listing), else None: nothing is copied here."""
@@ -312,10 +320,7 @@ def reused_checkpoint(url: str, root: pathlib.Path | None = None) -> Checkpoint 
     if root is None:
         return None
     started = time.monotonic()
-    cache = WeightCache(
-        objectstore.open_store(url), root / url.removeprefix("gs://").strip("/"),
-        verify_always=os.environ.get(VERIFY_ENV, "").strip().lower() == "always",
-    )  # fmt: skip
+    cache = _machine_copy(url, root)
     try:
         local = cache.reuse()
     except OSError as exc:  # the local disk, not the bucket: the caller reads the bucket's headers instead
@@ -335,10 +340,7 @@ def open_checkpoint(url: str, root: pathlib.Path | None = None) -> Checkpoint:
     if root is None:
         return Checkpoint.from_store(url)
     started = time.monotonic()
-    cache = WeightCache(
-        objectstore.open_store(url), root / url.removeprefix("gs://").strip("/"),
-        verify_always=os.environ.get(VERIFY_ENV, "").strip().lower() == "always",
-    )  # fmt: skip
+    cache = _machine_copy(url, root)
     try:
         local = cache.sync()
     except OSError as exc:  # the local disk, not the bucket: read in place

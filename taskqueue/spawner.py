@@ -376,18 +376,7 @@ class Spawner:
             "event=consumer_exit task=%s exit_code=%d seconds=%.1f",
             claim.task_id, exit_code, self.clock.monotonic() - run.started,
         )  # fmt: skip
-        error = {
-            "attempt": lease.attempt,
-            "worker": self.options.worker,
-            "exit_code": exit_code,
-            "error": "\n".join(tail)[-4000:],
-            "at": self.clock.wall_iso(),
-        }
-        with self._core_lock:
-            action = run.exited(exit_code, error)
-        if isinstance(action, Abandon):
-            log.warning("event=lease_lost task=%s why=%s", claim.task_id, action.why)
-        return action
+        return self._exited(claim, run, exit_code, "\n".join(tail))
 
     def _run_resident(self, claim: Claim, run: TaskRun, env: dict[str, str], progress: ProgressFile):
         """The task on the resident consumer (started first if none runs): one request, then its reply or the
@@ -435,8 +424,12 @@ class Spawner:
             "event=consumer_exit task=%s exit_code=%d seconds=%.1f resident=true replied=%s stays=%s",
             claim.task_id, exit_code, self.clock.monotonic() - run.started, reply is not None, stays,
         )  # fmt: skip
+        return self._exited(claim, run, exit_code, tail)
+
+    def _exited(self, claim: Claim, run: TaskRun, exit_code: int, tail: str):
+        """The core's action for a consumer's exit (or a resident one's reply), its output's tail as the error."""
         error = {
-            "attempt": lease.attempt,
+            "attempt": claim.lease.attempt,
             "worker": self.options.worker,
             "exit_code": exit_code,
             "error": tail[-4000:],
