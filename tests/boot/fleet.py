@@ -59,7 +59,7 @@ from tests.boot.rehearsal import (
     BUCKET, METADATA_ADDRESS, PROJECT, REPO, ZONE, Disk, Namespaces, Rehearsal, RehearsalError, instance_metadata,
     machine_env, prepare_disk, release_host, remove_in_background, standin_release, tools_verdict,
 )  # fmt: skip
-from tests.boot import rootfs
+from tests.boot import records, rootfs
 from tests.cloud.fakecloud import PROJECT_NUMBER, FakeCloud
 from tests.cloud.fakehttp import Listener
 from tests.cloud.fakemetadata import FakeMetadata
@@ -97,6 +97,7 @@ class Run:
     thread: threading.Thread | None = None
     requests: int = 0
     saved_log: str | None = None  # the worker's log as the machine ended (its disk goes afterwards)
+    record: dict | None = None  # its machine record as it stopped (a recreated machine overwrites it later)
 
     @property
     def name(self) -> str:
@@ -184,6 +185,7 @@ class Fleet:
             run.ended, run.end = time.time(), why
         if run.ns is not None:
             run.ns.stop()
+        run.record = self.world.machine_record(run.name)  # before a recreated machine of this name writes its own
         run.count_requests()
         run.saved_log = run.log()
         (self.world.workdir / f"worker-{run.name}-boot{run.boot}.log").write_text(run.saved_log)
@@ -194,13 +196,22 @@ class Fleet:
 
     def preempt(self, run: Run) -> None:
         """A spot VM's preemption: the notice, up to PREEMPTION_NOTICE_S for the worker to hand its task
-        back (it exits once it has), the stop, then the group's repair (FakeCloud.stopped)."""
+        back and leave its final record (it exits once it has), the stop, then the group's repair
+        (FakeCloud.stopped). A worker that never writes that record is stopped at the notice's end."""
         run.metadata.set("instance/preempted", "TRUE")
         deadline = time.monotonic() + PREEMPTION_NOTICE_S
-        while time.monotonic() < deadline and "event=worker_exit" not in run.log():
+        while time.monotonic() < deadline and not self._left_final_record(run):
             time.sleep(0.5)
         self.halt(run, "preempted")
         self.world.cloud.stopped(run.instance)
+
+    def _left_final_record(self, run: Run) -> bool:
+        """Its worker exited and its record, written since this boot began, is a final one."""
+        from fleet.machines import FINAL_STATES, parse_time
+
+        record = self.world.machine_record(run.name) if "event=worker_exit" in run.log() else None
+        at = parse_time(record.get("at")) if record else None
+        return bool(record and record.get("state") in FINAL_STATES and at and at.timestamp() >= int(run.started))
 
     def stop_all(self) -> None:
         with self.lock:
@@ -284,6 +295,12 @@ class FleetRehearsal(Rehearsal):
             raise RehearsalError(f"gcs-spawner {' '.join(argv)} exited {result.returncode}:\n{result.stdout[-2000:]}\n"
                                  f"{result.stderr[-3000:]}")
         return command
+
+    def machine_record(self, name: str) -> dict | None:
+        """machines/NAME.json under the queue as it is now (fleet/machines.py), or None if there is none."""
+        key = f"{QUEUE.split('/', 3)[3]}/machines/{name}.json"
+        stored = self.objects(key).get(key)
+        return json.loads(stored.data) if stored is not None else None
 
     def generations(self, prefix: str) -> dict[str, int]:
         """Each object under `prefix` and its generation (a write makes a new one)."""
@@ -392,11 +409,13 @@ class FleetReport:
                                ("merge", self.merge)):
             steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in command.steps())
             out.append(f"  gcs-spawner {label}: {command.seconds:.1f} s" + (f" ({steps})" if steps else ""))
-        out.append(f"  {'machine':24s} {'boot':>4s} {'boot to first claim':>20s} {'tasks run':>9s} {'requests':>8s}  end")
+        out.append(f"  {'machine':24s} {'boot':>4s} {'boot to first claim':>20s} {'tasks run':>9s} {'requests':>8s}  end: record")
         for run in self.runs:
             claim = run.first_claim()
             to_claim = f"{claim - run.started:.1f} s" if claim and run.started else "-"
-            out.append(f"  {run.name:24s} {run.boot:4d} {to_claim:>20s} {run.tasks_done():9d} {run.requests:8d}  {run.end}")
+            record = f"{run.record.get('state')} ({run.record.get('reason', '')})" if run.record else "none"
+            out.append(f"  {run.name:24s} {run.boot:4d} {to_claim:>20s} {run.tasks_done():9d} {run.requests:8d}  "
+                       f"{run.end}: {record}")
         return out
 
 
@@ -545,7 +564,7 @@ def check(report: FleetReport) -> list[str]:
     if [e.get("created") for e in first.events("submitted")] != [str(first_tasks)]:
         problems.append(f"up submitted {first.events('submitted')}, not the {first_tasks} tasks of the run")
     # The same `up` again, mid-run: it finds everything and creates nothing (its words, its record, the API).
-    summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", again.stdout)
+    summary = re.search(r"\((\d+) resources? created now, (\d+) there already\)", again.stdout)  # "1 resource"
     if (again.created() or again.creates() or not summary or summary.groups() != ("0", str(len(made)))
             or [e.get("created") for e in again.events("submitted")] != ["0"] or report.code_rewritten):  # fmt: skip
         problems.append(f"the second up created {again.created()}, sent {again.creates()}, said "
@@ -572,6 +591,12 @@ def check(report: FleetReport) -> list[str]:
     sent = [(method, path.split("/compute/v1/", 1)[-1]) for method, path in report.down.mutations]
     if sent != wanted or report.recorded_after != dict.fromkeys(made, "deleted"):
         problems.append(f"down sent {sent} (expected {wanted}) and left the record {report.recorded_after}")
+    # Every boot's last record says how it ended (tests/boot/records.py): self-deleted, preempted, or,
+    # for the machine its group recreated, its own boot's self-delete (not the preempted boot's record).
+    endings = {"deleted": records.SELF_DELETED, "preempted": records.PREEMPTED}
+    problems += records.problems([
+        records.Ending(r.name, r.boot, endings[r.end], r.record, r.started, r.ended or time.time())
+        for r in report.runs if r.end in endings])  # fmt: skip
     if report.left:
         problems.append(f"teardown left {report.left}")
     if not report.view.get("complete"):

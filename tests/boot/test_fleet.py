@@ -5,7 +5,7 @@ template and a group of 2 created); each member booted by the fake Compute API a
 metadata, the real startup.sh and gcloud; one machine preempted mid-task and recreated by its group while the same
 `up` runs again and creates nothing; a late `gcs-spawner submit` of 1 task; every machine leaving through
 deleteInstances; `gcs-spawner down run.yaml` (no --yes: only a complete job goes on) deleting exactly what up
-recorded; nothing left. `make rehearsal` runs the full size (3 machines, 6 + 2 tasks), with the same checks.
+recorded; nothing left; every boot's last machine record saying how it ended (tests/boot/records.py). `make rehearsal` runs the full size (3 machines, 6 + 2 tasks), with the same checks.
 Needs what tests/boot/test_first_boot.py needs; skips (outside CI) without."""
 
 from __future__ import annotations
