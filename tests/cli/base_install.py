@@ -60,6 +60,7 @@ def servers() -> Iterator[dict[str, str]]:
 
     with FakeGCS("127.0.0.1", 0) as gcs:
         cloud = FakeCloud().start()
+        offer(cloud)
         env = {"STORAGE_EMULATOR_HOST": gcs.url, "CLOUDSDK_CORE_PROJECT": PROJECT}
         env.update({name: cloud.url for name in ("FLEET_COMPUTE_ENDPOINT", "FLEET_TPU_ENDPOINT",
                                                   "FLEET_CRM_ENDPOINT", "FLEET_STORAGE_ENDPOINT")})
@@ -74,6 +75,20 @@ def servers() -> Iterator[dict[str, str]]:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+def offer(cloud) -> None:
+    """The zones the two runs name exist and offer their types, as zones.get, machineTypes.get and
+    acceleratorTypes.get (Compute) and acceleratorTypes.get (TPU) answer: `up` and `validate` check that first."""
+    for zone in ("us-central1-a", "us-west4-a"):
+        cloud.add(f"projects/{PROJECT}/zones/{zone}", {"kind": "compute#zone", "name": zone, "status": "UP",
+                                                     "region": f"projects/{PROJECT}/regions/{zone[:-2]}"})
+    cloud.add(f"projects/{PROJECT}/zones/us-central1-a/machineTypes/g2-standard-8",
+              {"kind": "compute#machineType", "name": "g2-standard-8", "zone": "us-central1-a"})
+    cloud.add(f"projects/{PROJECT}/zones/us-central1-a/acceleratorTypes/nvidia-l4",
+              {"kind": "compute#acceleratorType", "name": "nvidia-l4", "zone": "us-central1-a"})
+    cloud.add(f"projects/{PROJECT}/locations/us-west4-a/acceleratorTypes/v5litepod-8",
+              {"name": f"projects/{PROJECT}/locations/us-west4-a/acceleratorTypes/v5litepod-8", "type": "v5litepod-8"})
 
 
 def write_world(gcs, directory: pathlib.Path, kind: str = "vm") -> pathlib.Path:
