@@ -1,4 +1,5 @@
-"""The run loop in-process: fixed shapes keep XLA to one program per bucket; progress is a bar on a terminal and key=value lines in a log."""
+"""The run loop in-process: fixed shapes keep XLA to one program per bucket; progress is a bar on a terminal and
+key=value lines in a log."""
 
 from __future__ import annotations
 
