@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from extract.job import Job, ResumeState, Task
 from extract.memory import IN_FLIGHT_STEPS
 from extract.phases import PhaseLedger
 from extract.writer import FORMAT, ProgressLog, ShardWriter, numpy_dtype, sites_of
+from progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -181,49 +181,17 @@ def ready_engine(job: Job, ledger: PhaseLedger, compile_cache: bool) -> tuple[An
     return load_engine(job), cache
 
 
-class ProgressDisplay:
-    """A tqdm bar on a terminal, otherwise one key=value log line every `every_s` seconds."""
+class ProgressDisplay(Progress):
+    """The run loop's progress: the one reporter (progress/) counting samples of `total` and the tokens in them, whose
+    rate it reports; its lines go to this module's log, and the task's own end line closes it."""
 
     def __init__(self, total: int, every_s: float, tty: bool | None = None):
-        self._total = total
-        self._every_s = every_s
-        self._lock = threading.Lock()
-        self._samples = 0
-        self._tokens = 0
-        self._started = time.monotonic()
-        self._last_log = self._started
-        self._bar = None
-        self._redirect: contextlib.ExitStack | None = None
-        if sys.stderr.isatty() if tty is None else tty:
-            from tqdm import tqdm
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
-            self._bar = tqdm(total=total, unit="sample", dynamic_ncols=True, file=sys.stderr)
-            # Log lines are printed above the bar instead of through it.
-            self._redirect = contextlib.ExitStack()
-            self._redirect.enter_context(logging_redirect_tqdm())
+        super().__init__(None, total, "samples", measure="tokens", log=log, every_s=every_s, bar=tty,
+                         closing_line=False)
 
     def update(self, samples: int, tokens: int) -> None:
-        with self._lock:
-            self._samples += samples
-            self._tokens += tokens
-            now = time.monotonic()
-            rate = self._tokens / max(now - self._started, 1e-9)
-            if self._bar is not None:
-                self._bar.update(samples)
-                self._bar.set_postfix(tokens_per_s=f"{rate:,.0f}", refresh=False)
-            elif now - self._last_log >= self._every_s:
-                self._last_log = now
-                log.info(
-                    "event=progress samples=%d total=%d tokens=%d tokens_per_s=%.1f elapsed_s=%.1f",
-                    self._samples, self._total, self._tokens, rate, now - self._started,
-                )  # fmt: skip
-
-    def close(self) -> None:
-        if self._redirect is not None:
-            self._redirect.close()
-        if self._bar is not None:
-            self._bar.close()
+        """The engine loop's `on_samples` callback."""
+        self.advance(samples, tokens)
 
 
 def load_engine(job: Job) -> Any:

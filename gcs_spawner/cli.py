@@ -452,7 +452,7 @@ def check_job_file(path: pathlib.Path) -> bytes:
 
 def cmd_mirror(args) -> int:
     from extract.weights import mirror_hub_snapshot, upload_model_dir
-    from gcs_spawner.progress import Progress
+    from progress import Progress
     from objectstore.address import check_address
 
     dest = args.dest if pathlib.Path(args.dest).is_dir() else check_address(args.dest, "DEST", directory=False)
@@ -476,7 +476,7 @@ def cmd_upload_code(args) -> int:
     glibc = tuple(int(part) for part in args.glibc.split(".") if part.isdigit())
     if len(glibc) != 2 or args.glibc.count(".") != 1:
         raise UsageError(f"--glibc {args.glibc!r}: expected a version such as 2.35")
-    from gcs_spawner.progress import Progress
+    from progress import Progress
 
     with Progress("upload", None, "bytes") as progress:  # files the client uploads; gcloud shows its own
         environment.upload_code(

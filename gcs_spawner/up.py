@@ -43,9 +43,9 @@ from typing import TextIO
 from gcs_spawner import checks
 from gcs_spawner.cloud import Clients, Declined
 from gcs_spawner.fleetstep import FleetStep, UpError, vm_resources
-from gcs_spawner.progress import Progress
 from gcs_spawner.record import RunRecord
 from gcs_spawner.runfile import Run
+from progress import Progress
 
 __all__ = ["Clients", "Declined", "UpError", "UpReport", "up", "validate", "plan_inputs", "wait_for_machines"]
 

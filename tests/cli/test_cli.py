@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from gcs_spawner.cli import main
-from gcs_spawner.progress import Progress
+from progress import Progress
 from tests.cli.conftest import REPO
 
 HEAVY = ("jax", "google.cloud.compute_v1", "google.cloud.tpu_v2", "google.cloud.storage", "transformers", "torch")

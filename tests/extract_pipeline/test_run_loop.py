@@ -1,4 +1,5 @@
-"""The run loop in-process: fixed shapes keep XLA to one program per bucket; progress is reported without a TTY."""
+"""The run loop in-process: fixed shapes keep XLA to one program per bucket; progress is a bar on a terminal and
+key=value lines in a log."""
 
 from __future__ import annotations
 
@@ -36,3 +37,22 @@ def test_progress_without_a_tty_is_a_key_value_log_line(caplog):
     display.close()
     (line,) = [r.getMessage() for r in caplog.records if "event=progress" in r.getMessage()]
     assert "samples=4 total=10 tokens=120" in line
+
+
+def test_progress_on_a_terminal_is_a_bar_with_the_token_rate_and_no_log_line(capsys, caplog):
+    display = ProgressDisplay(total=10, every_s=0.0, tty=True)
+    with caplog.at_level(logging.INFO, logger="extract.consumer"):
+        display.update(4, 120)
+        display.update(6, 180)
+        display.close()
+    bar = capsys.readouterr().err
+    assert "10/10" in bar and "samples/s" in bar and "tokens_per_s=" in bar
+    assert [r.getMessage() for r in caplog.records if "event=" in r.getMessage()] == []
+
+
+def test_progress_in_a_log_leaves_the_closing_line_to_the_task(caplog):
+    display = ProgressDisplay(total=10, every_s=60.0, tty=False)
+    with caplog.at_level(logging.INFO, logger="extract.consumer"):
+        display.update(10, 300)
+        display.close()  # run() logs the task's end with its figures; the reporter adds none of its own
+    assert [r.getMessage() for r in caplog.records if "event=" in r.getMessage()] == []
