@@ -17,8 +17,9 @@ TPU accelerator types are `<prefix>-<N>`. For v4 and v5p, N counts TensorCores (
 https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e). TPUs are priced per chip-hour
 (https://cloud.google.com/tpu/pricing). A GPU machine type (`a3-highgpu-8g`) comes with its GPUs attached
 (https://cloud.google.com/compute/docs/gpus) and is priced per machine-hour here. A machine type without an
-accelerator (`n2-standard-8`, a CPU worker) is priced per machine-hour too (`cpu_machines`: a machine record's
-type, for status's cost; the planner, which needs FLOPs, does not take it).
+accelerator (`n2-standard-8`, a CPU worker) is priced per machine-hour too (`cpu_machines`); its peak, which the
+planner needs, is its vCPUs times the table's `peak_fp32_gflops_per_vcpu`, an assumption that `sources.cpu_peaks`
+derives (`Accelerator.peak_assumed` says so wherever it is used).
 
 Nothing here imports the extraction code: the planner (tools/plan.py) joins prices to FLOPs.
 """
@@ -34,6 +35,8 @@ from typing import Any
 
 PRICES_FILE = pathlib.Path(__file__).resolve().parent / "prices.json"
 FORMAT = "gcs-spawner/prices/v1"
+#: `--accelerator cpu`: the price table's first CPU machine type (`PriceTable.accelerator`).
+CPU = "cpu"
 
 
 class PriceError(ValueError):
@@ -45,12 +48,17 @@ class Accelerator:
     """One machine of a given accelerator type: a TPU VM slice or a GPU machine."""
 
     name: str
-    family: str  # "v5e", "v6e", ... or the GPU model
-    chips: int  # TPU chips or GPUs
+    family: str  # "v5e", "v6e", ... or the GPU model, or "cpu"
+    chips: int  # TPU chips or GPUs (1 for a CPU machine: its cores share one host memory)
     hosts: int  # VMs that make up the machine (more than 1 only for multi-host TPU slices)
-    peak_flops: float  # dense bf16 FLOP/s of the whole machine
+    peak_flops: float  # dense bf16 FLOP/s of the whole machine (a CPU machine: fp32, the table's per-vCPU figure)
     on_demand_per_hour: float
     spot_per_hour: float
+    platform: str = "tpu"  # "tpu", "gpu" or "cpu": the JAX platform the machine computes on
+    #: Where peak_flops comes from when it is an assumption rather than a datasheet's figure (a CPU's); else None.
+    peak_assumed: str | None = None
+    #: A CPU machine's memory (its devices' memory is the host's); None for accelerators (extract/memory.py's table).
+    memory_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +97,27 @@ class PriceTable:
         return tpus + list(self.gpu_machines)
 
     def accelerator(self, name: str) -> Accelerator:
+        """The machine of type `name` as the planner prices it: a GPU or CPU machine type, or a TPU type of a listed
+        family (any size); `cpu` is the table's first CPU machine type. A type the table lacks, or a CPU machine type
+        without a peak (`peak_fp32_gflops_per_vcpu`), is a PriceError naming it and what to use instead."""
+        if name == CPU:
+            if not self.cpu_machines:
+                raise PriceError(f"accelerator: cpu: the price table {self.source} has no cpu_machines; add one")
+            name = next(iter(self.cpu_machines))
+        if name in self.cpu_machines:
+            m = self.cpu_machines[name]
+            if m.get("peak_fp32_gflops_per_vcpu") is None:
+                raise PriceError(f"accelerator: {name!r} has no peak_fp32_gflops_per_vcpu in the price table "
+                                 f"{self.source}, so no hours can be stated; add it to a copy of the table and pass "
+                                 "it with --prices")  # fmt: skip
+            return Accelerator(
+                name=name, family="cpu", chips=1, hosts=1,
+                peak_flops=m["vcpus"] * m["peak_fp32_gflops_per_vcpu"] * 1e9,
+                on_demand_per_hour=m["on_demand_per_hour"], spot_per_hour=m["spot_per_hour"], platform="cpu",
+                memory_bytes=int(m["memory_gib"] * 2**30),
+                peak_assumed=f"assumed: {m['vcpus']} vCPUs x {m['peak_fp32_gflops_per_vcpu']:g} GFLOP/s fp32 each "
+                             f"({self.sources.get('cpu_peaks', 'no source given')})",
+            )  # fmt: skip
         if name in self.gpu_machines:
             m = self.gpu_machines[name]
             return Accelerator(
@@ -99,6 +128,7 @@ class PriceTable:
                 peak_flops=m["gpus"] * m["peak_bf16_tflops_per_gpu"] * 1e12,
                 on_demand_per_hour=m["on_demand_per_hour"],
                 spot_per_hour=m["spot_per_hour"],
+                platform="gpu",
             )
         match = re.fullmatch(r"([a-z0-9]+)-([0-9]+)", name or "")
         family = None
@@ -271,6 +301,8 @@ def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
             raise PriceError(f"{where}: must be an object")
         cpus[machine] = {
             "vcpus": _count(f"{where}.vcpus", spec.get("vcpus")),
+            "peak_fp32_gflops_per_vcpu": None if spec.get("peak_fp32_gflops_per_vcpu") is None else _number(
+                f"{where}.peak_fp32_gflops_per_vcpu", spec.get("peak_fp32_gflops_per_vcpu")),
             **{key: _number(f"{where}.{key}", spec.get(key)) for key in ("memory_gib", "on_demand_per_hour", "spot_per_hour")},
         }
     storage = {}
