@@ -31,7 +31,11 @@ import json
 import pathlib
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, StrictFloat, StrictStr, ValidationError, model_validator
+
+from schemas import MISSING, UNKNOWN, Model, PositiveInt, Problem, Text, choice, cross_field, problems, rule, summary
 
 PRICES_FILE = pathlib.Path(__file__).resolve().parent / "prices.json"
 FORMAT = "gcs-spawner/prices/v1"
@@ -237,113 +241,117 @@ def is_tpu_type(name: str) -> bool:
     return bool(re.fullmatch(r"v[0-9][a-z0-9]*-[0-9]+", name or ""))
 
 
-def _number(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise PriceError(f"{where}: got {value!r}; use a number >= 0")
-    return float(value)
+#: A price, a peak or a size: a JSON number (not a boolean), at least 0.
+Number = Annotated[StrictFloat, Field(ge=0), rule("must be a number >= 0")]
+Date = Annotated[StrictStr, Field(pattern=r"^\d{4}-\d{2}-\d{2}$"), rule("must be a date, YYYY-MM-DD")]
 
 
-def _count(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PriceError(f"{where}: got {value!r}; use a positive integer")
-    return value
+class TpuFamily(Model):
+    """`tpu.<family>`: a TPU family, priced per chip-hour, any size (`PriceTable.accelerator`)."""
+
+    type_prefix: Text = Field(description="the accelerator-type prefix, e.g. 'v5litepod'")
+    cores_per_chip: PositiveInt = Field(description="TensorCores per chip: what the type's number counts, per chip")
+    chips_per_host: PositiveInt = Field(description="chips on one TPU VM host")
+    peak_bf16_tflops_per_chip: Number = Field(description="dense bf16 peak TFLOP/s of one chip")
+    on_demand_per_chip_hour: Number = Field(description="on-demand $ per chip-hour")
+    spot_per_chip_hour: Number = Field(description="spot $ per chip-hour")
 
 
-def _section(raw: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
-    value = raw.get(key)
-    if not isinstance(value, Mapping):
-        raise PriceError(f"{source}: {key}: missing or not an object; see reporting/prices.json for the layout")
-    return value
+class GpuMachine(Model):
+    """`gpu_machines.<machine type>`: a VM machine type with its GPUs, priced per machine-hour."""
+
+    gpu: Text = Field(description="the GPU model, e.g. 'NVIDIA L4'")
+    gpus: PositiveInt = Field(description="GPUs on the machine")
+    peak_bf16_tflops_per_gpu: Number = Field(description="dense bf16 peak TFLOP/s of one GPU")
+    on_demand_per_hour: Number = Field(description="on-demand $ per machine-hour")
+    spot_per_hour: Number = Field(description="spot $ per machine-hour")
+    attached: str | None = Field(None, description="how the GPU is attached, for a machine type that takes one")
+
+
+class CpuMachine(Model):
+    """`cpu_machines.<machine type>`: a VM machine type without an accelerator, priced per machine-hour."""
+
+    vcpus: PositiveInt = Field(description="vCPUs of the machine type")
+    memory_gib: Number = Field(description="memory of the machine type, GiB")
+    on_demand_per_hour: Number = Field(description="on-demand $ per machine-hour")
+    spot_per_hour: Number = Field(description="spot $ per machine-hour")
+    peak_fp32_gflops_per_vcpu: Number | None = Field(None, description="assumed fp32 peak GFLOP/s of one vCPU, "
+                                                     "which the planner needs (sources.cpu_peaks)")  # fmt: skip
+
+
+class StorageClass(Model):
+    """`storage.<location>`: Standard storage and its operations in a location class."""
+
+    standard_per_gib_month: Number = Field(description="Standard storage $ per GiB-month")
+    class_a_per_1000: Number = Field(description="$ per 1,000 Class A operations")
+    class_b_per_1000: Number = Field(description="$ per 1,000 Class B operations")
+
+
+class Figure(Model):
+    """`figures.<group>`: how the last refresh found a group's prices (`PriceTable.unconfirmed`)."""
+
+    status: choice("confirmed", "kept", "unconfirmed", hint="must be 'confirmed' (read from the page at the "
+                   "refresh), 'kept' (not found: an older reading) or 'unconfirmed' (an estimate never read from the "
+                   "page)")  # fmt: skip
+    as_of: Date = Field(description="the date of the reading, YYYY-MM-DD")
+    source: Text = Field(description="the page the figures come from")
+    note: str = ""
+    values: dict[str, Number] = Field(default_factory=dict, description="the figures a kept group keeps")
+
+
+class PriceFile(Model):
+    """reporting/prices.json, or a copy passed with --prices (or named in a run file's plan.prices)."""
+
+    format: choice(FORMAT)
+    as_of: Date = Field(description="the date the prices were taken, YYYY-MM-DD")
+    currency: str = "USD"
+    region: str = ""
+    refresh: str = ""
+    provenance: str = ""
+    sources: dict[str, str] = Field(description="the pages the figures come from, by group")
+    tpu: dict[str, TpuFamily] = Field(description="TPU families by name (v5e, v6e, ...)")
+    gpu_machines: dict[str, GpuMachine] = Field(description="GPU machine types")
+    cpu_machines: dict[str, CpuMachine] = Field(default_factory=dict)
+    storage: dict[str, StorageClass] = Field(description="storage location classes (region, multi-region)")
+    figures: dict[str, Figure] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _kept_groups_name_their_values(self) -> PriceFile:
+        for group, figure in self.figures.items():
+            if figure.status != "confirmed" and not figure.values:
+                raise cross_field(f"figures.{group}.values", "missing; a kept group names the figures it keeps, "
+                                  'e.g. {"on_demand_per_hour": 0.85}')  # fmt: skip
+        return self
+
+
+def _phrase(problem: Problem, where: str) -> str:
+    if problem.kind == UNKNOWN:
+        return f"{where}: unknown field; remove it or use one of: {problem.text}"
+    if problem.kind == MISSING:
+        return f"{where}: missing; a required field" + (f": {problem.text}" if problem.text else "")
+    return f"{where}: {problem.text}"
 
 
 def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
-    """Validate a price file's JSON; every problem is a PriceError naming the file and the field."""
+    """Validate a price file's JSON by its model (`PriceFile`); every problem is a PriceError naming the file and
+    the field."""
     if not isinstance(raw, Mapping):
         raise PriceError(f"{source}: must hold a JSON object")
-    if raw.get("format") != FORMAT:
-        raise PriceError(f"{source}: format: got {raw.get('format')!r}; expected {FORMAT!r}")
-    as_of = raw.get("as_of")
-    if not isinstance(as_of, str) or not re.fullmatch(r"\d{4}-\d{2}-\d{2}", as_of):
-        raise PriceError(f"{source}: as_of: got {as_of!r}; write the date the prices were taken, YYYY-MM-DD")
-    sources = _section(raw, "sources", source)
-
-    tpu: dict[str, dict[str, Any]] = {}
-    for family, spec in _section(raw, "tpu", source).items():
-        where = f"{source}: tpu.{family}"
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("type_prefix"), str):
-            raise PriceError(f"{where}.type_prefix: missing; name the accelerator-type prefix, e.g. 'v5litepod'")
-        tpu[family] = {
-            "type_prefix": spec["type_prefix"],
-            "cores_per_chip": _count(f"{where}.cores_per_chip", spec.get("cores_per_chip")),
-            "chips_per_host": _count(f"{where}.chips_per_host", spec.get("chips_per_host")),
-            **{
-                key: _number(f"{where}.{key}", spec.get(key))
-                for key in ("peak_bf16_tflops_per_chip", "on_demand_per_chip_hour", "spot_per_chip_hour")
-            },
-        }
-    gpus: dict[str, dict[str, Any]] = {}
-    for machine, spec in _section(raw, "gpu_machines", source).items():
-        where = f"{source}: gpu_machines.{machine}"
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("gpu"), str):
-            raise PriceError(f"{where}.gpu: missing; name the GPU model")
-        gpus[machine] = {
-            "gpu": spec["gpu"],
-            "gpus": _count(f"{where}.gpus", spec.get("gpus")),
-            **{
-                key: _number(f"{where}.{key}", spec.get(key))
-                for key in ("peak_bf16_tflops_per_gpu", "on_demand_per_hour", "spot_per_hour")
-            },
-        }
-    cpus: dict[str, dict[str, Any]] = {}
-    for machine, spec in (_section(raw, "cpu_machines", source) if "cpu_machines" in raw else {}).items():
-        where = f"{source}: cpu_machines.{machine}"
-        if not isinstance(spec, Mapping):
-            raise PriceError(f"{where}: must be an object")
-        cpus[machine] = {
-            "vcpus": _count(f"{where}.vcpus", spec.get("vcpus")),
-            "peak_fp32_gflops_per_vcpu": None if spec.get("peak_fp32_gflops_per_vcpu") is None else _number(
-                f"{where}.peak_fp32_gflops_per_vcpu", spec.get("peak_fp32_gflops_per_vcpu")),
-            **{key: _number(f"{where}.{key}", spec.get(key)) for key in ("memory_gib", "on_demand_per_hour", "spot_per_hour")},
-        }
-    storage = {}
-    for location, spec in _section(raw, "storage", source).items():
-        where = f"{source}: storage.{location}"
-        if not isinstance(spec, Mapping):
-            raise PriceError(f"{where}: must be an object")
-        storage[location] = StoragePrices(
-            location=location,
-            **{
-                key: _number(f"{where}.{key}", spec.get(key))
-                for key in ("standard_per_gib_month", "class_a_per_1000", "class_b_per_1000")
-            },
-        )
-    figures: dict[str, dict[str, Any]] = {}
-    for group, spec in (_section(raw, "figures", source) if "figures" in raw else {}).items():
-        where = f"{source}: figures.{group}"
-        if not isinstance(spec, Mapping) or spec.get("status") not in ("confirmed", "kept", "unconfirmed"):
-            raise PriceError(f"{where}.status: got {spec.get('status') if isinstance(spec, Mapping) else spec!r}; "
-                             "use 'confirmed' (read from the page at the refresh), 'kept' (not found: an older "
-                             "reading) or 'unconfirmed' (an estimate never read from the page)")  # fmt: skip
-        if not isinstance(spec.get("as_of"), str) or not re.fullmatch(r"\d{4}-\d{2}-\d{2}", spec["as_of"]):
-            raise PriceError(f"{where}.as_of: got {spec.get('as_of')!r}; write the date of the reading, YYYY-MM-DD")
-        if not isinstance(spec.get("source"), str) or not spec["source"]:
-            raise PriceError(f"{where}.source: missing; name the page the figures come from")
-        values = spec.get("values", {})
-        if spec["status"] != "confirmed" and (not isinstance(values, Mapping) or not values):
-            raise PriceError(f"{where}.values: missing; a kept group names the figures it keeps, e.g. "
-                             "{\"on_demand_per_hour\": 0.85}")  # fmt: skip
-        figures[group] = {"status": spec["status"], "as_of": spec["as_of"], "source": spec["source"],
-                          "note": str(spec.get("note", "")), "values": dict(values)}  # fmt: skip
+    try:
+        table = PriceFile.model_validate(raw)
+    except ValidationError as error:
+        raise PriceError(f"{source}: {summary(problems(error, PriceFile), _phrase)}") from None
+    dumped = table.model_dump()
     return PriceTable(
         source=source,
-        as_of=as_of,
-        provenance=str(raw.get("provenance", "")),
-        sources=dict(sources),
-        tpu=tpu,
-        gpu_machines=gpus,
-        storage=storage,
-        cpu_machines=cpus,
-        figures=figures,
+        as_of=table.as_of,
+        provenance=table.provenance,
+        sources=dumped["sources"],
+        tpu=dumped["tpu"],
+        gpu_machines=dumped["gpu_machines"],
+        storage={location: StoragePrices(location=location, **spec) for location, spec in dumped["storage"].items()},
+        cpu_machines=dumped["cpu_machines"],
+        figures=dumped["figures"],
     )
 
 

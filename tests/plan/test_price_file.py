@@ -1,0 +1,52 @@
+"""reporting/prices.json is declared by a pydantic model (`reporting.pricing.PriceFile`) like every other user file:
+the shipped table and a `--prices` copy are validated by it, and a bad field is named with what to write."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gcs_spawner.cli import main
+from reporting import pricing
+from tests.plan.test_plan import QWEN25_7B_JOB
+
+
+def shipped() -> dict:
+    return json.loads(pricing.PRICES_FILE.read_text())
+
+
+BAD = [
+    (lambda r: r["tpu"]["v5e"].update(spot_per_chip_hour=-1), "tpu.v5e.spot_per_chip_hour: must be a number >= 0, got -1"),
+    (lambda r: r["gpu_machines"]["g2-standard-8"].update(gpus=True), "gpu_machines.g2-standard-8.gpus: must be a positive integer, got True"),
+    (lambda r: r["gpu_machines"]["a2-highgpu-1g"].pop("gpu"), "gpu_machines.a2-highgpu-1g.gpu: missing; a required field"),
+    (lambda r: r["cpu_machines"]["n2-standard-8"].update(vcpu=8), "cpu_machines.n2-standard-8.vcpu: unknown field; remove it or use one of: memory_gib,"),
+    (lambda r: r["storage"]["region"].update(class_a_per_1000="0.005"), "storage.region.class_a_per_1000: must be a number >= 0, got '0.005'"),
+    (lambda r: r.update(as_of="2026-11"), "as_of: must be a date, YYYY-MM-DD, got '2026-11'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("break_it, message", BAD, ids=[message.split(":")[0] for _, message in BAD])
+def test_a_bad_field_of_the_price_file_is_named_with_what_to_write(tmp_path, break_it, message):
+    raw = shipped()
+    break_it(raw)
+    with pytest.raises(pricing.PriceError) as error:
+        pricing.parse_prices(raw, source="my-prices.json")
+    assert str(error.value).startswith(f"my-prices.json: {message}")
+
+
+def test_prices_flag_is_validated_by_the_same_model_and_is_bad_input(tmp_path, capsys):
+    raw = shipped()
+    raw["tpu"]["v6e"]["peak_bf16_tflops_per_chip"] = "fast"
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps(raw))
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(QWEN25_7B_JOB))
+    code = main(["plan", str(job_file), "--accelerator", "v6e-8", "--rows", "10", "--tokens-per-row", "5",
+                 "--prices", str(prices)])  # fmt: skip
+    assert code == 65
+    assert f"{prices}: tpu.v6e.peak_bf16_tflops_per_chip: must be a number >= 0, got 'fast'" in capsys.readouterr().err
+
+
+def test_the_shipped_table_is_valid_by_the_model():
+    pricing.PriceFile.model_validate(shipped())
