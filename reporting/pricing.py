@@ -235,6 +235,27 @@ class PriceTable:
         return self.storage[location]
 
 
+def check_machine_type(name: str, kind: str, prices_file: str | pathlib.Path | None = None, *,
+                       unpriced_ok: bool = False) -> MachinePrice | None:
+    """The one check of a fleet's machine type against the price table, for `up`/`validate`/`plan`
+    (gcs_spawner/checks.py), tools/create_tpus.py and tools/create_template.py: its hourly prices, or a PriceError
+    naming it and what to use instead (each caller puts the field in front, in its own error type).
+
+    `kind` "tpu": an accelerator type, refused unless the table lists its family and the size counts whole chips
+    (`PriceTable.accelerator`). `kind` "vm": a VM machine type, GPU or CPU (`PriceTable.machine_price`); one the
+    table does not price is None when `unpriced_ok` (a VM type is not refused for want of a price: `up` says so),
+    else refused."""
+    if kind not in ("tpu", "vm"):
+        raise ValueError(f"kind: got {kind!r}; use 'tpu' or 'vm'")
+    prices = load_prices(prices_file)
+    if kind == "tpu":
+        machine = prices.accelerator(name)
+        return MachinePrice(machine.name, machine.on_demand_per_hour, machine.spot_per_hour)
+    if unpriced_ok and not prices.priced(name):
+        return None
+    return prices.machine_price(name)
+
+
 def is_tpu_type(name: str) -> bool:
     """Whether `name` reads as a TPU accelerator type (`v5litepod-8`, `v6e-8`, `v4-16`), not a VM machine type
     (`g2-standard-8`, `n2-standard-16`: a series, a class and a size)."""

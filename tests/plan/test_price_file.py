@@ -50,3 +50,16 @@ def test_prices_flag_is_validated_by_the_same_model_and_is_bad_input(tmp_path, c
 
 def test_the_shipped_table_is_valid_by_the_model():
     pricing.PriceFile.model_validate(shipped())
+
+
+def test_one_machine_type_check_refuses_an_unknown_tpu_family_and_lets_an_unpriced_vm_type_through_when_asked():
+    """`pricing.check_machine_type` is the check that up/validate/plan, create_tpus.py and create_template.py share."""
+    with pytest.raises(pricing.PriceError, match=r"accelerator: 'v6f-8' is not in the price table .*v6e-8"):
+        pricing.check_machine_type("v6f-8", "tpu")
+    with pytest.raises(pricing.PriceError, match="counts TensorCores"):
+        pricing.check_machine_type("v4-7", "tpu")
+    assert pricing.check_machine_type("v6e-8", "tpu").spot_per_hour == pytest.approx(8 * 1.08)
+    assert pricing.check_machine_type("g2-standard-96", "vm", unpriced_ok=True) is None
+    with pytest.raises(pricing.PriceError, match="'g2-standard-96' is not in the price table"):
+        pricing.check_machine_type("g2-standard-96", "vm")
+    assert pricing.check_machine_type("n2-standard-8", "vm").on_demand_per_hour == 0.3885
