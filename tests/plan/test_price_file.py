@@ -60,6 +60,7 @@ def test_one_machine_type_check_refuses_an_unknown_tpu_family_and_lets_an_unpric
         pricing.check_machine_type("v4-7", "tpu")
     assert pricing.check_machine_type("v6e-8", "tpu").spot_per_hour == pytest.approx(8 * 1.08)
     assert pricing.check_machine_type("g2-standard-96", "vm", unpriced_ok=True) is None
+    assert pricing.check_machine_type("g2-standard-8", "vm", unpriced_ok=True).spot_per_hour == 0.34
     with pytest.raises(pricing.PriceError, match="'g2-standard-96' is not in the price table"):
         pricing.check_machine_type("g2-standard-96", "vm")
     assert pricing.check_machine_type("n2-standard-8", "vm").on_demand_per_hour == 0.3885
