@@ -40,18 +40,14 @@ def prices_file(run: Run, given: str | None = None) -> str | None:
 
 
 def accelerator(run: Run, prices_file: str | None = None):
-    """The fleet's accelerator as the planner prices it (`reporting.pricing.Accelerator`); for a CPU fleet
-    (`cpu_fleet`), its machine type's hourly prices (`reporting.pricing.MachinePrice`, the table's cpu_machines);
-    None for a VM machine type the table does not price (`unpriced` says what that means). A TPU type of a family
-    the table lacks is refused (CheckError): the table prices every size of the families it lists."""
+    """The fleet's machine type's hourly prices (`reporting.pricing.MachinePrice`, by `pricing.check_machine_type`,
+    the one check); None for a VM machine type the table does not price (`unpriced` says what that means). A TPU
+    type of a family the table lacks is refused (CheckError): the table prices every size of the families it lists."""
     from reporting import pricing
 
     field = "fleet.spec.accelerator_type" if run.kind == "tpu" else "fleet.spec.machine_type"
     try:
-        prices = pricing.load_prices(prices_file)
-        if run.kind == "vm" and not prices.priced(run.accelerator):
-            return None
-        return prices.machine_price(run.accelerator) if cpu_fleet(run) else prices.accelerator(run.accelerator)
+        return pricing.check_machine_type(run.accelerator, run.kind, prices_file, unpriced_ok=True)
     except pricing.PriceError as err:
         raise CheckError(f"{run.file}: {field}: {err}") from None
 

@@ -321,7 +321,8 @@ def _make_plan(args, workdir: pathlib.Path) -> dict:
         },
         "accelerator": {
             "name": machine.name, "family": machine.family, "chips": machine.chips, "hosts": machine.hosts,
-            "peak_flops": machine.peak_flops, "mfu": args.mfu,
+            "peak_flops": machine.peak_flops, "mfu": args.mfu, "platform": machine.platform,
+            "peak_source": machine.peak_assumed or "the price table's datasheet peak (dense bf16)",
             "on_demand_per_hour": machine.on_demand_per_hour, "spot_per_hour": machine.spot_per_hour,
         },
         "time": {
@@ -444,8 +445,8 @@ def memory_plan(job: Job, config, outputs, machine: pricing.Accelerator, prices:
     """
     from extract import kernel_choice, memory
 
-    platform = "tpu" if machine.family in prices.tpu else "gpu"
-    usable = memory.usable_bytes(machine.family, platform)
+    platform = machine.platform
+    usable = machine.memory_bytes if platform == "cpu" else memory.usable_bytes(machine.family, platform)
     kernel = kernel_choice.for_model(platform, job.compute_dtype_name, config,
                                      hopper=bool(HOPPER_OR_LATER.search(machine.family))).kernel  # fmt: skip
     shape = dict(
@@ -467,7 +468,8 @@ def memory_plan(job: Job, config, outputs, machine: pricing.Accelerator, prices:
     return {
         "chip": machine.family,
         "usable_bytes_per_chip": usable,
-        "source": "HBM per chip (extract/memory.py) x what the JAX client allocates of it" if usable else "unknown",
+        "source": ("the machine's memory (the price table's memory_gib)" if platform == "cpu" else
+                   "HBM per chip (extract/memory.py) x what the JAX client allocates of it") if usable else "unknown",
         "attention": kernel,
         "mesh": {"data": data_axis, "model": model_axis},
         "batch_size": job.batch_size,
@@ -544,13 +546,17 @@ def warnings(plan, args, job, config, tokens, outputs, prices, fits_warning: flo
         )
     if plan["accelerator"]["hosts"] > 1:
         out.append(
-            f"{args.accelerator} is a multi-host slice ({plan['accelerator']['hosts']} hosts); fleet/specs.py "
+            f"{plan['accelerator']['name']} is a multi-host slice ({plan['accelerator']['hosts']} hosts); fleet/specs.py "
             "launches single-host types only"
         )
     age = (datetime.date.today() - datetime.date.fromisoformat(prices.as_of)).days
     if age > 180:
         out.append(f"the price table is {age} days old (as_of {prices.as_of}); refresh {prices.source}")
-    out += [note for note in (prices.unconfirmed(args.accelerator), prices.unconfirmed_storage(args.storage)) if note]
+    if plan["accelerator"]["platform"] == "cpu":
+        out.append(f"{plan['accelerator']['name']}: the peak is {plan['accelerator']['peak_source']}; hours and $ rest "
+                   "on it and on --mfu (measure a task with bench/goodput_bench.py and pass --mfu)")
+    name = plan["accelerator"]["name"]  # `cpu` is the table's first CPU machine type
+    out += [note for note in (prices.unconfirmed(name), prices.unconfirmed_storage(args.storage)) if note]
     return out
 
 
@@ -600,7 +606,7 @@ def task_fixed_seconds(job: Job, config, depth: int, machine: pricing.Accelerato
     `ledgers_of`: the mean fixed seconds of an attempt, first tasks' copies and compiles included, on the machines
     that ran them, which are the queue's fleet: the run's own accelerator); else the platform's figures
     (extract/costmodel.py, STARTUP_COSTS: labelled assumptions until a device of the platform measured them)."""
-    platform = "tpu" if machine.family in prices.tpu else "gpu"
+    platform = machine.platform
     compute_bytes = {"bf16": 2, "fp32": 4}[job.compute_dtype]
     startup = costmodel.STARTUP_COSTS[platform]
     fixed = {"platform": platform, **costmodel.task_fixed_seconds(startup, config, depth, len(job.buckets), compute_bytes)}

@@ -17,8 +17,9 @@ TPU accelerator types are `<prefix>-<N>`. For v4 and v5p, N counts TensorCores (
 https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e). TPUs are priced per chip-hour
 (https://cloud.google.com/tpu/pricing). A GPU machine type (`a3-highgpu-8g`) comes with its GPUs attached
 (https://cloud.google.com/compute/docs/gpus) and is priced per machine-hour here. A machine type without an
-accelerator (`n2-standard-8`, a CPU worker) is priced per machine-hour too (`cpu_machines`: a machine record's
-type, for status's cost; the planner, which needs FLOPs, does not take it).
+accelerator (`n2-standard-8`, a CPU worker) is priced per machine-hour too (`cpu_machines`); its peak, which the
+planner needs, is its vCPUs times the table's `peak_fp32_gflops_per_vcpu`, an assumption that `sources.cpu_peaks`
+derives (`Accelerator.peak_assumed` says so wherever it is used).
 
 Nothing here imports the extraction code: the planner (tools/plan.py) joins prices to FLOPs.
 """
@@ -30,10 +31,16 @@ import json
 import pathlib
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, StrictFloat, StrictStr, ValidationError, model_validator
+
+from schemas import MISSING, UNKNOWN, Model, PositiveInt, Problem, Text, choice, cross_field, problems, rule, summary
 
 PRICES_FILE = pathlib.Path(__file__).resolve().parent / "prices.json"
 FORMAT = "gcs-spawner/prices/v1"
+#: `--accelerator cpu`: the price table's first CPU machine type (`PriceTable.accelerator`).
+CPU = "cpu"
 
 
 class PriceError(ValueError):
@@ -45,12 +52,17 @@ class Accelerator:
     """One machine of a given accelerator type: a TPU VM slice or a GPU machine."""
 
     name: str
-    family: str  # "v5e", "v6e", ... or the GPU model
-    chips: int  # TPU chips or GPUs
+    family: str  # "v5e", "v6e", ... or the GPU model, or "cpu"
+    chips: int  # TPU chips or GPUs (1 for a CPU machine: its cores share one host memory)
     hosts: int  # VMs that make up the machine (more than 1 only for multi-host TPU slices)
-    peak_flops: float  # dense bf16 FLOP/s of the whole machine
+    peak_flops: float  # dense bf16 FLOP/s of the whole machine (a CPU machine: fp32, the table's per-vCPU figure)
     on_demand_per_hour: float
     spot_per_hour: float
+    platform: str = "tpu"  # "tpu", "gpu" or "cpu": the JAX platform the machine computes on
+    #: Where peak_flops comes from when it is an assumption rather than a datasheet's figure (a CPU's); else None.
+    peak_assumed: str | None = None
+    #: A CPU machine's memory (its devices' memory is the host's); None for accelerators (extract/memory.py's table).
+    memory_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +101,27 @@ class PriceTable:
         return tpus + list(self.gpu_machines)
 
     def accelerator(self, name: str) -> Accelerator:
+        """The machine of type `name` as the planner prices it: a GPU or CPU machine type, or a TPU type of a listed
+        family (any size); `cpu` is the table's first CPU machine type. A type the table lacks, or a CPU machine type
+        without a peak (`peak_fp32_gflops_per_vcpu`), is a PriceError naming it and what to use instead."""
+        if name == CPU:
+            if not self.cpu_machines:
+                raise PriceError(f"accelerator: cpu: the price table {self.source} has no cpu_machines; add one")
+            name = next(iter(self.cpu_machines))
+        if name in self.cpu_machines:
+            m = self.cpu_machines[name]
+            if m.get("peak_fp32_gflops_per_vcpu") is None:
+                raise PriceError(f"accelerator: {name!r} has no peak_fp32_gflops_per_vcpu in the price table "
+                                 f"{self.source}, so no hours can be stated; add it to a copy of the table and pass "
+                                 "it with --prices")  # fmt: skip
+            return Accelerator(
+                name=name, family="cpu", chips=1, hosts=1,
+                peak_flops=m["vcpus"] * m["peak_fp32_gflops_per_vcpu"] * 1e9,
+                on_demand_per_hour=m["on_demand_per_hour"], spot_per_hour=m["spot_per_hour"], platform="cpu",
+                memory_bytes=int(m["memory_gib"] * 2**30),
+                peak_assumed=f"assumed: {m['vcpus']} vCPUs x {m['peak_fp32_gflops_per_vcpu']:g} GFLOP/s fp32 each "
+                             f"({self.sources.get('cpu_peaks', 'no source given')})",
+            )  # fmt: skip
         if name in self.gpu_machines:
             m = self.gpu_machines[name]
             return Accelerator(
@@ -99,6 +132,7 @@ class PriceTable:
                 peak_flops=m["gpus"] * m["peak_bf16_tflops_per_gpu"] * 1e12,
                 on_demand_per_hour=m["on_demand_per_hour"],
                 spot_per_hour=m["spot_per_hour"],
+                platform="gpu",
             )
         match = re.fullmatch(r"([a-z0-9]+)-([0-9]+)", name or "")
         family = None
@@ -201,117 +235,144 @@ class PriceTable:
         return self.storage[location]
 
 
+def check_machine_type(name: str, kind: str, prices_file: str | pathlib.Path | None = None, *,
+                       unpriced_ok: bool = False) -> MachinePrice | None:
+    """The one check of a fleet's machine type against the price table, for `up`/`validate`/`plan`
+    (gcs_spawner/checks.py), tools/create_tpus.py and tools/create_template.py: its hourly prices, or a PriceError
+    naming it and what to use instead (each caller puts the field in front, in its own error type).
+
+    `kind` "tpu": an accelerator type, refused unless the table lists its family and the size counts whole chips
+    (`PriceTable.accelerator`). `kind` "vm": a VM machine type, GPU or CPU (`PriceTable.machine_price`); one the
+    table does not price is None when `unpriced_ok` (a VM type is not refused for want of a price: `up` says so),
+    else refused."""
+    if kind not in ("tpu", "vm"):
+        raise ValueError(f"kind: got {kind!r}; use 'tpu' or 'vm'")
+    prices = load_prices(prices_file)
+    if kind == "tpu":
+        machine = prices.accelerator(name)
+        return MachinePrice(machine.name, machine.on_demand_per_hour, machine.spot_per_hour)
+    if unpriced_ok and not prices.priced(name):
+        return None
+    return prices.machine_price(name)
+
+
 def is_tpu_type(name: str) -> bool:
     """Whether `name` reads as a TPU accelerator type (`v5litepod-8`, `v6e-8`, `v4-16`), not a VM machine type
     (`g2-standard-8`, `n2-standard-16`: a series, a class and a size)."""
     return bool(re.fullmatch(r"v[0-9][a-z0-9]*-[0-9]+", name or ""))
 
 
-def _number(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise PriceError(f"{where}: got {value!r}; use a number >= 0")
-    return float(value)
+#: A price, a peak or a size: a JSON number (not a boolean), at least 0.
+Number = Annotated[StrictFloat, Field(ge=0), rule("must be a number >= 0")]
+Date = Annotated[StrictStr, Field(pattern=r"^\d{4}-\d{2}-\d{2}$"), rule("must be a date, YYYY-MM-DD")]
 
 
-def _count(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PriceError(f"{where}: got {value!r}; use a positive integer")
-    return value
+class TpuFamily(Model):
+    """`tpu.<family>`: a TPU family, priced per chip-hour, any size (`PriceTable.accelerator`)."""
+
+    type_prefix: Text = Field(description="the accelerator-type prefix, e.g. 'v5litepod'")
+    cores_per_chip: PositiveInt = Field(description="TensorCores per chip: what the type's number counts, per chip")
+    chips_per_host: PositiveInt = Field(description="chips on one TPU VM host")
+    peak_bf16_tflops_per_chip: Number = Field(description="dense bf16 peak TFLOP/s of one chip")
+    on_demand_per_chip_hour: Number = Field(description="on-demand $ per chip-hour")
+    spot_per_chip_hour: Number = Field(description="spot $ per chip-hour")
 
 
-def _section(raw: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
-    value = raw.get(key)
-    if not isinstance(value, Mapping):
-        raise PriceError(f"{source}: {key}: missing or not an object; see reporting/prices.json for the layout")
-    return value
+class GpuMachine(Model):
+    """`gpu_machines.<machine type>`: a VM machine type with its GPUs, priced per machine-hour."""
+
+    gpu: Text = Field(description="the GPU model, e.g. 'NVIDIA L4'")
+    gpus: PositiveInt = Field(description="GPUs on the machine")
+    peak_bf16_tflops_per_gpu: Number = Field(description="dense bf16 peak TFLOP/s of one GPU")
+    on_demand_per_hour: Number = Field(description="on-demand $ per machine-hour")
+    spot_per_hour: Number = Field(description="spot $ per machine-hour")
+    attached: str | None = Field(None, description="how the GPU is attached, for a machine type that takes one")
+
+
+class CpuMachine(Model):
+    """`cpu_machines.<machine type>`: a VM machine type without an accelerator, priced per machine-hour."""
+
+    vcpus: PositiveInt = Field(description="vCPUs of the machine type")
+    memory_gib: Number = Field(description="memory of the machine type, GiB")
+    on_demand_per_hour: Number = Field(description="on-demand $ per machine-hour")
+    spot_per_hour: Number = Field(description="spot $ per machine-hour")
+    peak_fp32_gflops_per_vcpu: Number | None = Field(None, description="assumed fp32 peak GFLOP/s of one vCPU, "
+                                                     "which the planner needs (sources.cpu_peaks)")  # fmt: skip
+
+
+class StorageClass(Model):
+    """`storage.<location>`: Standard storage and its operations in a location class."""
+
+    standard_per_gib_month: Number = Field(description="Standard storage $ per GiB-month")
+    class_a_per_1000: Number = Field(description="$ per 1,000 Class A operations")
+    class_b_per_1000: Number = Field(description="$ per 1,000 Class B operations")
+
+
+class Figure(Model):
+    """`figures.<group>`: how the last refresh found a group's prices (`PriceTable.unconfirmed`)."""
+
+    status: choice("confirmed", "kept", "unconfirmed", hint="must be 'confirmed' (read from the page at the "
+                   "refresh), 'kept' (not found: an older reading) or 'unconfirmed' (an estimate never read from the "
+                   "page)")  # fmt: skip
+    as_of: Date = Field(description="the date of the reading, YYYY-MM-DD")
+    source: Text = Field(description="the page the figures come from")
+    note: str = ""
+    values: dict[str, Number] = Field(default_factory=dict, description="the figures a kept group keeps")
+
+
+class PriceFile(Model):
+    """reporting/prices.json, or a copy passed with --prices (or named in a run file's plan.prices)."""
+
+    format: choice(FORMAT)
+    as_of: Date = Field(description="the date the prices were taken, YYYY-MM-DD")
+    currency: str = "USD"
+    region: str = ""
+    refresh: str = ""
+    provenance: str = ""
+    sources: dict[str, str] = Field(description="the pages the figures come from, by group")
+    tpu: dict[str, TpuFamily] = Field(description="TPU families by name (v5e, v6e, ...)")
+    gpu_machines: dict[str, GpuMachine] = Field(description="GPU machine types")
+    cpu_machines: dict[str, CpuMachine] = Field(default_factory=dict)
+    storage: dict[str, StorageClass] = Field(description="storage location classes (region, multi-region)")
+    figures: dict[str, Figure] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _kept_groups_name_their_values(self) -> PriceFile:
+        for group, figure in self.figures.items():
+            if figure.status != "confirmed" and not figure.values:
+                raise cross_field(f"figures.{group}.values", "missing; a kept group names the figures it keeps, "
+                                  'e.g. {"on_demand_per_hour": 0.85}')  # fmt: skip
+        return self
+
+
+def _phrase(problem: Problem, where: str) -> str:
+    if problem.kind == UNKNOWN:
+        return f"{where}: unknown field; remove it or use one of: {problem.text}"
+    if problem.kind == MISSING:
+        return f"{where}: missing; a required field" + (f": {problem.text}" if problem.text else "")
+    return f"{where}: {problem.text}"
 
 
 def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
-    """Validate a price file's JSON; every problem is a PriceError naming the file and the field."""
+    """Validate a price file's JSON by its model (`PriceFile`); every problem is a PriceError naming the file and
+    the field."""
     if not isinstance(raw, Mapping):
         raise PriceError(f"{source}: must hold a JSON object")
-    if raw.get("format") != FORMAT:
-        raise PriceError(f"{source}: format: got {raw.get('format')!r}; expected {FORMAT!r}")
-    as_of = raw.get("as_of")
-    if not isinstance(as_of, str) or not re.fullmatch(r"\d{4}-\d{2}-\d{2}", as_of):
-        raise PriceError(f"{source}: as_of: got {as_of!r}; write the date the prices were taken, YYYY-MM-DD")
-    sources = _section(raw, "sources", source)
-
-    tpu: dict[str, dict[str, Any]] = {}
-    for family, spec in _section(raw, "tpu", source).items():
-        where = f"{source}: tpu.{family}"
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("type_prefix"), str):
-            raise PriceError(f"{where}.type_prefix: missing; name the accelerator-type prefix, e.g. 'v5litepod'")
-        tpu[family] = {
-            "type_prefix": spec["type_prefix"],
-            "cores_per_chip": _count(f"{where}.cores_per_chip", spec.get("cores_per_chip")),
-            "chips_per_host": _count(f"{where}.chips_per_host", spec.get("chips_per_host")),
-            **{
-                key: _number(f"{where}.{key}", spec.get(key))
-                for key in ("peak_bf16_tflops_per_chip", "on_demand_per_chip_hour", "spot_per_chip_hour")
-            },
-        }
-    gpus: dict[str, dict[str, Any]] = {}
-    for machine, spec in _section(raw, "gpu_machines", source).items():
-        where = f"{source}: gpu_machines.{machine}"
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("gpu"), str):
-            raise PriceError(f"{where}.gpu: missing; name the GPU model")
-        gpus[machine] = {
-            "gpu": spec["gpu"],
-            "gpus": _count(f"{where}.gpus", spec.get("gpus")),
-            **{
-                key: _number(f"{where}.{key}", spec.get(key))
-                for key in ("peak_bf16_tflops_per_gpu", "on_demand_per_hour", "spot_per_hour")
-            },
-        }
-    cpus: dict[str, dict[str, Any]] = {}
-    for machine, spec in (_section(raw, "cpu_machines", source) if "cpu_machines" in raw else {}).items():
-        where = f"{source}: cpu_machines.{machine}"
-        if not isinstance(spec, Mapping):
-            raise PriceError(f"{where}: must be an object")
-        cpus[machine] = {
-            "vcpus": _count(f"{where}.vcpus", spec.get("vcpus")),
-            **{key: _number(f"{where}.{key}", spec.get(key)) for key in ("memory_gib", "on_demand_per_hour", "spot_per_hour")},
-        }
-    storage = {}
-    for location, spec in _section(raw, "storage", source).items():
-        where = f"{source}: storage.{location}"
-        if not isinstance(spec, Mapping):
-            raise PriceError(f"{where}: must be an object")
-        storage[location] = StoragePrices(
-            location=location,
-            **{
-                key: _number(f"{where}.{key}", spec.get(key))
-                for key in ("standard_per_gib_month", "class_a_per_1000", "class_b_per_1000")
-            },
-        )
-    figures: dict[str, dict[str, Any]] = {}
-    for group, spec in (_section(raw, "figures", source) if "figures" in raw else {}).items():
-        where = f"{source}: figures.{group}"
-        if not isinstance(spec, Mapping) or spec.get("status") not in ("confirmed", "kept", "unconfirmed"):
-            raise PriceError(f"{where}.status: got {spec.get('status') if isinstance(spec, Mapping) else spec!r}; "
-                             "use 'confirmed' (read from the page at the refresh), 'kept' (not found: an older "
-                             "reading) or 'unconfirmed' (an estimate never read from the page)")  # fmt: skip
-        if not isinstance(spec.get("as_of"), str) or not re.fullmatch(r"\d{4}-\d{2}-\d{2}", spec["as_of"]):
-            raise PriceError(f"{where}.as_of: got {spec.get('as_of')!r}; write the date of the reading, YYYY-MM-DD")
-        if not isinstance(spec.get("source"), str) or not spec["source"]:
-            raise PriceError(f"{where}.source: missing; name the page the figures come from")
-        values = spec.get("values", {})
-        if spec["status"] != "confirmed" and (not isinstance(values, Mapping) or not values):
-            raise PriceError(f"{where}.values: missing; a kept group names the figures it keeps, e.g. "
-                             "{\"on_demand_per_hour\": 0.85}")  # fmt: skip
-        figures[group] = {"status": spec["status"], "as_of": spec["as_of"], "source": spec["source"],
-                          "note": str(spec.get("note", "")), "values": dict(values)}  # fmt: skip
+    try:
+        table = PriceFile.model_validate(raw)
+    except ValidationError as error:
+        raise PriceError(f"{source}: {summary(problems(error, PriceFile), _phrase)}") from None
+    dumped = table.model_dump()
     return PriceTable(
         source=source,
-        as_of=as_of,
-        provenance=str(raw.get("provenance", "")),
-        sources=dict(sources),
-        tpu=tpu,
-        gpu_machines=gpus,
-        storage=storage,
-        cpu_machines=cpus,
-        figures=figures,
+        as_of=table.as_of,
+        provenance=table.provenance,
+        sources=dumped["sources"],
+        tpu=dumped["tpu"],
+        gpu_machines=dumped["gpu_machines"],
+        storage={location: StoragePrices(location=location, **spec) for location, spec in dumped["storage"].items()},
+        cpu_machines=dumped["cpu_machines"],
+        figures=dumped["figures"],
     )
 
 

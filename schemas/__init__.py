@@ -103,7 +103,7 @@ def _path(loc: Iterable[str | int]) -> str:
 def _model_at(model: type[BaseModel], loc: tuple[str | int, ...]) -> type[BaseModel]:
     """The model that declares the field at `loc` (list indices skipped): for ("dataset", "nme"), HubDataset."""
     for part in loc[:-1]:
-        if isinstance(part, str):
+        if isinstance(part, str) and part in model.model_fields:  # else a list index or a mapping's key
             model = next(_model_types(model.model_fields[part].annotation))
     return model
 

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         queue, code = check_address(args.queue, "--queue", directory=False), check_address(args.code, "--code", directory=False)
         spec = specs.load_spec(args.spec)
         if isinstance(spec, specs.VmSpec):
-            pricing.load_prices().machine_price(spec.machine_type)
+            pricing.check_machine_type(spec.machine_type, "vm")
         project = args.project or gapi.default_project()
         if not project:
             parser.error("no project; pass --project or set CLOUDSDK_CORE_PROJECT")

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = specs.load_spec(args.spec)
         if isinstance(spec, specs.TpuSpec):
             try:
-                pricing.load_prices().accelerator(spec.accelerator_type)
+                pricing.check_machine_type(spec.accelerator_type, "tpu")
             except pricing.PriceError as err:
                 raise specs.SpecError(f"{args.spec}: field 'accelerator_type': {err}") from None
         project = args.project or gapi.default_project()
