@@ -9,7 +9,7 @@ import pytest
 
 from gcs_spawner.cli import main
 from reporting import pricing
-from tests.cli.conftest import REPO
+from tests.cli.conftest import PROJECT, REPO
 
 COMMON = {  # type -> (kind, GPU model or None)
     "n1-standard-8": ("gpu", "NVIDIA T4"), "g2-standard-4": ("gpu", "NVIDIA L4"),
@@ -50,6 +50,7 @@ def _unpriced_run(world, **changes):
                                                                  "machine_type: g2-standard-96")
     assert "g2-standard-96" in spec
     (world.dir / "vm.yaml").write_text(spec)
+    world.cloud.offer(PROJECT, "us-central1-a", machine_types=("g2-standard-96",))  # the zone offers it: only the price lacks
     return world.run_file("vm", fleet={"spec": "vm.yaml"}, **changes)
 
 
