@@ -442,6 +442,13 @@ class TpuRehearsal(FleetRehearsal):
             ("PREEMPTIBLE_TPU_LITE_PODSLICE_V5", 64, 0))}
         cloud.set_region(PROJECT, region, quotas)
         cloud.resources[f"projects/{PROJECT}/regions/{region}"]["zones"] = [f"projects/{PROJECT}/zones/{ZONE}"]
+        # The zone and the TPU types it offers, which up's check reads (gcs_spawner/checks.py: zones.get, the TPU
+        # API's acceleratorTypes.get, https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.acceleratorTypes/get).
+        cloud.add(f"projects/{PROJECT}/zones/{ZONE}", {"kind": "compute#zone", "name": ZONE, "status": "UP",
+                                                       "region": f"projects/{PROJECT}/regions/{region}"})
+        for accelerator in (SLICE_TYPE, SINGLE_TYPE):
+            name = f"projects/{PROJECT}/locations/{ZONE}/acceleratorTypes/{accelerator}"
+            cloud.add(name, {"name": name, "type": accelerator})
 
     def operator(self, *argv: str, timeout: float = 1800) -> Command:
         """`gcs-spawner ARGV`, or a tool when ARGV[0] is tools/NAME.py, in a process of its own; raises
