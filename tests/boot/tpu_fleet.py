@@ -329,8 +329,8 @@ class TpuFleet:
             host.console += f"\nrehearsal: the boot ended: {type(err).__name__}: {err}"
         (self.world.workdir / f"console-{host.record_name}.log").write_text(host.console)
 
-    def _worker_pids(self, host: Host) -> list[int]:
-        """spawn.py's processes in the host's PID namespace (the worker and, on a slice, nothing else)."""
+    def _worker_pids(self, host: Host, program: bytes = b"spawn.py") -> list[int]:
+        """`program`'s processes in the host's PID namespace (spawn.py: the worker and, on a slice, nothing else)."""
         if host.ns is None or not host.ns.pid:
             return []
         own = os.readlink(f"/proc/{host.ns.pid}/ns/pid")
@@ -339,8 +339,17 @@ class TpuFleet:
             if not entry.name.isdigit():
                 continue
             with contextlib.suppress(OSError):
-                if os.readlink(entry / "ns/pid") == own and b"spawn.py" in (entry / "cmdline").read_bytes():
+                if os.readlink(entry / "ns/pid") == own and program in (entry / "cmdline").read_bytes():
                     pids.append(int(entry.name))
+        return pids
+
+    def signal_consumer(self, host: Host, signum: int) -> list[int]:
+        """`signum` to the host's consume.py processes (SIGSTOP, SIGCONT: a long task's stand-in, its worker
+        still heartbeating the lease); returns their pids (none: no consumer running)."""
+        pids = self._worker_pids(host, b"consume.py")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
         return pids
 
     def shutdown(self, host: Host, why: str) -> None:
@@ -642,13 +651,17 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             # The single host joins now, beside the new slice: the two share what is left, so that the slice runs
             # tasks to done too (a single host that came first would finish them while a slice boots).
             command(f"create_tpus.py {SINGLE_RUN}", "tools/create_tpus.py", str(single_spec), "--count", "1", *by_hand)
-            # The tail: nothing claimable, the by-hand single host holding the last task(s), the run's slice idle
-            # (it holds no lease, so its shutdown hands nothing back). The slice is preempted then, and its keeper
-            # (gcs-spawner keep, the one keeper since issue 47; a machine made by hand has none) must not replace
-            # it: no claimable task outnumbers the free workers. A moment with the single host idle and the slice
-            # busy is not this tail (the slice's preemption would release its task): the wait goes on past it.
+            # The tail: nothing claimable, the by-hand single host holding the last task, the run's slice idle (it
+            # holds no lease, so its shutdown hands nothing back). The slice is preempted then, and its keeper
+            # (gcs-spawner keep, the one keeper since issue 47; a machine made by hand has none) must not replace it:
+            # no claimable task outnumbers the free workers. Which machine holds the last task is a race (a run
+            # found the single host idle and the slice busy: no such tail), so the single host's first task is
+            # made a long one: its consume.py is stopped (SIGSTOP; its worker still heartbeats the lease) until
+            # the slice has run every other task and idles, and continued (SIGCONT) after the tail's keep.
             single = _wait(f"{single_node}'s host", lambda: next(iter(fleet.of(single_node)), None), timeout)
             replacement = f"{SLICE_RUN}-0001"
+            paused = _wait(f"{single_node} running a task", lambda: _holding(single.log()) > 0 and fleet.signal_consumer(
+                single, signal.SIGSTOP), timeout)
 
             def tail() -> tuple[Host, dict] | None:
                 view = snapshot(store)
@@ -663,10 +676,15 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
                     return slice_leader, view
                 return None
 
-            idle, tail_view = _wait("the tail (nothing claimable, the single host working, the slice idle)", tail,
-                                    timeout)
-            fleet.preempt(f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{idle.node_id}")
-            keep_tail = command(f"keep {SLICE_RUN} --once (tail)", "keep", str(run_file), "--once")
+            try:
+                idle, tail_view = _wait("the tail (nothing claimable, the single host working, the slice idle)", tail,
+                                        timeout)
+                fleet.preempt(f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{idle.node_id}")
+                keep_tail = command(f"keep {SLICE_RUN} --once (tail)", "keep", str(run_file), "--once")
+            finally:
+                for pid in paused:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
             _wait("every task done and every host gone", lambda: (
                 len(store.list_page("done/").entries) == len(tasks)
                 and all(h.ended for h in fleet.hosts)), timeout)  # fmt: skip
