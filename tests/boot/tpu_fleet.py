@@ -339,7 +339,9 @@ class TpuFleet:
             if not entry.name.isdigit():
                 continue
             with contextlib.suppress(OSError):
-                if os.readlink(entry / "ns/pid") == own and program in (entry / "cmdline").read_bytes():
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                # the program is the script run (argv[1]), not an argument: spawn.py's --consumer names consume.py
+                if os.readlink(entry / "ns/pid") == own and len(argv) > 1 and argv[1].endswith(program):
                     pids.append(int(entry.name))
         return pids
 
