@@ -862,13 +862,13 @@ def check(report: TpuReport) -> list[str]:
                         "suspended queued resource and make nothing")
     # up twice: the first made the run's queued resource, the second nothing.
     for name, first in report.first_ups.items():
-        summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", first.stdout)
+        summary = re.search(r"\((\d+) resources? created now, (\d+) there already\)", first.stdout)
         if not summary or summary.groups() != ("1", "0") or [p.rsplit("/", 1)[1] for _, p in first.creates()] != [
                 "queuedResources"]:
             problems.append(f"the first up of {name} said {summary.group(0) if summary else first.stdout[-300:]!r} "
                             f"and sent {first.creates()}: its one queued resource expected")
     for name, again in report.second_ups.items():
-        summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", again.stdout)
+        summary = re.search(r"\((\d+) resources? created now, (\d+) there already\)", again.stdout)
         if again.created() or again.creates() or not summary or summary.groups() != ("0", "1"):
             problems.append(f"the second up of {name} created {again.created()}, sent {again.creates()}, said "
                             f"{summary.group(0) if summary else again.stdout[-300:]!r}: it should make nothing")
