@@ -34,12 +34,14 @@ adds is the TPU side (docs/CLOUD.md, "The TPU fleet, rehearsed"):
   and moves the queued resource to SUSPENDED. A killed host (`kill`) gets no shutdown: SIGKILL of its
   namespaces.
 
-The operator drives two runs on one queue, each command a process of its own (`python -m gcs_spawner`):
-`slice16` (templates/tpu.yaml as a v5litepod-16, count 1) and `single8` (a v5litepod-8, count 1). In order:
-`up` each, `up` each again (nothing new), a follower of the slice killed mid-task, the slice preempted once its
-attempt has ended, `keep slice16 --once` (claimable tasks outnumber free workers: it replaces it), the
-single-host machine preempted once nothing is claimable and `keep single8 --once` (the tail: nothing made),
-the queue drained, each slice deleting its queued resource from host 0, `status`, `down` each.
+The operator drives one run and one machine made by hand on one queue (a queue holds one run), each command a
+process of its own (`python -m gcs_spawner`, tools/create_tpus.py): the run `slice16` (templates/tpu.yaml as a
+v5litepod-16, count 1) and `single8-0000` (a v5litepod-8). In order: `up slice16`, `up slice16` again (nothing
+new), a follower of the slice killed mid-task, the slice preempted once its attempt has ended, `keep slice16
+--once` (claimable tasks outnumber free workers: it replaces it), the single host made by tools/create_tpus.py,
+the new slice preempted in the tail (nothing claimable, the single host holding the last task, the slice idle)
+and `keep slice16 --once` again (nothing made), the queue drained, the single host deleting its queued resource,
+`status`, `down`, `merge`.
 """
 
 from __future__ import annotations
@@ -327,8 +329,8 @@ class TpuFleet:
             host.console += f"\nrehearsal: the boot ended: {type(err).__name__}: {err}"
         (self.world.workdir / f"console-{host.record_name}.log").write_text(host.console)
 
-    def _worker_pids(self, host: Host) -> list[int]:
-        """spawn.py's processes in the host's PID namespace (the worker and, on a slice, nothing else)."""
+    def _worker_pids(self, host: Host, program: bytes = b"spawn.py") -> list[int]:
+        """`program`'s processes in the host's PID namespace (spawn.py: the worker and, on a slice, nothing else)."""
         if host.ns is None or not host.ns.pid:
             return []
         own = os.readlink(f"/proc/{host.ns.pid}/ns/pid")
@@ -337,8 +339,19 @@ class TpuFleet:
             if not entry.name.isdigit():
                 continue
             with contextlib.suppress(OSError):
-                if os.readlink(entry / "ns/pid") == own and b"spawn.py" in (entry / "cmdline").read_bytes():
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                # the program is the script run (argv[1]), not an argument: spawn.py's --consumer names consume.py
+                if os.readlink(entry / "ns/pid") == own and len(argv) > 1 and argv[1].endswith(program):
                     pids.append(int(entry.name))
+        return pids
+
+    def signal_consumer(self, host: Host, signum: int) -> list[int]:
+        """`signum` to the host's consume.py processes (SIGSTOP, SIGCONT: a long task's stand-in, its worker
+        still heartbeating the lease); returns their pids (none: no consumer running)."""
+        pids = self._worker_pids(host, b"consume.py")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
         return pids
 
     def shutdown(self, host: Host, why: str) -> None:
@@ -440,6 +453,13 @@ class TpuRehearsal(FleetRehearsal):
             ("PREEMPTIBLE_TPU_LITE_PODSLICE_V5", 64, 0))}
         cloud.set_region(PROJECT, region, quotas)
         cloud.resources[f"projects/{PROJECT}/regions/{region}"]["zones"] = [f"projects/{PROJECT}/zones/{ZONE}"]
+        # The zone and the TPU types it offers, which up's check reads (gcs_spawner/checks.py: zones.get, the TPU
+        # API's acceleratorTypes.get, https://cloud.google.com/tpu/docs/reference/rest/v2/projects.locations.acceleratorTypes/get).
+        cloud.add(f"projects/{PROJECT}/zones/{ZONE}", {"kind": "compute#zone", "name": ZONE, "status": "UP",
+                                                       "region": f"projects/{PROJECT}/regions/{region}"})
+        for accelerator in (SLICE_TYPE, SINGLE_TYPE):
+            name = f"projects/{PROJECT}/locations/{ZONE}/acceleratorTypes/{accelerator}"
+            cloud.add(name, {"name": name, "type": accelerator})
 
     def operator(self, *argv: str, timeout: float = 1800) -> Command:
         """`gcs-spawner ARGV`, or a tool when ARGV[0] is tools/NAME.py, in a process of its own; raises
@@ -482,7 +502,7 @@ def tpu_spec(name: str, accelerator: str) -> dict:
 
 def write_run(directory: Path, job: Path, tasks: Path, model: Path) -> tuple[Path, Path]:
     """The slice's run file (a queue holds one run, and a run's spec one accelerator type), and the single host's
-    spec for tools/create_tpus.py and tools/fleetctl.py, the documented by-hand way, on the same queue."""
+    spec for tools/create_tpus.py, the documented by-hand way, on the same queue."""
     run = {"name": SLICE_RUN, "project": PROJECT, "queue": QUEUE,
            "job": os.path.relpath(job, directory), "tasks": {"file": os.path.relpath(tasks, directory)},
            "model": {"source": os.path.relpath(model, directory)},
@@ -633,32 +653,40 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             # The single host joins now, beside the new slice: the two share what is left, so that the slice runs
             # tasks to done too (a single host that came first would finish them while a slice boots).
             command(f"create_tpus.py {SINGLE_RUN}", "tools/create_tpus.py", str(single_spec), "--count", "1", *by_hand)
-            # The tail: nothing claimable, one machine holding the last task(s), the other idle (it holds no lease,
-            # so its shutdown hands nothing back). The idle one is preempted then, and its keeper must not replace
-            # it: no claimable task outnumbers the free workers.
+            # The tail: nothing claimable, the by-hand single host holding the last task, the run's slice idle (it
+            # holds no lease, so its shutdown hands nothing back). The slice is preempted then, and its keeper
+            # (gcs-spawner keep, the one keeper since issue 47; a machine made by hand has none) must not replace it:
+            # no claimable task outnumbers the free workers. Which machine holds the last task is a race (a run
+            # found the single host idle and the slice busy: no such tail), so the single host's first task is
+            # made a long one: its consume.py is stopped (SIGSTOP; its worker still heartbeats the lease) until
+            # the slice has run every other task and idles, and continued (SIGCONT) after the tail's keep.
             single = _wait(f"{single_node}'s host", lambda: next(iter(fleet.of(single_node)), None), timeout)
             replacement = f"{SLICE_RUN}-0001"
+            paused = _wait(f"{single_node} running a task", lambda: _holding(single.log()) > 0 and fleet.signal_consumer(
+                single, signal.SIGSTOP), timeout)
 
             def tail() -> tuple[Host, dict] | None:
                 view = snapshot(store)
-                leaders = [h for h in (single, *fleet.of(replacement)[:1]) if h.ended is None]
-                if view.get("complete") or len(leaders) < 2:
-                    raise RehearsalError(f"the queue drained (or a machine left) before a tail with one machine "
-                                         f"working and the other idle: {view}")
-                if view["pending"] + view["stale"] or not view["leased"]:
+                slice_leader = next(iter(fleet.of(replacement)), None)
+                if view.get("complete") or single.ended is not None or (slice_leader and slice_leader.ended):
+                    raise RehearsalError(f"the queue drained (or a machine left) before a tail with the single host "
+                                         f"working and the run's slice idle: {view}")
+                if slice_leader is None or view["pending"] + view["stale"] or not view["leased"]:
                     return None
-                idle = [h for h in leaders if _holding(h.log()) == 0 and "event=worker_start" in h.log()]
-                return (idle[0], view) if len(idle) == 1 else None
+                if _holding(single.log()) > 0 and _holding(slice_leader.log()) == 0 \
+                        and "event=worker_start" in slice_leader.log():
+                    return slice_leader, view
+                return None
 
-            idle, tail_view = _wait("the tail (nothing claimable, one machine working, the other idle)", tail, timeout)
-            fleet.preempt(f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{idle.node_id}")
-            if idle is single:
-                # tools/fleetctl.py went with issue 47 (one keeper: gcs-spawner keep, for a run's own resources): a
-                # machine made by hand has no keeper to ask, so only the run's slice can be the tail's test.
-                raise RehearsalError("the tail found the by-hand single host idle: since tools/fleetctl.py went, only "
-                                     "the run's slice has a keeper (gcs-spawner keep) to ask in the tail")
-            else:
+            try:
+                idle, tail_view = _wait("the tail (nothing claimable, the single host working, the slice idle)", tail,
+                                        timeout)
+                fleet.preempt(f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{idle.node_id}")
                 keep_tail = command(f"keep {SLICE_RUN} --once (tail)", "keep", str(run_file), "--once")
+            finally:
+                for pid in paused:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
             _wait("every task done and every host gone", lambda: (
                 len(store.list_page("done/").entries) == len(tasks)
                 and all(h.ended for h in fleet.hosts)), timeout)  # fmt: skip
@@ -834,17 +862,18 @@ def check(report: TpuReport) -> list[str]:
                         "suspended queued resource and make nothing")
     # up twice: the first made the run's queued resource, the second nothing.
     for name, first in report.first_ups.items():
-        summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", first.stdout)
+        summary = re.search(r"\((\d+) resources? created now, (\d+) there already\)", first.stdout)
         if not summary or summary.groups() != ("1", "0") or [p.rsplit("/", 1)[1] for _, p in first.creates()] != [
                 "queuedResources"]:
             problems.append(f"the first up of {name} said {summary.group(0) if summary else first.stdout[-300:]!r} "
                             f"and sent {first.creates()}: its one queued resource expected")
     for name, again in report.second_ups.items():
-        summary = re.search(r"\((\d+) resources created now, (\d+) there already\)", again.stdout)
+        summary = re.search(r"\((\d+) resources? created now, (\d+) there already\)", again.stdout)
         if again.created() or again.creates() or not summary or summary.groups() != ("0", "1"):
             problems.append(f"the second up of {name} created {again.created()}, sent {again.creates()}, said "
                             f"{summary.group(0) if summary else again.stdout[-300:]!r}: it should make nothing")
-    # Self-deletion: the slice alive when the queue drained deletes its queued resource once, from host 0.
+    # Self-deletion: the machine alive when the queue drained (the single host, a one-host slice) deletes its queued
+    # resource once, from host 0.
     drained = [h for h in hosts if h.index == 0 and h.end == "self-deleted"]
     if not drained:
         problems.append("no slice deleted itself when the queue drained")
