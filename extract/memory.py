@@ -133,9 +133,13 @@ def _role_splits(config: ModelConfig, model_axis: int) -> dict[str, int]:
     heads = _split(config.num_attention_heads, model_axis)
     kv_heads = _split(config.num_key_value_heads, model_axis) if heads > 1 else 1
     ffw = _split(config.intermediate_size, model_axis)
+    moe = config.moe
+    by_expert = _split(moe.num_experts, model_axis) if moe else 1
+    by_width = _split(moe.expert_size, model_axis) if moe and by_expert == 1 else 1
     return {
         "embedding": _split(config.hidden_size, model_axis), "q_proj": heads, "kv_proj": kv_heads, "o_proj": heads,
         "q_bias": heads, "kv_bias": kv_heads, "mlp_in": ffw, "mlp_out": ffw, "mlp_bias": ffw, "replicated": 1,
+        "router": 1, "expert_in": by_expert * by_width, "expert_out": by_expert * by_width,
     }  # fmt: skip
 
 

@@ -47,7 +47,7 @@ from gcs_spawner.record import RunRecord
 from gcs_spawner.runfile import Run
 from progress import Progress
 
-__all__ = ["Clients", "Declined", "UpError", "UpReport", "up", "validate", "plan_inputs", "wait_for_machines"]
+__all__ = ["Clients", "Declined", "UpError", "UpReport", "up", "plan_inputs", "wait_for_machines"]
 
 log = logging.getLogger("gcs_spawner")
 

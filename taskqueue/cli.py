@@ -234,7 +234,7 @@ def _refused(spawner: Spawner, denied: str, delete: bool, self_delete: Callable[
     spawner.tell_state("failed", reason=denied)
     if delete and self_delete is not None:
         self_delete()
-    return EX_BAD_INPUT
+    return EX_DATAERR
 
 
 def _no_queue(spawner: Spawner, err: QueueMissing, delete: bool, self_delete: Callable[[], None] | None) -> int:

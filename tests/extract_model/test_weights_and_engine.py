@@ -249,20 +249,20 @@ def load_from_hub(hub, repo: str, tmp_path) -> str:
 
 
 def test_a_hub_model_of_an_unsupported_family_downloads_nothing_but_config_json(qwen2_untied, tmp_path):
-    """config.json is fetched and read first, by the engine and by the mirror tool: a Mixtral's weights (tens of GB
-    on the real hub) are never requested. A supported model from the same hub still downloads whole, loads and
+    """config.json is fetched and read first, by the engine and by the mirror tool: a DeepSeek-V3's weights (hundreds
+    of GB on the real hub; its multi-head latent attention is not supported) are never requested. A supported model from the same hub still downloads whole, loads and
     mirrors."""
     from tests.extract_model.fakehub import FakeHub
 
-    mixtral = tmp_path / "mixtral"
+    mixtral = tmp_path / "deepseek"
     mixtral.mkdir()
-    (mixtral / "config.json").write_text('{"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2}')
+    (mixtral / "config.json").write_text('{"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2}')
     for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
         (mixtral / shard).write_bytes(b"\0" * 2**20)
     (mixtral / "tokenizer.json").write_text("{}")
     with FakeHub({"acme/mixtral": mixtral, "acme/tiny": qwen2_untied.path}) as hub:
         out = load_from_hub(hub, "acme/mixtral", tmp_path)
-        assert out.startswith("BadInput") and "model_type='mixtral' is not supported" in out, out
+        assert out.startswith("BadInput") and "model_type='deepseek_v3' is not supported" in out, out
         assert "BadInput mirror" in out and not (tmp_path / "bucket" / "acme/mixtral").exists(), out
         assert set(hub.downloads("acme/mixtral")) == {"config.json"}, hub.requests
         out = load_from_hub(hub, "acme/tiny", tmp_path)

@@ -23,11 +23,16 @@ EXTRACT = pathlib.Path(__file__).resolve().parents[2] / "extract"
 
 
 def extract_imports() -> dict[str, set[str]]:
-    """module -> the extract modules it imports anywhere in its source."""
+    """module -> the extract modules it imports anywhere in its source, but for imports under `if TYPE_CHECKING:`
+    (annotations only: never run, so no circle at import time)."""
     graph = {}
     for path in EXTRACT.glob("*.py"):
         imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for guard in [n for n in ast.walk(tree) if isinstance(n, ast.If) and isinstance(n.test, ast.Name)
+                      and n.test.id == "TYPE_CHECKING"]:
+            guard.body = []
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module == "extract":
                 imported |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("extract."):

@@ -1,7 +1,7 @@
 """taskqueue.completion on its own: the completion rule's every clause, and how a worker finds its job.
 
 In-process and on virtual time, so that mutation testing (`make mutants`) reaches every branch of the
-module: each clause of `Progress.why_not` and each outcome of `find_job`, `wait_for_job` and
+module: each clause of `QueueCount.why_not` and each outcome of `find_job`, `wait_for_job` and
 `dead_letters_note` is pinned, its words included (they go into log lines and machine records)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from taskqueue import layout
 from taskqueue.clock import Clock
 from taskqueue.completion import (
     JOB_POLL_S,
-    Progress,
+    QueueCount,
     QueueMissing,
     bucket_of,
     dead_letters_note,
@@ -28,20 +28,20 @@ from taskqueue.completion import (
 @pytest.mark.parametrize(
     ("progress", "why"),
     [
-        (Progress(total=3, unfinished=0, submitting=0), None),
-        (Progress(total=3, unfinished=0, submitting=2), "2 batch(es) still submitting"),
-        (Progress(total=3, unfinished=0, submitting=0, steady=False), "a batch changed while the queue was counted"),
-        (Progress(total=0, unfinished=0, submitting=0), "no task submitted yet"),
-        (Progress(total=-1, unfinished=0, submitting=0), "no task submitted yet"),
-        (Progress(total=1, unfinished=0, submitting=0), None),
-        (Progress(total=3, unfinished=0, submitting=0, counted_all=False), "an estimate counts a sample of the regions"),
-        (Progress(total=3, unfinished=1, submitting=0), "1 task(s) without a done marker or dead letter"),
+        (QueueCount(total=3, unfinished=0, submitting=0), None),
+        (QueueCount(total=3, unfinished=0, submitting=2), "2 batch(es) still submitting"),
+        (QueueCount(total=3, unfinished=0, submitting=0, steady=False), "a batch changed while the queue was counted"),
+        (QueueCount(total=0, unfinished=0, submitting=0), "no task submitted yet"),
+        (QueueCount(total=-1, unfinished=0, submitting=0), "no task submitted yet"),
+        (QueueCount(total=1, unfinished=0, submitting=0), None),
+        (QueueCount(total=3, unfinished=0, submitting=0, counted_all=False), "an estimate counts a sample of the regions"),
+        (QueueCount(total=3, unfinished=1, submitting=0), "1 task(s) without a done marker or dead letter"),
         # The first clause that fails is the one said.
-        (Progress(total=0, unfinished=2, submitting=1, steady=False, counted_all=False), "1 batch(es) still submitting"),
-        (Progress(total=0, unfinished=2, submitting=0, steady=False, counted_all=False),
+        (QueueCount(total=0, unfinished=2, submitting=1, steady=False, counted_all=False), "1 batch(es) still submitting"),
+        (QueueCount(total=0, unfinished=2, submitting=0, steady=False, counted_all=False),
          "a batch changed while the queue was counted"),
-        (Progress(total=0, unfinished=2, submitting=0, counted_all=False), "no task submitted yet"),
-        (Progress(total=2, unfinished=2, submitting=0, counted_all=False), "an estimate counts a sample of the regions"),
+        (QueueCount(total=0, unfinished=2, submitting=0, counted_all=False), "no task submitted yet"),
+        (QueueCount(total=2, unfinished=2, submitting=0, counted_all=False), "an estimate counts a sample of the regions"),
     ],
 )
 def test_complete_only_when_every_clause_of_the_rule_holds_and_the_first_failing_one_is_said(progress, why):
@@ -50,7 +50,7 @@ def test_complete_only_when_every_clause_of_the_rule_holds_and_the_first_failing
 
 
 def test_a_progress_is_steady_and_counted_whole_unless_told():
-    assert Progress(total=1, unfinished=0, submitting=0) == Progress(1, 0, 0, steady=True, counted_all=True)
+    assert QueueCount(total=1, unfinished=0, submitting=0) == QueueCount(1, 0, 0, steady=True, counted_all=True)
 
 
 def test_bucket_of_a_url():
