@@ -54,8 +54,8 @@ def test_a_progress_is_steady_and_counted_whole_unless_told():
 
 
 def test_bucket_of_a_url():
-    assert bucket_of("gs://b/jobs/j1") == "gs://b"
-    assert bucket_of("gs://b") == "gs://b"
+    assert bucket_of("gs://b/jobs/j1") == "b"  # objectstore.address.bucket_of since issue 46: the bucket's name
+    assert bucket_of("gs://b") == "b"
     assert bucket_of("/tmp/q") is None
 
 
@@ -109,12 +109,12 @@ def test_wait_for_job_gives_up_after_its_bound_saying_what_is_missing(tmp_path):
     store = LocalStore(tmp_path / "q")
     clock = Ticking()
     with pytest.raises(QueueMissing, match=r"^no job at .*: check the queue URL \(spawn-queue, --queue\); "
-                                           r"tools/submit.py writes job.json there first$"):  # fmt: skip
+                                           r"gcs-spawner submit writes job.json there first$"):  # fmt: skip
         wait_for_job(store, 8.0, clock)
     assert clock.now == pytest.approx(8.0) and clock.waits == [2.0, 2.0, 2.0, 2.0]  # a short bound looks 4 times
     store.create(layout.JOB, b"{}")
     with pytest.raises(QueueMissing, match=r"^no task at .*: its job.json is there but no task was submitted "
-                                           r"\(tools/submit.py .* --tasks FILE\)$"):  # fmt: skip
+                                           r"\(gcs-spawner submit .* --tasks FILE\)$"):  # fmt: skip
         wait_for_job(store, 0.0, Ticking())
 
 
