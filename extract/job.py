@@ -29,8 +29,8 @@ from pydantic import WithJsonSchema, field_validator, model_validator
 from activations.format import SITES
 from activations.sampling import TokenSampling
 from extract.errors import BadInput
-from schemas import MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
-from schemas import choice, cross_field, invalid, problems, rule, summary
+from schemas import Flag, Model, NonNegativeInt, PositiveInt, Text
+from schemas import choice, cross_field, invalid, phrase, problems, rule, summary
 
 #: Output dtypes: job spelling -> numpy/JAX dtype name. fp8 is e4m3 with a float32 scale per token and layer
 #: (activations.format.quantize_per_token), quantised by the writer from the engine's bf16 output; it is offered
@@ -49,19 +49,11 @@ ON_BAD_ROW = ("skip", "fail")
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 
 
-def _phrase(problem: Problem, where: str) -> str:
-    if problem.kind == UNKNOWN:
-        return f"{where}: unknown field; remove it or use one of: {problem.text}"
-    if problem.kind == MISSING:
-        return f"{where}: missing; a required field" + (f": {problem.text}" if problem.text else "")
-    return f"{where}: {problem.text}"
-
-
 def _validate(model: type[Model], raw: Any, root: str, prefix: str = "") -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as error:
-        raise BadInput(summary(problems(error, model), _phrase, prefix, root)) from None
+        raise BadInput(summary(problems(error, model), phrase, prefix, root)) from None
 
 
 def default_buckets(max_seq_len: int, packing: bool = False) -> tuple[int, ...]:

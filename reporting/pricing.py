@@ -35,7 +35,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictFloat, StrictStr, ValidationError, model_validator
 
-from schemas import MISSING, UNKNOWN, Model, PositiveInt, Problem, Text, choice, cross_field, problems, rule, summary
+from schemas import Model, PositiveInt, Text, choice, cross_field, phrase, problems, rule, summary
 
 PRICES_FILE = pathlib.Path(__file__).resolve().parent / "prices.json"
 FORMAT = "gcs-spawner/prices/v1"
@@ -345,14 +345,6 @@ class PriceFile(Model):
         return self
 
 
-def _phrase(problem: Problem, where: str) -> str:
-    if problem.kind == UNKNOWN:
-        return f"{where}: unknown field; remove it or use one of: {problem.text}"
-    if problem.kind == MISSING:
-        return f"{where}: missing; a required field" + (f": {problem.text}" if problem.text else "")
-    return f"{where}: {problem.text}"
-
-
 def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
     """Validate a price file's JSON by its model (`PriceFile`); every problem is a PriceError naming the file and
     the field."""
@@ -361,7 +353,7 @@ def parse_prices(raw: Any, source: str = "prices") -> PriceTable:
     try:
         table = PriceFile.model_validate(raw)
     except ValidationError as error:
-        raise PriceError(f"{source}: {summary(problems(error, PriceFile), _phrase)}") from None
+        raise PriceError(f"{source}: {summary(problems(error, PriceFile), phrase)}") from None
     dumped = table.model_dump()
     return PriceTable(
         source=source,

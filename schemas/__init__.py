@@ -142,6 +142,15 @@ def problems(error: ValidationError, model: type[BaseModel]) -> list[Problem]:
     return sorted(found, key=lambda problem: (problem.kind != UNKNOWN, problem.path if problem.kind == UNKNOWN else ""))
 
 
+def phrase(problem: Problem, where: str) -> str:
+    """A problem in a line, as the job and the price table say it: unknown, missing, or the rule it broke."""
+    if problem.kind == UNKNOWN:
+        return f"{where}: unknown field; remove it or use one of: {problem.text}"
+    if problem.kind == MISSING:
+        return f"{where}: missing; a required field" + (f": {problem.text}" if problem.text else "")
+    return f"{where}: {problem.text}"
+
+
 def summary(found: list[Problem], phrase: Callable[[Problem, str], str], prefix: str = "", root: str = "") -> str:
     """The first problem in full, as `phrase(problem, where)` puts it, then where the others are."""
 
