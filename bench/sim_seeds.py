@@ -3,7 +3,8 @@
     python -m bench.sim_seeds --seeds 100000 --start S --jobs 2   # many seeds; prints seeds per second
     python -m bench.sim_seeds --seed 1234 --verbose               # replay one seed, with the workers' logs
 
-What a seed draws and the invariants every seed is checked against are in tests/simworld/seeds.py.
+What a seed draws is in tests/simworld/seeds.py; the invariants every seed is checked against, in
+tests/simworld/invariants.py.
 A failing seed prints the command that replays it. The seeds CI runs: 0 to 199, and 200 from a start
 that moves with the commit (`tests.simworld.seeds.moving_start`).
 """
@@ -20,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from tests.simworld import seeds
+from tests.simworld import world as worlds
 from tests.simworld.seeds import Result, WorldConfig, run_seed
 
 
@@ -63,17 +64,17 @@ def replay(seed: int) -> Result:
     handler.setFormatter(logging.Formatter("%(actor)s %(message)s"))
     handler.addFilter(names)
     logging.basicConfig(level=logging.INFO, handlers=[handler])
-    world_init = seeds.World.__init__
+    world_init = worlds.World.__init__
 
     def init(world, config):
         world_init(world, config)
         names.scheduler = world.scheduler
 
-    seeds.World.__init__ = init  # a driver's hook for its log lines only; the world itself is untouched
+    worlds.World.__init__ = init  # a driver's hook for its log lines only; the world itself is untouched
     try:
         return run_seed(seed)
     finally:
-        seeds.World.__init__ = world_init
+        worlds.World.__init__ = world_init
 
 
 def main() -> None:

@@ -125,3 +125,16 @@ def test_every_test_id_in_protocol_md_exists(file: str, node: str):
 @pytest.mark.parametrize("name", CODE)
 def test_every_code_name_in_protocol_md_resolves(name: str):
     assert resolves(name), f"docs/PROTOCOL.md names {name!r}, which no module defines"
+
+
+#: "invariant 4", "invariants 4, 5 and 8", "Invariant 7": the simulation's invariants the page names.
+_INVARIANTS = re.compile(r"\b[Ii]nvariants? (\d+(?:(?:, | and )\d+)*)")
+
+
+def test_every_invariant_the_page_names_is_a_function_of_the_simulation():
+    # Invariant N is `tests.simworld.invariants.invariant_N` (or `invariant_N_<clause>`, one per clause judged at
+    # its own moment); a number the page gives without a function, or a function the page never names, is a lie.
+    named = {int(n) for group in _INVARIANTS.findall(PROTOCOL.read_text()) for n in re.split(r", | and ", group)}
+    module = importlib.import_module("tests.simworld.invariants")
+    functions = {int(m.group(1)) for name in vars(module) if (m := re.fullmatch(r"invariant_(\d+)(?:_\w+)?", name))}
+    assert named == functions and len(named) >= 10, (sorted(named), sorted(functions))

@@ -3,7 +3,7 @@
 Each seed builds a small world (a few workers, tens of tasks, regions of a few tasks, listing pages of
 a few entries in half of them) with faults, kills, stops, suspensions, interrupted, late and refused
 submissions and skewed clocks, runs the production claim loop, lease, submit, status and worker core
-in it, and checks the invariants listed in tests/simworld/seeds.py. A failing seed names the command
+in it, and checks the invariants of tests/simworld/invariants.py. A failing seed names the command
 that replays it. The seeds are split in chunks so that `make test` spreads them over its workers.
 
 Two ranges: seeds 0 to 199, the same on every run, and 200 seeds from a start that moves with the
@@ -88,7 +88,7 @@ def test_a_seed_replays_exactly_in_another_process():
 
 
 def test_some_worlds_have_a_batch_come_and_go_between_two_listings_of_batches():
-    """A quarter of the worlds end with `World.straddle`: a batch comes and goes between the two listings
+    """A quarter of the worlds end with `tests.simworld.straddle`: a batch comes and goes between the two listings
     of batches/ of a status snapshot, then of a worker's drained check, so that only layout.PRUNED tells
     (`layout.batch_unseen_between`). Without that rule in status, invariant 8 fails in every such world;
     without it in `Claimer._drained`, invariant 4 fails in about half of them. This pins that the worlds

@@ -14,9 +14,9 @@ import threading
 import pytest
 
 from taskqueue import layout
-from taskqueue.submit import batch_name, prune_batches, submit
+from taskqueue.submit import batch_name, submit
 from tests.simworld.scheduler import InlineExecutor, Scheduler, SimClock, SimExecutor
-from tests.simworld.seeds import SetUpClock
+from tests.simworld.faults import SetUpClock
 from tests.simworld.store import Faults, Limits, SimStore
 
 
