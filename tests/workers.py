@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from objectstore import NotFound, open_store
 from taskqueue import layout
+from taskqueue.clock import Clock
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QUEUE_TEST_CONSUMER = "python tests/queue/consumer.py"
@@ -94,13 +95,30 @@ def lease_body(url: str, task_id: str) -> dict | None:
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll `predicate` until it holds (its value), or fail naming `what` once `timeout` has run."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(interval)
+        time.sleep(interval)  # the poll's interval: the deadline, not this, bounds the wait
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class WaitingClock(Clock):
+    """The real clock, which also says when the claim loop run by `thread` waits: in a `Claimer` the loop waits
+    only once it found nothing to claim (`waiting`, an event a test orders its next step by, instead of a sleep
+    that hopes the worker got there). The test sets `thread` before it starts the thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.waiting = threading.Event()
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        if threading.current_thread() is self.thread:
+            self.waiting.set()
+        return super().wait(stop, seconds)
 
 
 def lease_holders(url: str) -> set[str]:

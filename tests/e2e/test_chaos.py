@@ -41,7 +41,7 @@ def test_chaos_loses_and_doubles_nothing(tmp_path, gcs, gcs_client, gcs_bucket, 
             workers.start(f"w{serial}", *flags, consumer=CONSUMER)
         deadline = time.monotonic() + 600
         while len(markers(queue, layout.DONE)) < 24 and time.monotonic() < deadline:
-            time.sleep(rng.uniform(2, 5))
+            time.sleep(rng.uniform(2, 5))  # the next kill or preemption comes at a random moment: the chaos itself
             victims = sorted(lease_holders(queue) & {w for w, p in workers.procs.items() if p.poll() is None})
             if not victims or kills + sigterms >= 8:
                 continue

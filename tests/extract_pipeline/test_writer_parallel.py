@@ -100,7 +100,7 @@ class SlowFirstStore:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
             self.payload_types.append(type(data))
-        time.sleep(delay)
+        time.sleep(delay)  # a slow store, the first puts slowest: what parallel writes must overlap
         try:
             return self.inner.put(name, data, metadata)
         finally:

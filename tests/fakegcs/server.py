@@ -868,7 +868,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Count, delay and fault one request, then run `handle`, which sends the answer."""
         latency, fail_status = self.server.fake.faults.admit(method, kind, name)
         if latency:
-            time.sleep(latency)
+            time.sleep(latency)  # the latency a test asked of the server (faults.add_latency): a slow request
         if fail_status == 403:
             # What Cloud Storage says to a caller without the permission
             # (https://cloud.google.com/storage/docs/troubleshooting, "403: Forbidden").

@@ -40,7 +40,7 @@ def main(env=os.environ) -> int:
     out = open_store(env["SPAWN_OUTPUT"])
     first = len(resume["progress"])
     for k in range(first, int(manifest.get("outputs", 1))):
-        time.sleep(float(manifest.get("sleep", 0)))
+        time.sleep(float(manifest.get("sleep", 0)))  # the task's own work time, as its manifest asks
         name = f"part-{k}"
         out.put(name, f"{manifest['id']}:{k}".encode())
         with open(env["SPAWN_PROGRESS_FILE"], "a") as progress:

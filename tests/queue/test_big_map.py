@@ -25,7 +25,7 @@ from taskqueue.clock import Clock
 from taskqueue.lease import HeldLease, encode, new_lease_body
 from reporting.status import snapshot
 from tests.fakegcs.server import Preconditions
-from tests.workers import renewing
+from tests.workers import WaitingClock, renewing
 
 PREFIX = "q"
 REGIONS = 1002
@@ -59,8 +59,9 @@ def hold(store, task_id: str, worker: str) -> HeldLease:
     return HeldLease(store, body, store.create(layout.lease_object(task_id), data, metadata=metadata), Clock())
 
 
-def a_worker(store, seed: int = 1, idle_timeout_s: float = 1.5) -> Claimer:
-    return Claimer(store, ClaimOptions(worker="w", idle_timeout_s=idle_timeout_s, poll_min_s=0.02, poll_max_s=0.1, seed=seed))
+def a_worker(store, seed: int = 1, idle_timeout_s: float = 1.5, clock: Clock | None = None) -> Claimer:
+    options = ClaimOptions(worker="w", idle_timeout_s=idle_timeout_s, poll_min_s=0.02, poll_max_s=0.1, seed=seed)
+    return Claimer(store, options, clock)
 
 
 def run(claimer: Claimer) -> list[str]:
@@ -92,9 +93,10 @@ def test_a_waiting_worker_takes_over_tasks_released_past_the_first_page_before_i
     store = store_for(gcs, gcs_client, gcs_bucket)
     held = [hold(store, t, "holder") for t in HELD]
     beyond = [hold(store, t, "other") for t in BEYOND]
-    worker = a_worker(store, idle_timeout_s=2.0)
+    clock = WaitingClock()
+    worker = a_worker(store, idle_timeout_s=2.0, clock=clock)
     ran: list[str] = []
-    thread = threading.Thread(target=lambda: ran.extend(run(worker)))
+    thread = clock.thread = threading.Thread(target=lambda: ran.extend(run(worker)))
     with contextlib.ExitStack() as stack:
         for lease in held:
             stack.enter_context(renewing(lease))
@@ -102,7 +104,7 @@ def test_a_waiting_worker_takes_over_tasks_released_past_the_first_page_before_i
             for lease in beyond:
                 others.enter_context(renewing(lease))
             thread.start()
-            time.sleep(1.0)  # it found nothing and waits
+            assert clock.waiting.wait(60), "the worker never waited"  # it found nothing and waits
         for lease in beyond:
             lease.release()
         thread.join(timeout=60)

@@ -27,8 +27,9 @@ from objectstore import open_store
 from objectstore.local import LocalStore
 from taskqueue import layout
 from taskqueue.claims import Claimer, ClaimOptions
+from taskqueue.clock import Clock
 from taskqueue.submit import batch_name, submit
-from tests.workers import REPO
+from tests.workers import REPO, wait_for
 
 IDS = [f"t{k}" for k in range(6)]
 SLOW = "t5"
@@ -85,11 +86,26 @@ class Interrupts:
     def __init__(self) -> None:
         self.inside = threading.Event()
         self.late: list[int] = []
+        self.raised = 0  # interrupts raised in the submit so far
 
     def __call__(self, signum, frame):
         if self.inside.is_set():
+            self.raised += 1
             raise KeyboardInterrupt(f"signal {signum}")
         self.late.append(signum)
+
+
+class SubmitClock(Clock):
+    """The real clock, which says when the submit waits: once interrupted, it waits only for its creates in
+    flight (`_give_up`), so `waiting` set after an interrupt orders the test's next step there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        self.waiting.set()
+        return super().wait(stop, seconds)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
@@ -97,14 +113,19 @@ class Interrupts:
 def test_an_interrupted_submit_never_finishes_its_batch_with_a_create_in_flight(tmp_path, signum, times):
     store = HeldCreate(tmp_path / "q", SLOW)
     marker = batch_name(IDS)
+    clock = SubmitClock()
+    others = {layout.task_object(t) for t in IDS if t != SLOW}
 
     def interrupter() -> None:
         assert store.sent.wait(10)
-        time.sleep(0.3)  # the other five creates are answered; t5's is in flight
-        for _ in range(times):
+        # The other five creates are answered; t5's is in flight.
+        wait_for(lambda: others <= {n for n, _ in store.applied}, 10, "the other five creates")
+        for k in range(times):
             os.kill(os.getpid(), signum)
-            time.sleep(0.3)
-        time.sleep(0.3)
+            wait_for(lambda k=k: handler.raised > k, 10, f"interrupt {k + 1} to reach the submit")
+            if k == 0:  # from here on the submit waits only for its creates in flight, polling until t5's is answered
+                clock.waiting.clear()
+                assert clock.waiting.wait(10), "the interrupted submit never waited for its create in flight"
         store.release.set()  # the store applies t5 now
 
     handler = Interrupts()
@@ -115,7 +136,7 @@ def test_an_interrupted_submit_never_finishes_its_batch_with_a_create_in_flight(
         handler.inside.set()
         try:
             with pytest.raises(KeyboardInterrupt) as raised:
-                submit(store, b"{}", manifests())
+                submit(store, b"{}", manifests(), clock=clock)
         finally:
             handler.inside.clear()
         thread.join(10)
@@ -166,6 +187,8 @@ def test_tools_submit_interrupted_leaves_no_create_in_flight_behind_a_done_batch
     while len(list(store.list(layout.TASKS))) < len(IDS) - 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(list(store.list(layout.TASKS))) == len(IDS) - 1, proc.communicate(timeout=30)
+    # No event crosses into the process: the server holds t5's create 4 s, and these sleeps place the signals inside
+    # that window (the first once the other creates are answered, the second while the submit waits for t5's).
     time.sleep(0.2)
     proc.send_signal(signum)
     if times == 2:

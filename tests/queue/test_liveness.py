@@ -74,7 +74,10 @@ def test_a_waiting_worker_watches_a_lease_first_seen_late_for_a_whole_ttl_before
     for thread in threads:
         thread.start()
     try:
+        # Two seconds into the worker's wait, past its idle timeout and before the live holder's first renewal (2.2 s):
+        # the scenario's own time. That the worker waits by then is checked, not hoped for.
         time.sleep(2.0)
+        assert worker.view.leases.get("live") is not None, "the worker has not looked at the queue in 2 s"
         # A task submitted now, and held at once by a holder that dies without a heartbeat (its lease
         # is there before the task, so that the waiting worker cannot claim the task first).
         created = time.monotonic()
@@ -295,7 +298,7 @@ def test_a_submit_deletes_done_batch_markers_older_than_the_keep_time_and_no_oth
     keep(store, None, tasks("b"))
     dead = batch_name(["c"])
     begin_batch(store, dead, {"first": "c", "last": "c", "tasks": "1"})  # a dead submit's: never deleted
-    time.sleep(1.2)
+    time.sleep(1.2)  # the markers' age on the store's clock (their `updated`) passes the keep time: what prunes them
     counted = CountingStore(store)
     keep(counted, None, tasks("d"))
     # The pruned marker goes first: a reader whose two listings of batches/ straddle the deletes sees it change.
@@ -349,7 +352,7 @@ def test_a_busy_worker_finds_tasks_whose_batch_came_and_went_unseen(tmp_path):
         for lease in held:
             stack.enter_context(renewing(lease))
         keep(store, None, tasks("a05"))  # into the region the busy worker has cached (no cut: a cut is news too)
-        time.sleep(1.2)
+        time.sleep(1.2)  # a05's done marker's age on the store's clock passes the keep time, so z5's submit prunes it
         keep(store, None, tasks("z5"))  # elsewhere; it deletes a05's done batch marker
         assert batch_name(["a05"]) not in {e.name for e in store.list(layout.BATCHES)}
         first.lease.complete([], time.monotonic())
@@ -455,8 +458,7 @@ def test_status_names_what_blocks_completion_and_the_command_that_clears_it(tmp_
     bad.lease.dead_letter("consumer exit 65: bad input")
     silent = hold(store, "b" if bad.task_id != "b" else "c", "gone", ttl_s=0.1)  # a holder that died
     begin_batch(store, batch_name(["x"]), {"first": "x", "last": "x", "tasks": "1"})  # a submit that died
-    time.sleep(0.3)
-    view = snapshot(store)
+    view = snapshot(store, now=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=0.3))  # status looks 0.3 s on
     assert not view["complete"]
     kinds = {b["kind"]: b for b in view["blockers"]}
     assert set(kinds) == {"batch", "stale_lease", "dead_letter"}

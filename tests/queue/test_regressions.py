@@ -23,7 +23,7 @@ from reporting.status import snapshot
 from taskqueue.submit import mark_regions, submit
 from tests.fakegcs.server import Preconditions
 from tests.queue.conftest import assert_outputs_exact
-from tests.workers import REPO, markers, renewing
+from tests.workers import REPO, WaitingClock, markers, renewing, wait_for
 
 CONSUMER = [sys.executable, str(REPO / "tests" / "queue" / "consumer.py")]
 #: Outlasted within a second, so that a test can make a request fail for good.
@@ -116,8 +116,9 @@ def test_B_tasks_submitted_while_a_worker_waits_are_claimed_within_a_poll_cap(tm
     small(store, b"{}", tasks({"id": "m"}))
     holder = next(iter(Claimer(store, ClaimOptions(worker="holder", lease_ttl_s=600, seed=1))))
     poll_max = 0.2
+    clock = WaitingClock()
     waiting = Claimer(store, ClaimOptions(worker="w", lease_ttl_s=600, idle_timeout_s=6, poll_min_s=0.02,
-                                          poll_max_s=poll_max, seed=2))  # fmt: skip
+                                          poll_max_s=poll_max, seed=2), clock)  # fmt: skip
     claimed: dict[str, float] = {}
 
     def run() -> None:
@@ -125,13 +126,15 @@ def test_B_tasks_submitted_while_a_worker_waits_are_claimed_within_a_poll_cap(tm
             claimed[claim.task_id] = time.monotonic()
             claim.lease.complete([], time.monotonic())
 
-    thread = threading.Thread(target=run)
+    thread = clock.thread = threading.Thread(target=run)
     with renewing(holder.lease):  # live: the waiting worker leaves idle once it has seen it renew
         thread.start()
-        time.sleep(1.0)  # it has found nothing and waits, polling
+        assert clock.waiting.wait(30), "the worker never waited"  # it has found nothing and waits, polling
         small(store, b"{}", tasks({"id": "k"}, {"id": "l"}))  # into the region it watches
         into_region = time.monotonic()
-        time.sleep(1.0)
+        wait_for(lambda: {"k", "l"} <= set(claimed), 30, "k and l to be claimed")
+        clock.waiting.clear()
+        assert clock.waiting.wait(30), "the worker never waited again"  # it has run both, and waits again
         small(store, b"{}", tasks(*({"id": f"z{k}"} for k in range(7))))  # past the end: new regions
         new_regions = time.monotonic()
         thread.join(timeout=30)

@@ -42,7 +42,7 @@ def test_sigkilled_workers_tasks_are_retaken_and_keep_exactly_committed_outputs(
     kills = 0
     deadline = time.monotonic() + 120
     while len(markers(queue_url, layout.DONE)) < 16 and time.monotonic() < deadline:
-        time.sleep(rng.uniform(0.3, 0.8))
+        time.sleep(rng.uniform(0.3, 0.8))  # a kill at a random moment of the run is what this test is about
         holders = sorted(set(alive) & lease_holders(queue_url))  # kill mid-task, so the lease must be stolen
         if kills < 4 and holders:
             victim = rng.choice(holders)
@@ -265,7 +265,7 @@ def test_status_counts_pending_leased_stale_done_and_failed(local_queue_url):
     lease = {"state": "held", "worker": "vm-7", "ttl_s": "60", "heartbeat_at": "x"}
     store.create("leases/t2.json", b"{}", metadata=lease)
     store.create("leases/t3.json", b"{}", metadata={**lease, "worker": "vm-9", "ttl_s": "0.2"})
-    time.sleep(0.5)
+    time.sleep(0.5)  # t3's lease (TTL 0.2 s) goes stale on the store's clock; status runs in its own process
     result = subprocess.run([sys.executable, "tools/status.py", url, "--json"], cwd=REPO, capture_output=True, text=True)
     view = json.loads(result.stdout)
     assert {k: view[k] for k in ("total", "pending", "leased", "stale", "done", "failed")} == {
