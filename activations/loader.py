@@ -1,7 +1,7 @@
 """A streaming, shuffled loader of activation shards: a queue, bucket or directory in, `[batch, d]` batches out.
 
-This module holds the epochs, the stream and the shuffle buffer's slots; fetching and decoding a shard's rows is
-activations/fetch.py's, the buffer's one-copy row moves activations/shuffle.py's, and normalisation
+This module holds the epochs and the stream; fetching and decoding a shard's rows is activations/fetch.py's, the
+shuffle buffer's slots activations/slots.py's, its one-copy row moves activations/shuffle.py's, and normalisation
 activations/normalise.py's.
 
     from activations.loader import ActivationLoader
@@ -95,6 +95,7 @@ from activations.io import ActivationsError, ByteReader, LoaderConfigError, Rang
 from activations.normalise import NORMALIZATIONS, normalisation, normalise, stored_stats
 from activations.reader import ShardRef, read_header, resolve_shards
 from activations.shuffle import ReusedArrays, copy_rows, records, run_of, stable_order
+from activations.slots import Slots
 
 __all__ = ["ActivationLoader", "LoaderConfigError", "NORMALIZATIONS", "OUTPUTS", "STATE_FORMAT", "TokenFilter"]
 
@@ -271,8 +272,8 @@ class ActivationLoader:
             "rng": self._rng.bit_generator.state,
             "filled": len(live),
             "draining": self._drain is not None,
-            "buffer_shard": self._order(self._epoch)[self._group[live]].tolist(),
-            "buffer_row": (self._lo_of[self._group[live]] + self._local[live]).tolist(),
+            "buffer_shard": self._order(self._epoch)[self._slots.group[live]].tolist(),
+            "buffer_row": (self._lo_of[self._slots.group[live]] + self._slots.local[live]).tolist(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -303,9 +304,9 @@ class ActivationLoader:
             self._drain = np.arange(self._filled)
         place_in_order = np.empty(len(self.shards), dtype=np.int32)
         place_in_order[self._order(self._epoch)] = np.arange(len(self.shards), dtype=np.int32)
-        self._group[: self._filled] = place_in_order[shards]
-        self._source[: self._filled] = -1  # every row is read back into its slot of the spill
-        self._where[: self._filled] = np.arange(self._filled)
+        self._slots.group[: self._filled] = place_in_order[shards]
+        self._slots.source[: self._filled] = -1  # every row is read back into its slot of the spill
+        self._slots.where[: self._filled] = np.arange(self._filled)
         # The slots a shard refills are in buffer order, so its rows come in any order: `copy_rows` checks for a
         # run of consecutive rows instead of assuming one (#26: rows {5, 3, 4} were read as 3, 4, 5).
         distinct = [int(shard) for shard in np.unique(shards)]
@@ -313,14 +314,14 @@ class ActivationLoader:
             slots = np.flatnonzero(shards == fetched.shard)
             local = rows[slots] - fetched.lo
             self._lo_of[place_in_order[fetched.shard]] = fetched.lo
-            self._local[slots] = local
+            self._slots.local[slots] = local
             if len(local) and not 0 <= local.min() <= local.max() < len(fetched.data[0]):
                 raise LoaderConfigError(f"state names rows {rows[slots].min()}..{rows[slots].max()} of shard "
                                         f"{fetched.url}, outside this rank's rows {fetched.lo}.."
                                         f"{fetched.lo + len(fetched.data[0]) - 1}; it is damaged")  # fmt: skip
-            for target, source in zip(self._spill_layers, fetched.records):
+            for target, source in zip(self._slots.spill_layers, fetched.records):
                 copy_rows(target, slots, source, local)
-            self._copy_labels(slots, fetched, local)
+            self._slots.copy_labels(slots, fetched, local)
 
     # -- epochs and the stream ----------------------------------------------------------------------------------
 
@@ -336,27 +337,9 @@ class ActivationLoader:
         self._emitted = 0
         self._current: ShardRows | None = None
         self._rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
-        if not hasattr(self, "_spill"):
-            capacity, batch = self.capacity, self.batch_size
-            # Per slot: its row's shard, as its place in the epoch's order (the batch's grouping), and its row in
-            # that shard's slice for this rank (with `_lo_of`, what the state lists); where the row is now: in the
-            # held shard of that place (`_source`, its row `_where` there) or in the spill (-1, its slot).
-            self._group = np.zeros(capacity, dtype=np.int32)
-            self._local = np.zeros(capacity, dtype=np.int64)
-            self._source = np.zeros(capacity, dtype=np.int32)
-            self._where = np.zeros(capacity, dtype=np.int64)
-            self._tokens = np.zeros(capacity, dtype=np.int32) if self._labels else None
-            self._positions = np.zeros(capacity, dtype=np.int32) if self.return_positions else None
-            # The spill: copies of the rows whose shard is no longer held (and every row after a resume). Rows move
-            # as opaque records (one memcpy each): whole to be emitted, a layer at a time to be copied in.
-            self._spill = np.empty((capacity, *self._row_shape), dtype=self._raw)
-            self._spill_rows = records(self._spill)
-            self._spill_layers = [records(self._spill[:, i]) for i in range(len(self.layers))]
-            # The rows a batch takes from the buffer, in draw order, until it is gathered: its group, its source (a
-            # held shard's place in the order, or -1: the spill), and its row there.
-            self._out_group = np.zeros(batch, dtype=np.int32)
-            self._out_source = np.zeros(batch, dtype=np.int32)
-            self._out_row = np.zeros(batch, dtype=np.int64)
+        if not hasattr(self, "_slots"):
+            self._slots = Slots(self.capacity, self.batch_size, self._row_shape, self._raw, self._labels,
+                                self.return_positions)  # fmt: skip
         self._filled = 0
         # At the epoch's end the buffer leaves in one random permutation of its slots, `_drained` of them gone.
         self._drain: np.ndarray | None = None
@@ -456,7 +439,7 @@ class ActivationLoader:
     def _fill_batch(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]:
         """A batch assembled in place: (rows [batch_size, layers, d], token ids, positions, how many rows were
         filled). Each row is copied once into it: from its shard (held, or straight from the stream when there is
-        no shuffle) or from the spill. With the shuffle, the steps only note which rows leave (`_leave`); the batch
+        no shuffle) or from the spill. With the shuffle, the steps only note which rows leave (`Slots.leave`); the batch
         is gathered once they are all known (`_gather`), and shards the buffer no longer needs are let go after."""
         batch = self._widened.take() if self._fused else self._batches.take()
         tokens = np.empty(self.batch_size, dtype=np.int32) if self._labels else None
@@ -484,7 +467,7 @@ class ActivationLoader:
             if not self._stream_ended() and self._filled < self.capacity:
                 piece = self._take(self.capacity - self._filled)
                 if piece is not None:
-                    self._enter(np.arange(self._filled, self._filled + len(piece[1])), *piece)
+                    self._slots.enter(np.arange(self._filled, self._filled + len(piece[1])), self._k, *piece)
                     self._filled += len(piece[1])
                 continue
             if not self._stream_ended():
@@ -492,8 +475,8 @@ class ActivationLoader:
                 if piece is None:
                     continue
                 slots = self._rng.choice(self.capacity, len(piece[1]), replace=False)
-                self._leave(slots, tokens, positions, count)
-                self._enter(slots, *piece)
+                self._slots.leave(slots, tokens, positions, count)
+                self._slots.enter(slots, self._k, *piece)
                 count += len(slots)
                 continue
             # The epoch's stream has ended: the buffer leaves in one random order, each row read once, none moved.
@@ -502,7 +485,7 @@ class ActivationLoader:
             if self._drained == len(self._drain):
                 break
             slots = self._drain[self._drained : self._drained + need]
-            self._leave(slots, tokens, positions, count)
+            self._slots.leave(slots, tokens, positions, count)
             self._drained += len(slots)
             count += len(slots)
         if self.shuffle and count:
@@ -512,40 +495,13 @@ class ActivationLoader:
                 self._let_go()
         return batch, tokens, positions, count
 
-    def _enter(self, slots: np.ndarray, source: ShardRows, picked: np.ndarray) -> None:
-        """Rows `picked` of a held shard into the buffer's `slots`: where they are, not copies of them."""
-        self._group[slots] = self._source[slots] = self._k
-        self._local[slots] = self._where[slots] = picked
-        self._copy_labels(slots, source, picked)
-
-    def _copy_labels(self, slots: np.ndarray, source: ShardRows, picked: np.ndarray) -> None:
-        if self._tokens is not None:
-            self._tokens[slots] = source.token_ids[picked]
-        if self._positions is not None:
-            self._positions[slots] = source.positions[picked]
-
-    def _leave(self, slots: np.ndarray, tokens: np.ndarray | None, positions: np.ndarray | None, at: int) -> None:
-        """The buffer's rows at `slots` leave as the batch's rows from `at` on: noted (group, source, row there), to
-        be gathered by `_gather`, and their labels copied. A slot may be refilled, and even leave again, before the
-        batch is gathered: its spill row and its held shard stay as they were until then (`_let_go` runs after)."""
-        end = at + len(slots)
-        # mode="clip": see _gather; the slots are valid by construction (drawn from, or a permutation of, the
-        # buffer's filled slots).
-        np.take(self._group, slots, out=self._out_group[at:end], mode="clip")
-        np.take(self._source, slots, out=self._out_source[at:end], mode="clip")
-        np.take(self._where, slots, out=self._out_row[at:end], mode="clip")
-        if tokens is not None:
-            np.take(self._tokens, slots, out=tokens[at:end], mode="clip")
-        if positions is not None:
-            np.take(self._positions, slots, out=positions[at:end], mode="clip")
-
     def _gather(self, batch: np.ndarray, tokens: np.ndarray | None, positions: np.ndarray | None, count: int) -> None:
-        """The batch's `count` rows, noted by `_leave` in draw order, gathered grouped by the shard they came from
+        """The batch's `count` rows, noted by `Slots.leave` in draw order, gathered grouped by the shard they came from
         (shards in the epoch's order, a shard's rows in draw order): one `np.take` per run of rows in one place (a
         held shard, or the spill) straight into the batch, so each row is copied once. Its labels are put in the
         same order."""
-        order = stable_order(self._out_group[:count])
-        sources, rows = self._out_source[:count][order], self._out_row[:count][order]
+        order = stable_order(self._slots.out_group[:count])
+        sources, rows = self._slots.out_source[:count][order], self._slots.out_row[:count][order]
         cuts = [0, *(np.flatnonzero(sources[1:] != sources[:-1]) + 1).tolist(), count]
         whole = None if self._fused else records(batch)
         for lo, hi, source in zip(cuts[:-1], cuts[1:], sources[cuts[:-1]].tolist()):
@@ -554,7 +510,7 @@ class ActivationLoader:
                     records(batch[:, i])[lo:hi] = layer[rows[lo:hi]]
                 continue
             # Spilled rows are whole rows (every layer) at once; a held shard's, of its one layer.
-            where = self._spill_rows if source < 0 else self._held[source].records[0]
+            where = self._slots.spill_rows if source < 0 else self._held[source].records[0]
             if whole is not None:  # mode="clip": see _put
                 np.take(where, rows[lo:hi], out=whole[lo:hi], mode="clip")
             else:
@@ -597,7 +553,6 @@ class ActivationLoader:
         if self._norm is not None:
             normalise(out, self._norm, self.normalize)
 
-
     def _let_go(self) -> None:
         """Shards whose last row entered `hold` x C emitted rows ago: the rows of theirs still in the buffer are
         copied into their slots of the spill, and the shard is dropped (a fraction of about e^-hold of its rows:
@@ -606,16 +561,7 @@ class ActivationLoader:
         for place in [place for place, ended in self._ended.items() if self._rows_out - ended >= horizon]:
             held = self._held.pop(place)
             del self._ended[place]
-            slots = np.flatnonzero(self._source[: self._filled] == place)
-            picked = self._where[slots]
-            step = len(self._chunk)
-            for target, rows in zip(self._spill_layers, held.records):
-                for lo in range(0, len(slots), step):  # through a cache-sized chunk: no temporary of them all
-                    chunk = self._chunk[: min(step, len(slots) - lo)]
-                    np.take(rows, picked[lo : lo + len(chunk)], out=chunk, mode="clip")
-                    target[slots[lo : lo + len(chunk)]] = chunk
-            self._source[slots], self._where[slots] = -1, slots
-
+            self._slots.spill_shard(place, held, self._filled, self._chunk)
 
     # -- output -------------------------------------------------------------------------------------------------
     def stats(self) -> dict[Output, LayerStats]:
