@@ -97,8 +97,11 @@ class PriceTable:
 
     def known_accelerators(self) -> list[str]:
         """Examples of valid names: each TPU family's single-host type, then every GPU machine type."""
-        tpus = [f"{f['type_prefix']}-{f['chips_per_host'] * f['cores_per_chip']}" for f in self.tpu.values()]
-        return tpus + list(self.gpu_machines)
+        return self._single_host_tpus() + list(self.gpu_machines)
+
+    def _single_host_tpus(self) -> list[str]:
+        """Each TPU family's type of one whole host (`v5litepod-8`): the example of a family's sizes."""
+        return [f"{f['type_prefix']}-{f['chips_per_host'] * f['cores_per_chip']}" for f in self.tpu.values()]
 
     def accelerator(self, name: str) -> Accelerator:
         """The machine of type `name` as the planner prices it: a GPU or CPU machine type, or a TPU type of a listed
@@ -164,9 +167,8 @@ class PriceTable:
         """What to use instead of an unpriced `name`: types of its own kind (a TPU type's family sizes, or the GPU
         and CPU machine types), and how to price it."""
         if is_tpu_type(name):
-            tpus = [f"{f['type_prefix']}-{f['chips_per_host'] * f['cores_per_chip']}" for f in self.tpu.values()]
-            return (f"use a TPU type such as {', '.join(tpus)} (any size of those families), or add its family to a "
-                    "copy of the table and pass it with --prices")  # fmt: skip
+            return (f"use a TPU type such as {', '.join(self._single_host_tpus())} (any size of those families), or "
+                    "add its family to a copy of the table and pass it with --prices")  # fmt: skip
         return (f"GPU machine types priced: {', '.join(self.gpu_machines)}; CPU machine types: "
                 f"{', '.join(self.cpu_machines) or 'none'}; or add it to a copy of the table and pass it with --prices")
 
@@ -267,6 +269,9 @@ Number = Annotated[StrictFloat, Field(ge=0), rule("must be a number >= 0")]
 Date = Annotated[StrictStr, Field(pattern=r"^\d{4}-\d{2}-\d{2}$"), rule("must be a date, YYYY-MM-DD")]
 
 
+# A TPU family and a GPU machine type are two shapes, not one: a family is priced per chip at any size (a type's
+# number counts TensorCores, so its chips and hosts are worked out), a GPU machine type per machine of a fixed size.
+# Their keys are the price file's format (docs/schema, every copy passed with --prices), so they stay as they are.
 class TpuFamily(Model):
     """`tpu.<family>`: a TPU family, priced per chip-hour, any size (`PriceTable.accelerator`)."""
 
