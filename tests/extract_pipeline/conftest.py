@@ -181,3 +181,22 @@ def wait_for_records(spec: ConsumeRun, proc: subprocess.Popen, count: int, timeo
             )
         time.sleep(0.02)
     raise AssertionError(f"no {count} progress records within {timeout}s:\n{spec.stderr_file.read_text()}")
+
+
+def killed_after_two_shards(tmp_path: pathlib.Path, job: dict[str, Any], task: dict[str, Any], gcs, bucket: str,
+                            start_consume: Callable[[ConsumeRun], subprocess.Popen]) -> tuple[list[dict], ConsumeRun]:
+    """A consume run to gs://`bucket` killed -9 once it has committed two shards (its uploads slowed, so that the kill
+    lands between two), and the second attempt that resumes from them: (the committed records, the second run, not
+    yet started)."""
+    gcs.faults.add_latency(0.5, kind="write")  # leaves time to kill between two shard uploads
+    first = ConsumeRun(workdir=tmp_path / "a1", job=job, task=task, output=f"gs://{bucket}/out/{task['id']}/1")
+    proc = start_consume(first)
+    wait_for_records(first, proc, 2)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    committed = first.records()
+    assert len(committed) >= 2 and not any(r.get("final") for r in committed)
+    gcs.faults.reset()
+    second = ConsumeRun(workdir=tmp_path / "a2", job=job, task=task, output=f"gs://{bucket}/out/{task['id']}/2",
+                        resume={"task": task["id"], "attempt": 2, "progress": committed})  # fmt: skip
+    return committed, second

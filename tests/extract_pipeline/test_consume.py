@@ -16,7 +16,14 @@ import pytest
 
 from activations.reader import open_activations
 from extract.writer import crc32c_b64
-from tests.extract_pipeline.conftest import REPO, ConsumeRun, base_job, wait_for_records, write_json
+from tests.extract_pipeline.conftest import (
+    REPO,
+    ConsumeRun,
+    base_job,
+    killed_after_two_shards,
+    wait_for_records,
+    write_json,
+)
 
 #: 80 samples over all three files, so the slice crosses two file boundaries; 5 shards of 16.
 MAIN_SLICE = [(0, 70, 90), (1, 0, 50), (2, 0, 10)]
@@ -134,20 +141,9 @@ def test_resume_after_sigkill_covers_every_sample_once_with_identical_activation
     The resumed run starts at a shard boundary, and batching windows are cut at shard boundaries, so it
     forms exactly the batches the uninterrupted run formed there: activations are bit-identical on CPU.
     """
-    gcs.faults.add_latency(0.5, kind="write")  # leaves time to kill between two shard uploads
-    first = ConsumeRun(workdir=tmp_path / "a1", job=qwen2_reference.job, task=qwen2_reference.task,
-                       output=f"gs://{gcs_bucket}/out/t000001/1")  # fmt: skip
-    proc = start_consume(first)
-    wait_for_records(first, proc, 2)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
-    committed = first.records()
-    assert 2 <= len(committed) < 5 and not any(r.get("final") for r in committed)
-    gcs.faults.reset()
-
-    second = ConsumeRun(workdir=tmp_path / "a2", job=qwen2_reference.job, task=qwen2_reference.task,
-                        output=f"gs://{gcs_bucket}/out/t000001/2",
-                        resume={"task": "t000001", "attempt": 2, "progress": committed})  # fmt: skip
+    committed, second = killed_after_two_shards(tmp_path, qwen2_reference.job, qwen2_reference.task, gcs, gcs_bucket,
+                                                start_consume)  # fmt: skip
+    assert len(committed) < 5
     done = run_consume(second)
     assert done.returncode == 0, done.stderr
     resumed = second.records()

@@ -10,7 +10,6 @@ SIGKILL and resumed from its committed records stores the same positions and act
 from __future__ import annotations
 
 import json
-import signal
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from extract.consumer import RunInputs, load_engine, run
 from extract.job import Job, Task
 from activations.reader import open_activations
-from tests.extract_pipeline.conftest import ConsumeRun, base_job, wait_for_records, write_json
+from tests.extract_pipeline.conftest import base_job, killed_after_two_shards, write_json
 
 SAMPLING = {"token_sample": 0.3, "drop_first": 2, "sample_seed": 7}
 #: 60 samples over two files; shards of 16 samples.
@@ -116,17 +115,8 @@ def test_sampled_run_resumed_after_sigkill_stores_the_same_positions_and_activat
 ):
     job = {**base_job(tiny_models["qwen2"], corpus), **SAMPLING}
     task = {"id": "t000001", "files": corpus.slice_files(SLICE)}
-    gcs.faults.add_latency(0.5, kind="write")  # leaves time to kill between two shard uploads
-    first = ConsumeRun(workdir=tmp_path / "a1", job=job, task=task, output=f"gs://{gcs_bucket}/out/t000001/1")
-    proc = start_consume(first)
-    wait_for_records(first, proc, 2)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
-    committed = first.records()
-    assert 2 <= len(committed) < 4 and not any(r.get("final") for r in committed)
-    gcs.faults.reset()
-    second = ConsumeRun(workdir=tmp_path / "a2", job=job, task=task, output=f"gs://{gcs_bucket}/out/t000001/2",
-                        resume={"task": "t000001", "attempt": 2, "progress": committed})  # fmt: skip
+    committed, second = killed_after_two_shards(tmp_path, job, task, gcs, gcs_bucket, start_consume)
+    assert len(committed) < 4
     done = run_consume(second)
     assert done.returncode == 0, done.stderr
     resumed = second.records()

@@ -10,6 +10,7 @@ import pytest
 from gcs_spawner.cli import main
 from reporting.pricing import PRICES_FILE, load_prices
 from tests.plan.test_plan import QWEN25_7B_JOB
+from tests.plan.test_price_file import plan_with_prices
 
 
 def plan_json(tmp_path, capsys, accelerator: str) -> dict:
@@ -40,11 +41,6 @@ def test_a_cpu_machine_type_is_planned_from_its_vcpus_assumed_peak(tmp_path, cap
 def test_a_cpu_machine_type_without_a_peak_is_bad_input_naming_the_field(tmp_path, capsys):
     table = json.loads(PRICES_FILE.read_text())
     del table["cpu_machines"]["c3-standard-8"]["peak_fp32_gflops_per_vcpu"]
-    prices = tmp_path / "prices.json"
-    prices.write_text(json.dumps(table))
-    job_file = tmp_path / "job.json"
-    job_file.write_text(json.dumps(QWEN25_7B_JOB))
-    code = main(["plan", str(job_file), "--accelerator", "c3-standard-8", "--rows", "10", "--tokens-per-row", "5",
-                 "--prices", str(prices)])  # fmt: skip
+    code, err, _ = plan_with_prices(tmp_path, capsys, table, "c3-standard-8")
     assert code == 65
-    assert "'c3-standard-8' has no peak_fp32_gflops_per_vcpu" in capsys.readouterr().err
+    assert "'c3-standard-8' has no peak_fp32_gflops_per_vcpu" in err

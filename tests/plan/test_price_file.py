@@ -35,17 +35,24 @@ def test_a_bad_field_of_the_price_file_is_named_with_what_to_write(tmp_path, bre
     assert str(error.value).startswith(f"my-prices.json: {message}")
 
 
+def plan_with_prices(tmp_path, capsys, table: dict, accelerator: str) -> tuple[int, str, str]:
+    """`gcs-spawner plan` of Qwen2.5-7B on `accelerator` with the price table `table` passed as `--prices`: its exit
+    code, its stderr, and the price file's path."""
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps(table))
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(QWEN25_7B_JOB))
+    code = main(["plan", str(job_file), "--accelerator", accelerator, "--rows", "10", "--tokens-per-row", "5",
+                 "--prices", str(prices)])  # fmt: skip
+    return code, capsys.readouterr().err, str(prices)
+
+
 def test_prices_flag_is_validated_by_the_same_model_and_is_bad_input(tmp_path, capsys):
     raw = shipped()
     raw["tpu"]["v6e"]["peak_bf16_tflops_per_chip"] = "fast"
-    prices = tmp_path / "prices.json"
-    prices.write_text(json.dumps(raw))
-    job_file = tmp_path / "job.json"
-    job_file.write_text(json.dumps(QWEN25_7B_JOB))
-    code = main(["plan", str(job_file), "--accelerator", "v6e-8", "--rows", "10", "--tokens-per-row", "5",
-                 "--prices", str(prices)])  # fmt: skip
+    code, err, prices = plan_with_prices(tmp_path, capsys, raw, "v6e-8")
     assert code == 65
-    assert f"{prices}: tpu.v6e.peak_bf16_tflops_per_chip: must be a number >= 0, got 'fast'" in capsys.readouterr().err
+    assert f"{prices}: tpu.v6e.peak_bf16_tflops_per_chip: must be a number >= 0, got 'fast'" in err
 
 
 def test_the_shipped_table_is_valid_by_the_model():
