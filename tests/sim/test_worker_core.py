@@ -194,6 +194,7 @@ def test_an_outcome_whose_write_failed_is_unconfirmed_and_the_lease_stays_held(t
     assert lease.body["state"] == "held"
 
 
+# Stuck consumers, the stuck-task backstop's subject: one that says nothing for two minutes, one that prints for ever.
 SILENT = "python -c 'import time; time.sleep(120)'"
 CHATTY = "python -u -c 'import time\nwhile True: print(\"working\"); time.sleep(0.2)'"
 
