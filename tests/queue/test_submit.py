@@ -178,9 +178,11 @@ def test_many_refused_tasks_are_counted_and_the_first_three_named(tmp_path):
     assert str(caught.value).startswith(f"4 tasks already exist ({urls}, ...) with a different manifest")
     assert "The batch's other 1 tasks are submitted (1 created now)" in str(caught.value)
     store = LocalStore(tmp_path / "r")
-    run(store, None, tasks("a", "b", v=1))
-    with pytest.raises(SubmitError, match=r"^2 tasks already exist \([^)]*b\.json\) with"):
-        run(store, None, tasks("a", "b", v=2))
+    run(store, None, tasks("a", "a.5", v=1))
+    with pytest.raises(SubmitError) as caught:
+        run(store, None, tasks("a", "a.5", v=2))
+    # In the order of the listings, where `a.5.json` comes before `a.json`.
+    assert str(caught.value).startswith(f"2 tasks already exist ({store.url('tasks/a.5.json')}, {store.url('tasks/a.json')}) with")
 
 
 class Gapped(LocalStore):
@@ -284,6 +286,36 @@ def test_a_second_interrupt_while_waiting_says_so_in_the_note(tmp_path):
     assert "may be left running (interrupted again while its creates were in flight)" in caught.value.__notes__[0]
 
 
+def test_an_interrupt_while_a_create_is_in_flight_finishes_the_batch_only_once_that_create_is_answered(tmp_path):
+    """Ctrl-C while the submit waits for its creates: `_give_up` waits for the one in flight (the
+    clock's wait lets it through), then finishes the batch, after it, with no note."""
+    import threading
+
+    answer = threading.Event()
+
+    def fail(method, name, store):
+        if method == "create" and name == "tasks/b.json":
+            answer.wait(10)
+        return None
+
+    class CtrlC(SetClock):
+        def wait(self, stop, seconds):
+            self.waits.append(seconds)
+            if len(self.waits) == 1:
+                raise KeyboardInterrupt  # while `run` waits for b's create
+            answer.set()
+            stop.wait(0.05)
+            return stop.is_set()
+
+    store = Failing(tmp_path / "q", fail)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, pytest.raises(KeyboardInterrupt) as caught:
+        submit(store, None, tasks("a", "b"), clock=CtrlC(), executor=pool)
+    assert not getattr(caught.value, "__notes__", None)
+    name = batch_name(["a", "b"])
+    assert batches(store)[name]["state"] == "done" and batches(store)[name]["gave_up"] == "KeyboardInterrupt"
+    assert store.read(name).generation > store.read("tasks/b.json").generation
+
+
 def test_the_same_submit_after_a_finished_one_makes_its_marker_running_again_then_done(tmp_path):
     store = Failing(tmp_path / "q", lambda m, n, s: None)
     run(store, None, tasks("a"))
@@ -364,6 +396,8 @@ def test_a_marker_whose_begin_failed_is_settled_by_a_create(tmp_path, how):
         assert notes == [f"{url} may have been begun (StoreUnavailable('again: 503')): if status names it as running, run "
                          "the same submit again"]  # fmt: skip
     else:
+        # Left running as a submit's marker, which status and the workers read: its range and state.
+        assert batches(store)[name] == {"first": "a", "last": "a", "tasks": "1", "state": "running"}
         assert notes == [f"{url} is left running (StoreUnavailable('finish: 503')), with no task created: run the same "
                          f"submit again, or finish its batch: gcs-spawner submit {store.root_url} --finish-batch "
                          f"{batch_id(name)}"]  # fmt: skip
@@ -515,14 +549,18 @@ def test_a_prune_another_submit_is_doing_is_left_to_it_and_a_failing_one_costs_t
 
 def test_finishing_a_running_batch_cuts_its_regions_and_marks_it_done(tmp_path):
     store = LocalStore(tmp_path / "q")
-    for task_id in ("a0", "a1", "a2", "a3", "b0"):
+    for task_id in ("0z", "a0", "a1", "a2", "a3", "b0"):  # 0z: before the batch's range
         store.create(layout.task_object(task_id), b"{}")
-    store.create(layout.swept_object(layout.HEAD), b"{}", metadata={"end": "", "confirmed": "1"})
+    store.create(layout.split_object("a0"), b"{}")
+    store.create(layout.swept_object(layout.HEAD), b"{}", metadata={"end": "a0", "confirmed": "1"})  # [head, a0): not the batch's
+    store.create(layout.swept_object("a0"), b"{}", metadata={"end": "", "confirmed": "1"})
+    store.create(layout.batch_object("w"), b"{}", metadata={"first": "0z", "last": "0z", "state": "done"})  # listed first
     name = layout.batch_object("x")
     store.create(name, b"{}", metadata={"first": "a0", "last": "a3", "tasks": "4", "state": "running"})
     assert finish_batch(store, "x", region_tasks=2) == "event=batch_finished batch=x tasks_in_range=3"
     assert batches(store)[name] == {"first": "a0", "last": "a3", "tasks": "4", "state": "done", "finished_by": "finish_batch"}
-    assert names(store, layout.SPLITS) == ["splits/a2.json", "splits/b0.json"] and names(store, layout.SWEPT) == []
+    assert names(store, layout.SPLITS) == ["splits/a0.json", "splits/a2.json", "splits/b0.json"]
+    assert names(store, layout.SWEPT) == ["swept/-.json"]
     assert finish_batch(store, name) == "event=batch_already_done batch=x"
 
 
