@@ -11,6 +11,8 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import threading
+import time
 
 import pytest
 
@@ -289,13 +291,12 @@ def test_a_second_interrupt_while_waiting_says_so_in_the_note(tmp_path):
 def test_an_interrupt_while_a_create_is_in_flight_finishes_the_batch_only_once_that_create_is_answered(tmp_path):
     """Ctrl-C while the submit waits for its creates: `_give_up` waits for the one in flight (the
     clock's wait lets it through), then finishes the batch, after it, with no note."""
-    import threading
-
     answer = threading.Event()
 
     def fail(method, name, store):
         if method == "create" and name == "tasks/b.json":
             answer.wait(10)
+            time.sleep(0.5)  # answered well after the clock's wait that let it through
         return None
 
     class CtrlC(SetClock):
