@@ -317,6 +317,28 @@ def test_an_interrupt_while_a_create_is_in_flight_finishes_the_batch_only_once_t
     assert store.read(name).generation > store.read("tasks/b.json").generation
 
 
+def test_the_last_create_to_settle_wakes_the_waiting_submit_at_once(tmp_path):
+    """The submit waits for its creates in polls of half a second (here stretched to 10 s, so that
+    one wait spans them all); the last answer ends that wait there and then, not at its timeout."""
+    woken = []
+
+    class Real(SetClock):
+        def wait(self, stop, seconds):
+            if seconds <= 0:  # the finishing write's wait for the write gap: none on a local store
+                return stop.is_set()
+            woken.append(stop.wait(10.0))
+            return woken[-1]
+
+    def slow(method, name, store):
+        if method == "create" and name.startswith(layout.TASKS):
+            time.sleep(0.5)
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        submit(Failing(tmp_path / "q", slow), None, tasks("a", "b", "c"), clock=Real(), executor=pool)
+    assert woken == [True]
+
+
 def test_the_same_submit_after_a_finished_one_makes_its_marker_running_again_then_done(tmp_path):
     store = Failing(tmp_path / "q", lambda m, n, s: None)
     run(store, None, tasks("a"))
