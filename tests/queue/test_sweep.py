@@ -294,14 +294,16 @@ def test_a_withdrawal_never_deletes_a_marker_written_after_ours(tmp_path):
 
 
 def test_a_task_submitted_after_the_sweepers_task_listing_withdraws_the_marker(tmp_path, caplog):
-    store, clock, view = queue(tmp_path, ["a1"], store_class=lambda p: Submitting(p, lambda s: s.create("tasks/a2.json", b"{}")))
-    view.load(layout.HEAD)
-    done(store, "a1")
+    store, clock, view = queue(tmp_path, ["a1", "b1"], splits=["b1"],
+                               store_class=lambda p: Submitting(p, lambda s: s.create("tasks/b2.json", b"{}")))  # fmt: skip
+    LocalStore.create(store, layout.swept_object(layout.HEAD), b"{}", metadata={"end": "b1", "confirmed": "1"})  # not the hook's
+    view.load("b1")
+    done(store, "b1")
     with caplog.at_level(logging.INFO, logger="taskqueue.sweep"):
-        sweeper(store, clock, view).sweep(layout.HEAD)
-    assert swept_marker(store, layout.HEAD) == (None, None)
-    assert view.tasks[layout.HEAD] == ["a1", "a2"] and layout.HEAD not in view.swept
-    assert "event=sweep_withdrawn region='' reason=new_tasks" in caplog.messages
+        sweeper(store, clock, view).sweep("b1")
+    assert swept_marker(store, "b1") == (None, None) and swept_marker(store, layout.HEAD)[0] == {}  # ours only
+    assert view.tasks["b1"] == ["b1", "b2"] and "b1" not in view.swept
+    assert "event=sweep_withdrawn region='b1' reason=new_tasks" in caplog.messages
 
 
 def test_a_marker_the_submitter_removed_first_is_neither_withdrawn_again_nor_confirmed(tmp_path):
