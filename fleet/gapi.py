@@ -150,8 +150,8 @@ def run_all(send: Callable[[proto.Message], None], batch: Sequence[proto.Message
                 failures.append(line)
     if failures:
         raise LaunchError(
-            f"{len(failures)} of {len(batch)} requests failed (fix the cause and re-run; teardown.py removes "
-            "what was created):\n  " + "\n  ".join(sorted(failures))
+            f"{len(failures)} of {len(batch)} requests failed (fix the cause and re-run; gcs-spawner down "
+            "deletes what a run made):\n  " + "\n  ".join(sorted(failures))
         )
 
 

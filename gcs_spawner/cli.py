@@ -5,9 +5,9 @@
     gcs-spawner status run.yaml        progress, machines, cost, ETA (or a queue: gs://bucket/prefix, a directory)
     gcs-spawner down run.yaml          delete exactly what up made; the data stays
 
-and `validate`, `keep` (delete lost machines; TPU: replace preempted ones), `logs RUN MACHINE`, `merge`, `export`, plus the steps
-`up` takes, each on its own for a queue: `tasks`, `submit`, `mirror`, `upload-code`. The tools in tools/ are
-these subcommands under their old names.
+and `validate`, `add` (more machines of another spec on the run's queue), `keep` (delete lost machines; TPU:
+replace preempted ones), `logs RUN MACHINE`, `merge`, `export`, plus the steps `up` takes, each on its own for a
+queue: `tasks`, `submit`, `mirror`, `upload-code`. The tools in tools/ are these subcommands under their old names.
 
 One name per concept in every subcommand: the queue is QUEUE (or `--queue`), the count `--count`, a zone
 `--zone` (repeatable, or comma-separated), the project `--project`, an output file `-o/--output`, and `--yes`,
@@ -48,6 +48,18 @@ def _confirm(question: str) -> bool:
 def _confirmer(args):
     """How to ask the user: on a terminal, a question on stderr; anywhere else, no way (so --yes is needed)."""
     return _confirm if sys.stdin.isatty() else None
+
+
+def _ask(question: str) -> str | None:
+    """A question on stderr, the answer's line from stdin (None at the end of input)."""
+    print(question, end="", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    return line if line else None
+
+
+def _price_asker(args):
+    """How to ask for a price (checks.price_for_limit): on a terminal, and not told --yes; else no way."""
+    return _ask if sys.stdin.isatty() and not getattr(args, "yes", False) else None
 
 
 # -- what the user typed ------------------------------------------------------------------------------------------
@@ -179,6 +191,18 @@ def cmd_up(args) -> int:
         from gcs_spawner import keep
 
         keep.keep(run, project=args.project, interval_s=args.interval)
+    return EX_OK
+
+
+def cmd_add(args) -> int:
+    from gcs_spawner import add
+    from gcs_spawner.runfile import load_run
+
+    if args.count < 1:
+        raise UsageError(f"--count: {args.count}; add makes 1 or more machines")
+    add.add(load_run(args.run), args.spec, args.count, zone=args.zone, project=args.project, dry_run=args.dry_run,
+            yes=args.yes, confirm=_confirmer(args), preflight=not args.no_preflight, prices=args.prices,
+            ask_price=_price_asker(args))
     return EX_OK
 
 
@@ -531,6 +555,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=60.0, help="with --keep: seconds between checks (default 60)")
     p.add_argument("--prices", help="price table JSON (default: reporting/prices.json)")
 
+    p = command("add", cmd_add, "make N more machines of another spec on a run's queue, recorded like up's",
+                "Make --count machines of another machine spec (a v5litepod-8 beside the run's slices, a GPU group) "
+                "on the run's queue, named RUN-SPECNAME and labelled with the run, recorded in its queue before "
+                "each create: status shows them, down deletes them, keep deletes the lost ones, and up leaves them "
+                "alone. Checked as up checks: the zone offers the type, its price and the run's max_dollars, the "
+                "code's lock, the pre-flight. Run it again to add more.")
+    p.add_argument("run", type=pathlib.Path, help=run_help)
+    p.add_argument("--spec", type=pathlib.Path, required=True, help="the machine spec (templates/vm.yaml, "
+                                                                    "templates/tpu.yaml or a copy)")
+    p.add_argument("--count", type=int, required=True, help="how many more (TPU: times the spec's slices)")
+    p.add_argument("--zone", help="default: the run's first zone (a VM group: or its region)")
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask (needed without a terminal)")
+    p.add_argument("--dry-run", action="store_true", help="check and print one line per call it would make")
+    p.add_argument("--project", help="default: the run's project, else gcloud config")
+    p.add_argument("--no-preflight", action="store_true", help="skip the roles, quotas and bucket-location checks")
+    p.add_argument("--prices", help="price table JSON (default: the run file's plan.prices, else reporting/prices.json)")
+
     p = command("down", cmd_down, "delete exactly what up made (machines, group, template, TPUs); the data stays")
     _add_target(p)
     p.add_argument("-y", "--yes", action="store_true", help="do not ask, even if the job is not complete")
@@ -706,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on a usage error, 0 after --help
     _setup_logging(args.verbose)
-    if args.command in ("up", "submit", "mirror", "upload-code", "keep", "down"):
+    if args.command in ("up", "add", "submit", "mirror", "upload-code", "keep", "down"):
         signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)

@@ -73,21 +73,25 @@ def delete_lost(run: Run, project: str, store, clients: Clients, dry_run: bool =
     lost = lost_machines(store)
     if not lost:
         return report
-    found = cloud.find_run(clients, project, run.name, run.kind, run.fields.fleet.zones,
-                           [run.fields.fleet.region] if run.fields.fleet.region else [])
-    requests = {}
-    if run.kind == "vm":
-        for group in (f.resource for f in found if f.resource.kind == "instance_group"):
+    # Every machine of the run: the run file's fleet and what `gcs-spawner add` made beside it (its zones are in
+    # the record: cloud.identity), VM group members and TPU VMs alike.
+    # A TPU run lists only the TPU API unless it has an added VM group (a project may not enable Compute).
+    record = RunRecord(store)
+    who = cloud.identity(record, run.fields, project)
+    kinds = {run.kind, *(a.get("kind") for a in ((record.read_run() or {}).get("added") or {}).values())}
+    found = cloud.find_run(clients, project, run.name, run.kind if len(kinds) == 1 else None, who.zones, who.regions)
+    requests = {}  # machine -> (the delete request, the API that takes it)
+    for f in found:
+        if f.resource.kind == "instance_group":
+            group = f.resource
             for member in cloud.group_members(clients, group):
                 ref = compute.GroupRef("zones" if group.zone else "regions", group.where, group.name)
-                requests[member.name] = compute.remove_group_member(project, ref, member.zone, member.name)
-    else:
-        for f in found:
-            if f.resource.kind in ("queued_resource", "tpu_node"):
-                requests[f.resource.name] = cloud.delete_request(f.resource)
+                requests[member.name] = (compute.remove_group_member(project, ref, member.zone, member.name), "vm")
+        elif f.resource.kind in ("queued_resource", "tpu_node"):
+            requests[f.resource.name] = (cloud.delete_request(f.resource), "tpu")
     for row in lost:
         machine = row["machine"]
-        request = requests.get(machine)
+        request, api = requests.get(machine, (None, None))
         if request is None:
             report.gone.append(machine)
             continue
@@ -97,7 +101,7 @@ def delete_lost(run: Run, project: str, store, clients: Clients, dry_run: bool =
             continue
         reason = (f"lost: its last record was {row['age_s']:.0f} s old, past the silence after which status gives "
                   "a machine up, while the cloud still had it")
-        client = clients.compute_clients() if run.kind == "vm" else clients.tpu_clients()
+        client = clients.compute_clients() if api == "vm" else clients.tpu_clients()
         try:
             client.send(request)
         except api_exceptions.NotFound:

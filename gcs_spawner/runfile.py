@@ -38,6 +38,9 @@ from schemas import choice, cross_field, external_ref, invalid, problems, rule, 
 CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
 #: Label every resource of a run carries (its value: the run's name).
 RUN_LABEL = "spawn-run"
+#: Label the machines `gcs-spawner add` makes carry besides RUN_LABEL (its value: the added spec's name), so that
+#: `up` and the keeper, which converge the run file's own fleet, leave them alone (gcs_spawner/add.py).
+ADD_LABEL = "spawn-add"
 
 # Compute Engine names (https://cloud.google.com/compute/docs/naming-resources): lowercase letters, digits and
 # hyphens, starting with a letter. 50 rather than 63 characters leaves room for the -NNNN of TPU VM names.

@@ -120,7 +120,7 @@ class _Up:
             checks.code_environment(run)
         checks.zones_offer(run, self.project, self.clients)
         if self.preflight:
-            self._preflight()
+            checks.preflight_holds(self.run, self.project, self.say)
         self._difference()
         self._names_are_ours()
         self._plan(task_models)
@@ -190,16 +190,6 @@ class _Up:
         except StoreError as err:
             raise checks.CheckError(f"{self.run.file}: queue: cannot list {self.run.queue}: {err}") from None
 
-    def _preflight(self) -> None:
-        """The pre-flight's findings, each printed; a shortfall stops up unless the run says fleet.force."""
-        findings = checks.preflight(self.run, self.project)
-        for finding in findings:
-            self.say(finding.line())
-        short = [f for f in findings if f.status == "short"]
-        if short and not self.run.fields.fleet.force:
-            raise checks.CheckError(f"{self.run.file}: fleet: the pre-flight found shortfalls (fix them, or set "
-                                    "fleet.force: true):\n  " + "\n  ".join(f"{f.check}: {f.detail}" for f in short))
-
     def _plan(self, task_models) -> None:
         from extract.errors import BadInput
         from reporting import pricing
@@ -256,8 +246,9 @@ class _Up:
         earlier = self.record.read_run() or {}
         summary = {"name": self.run.name, "project": self.project, "file": str(self.run.file),
                    "queue": self.run.queue, "code": self.run.fields.code.url, "tasks": len(self.tasks)}
-        if earlier.get("fleet"):
-            summary["fleet"] = earlier["fleet"]
+        for kept in ("fleet", "added"):  # the fleet as made, and what `gcs-spawner add` made beside it
+            if earlier.get(kept):
+                summary[kept] = earlier[kept]
         if self.dry_run:
             self.would(f"write {self.store.url('run/run.json')}")
         else:

@@ -238,7 +238,7 @@ class PriceTable:
 def check_machine_type(name: str, kind: str, prices_file: str | pathlib.Path | None = None, *,
                        unpriced_ok: bool = False) -> MachinePrice | None:
     """The one check of a fleet's machine type against the price table, for `up`/`validate`/`plan`
-    (gcs_spawner/checks.py), tools/create_tpus.py and tools/create_template.py: its hourly prices, or a PriceError
+    (gcs_spawner/checks.py) and `add` (gcs_spawner/add.py): its hourly prices, or a PriceError
     naming it and what to use instead (each caller puts the field in front, in its own error type).
 
     `kind` "tpu": an accelerator type, refused unless the table lists its family and the size counts whole chips
