@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from exitcodes import EX_DATAERR
 from fleet import specs
 from gcs_spawner.runfile import Run
 from objectstore import NotFound, ObjectStore, StoreError, bucket_of
@@ -29,6 +30,8 @@ WRITE_CHECK = "run/write-check"
 
 class CheckError(Exception):
     """A check found the run unable to work as written; the message names the field or resource and the fix."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 def prices_file(run: Run, given: str | None = None) -> str | None:

@@ -27,7 +27,7 @@ import pathlib
 import signal
 import sys
 
-from exitcodes import EX_DATAERR, EX_FAILED, EX_OK, EX_USAGE
+from exitcodes import EX_FAILED, EX_OK, EX_USAGE
 
 log = logging.getLogger("gcs_spawner")
 
@@ -696,20 +696,6 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     add_job_arguments(p)
 
 
-#: Errors that mean "the input cannot work": exit 65. Named here, imported only when one is raised.
-_BAD_INPUT = (
-    ("extract.errors", "BadInput"), ("gcs_spawner.runfile", "RunFileError"), ("gcs_spawner.checks", "CheckError"),
-    ("objectstore.address", "BadAddress"), ("fleet.specs", "SpecError"), ("taskqueue.submit", "SubmitError"),
-    ("reporting.pricing", "PriceError"), ("gcs_spawner.record", "RecordError"), ("fleet.preflight", "PreflightError"),
-)
-#: Errors of a step that failed for a reason outside the input (the cloud, the store, the network): exit 1.
-_FAILED = (
-    ("gcs_spawner.fleetstep", "UpError"), ("gcs_spawner.cloud", "DeleteError"), ("fleet.gapi", "LaunchError"),
-    ("objectstore.base", "StoreError"), ("fleet.codesync", "CodeSyncError"), ("fleet.keeper", "KeeperError"),
-    ("reporting.jobindex", "JobIndexError"), ("activations", "ActivationsError"), ("extract.errors", "ExtractError"),
-)
-
-
 #: The extra (setup.cfg extras_require) that brings each module a command may need beyond the base install
 #: (`pip install .`): a command that reaches one without it says so in one line instead of a traceback.
 EXTRA_OF = {
@@ -726,16 +712,6 @@ def missing_extra(err: BaseException) -> str | None:
         return None
     return (f"this command needs {root}, which the base install does not have: pip install "
             f"'gcs-spawner[{EXTRA_OF[root]}]' (or, in a checkout, pip install -e '.[{EXTRA_OF[root]}]')")
-
-
-def _is(err: BaseException, names) -> bool:
-    """Whether `err` is one of the named classes whose module is already imported (an error of a module never
-    imported cannot have been raised)."""
-    for module, name in names:
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(err, cls):
-            return True
-    return False
 
 
 def _error(prog: str, err: BaseException) -> None:
@@ -780,13 +756,13 @@ def failed(prog: str, err: Exception) -> int:
     if login:
         _error(prog, login)
         return EX_FAILED
-    if _is(err, _BAD_INPUT):
-        _error(prog, err)
-        return EX_DATAERR
-    if _is(err, _FAILED) or isinstance(err, OSError):
-        _error(prog, err)
-        return EX_FAILED
-    raise err
+    # Each error type says what a command that ends on it exits with (its `exit_code`: 65 for input that cannot
+    # work, 1 for a step the cloud, the store or the network failed); an OSError is a failed step too.
+    code = getattr(type(err), "exit_code", EX_FAILED if isinstance(err, OSError) else None)
+    if code is None:
+        raise err
+    _error(prog, err)
+    return code
 
 
 def _credentials(err: BaseException) -> str | None:

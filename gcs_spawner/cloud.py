@@ -26,6 +26,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
+from exitcodes import EX_FAILED
 from gcs_spawner.record import Resource
 from gcs_spawner.runfile import ADD_LABEL, RUN_LABEL
 
@@ -235,6 +236,8 @@ def delete_request(resource: Resource):
 
 class DeleteError(Exception):
     """Some deletes failed; the message names each (run the command again once the cause is fixed)."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 def delete_all(clients: Clients, resources: list[Resource], parallel: int = 8) -> dict[Resource, str]:

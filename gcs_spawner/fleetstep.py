@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from exitcodes import EX_FAILED
 from fleet import specs
 from gcs_spawner import checks
 from gcs_spawner.cloud import Clients, delete_all, delete_request
@@ -30,6 +31,8 @@ log = logging.getLogger("gcs_spawner")
 
 class UpError(Exception):
     """A step failed for a reason other than bad input (the API or the store refused); the message says which."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 class FleetStep:

@@ -30,6 +30,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import Field, StrictFloat, ValidationError, WithJsonSchema, field_validator, model_validator
 
+from exitcodes import EX_DATAERR
 from objectstore.address import BadAddress, check_address
 from schemas import CROSS, MISSING, UNKNOWN, Flag, Model, PositiveInt, Problem, Text
 from schemas import choice, cross_field, external_ref, invalid, problems, rule, summary
@@ -52,6 +53,8 @@ _REGION = r"^[a-z]+(-[a-z]+)+[0-9]+$"
 
 class RunFileError(ValueError):
     """The run file (or a file it names) is invalid; the message names the file, the field and what to write."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 def _positive_number(hint: str):

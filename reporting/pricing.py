@@ -35,6 +35,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictFloat, StrictStr, ValidationError, model_validator
 
+from exitcodes import EX_DATAERR
 from schemas import Model, PositiveInt, Text, choice, cross_field, phrase, problems, rule, summary
 
 PRICES_FILE = pathlib.Path(__file__).resolve().parent / "prices.json"
@@ -45,6 +46,8 @@ CPU = "cpu"
 
 class PriceError(ValueError):
     """The price file is malformed, or an accelerator type or storage class is not in it; the message names it."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 @dataclasses.dataclass(frozen=True)
