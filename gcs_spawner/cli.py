@@ -475,11 +475,13 @@ def check_job_file(path: pathlib.Path) -> bytes:
 
 
 def cmd_mirror(args) -> int:
-    from extract.weights import mirror_hub_snapshot, upload_model_dir
+    from extract.hub import mirror_hub_snapshot, need_hub_client, upload_model_dir  # JAX-free: the base install mirrors
     from progress import Progress
     from objectstore.address import check_address
 
     dest = args.dest if pathlib.Path(args.dest).is_dir() else check_address(args.dest, "DEST", directory=False)
+    if not pathlib.Path(args.source).is_dir():
+        need_hub_client()  # a Hub source needs the extract extra: said in one line, before any progress
     with Progress("mirror", None, "bytes") as progress:
         if pathlib.Path(args.source).is_dir():
             if args.revision:

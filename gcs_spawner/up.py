@@ -274,16 +274,16 @@ class _Up:
             self.would(f"mirror the model {source} into {mirror}")
             self.done("mirror")
             return
-        from extract import weights
+        from extract import hub  # JAX-free: the base install mirrors
 
         if pathlib.Path(source).is_dir():
-            files = [p for p in pathlib.Path(source).iterdir() if p.is_file() and weights.is_model_file(p.name)]
+            files = [p for p in pathlib.Path(source).iterdir() if p.is_file() and hub.is_model_file(p.name)]
             total = sum(p.stat().st_size for p in files)
             with Progress("mirror", total, "bytes") as progress:
-                weights.upload_model_dir(source, mirror, on_file=lambda name, size: progress.advance(size))
+                hub.upload_model_dir(source, mirror, on_file=lambda name, size: progress.advance(size))
         else:
             with Progress("mirror", None, "bytes") as progress:
-                weights.mirror_hub_snapshot(source, mirror, revision=run.fields.model.revision,
+                hub.mirror_hub_snapshot(source, mirror, revision=run.fields.model.revision,
                                             on_file=lambda name, size: progress.advance(size))
         self.done("mirror")
 
