@@ -182,7 +182,7 @@ def cmd_up(args) -> int:
 
     run = load_run(args.run)
     report = up.up(run, project=args.project, dry_run=args.dry_run, yes=args.yes, confirm=_confirmer(args),
-                   preflight=not args.no_preflight, prices=args.prices)
+                   preflight=not args.no_preflight, prices=args.prices, ask_price=_price_asker(args))
     if args.wait and not args.dry_run:
         reached = up.wait_for_machines(open_store(run.queue), run.machines if run.kind == "vm" else
                                        min(run.machines, len(report.created) + len(report.existed)), args.wait)
@@ -251,8 +251,10 @@ def cmd_status(args) -> int:
         except ValueError:
             raise UsageError(f"--now {args.now!r} is not an ISO 8601 time; write e.g. 2026-11-23T15:00:00+00:00") from None
         now = now if now.tzinfo else now.replace(tzinfo=dt.timezone.utc)
-    prices = load_prices(args.prices)
     store = open_store(_queue(args))
+    from gcs_spawner.keep import run_prices
+
+    prices = run_prices(store, load_prices(args.prices))
     cache = RegionCache() if args.watch else None
     while True:
         at = now or dt.datetime.now(dt.timezone.utc)

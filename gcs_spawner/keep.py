@@ -39,12 +39,33 @@ def queue_work(store):
     return work
 
 
+def run_prices(store, table):
+    """The price table `table` (reporting.pricing.PriceTable) with the prices the user gave `up` for types it does
+    not price (run/run.json's `prices`: $ per machine-hour, what the run pays, spot or not), so that status and the
+    keeper's spending limit price those machines too."""
+    import dataclasses
+
+    from gcs_spawner.record import RunRecord
+    from objectstore import StoreError
+
+    try:
+        given = (RunRecord(store).read_run() or {}).get("prices") or {}
+    except (StoreError, ValueError):  # no record to read: the table as it is
+        return table
+    if not given:
+        return table
+    entries = {name: {"on_demand_per_hour": float(p), "spot_per_hour": float(p)} for name, p in given.items()
+               if not table.priced(name)}
+    return dataclasses.replace(table, cpu_machines={**table.cpu_machines, **entries})
+
+
 def spent_dollars(store, prices: str | None = None) -> float:
-    """What the run's machines have cost so far, from their records (reporting.fleetview, reporting.cost)."""
+    """What the run's machines have cost so far, from their records (reporting.fleetview, reporting.cost), priced
+    with the run's given prices too (`run_prices`)."""
     from reporting.fleetview import fleet_snapshot
     from reporting.pricing import load_prices
 
-    return fleet_snapshot(store, prices=load_prices(prices))["cost"]["total_dollars"]
+    return fleet_snapshot(store, prices=run_prices(store, load_prices(prices)))["cost"]["total_dollars"]
 
 
 @dataclasses.dataclass

@@ -77,7 +77,8 @@ def resolve_project(run: Run, project: str | None = None) -> str:
 
 class _Up:
     def __init__(self, run: Run, *, project: str | None, dry_run: bool, yes: bool, out: TextIO,
-                 confirm: Callable[[str], bool] | None, clients: Clients | None, preflight: bool, prices: str | None):
+                 confirm: Callable[[str], bool] | None, clients: Clients | None, preflight: bool, prices: str | None,
+                 ask_price: Callable[[str], str | None] | None = None):
         from objectstore import open_store
 
         self.run, self.dry_run, self.yes, self.out = run, dry_run, yes, out
@@ -89,6 +90,8 @@ class _Up:
         self.report = UpReport()
         self.tasks: list[tuple[str, bytes]] = []
         self.diff = None  # converge.Difference, once validated
+        self.ask_price = ask_price  # a terminal's question for the price of an unpriced type (checks.price_for_limit)
+        self.given_price: float | None = None  # the price the user gave, $ per machine-hour, recorded in run.json
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -200,7 +203,17 @@ class _Up:
             self.say(checks.cpu_fleet_price(self.run, self.prices))
             return
         if checks.accelerator(self.run, self.prices) is None:
-            self.say(checks.unpriced(self.run, self.prices))
+            limit = self.run.fields.max_dollars
+            self.given_price = checks.price_for_limit(self.run, self.prices, self.ask_price, limit)
+            if self.given_price is None:
+                self.say(checks.unpriced(self.run, self.prices))
+                return
+            machines, per_hour = self.run.machines, self.given_price
+            self.say(f"plan: {machines} x {self.run.accelerator} at {per_hour:g} $ per machine-hour (the price given, "
+                     f"recorded in {self.store.url('run/run.json')}): {machines * per_hour:g} $ per hour for the fleet; "
+                     f"max_dollars {limit:,.2f} $ lasts {limit / (machines * per_hour):,.1f} h of the whole fleet. No "
+                     "hours or total $ of the job can be stated (the price table has no peak FLOPs for the type); "
+                     "status prices the fleet's machine-hours at it, and keep makes no machine past the limit")
             return
         inputs = plan_inputs(self.run, task_models, self.prices)
         try:
@@ -246,9 +259,11 @@ class _Up:
         earlier = self.record.read_run() or {}
         summary = {"name": self.run.name, "project": self.project, "file": str(self.run.file),
                    "queue": self.run.queue, "code": self.run.fields.code.url, "tasks": len(self.tasks)}
-        for kept in ("fleet", "added"):  # the fleet as made, and what `gcs-spawner add` made beside it
+        for kept in ("fleet", "added", "prices"):  # the fleet as made, add's machines, prices given
             if earlier.get(kept):
                 summary[kept] = earlier[kept]
+        if self.given_price is not None:  # status and keep price the fleet with it (gcs_spawner/keep.py, run_prices)
+            summary["prices"] = {**(earlier.get("prices") or {}), self.run.accelerator: self.given_price}
         if self.dry_run:
             self.would(f"write {self.store.url('run/run.json')}")
         else:
@@ -421,11 +436,13 @@ def _run_tasks(run: Run, tasks_module):
 
 def up(run: Run, *, project: str | None = None, dry_run: bool = False, yes: bool = False, out: TextIO | None = None,
        confirm: Callable[[str], bool] | None = None, clients: Clients | None = None, preflight: bool = True,
-       prices: str | None = None) -> UpReport:
+       prices: str | None = None, ask_price: Callable[[str], str | None] | None = None) -> UpReport:
     """Bring the run up (the module docstring's steps). `confirm(question)` asks the user (None: cannot ask, so
-    only `yes` or `dry_run` go on); raises CheckError (bad input: nothing created), Declined, or UpError."""
+    only `yes` or `dry_run` go on); `ask_price(question)` asks for the hourly price of a type the price table lacks,
+    which a spending limit needs (None: cannot ask, so the limit is refused, naming --prices). Raises CheckError
+    (bad input: nothing created), Declined, or UpError."""
     doer = _Up(run, project=project, dry_run=dry_run, yes=yes, out=out or sys.stdout, confirm=confirm, clients=clients,
-               preflight=preflight, prices=prices)
+               preflight=preflight, prices=prices, ask_price=ask_price)
     doer.validate()
     doer.ask()
     doer.begin()
