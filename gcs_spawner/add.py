@@ -103,6 +103,7 @@ class _Add:
         self.report = AddReport(name=self.added.name)
         self.group_size: int | None = None  # VM: the added group's target size, when it exists
         self.first_index = 0  # TPU: the number of the first new TPU VM
+        self.given_price: float | None = None  # asked for an unpriced type, recorded as up records it
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -151,7 +152,7 @@ class _Add:
         machines = added.machines
         limit = self.run.fields.max_dollars
         if price is None:
-            per_hour = checks.price_for_limit(added, self.prices, self.ask_price, limit)
+            per_hour = self.given_price = checks.price_for_limit(added, self.prices, self.ask_price, limit)
             if per_hour is None:
                 self.say(f"add: {added.accelerator} is not in the price table; no $ can be stated for it")
         else:
@@ -245,7 +246,10 @@ class _Add:
             entry = {"name": added.name, "kind": added.kind, "accelerator": added.accelerator, "machines": total,
                      "zone": fleet.zones[0] if fleet.zones else None, "region": fleet.region,
                      "spot": added.spec.spot, "spec": str(self.spec_path)}
-            self.record.update_run({"added": {**(recorded.get("added") or {}), self.spec_name: entry}})
+            update = {"added": {**(recorded.get("added") or {}), self.spec_name: entry}}
+            if self.given_price is not None:  # status and keep price the machines with it (keep.run_prices)
+                update["prices"] = {**(recorded.get("prices") or {}), added.accelerator: self.given_price}
+            self.record.update_run(update)
         step = FleetStep(added, self.project, self.record, self.clients, self.report, self.dry_run, self.would,
                          added.machines, None, self.say)
         launch = specs.Launch.make(added.spec, added.queue, added.fields.code.url)
