@@ -137,7 +137,7 @@ def cmd_plan(args) -> int:
     from gcs_spawner import tasks as tasks_module
     from gcs_spawner.checks import CheckError
     from gcs_spawner.runfile import load_run
-    from gcs_spawner.up import _run_tasks, plan_inputs
+    from gcs_spawner.upcheck import plan_inputs, run_tasks
     from reporting import plan as planner
     from reporting.considered import considered_resources, render_considered
     from reporting.plan import make_plan, render
@@ -155,7 +155,7 @@ def cmd_plan(args) -> int:
                          "run file's plan takes it from the file (its plan section and fleet)")
     run = load_run(args.run)
     prices = checks.prices_file(run, args.prices)
-    _, task_models = _run_tasks(run, tasks_module)
+    _, task_models = run_tasks(run, tasks_module)
     if checks.cpu_fleet(run) or checks.accelerator(run, prices) is None:
         line = checks.cpu_fleet_price(run, prices) if checks.cpu_fleet(run) else checks.unpriced(run, prices, False)
         print(json.dumps({"plan": None, "why": line}, indent=1) if args.json else line)
@@ -722,9 +722,26 @@ def _error(prog: str, err: BaseException) -> None:
     print(f"{prog}: error: {err}", *getattr(err, "__notes__", ()), sep="\n", file=sys.stderr)
 
 
+def _misspelt_verb(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A first word that is no verb, said with the verbs nearest to it (exit 2), rather than argparse's list of all
+    of them."""
+    import difflib
+
+    words = [a for a in argv if a not in ("-v", "--verbose")]
+    verbs = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not words or words[0].startswith("-") or words[0] in verbs:
+        return
+    near = difflib.get_close_matches(words[0], list(verbs), n=3, cutoff=0.5)
+    parser.print_usage(sys.stderr)
+    print(f"gcs-spawner: error: {words[0]!r} is not a verb" + (f"; did you mean {' or '.join(near)}?" if near else
+          f"; the verbs: {', '.join(verbs)}"), file=sys.stderr)
+    raise SystemExit(EX_USAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
     prog = "gcs-spawner"
     parser = build_parser()
+    _misspelt_verb(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)  # exits 2 on a usage error, 0 after --help
     _setup_logging(args.verbose)
     if args.command in ("up", "add", "submit", "mirror", "upload-code", "keep", "down"):

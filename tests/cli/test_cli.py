@@ -195,3 +195,13 @@ def test_an_errors_exit_code_comes_from_its_type_not_its_name_or_text(capsys):
     assert "t: error: pass --yes" in capsys.readouterr().err
     with pytest.raises(KeyError):
         failed("t", KeyError("a bug"))
+
+
+def test_a_misspelt_verb_exits_2_naming_the_nearest_verbs(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["upp", "run.yaml"])
+    assert caught.value.code == 2
+    assert "gcs-spawner: error: 'upp' is not a verb; did you mean up?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["-v", "frobnicate"])
+    assert "'frobnicate' is not a verb; the verbs: plan, validate, up, add, down" in capsys.readouterr().err
