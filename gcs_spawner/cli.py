@@ -96,6 +96,24 @@ def _not_a_run_file(text: str) -> None:
                                                       "; give the run file (run.yaml) or the queue (gs://bucket/prefix)"))
 
 
+def _load_run(path: pathlib.Path):
+    """The run file, loaded (runfile.load_run); one that does not exist is named with the run files nearest to it
+    (beside it, or here when its directory does not exist)."""
+    import difflib
+
+    from gcs_spawner.runfile import RunFileError, load_run
+
+    if not path.exists():
+        where = path.parent if path.parent.is_dir() else pathlib.Path(".")
+        near = sorted(str(p) for p in where.glob("*") if p.suffix in (".yaml", ".yml", ".json") and p.is_file())
+        close = difflib.get_close_matches(str(where / path.name) if where != path.parent else str(path), near, n=3,
+                                          cutoff=0.7)
+        raise RunFileError(f"{path}: no such run file" + (f"; did you mean {' or '.join(close)}?" if close else
+                           f"; {'its directory does not exist; ' if not path.parent.is_dir() else ''}give the run "
+                           "file's path (cp templates/run.yaml run.yaml makes one)"))
+    return load_run(path)
+
+
 def zone_list(values: list[str]) -> list[str]:
     """--zone a --zone b and --zone a,b alike, in order, without repeats."""
     return list(dict.fromkeys(z.strip() for value in values for z in value.split(",") if z.strip()))
@@ -119,7 +137,7 @@ def cmd_validate(args) -> int:
     from gcs_spawner import up
     from gcs_spawner.runfile import load_run
 
-    run = load_run(args.run)
+    run = _load_run(args.run)
     doer = up._Up(run, project=args.project, dry_run=True, yes=True, out=sys.stdout, confirm=None, clients=None,
                   preflight=not args.no_preflight, prices=args.prices)
     doer.validate()
@@ -153,7 +171,7 @@ def cmd_plan(args) -> int:
     if given:
         raise UsageError(f"--{given[0].replace('_', '-')}: a flag of a job planned alone (JOB --accelerator TYPE); a "
                          "run file's plan takes it from the file (its plan section and fleet)")
-    run = load_run(args.run)
+    run = _load_run(args.run)
     prices = checks.prices_file(run, args.prices)
     _, task_models = run_tasks(run, tasks_module)
     if checks.cpu_fleet(run) or checks.accelerator(run, prices) is None:
@@ -180,7 +198,7 @@ def cmd_up(args) -> int:
     from gcs_spawner.runfile import load_run
     from objectstore import open_store
 
-    run = load_run(args.run)
+    run = _load_run(args.run)
     report = up.up(run, project=args.project, dry_run=args.dry_run, yes=args.yes, confirm=_confirmer(args),
                    preflight=not args.no_preflight, prices=args.prices, ask_price=_price_asker(args))
     if args.wait and not args.dry_run:
@@ -200,7 +218,7 @@ def cmd_add(args) -> int:
 
     if args.count < 1:
         raise UsageError(f"--count: {args.count}; add makes 1 or more machines")
-    add.add(load_run(args.run), args.spec, args.count, zone=args.zone, project=args.project, dry_run=args.dry_run,
+    add.add(_load_run(args.run), args.spec, args.count, zone=args.zone, project=args.project, dry_run=args.dry_run,
             yes=args.yes, confirm=_confirmer(args), preflight=not args.no_preflight, prices=args.prices,
             ask_price=_price_asker(args))
     return EX_OK
@@ -222,7 +240,7 @@ def cmd_keep(args) -> int:
     from gcs_spawner import keep
     from gcs_spawner.runfile import load_run
 
-    report, lost = keep.keep(load_run(args.run), project=args.project, interval_s=args.interval, once=args.once,
+    report, lost = keep.keep(_load_run(args.run), project=args.project, interval_s=args.interval, once=args.once,
                              dry_run=args.dry_run, prices=args.prices)
     line = f"lost_deleted={len(lost.deleted)}"
     if report is not None:

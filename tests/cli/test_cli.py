@@ -205,3 +205,14 @@ def test_a_misspelt_verb_exits_2_naming_the_nearest_verbs(capsys):
     with pytest.raises(SystemExit):
         main(["-v", "frobnicate"])
     assert "'frobnicate' is not a verb; the verbs: plan, validate, up, add, down" in capsys.readouterr().err
+
+
+def test_a_run_file_that_is_not_there_is_named_with_the_nearest_one(tmp_path, capsys, monkeypatch):
+    (tmp_path / "run.yaml").write_text((REPO / "templates" / "run.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert main(["up", "runn.yaml"]) == 65
+    assert "runn.yaml: no such run file; did you mean run.yaml?" in capsys.readouterr().err
+    assert main(["validate", "elsewhere/run.yaml"]) == 65  # a directory that does not exist: the one here
+    assert "elsewhere/run.yaml: no such run file; did you mean run.yaml?" in capsys.readouterr().err
+    assert main(["plan", "nothing.yaml"]) == 65
+    assert "nothing.yaml: no such run file; give the run file's path" in capsys.readouterr().err
