@@ -21,7 +21,7 @@ def self_delete() -> None:
         # Still up (a group member that cannot delete itself stays up, fleet/selfdelete.py): the
         # record says so instead of `deleting`, so status shows why this machine is still billed.
         _recorder.set("failed", reason="self_delete_failed: this machine could not delete itself; check its service "
-                                       "account's roles (docs/CLOUD.md, IAM), then run tools/teardown.py")  # fmt: skip
+                                       "account's roles (docs/CLOUD.md, IAM), then run gcs-spawner keep RUN --once (or down RUN)")  # fmt: skip
 
 
 def _on_maintenance(value: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from exitcodes import EX_FAILED
 from objectstore import address
 
 
@@ -29,6 +30,8 @@ _FAULT_AROUND_BYTES = 64 << 10
 
 class ActivationsError(Exception):
     """A shard, done marker, index or loader input that cannot be read or used; the message names it."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 class LoaderConfigError(ActivationsError, ValueError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from exitcodes import EX_DATAERR, EX_OK, EX_SOFTWARE, EX_TEMPFAIL
+from exitcodes import EX_DATAERR, EX_FAILED, EX_OK, EX_SOFTWARE, EX_TEMPFAIL
 
 __all__ = ["EX_DATAERR", "EX_OK", "EX_SOFTWARE", "EX_TEMPFAIL", "BadInput", "ExtractError", "TransientIOError",
            "exit_code_for", "exit_for_failure", "is_transient"]
@@ -17,10 +17,14 @@ __all__ = ["EX_DATAERR", "EX_OK", "EX_SOFTWARE", "EX_TEMPFAIL", "BadInput", "Ext
 class ExtractError(Exception):
     """Base of extraction failures."""
 
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
+
 
 class BadInput(ExtractError):
     """Input that retrying cannot fix (exit 65): unknown model_type, missing weights,
     layer out of range, missing/non-string text field, empty slice, unreadable data file, bad job field."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 class TransientIOError(ExtractError):

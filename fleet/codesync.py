@@ -24,6 +24,7 @@ from pathlib import Path
 import google_crc32c
 from google.cloud import storage
 
+from exitcodes import EX_FAILED
 from objectstore import BadAddress, split_gs
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ DEFAULT_EXCLUDES = (
 
 class CodeSyncError(Exception):
     """The sync could not run or did not finish; the message names the command or object."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 #: Written by upload_code (fleet/environment.py) next to the code, never part of the mirrored checkout (and never deleted by it).

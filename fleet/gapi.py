@@ -23,6 +23,8 @@ from google.api_core.client_options import ClientOptions
 from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import AnonymousCredentials
 
+from exitcodes import EX_FAILED
+
 log = logging.getLogger(__name__)
 
 #: What a call through the client libraries can fail with: the API's answer, the transport (the
@@ -37,6 +39,8 @@ API_ERRORS = (
 
 class LaunchError(Exception):
     """A Compute or TPU request failed; the message names each request and the API's answer."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 #: What to do when Application Default Credentials are missing or expired (google.auth.default's search:
@@ -150,8 +154,8 @@ def run_all(send: Callable[[proto.Message], None], batch: Sequence[proto.Message
                 failures.append(line)
     if failures:
         raise LaunchError(
-            f"{len(failures)} of {len(batch)} requests failed (fix the cause and re-run; teardown.py removes "
-            "what was created):\n  " + "\n  ".join(sorted(failures))
+            f"{len(failures)} of {len(batch)} requests failed (fix the cause and re-run; gcs-spawner down "
+            "deletes what a run made):\n  " + "\n  ".join(sorted(failures))
         )
 
 

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 import proto
 from google.cloud import tpu_v2
 
+from exitcodes import EX_FAILED
 from fleet import gapi, specs, tpu
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ ALIVE = ("CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES", "ACTIV
 
 class KeeperError(Exception):
     """The keeper cannot do its job (bad settings, an API that keeps failing); the message says which."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 @dataclasses.dataclass(frozen=True)

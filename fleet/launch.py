@@ -1,12 +1,14 @@
-"""What the launch tools do, one function per tool: build the requests, then print them
-(`dry_run`) or send them and wait. Clients are passed in by tests and made from Application
-Default Credentials (or the FLEET_*_ENDPOINT overrides) otherwise.
+"""A machine spec's requests, built and then printed (`dry_run`) or sent and waited for: an instance template, a
+managed instance group (or its resize), TPU VMs as queued resources or nodes. `gcs-spawner up` and `add` make a
+run's machines from the same builders (fleet/specs.py, fleet/compute.py, fleet/tpu.py) and record them first
+(gcs_spawner/fleetstep.py); these are the builders sent as they are. Clients are passed in by tests and made from
+Application Default Credentials (or the FLEET_*_ENDPOINT overrides) otherwise.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import proto
@@ -46,7 +48,7 @@ def create_template(
 ) -> list[proto.Message]:
     spec = specs.load_spec(spec_path)
     if not isinstance(spec, specs.VmSpec):
-        raise specs.SpecError(f"{spec_path}: kind {spec.kind!r} is not an instance template; use create_tpus.py")
+        raise specs.SpecError(f"{spec_path}: kind {spec.kind!r} is not an instance template; give a kind: vm spec")
     launch = specs.Launch.make(spec, queue, code, consumer, spawn_flags)
     request = compute.insert_template(project, specs.instance_template(spec, launch, name))
     return _send([request], dry_run, lambda: clients or compute.ComputeClients.connect(), bodies)
@@ -96,7 +98,7 @@ def create_tpus(
     the spec says so (spot, by default), else its own node; `first_index` numbers the first."""
     spec = specs.load_spec(spec_path)
     if not isinstance(spec, specs.TpuSpec):
-        raise specs.SpecError(f"{spec_path}: kind {spec.kind!r} is not a TPU spec; use create_template.py")
+        raise specs.SpecError(f"{spec_path}: kind {spec.kind!r} is not a TPU spec; give a kind: tpu spec")
     launch = specs.Launch.make(spec, queue, code, consumer, spawn_flags)
     batch: list[proto.Message] = []
     for node_id in tpu_names(spec.name, count * spec.slices, first_index):
@@ -106,63 +108,3 @@ def create_tpus(
         else:
             batch.append(tpu.create_node(project, zone, node_id, specs.tpu_node(spec, launch)))
     return _send(batch, dry_run, lambda: clients or tpu.TpuClients.connect(), bodies)
-
-
-def _matches(resource_id: str, labels: Mapping[str, str], prefix: str | None, want: Mapping[str, str]) -> bool:
-    return (prefix is None or resource_id.startswith(prefix)) and all(labels.get(k) == v for k, v in want.items())
-
-
-def teardown(
-    project: str,
-    zone: str | None = None,
-    region: str | None = None,
-    group: str | None = None,
-    template: str | None = None,
-    tpu_prefix: str | None = None,
-    tpu_labels: Mapping[str, str] | None = None,
-    dry_run: bool = False,
-    compute_clients: compute.ComputeClients | None = None,
-    tpu_clients: tpu.TpuClients | None = None,
-    bodies: bool = False,
-) -> list[proto.Message]:
-    """Delete the group (its VMs go with it), then the template it used, then TPU queued resources
-    (force: their nodes go too) and any remaining nodes whose id starts with `tpu_prefix` and/or
-    carry `tpu_labels`. Each phase waits for the one before: a template in use cannot be deleted."""
-    wants_tpus = tpu_prefix is not None or bool(tpu_labels)
-    if wants_tpus and not zone:
-        raise ValueError("TPU teardown needs --zone")
-    if not (group or template or wants_tpus):
-        log.warning("event=teardown_nothing_named hint=give --group, --template, --tpu-prefix or --tpu-label")
-    sent: list[proto.Message] = []
-    connect_compute = lambda: compute_clients or compute.ComputeClients.connect()  # noqa: E731
-    if group:
-        sent += _send([compute.delete_group(project, group, zone=zone, region=region)], dry_run, connect_compute, bodies)
-    if template:
-        sent += _send([compute.delete_template(project, template)], dry_run, connect_compute, bodies)
-    if not wants_tpus:
-        return sent
-    want = dict(tpu_labels or {})
-    try:
-        tpu_clients = tpu_clients or tpu.TpuClients.connect()
-        queued_resources = tpu_clients.list_queued_resources(project, zone)
-        nodes = tpu_clients.list_nodes(project, zone)
-    except gapi.API_ERRORS as err:
-        raise gapi.LaunchError(f"listing TPUs in {tpu.location(project, zone)} failed: {err}") from None
-    doomed_nodes = set()
-    batch: list[proto.Message] = []
-    for qr in queued_resources:
-        node_specs = list(qr.tpu.node_spec)
-        labels = dict(node_specs[0].node.labels) if node_specs else {}
-        if _matches(qr.name.rsplit("/", 1)[-1], labels, tpu_prefix, want):
-            batch.append(tpu.delete_queued_resource(qr.name))
-            doomed_nodes.update(f"{s.parent}/nodes/{s.node_id}" for s in node_specs)
-    doomed_queued = {r.name for r in batch}
-    for node in nodes:
-        # A node that belongs to a queued resource being deleted goes with it.
-        if node.name in doomed_nodes or node.queued_resource in doomed_queued:
-            continue
-        if _matches(node.name.rsplit("/", 1)[-1], dict(node.labels), tpu_prefix, want):
-            batch.append(tpu.delete_node(node.name))
-    if not batch:
-        log.info("event=teardown_no_tpus project=%s zone=%s prefix=%s labels=%s", project, zone, tpu_prefix, want)
-    return sent + _send(batch, dry_run, lambda: tpu_clients, bodies)

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import requests
 from google.cloud import compute_v1, storage
 
+from exitcodes import EX_DATAERR
 from fleet import gapi, iam
 from objectstore import bucket_of
 
@@ -69,6 +70,8 @@ INDIRECT_MEMBERS = ("group:", "domain:", "principalSet:", "principal:")
 
 class PreflightError(Exception):
     """A pre-flight check found a shortfall; the message names each role, quota or location."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 @dataclasses.dataclass(frozen=True)

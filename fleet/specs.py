@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, Field, StrictInt, StrictStr, ValidationError, WithJsonSchema, model_validator
 
+from exitcodes import EX_DATAERR
 from objectstore.address import BadAddress, check_address
 from schemas import CROSS, MISSING, UNKNOWN, Flag, Model, NonNegativeInt, PositiveInt, Problem, Text
 from schemas import choice, cross_field, invalid, problems, rule, summary
@@ -43,6 +44,8 @@ STARTUP_SCRIPT = Path(__file__).resolve().parent.parent / "startup" / "startup.s
 
 class SpecError(ValueError):
     """A spec file or launch setting is invalid; the message names the file and the field."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 # 50 rather than GCE's 63 characters leaves room for the suffixes the tools append.

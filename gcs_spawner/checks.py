@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from exitcodes import EX_DATAERR
 from fleet import specs
 from gcs_spawner.runfile import Run
 from objectstore import NotFound, ObjectStore, StoreError, bucket_of
@@ -29,6 +30,8 @@ WRITE_CHECK = "run/write-check"
 
 class CheckError(Exception):
     """A check found the run unable to work as written; the message names the field or resource and the fix."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 def prices_file(run: Run, given: str | None = None) -> str | None:
@@ -67,6 +70,39 @@ def unpriced(run: Run, prices_file: str | None = None, hold_limit: bool = True) 
                          f"cannot be held; {ask}")
     return (f"plan: {run.machines} x {run.accelerator}: not in the price table {table.source}, so no hours or $ can "
             f"be stated for this run ({table.suggestion(run.accelerator).split('; or ')[0]}); {ask}")
+
+
+def price_for_limit(run: Run, prices_file: str | None, ask_price, limit: float | None) -> float | None:
+    """The hourly $ per machine of a type the price table does not price, which a spending limit needs: None
+    without a limit. On a terminal the user is asked (`ask_price(question)`: the answer's text, or None at the end
+    of input); anywhere else (`ask_price` None) a CheckError says in one line how to give it."""
+    import math
+
+    from reporting import pricing
+
+    if limit is None:
+        return None
+    table = pricing.load_prices(prices_file)
+    if ask_price is None:
+        raise CheckError(f"{run.file}: max_dollars: {run.accelerator} has no price in {table.source}, so the limit "
+                         "cannot be held; price it in a copy of the table named by the run file's plan.prices (or "
+                         "--prices FILE), or run on a terminal to be asked for its price")
+    kind = "spot" if run.spec.spot else "on-demand"
+    question = (f"{run.accelerator} has no price in {table.source}; max_dollars needs one. Its {kind} $ per "
+                "machine-hour? ")
+    for _ in range(3):
+        answer = ask_price(question)
+        if answer is None:
+            break
+        try:
+            value = float(answer.strip().lstrip("$").strip())
+        except ValueError:
+            value = -1.0
+        if value > 0 and math.isfinite(value):
+            return value
+        question = f"a price is a number above 0, in $ per machine-hour, e.g. 2.5 (got {answer.strip()!r}): "
+    raise CheckError(f"{run.file}: max_dollars: no price was given for {run.accelerator}, so the limit cannot be "
+                     "held; nothing was created (or price it in the run file's plan.prices, or --prices FILE)")
 
 
 def cpu_fleet(run: Run) -> bool:
@@ -220,8 +256,28 @@ def preflight(run: Run, project: str) -> list:
     return findings
 
 
+def preflight_holds(run: Run, project: str, say) -> None:
+    """The pre-flight's findings, each said (`say(line)`); a shortfall is refused unless the run file says
+    fleet.force (`up` and `add` alike)."""
+    findings = preflight(run, project)
+    for finding in findings:
+        say(finding.line())
+    short = [f for f in findings if f.status == "short"]
+    if short and not run.fields.fleet.force:
+        raise CheckError(f"{run.file}: fleet: the pre-flight found shortfalls (fix them, or set fleet.force: true):"
+                         "\n  " + "\n  ".join(f"{f.check}: {f.detail}" for f in short))
+
+
 def zones_offer(run: Run, project: str, clients=None) -> None:
-    """Each zone (or the region) of the fleet exists and offers its machine type, GPU type or TPU accelerator
+    """Each zone (or the region) of the run's fleet exists and offers its spec's types (`offers`)."""
+    fleet = run.fields.fleet
+    offers(run.spec, list(fleet.zones), fleet.region, project, f"{run.file}: ",
+           "fleet.region" if fleet.region else "fleet.zones", "fleet.spec.")
+
+
+def offers(spec, zones: list[str], region: str | None, project: str, where: str, zone_field: str,
+           type_field: str) -> None:
+    """Each of `zones` (or `region`) exists and offers the spec's machine type, GPU type or TPU accelerator
     type, before anything is made: the Compute API's machineTypes.get and acceleratorTypes.get
     (https://cloud.google.com/compute/docs/reference/rest/v1/machineTypes/get,
     https://cloud.google.com/compute/docs/reference/rest/v1/acceleratorTypes/get), the TPU API's
@@ -233,17 +289,14 @@ def zones_offer(run: Run, project: str, clients=None) -> None:
     from fleet import compute, gapi
 
     args = gapi.client_args(compute.ENDPOINT_ENV)
-    fleet = run.fields.fleet
-    field = "fleet.region" if fleet.region else "fleet.zones"
-    if fleet.region:
+    field = zone_field
+    if region:
         try:
-            region = compute_v1.RegionsClient(**args).get(project=project, region=fleet.region)
+            found = compute_v1.RegionsClient(**args).get(project=project, region=region)
         except api_exceptions.NotFound:
-            raise CheckError(f"{run.file}: fleet.region: region {fleet.region!r} does not exist in project {project}; "
+            raise CheckError(f"{where}{zone_field}: region {region!r} does not exist in project {project}; "
                              "see 'gcloud compute regions list'") from None
-        zones = [z.rsplit("/", 1)[-1] for z in region.zones][:1]
-    else:
-        zones = list(fleet.zones)
+        zones = [z.rsplit("/", 1)[-1] for z in found.zones][:1]
 
     def missing_zone(zone: str) -> bool:
         try:
@@ -252,12 +305,12 @@ def zones_offer(run: Run, project: str, clients=None) -> None:
         except api_exceptions.NotFound:
             return True
 
-    def refuse(zone: str, type_field: str, type_name: str, offered: list[str], command: str) -> None:
-        if not fleet.region and missing_zone(zone):
-            raise CheckError(f"{run.file}: {field}: zone {zone!r} does not exist in project {project}; give a zone "
+    def refuse(zone: str, type_name_field: str, type_name: str, offered: list[str], command: str) -> None:
+        if not region and missing_zone(zone):
+            raise CheckError(f"{where}{field}: zone {zone!r} does not exist in project {project}; give a zone "
                              "from 'gcloud compute zones list'")
         some = f" (it offers e.g. {', '.join(sorted(offered)[:6])})" if offered else ""
-        raise CheckError(f"{run.file}: {type_field}: zone {zone} does not offer {type_name!r}{some}; pick another "
+        raise CheckError(f"{where}{type_field}{type_name_field}: zone {zone} does not offer {type_name!r}{some}; pick another "
                          f"zone or type: '{command}'")
 
     def listed(names) -> list[str]:
@@ -268,37 +321,37 @@ def zones_offer(run: Run, project: str, clients=None) -> None:
 
     for zone in zones:
         try:
-            if run.kind == "tpu":
+            if spec.kind == "tpu":
                 from google.cloud import tpu_v2
 
                 tpus = tpu_v2.TpuClient(**gapi.client_args("FLEET_TPU_ENDPOINT"))
-                name = f"projects/{project}/locations/{zone}/acceleratorTypes/{run.spec.accelerator_type}"
+                name = f"projects/{project}/locations/{zone}/acceleratorTypes/{spec.accelerator_type}"
                 try:
                     tpus.get_accelerator_type(name=name)
                 except api_exceptions.NotFound:
                     offered = listed(lambda: (t.type_ for t in tpus.list_accelerator_types(
                         parent=f"projects/{project}/locations/{zone}")))
-                    refuse(zone, "fleet.spec.accelerator_type", run.spec.accelerator_type, offered,
+                    refuse(zone, "accelerator_type", spec.accelerator_type, offered,
                            f"gcloud compute tpus accelerator-types list --zone={zone}")
                 continue
             try:
-                compute_v1.MachineTypesClient(**args).get(project=project, zone=zone, machine_type=run.spec.machine_type)
+                compute_v1.MachineTypesClient(**args).get(project=project, zone=zone, machine_type=spec.machine_type)
             except api_exceptions.NotFound:
                 offered = listed(lambda: (t.name for t in compute_v1.MachineTypesClient(**args).list(project=project,
                                                                                                    zone=zone)))
-                refuse(zone, "fleet.spec.machine_type", run.spec.machine_type, offered,
+                refuse(zone, "machine_type", spec.machine_type, offered,
                        f"gcloud compute machine-types list --zones={zone}")
-            if run.spec.gpu_type:
+            if spec.gpu_type:
                 try:
                     compute_v1.AcceleratorTypesClient(**args).get(project=project, zone=zone,
-                                                                  accelerator_type=run.spec.gpu_type)
+                                                                  accelerator_type=spec.gpu_type)
                 except api_exceptions.NotFound:
                     offered = listed(lambda: (t.name for t in compute_v1.AcceleratorTypesClient(**args).list(
                         project=project, zone=zone)))
-                    refuse(zone, "fleet.spec.gpu_type", run.spec.gpu_type, offered,
+                    refuse(zone, "gpu_type", spec.gpu_type, offered,
                            f"gcloud compute accelerator-types list --filter=zone:{zone}")
         except api_exceptions.GoogleAPICallError as err:  # credentials errors stay the login line (cli.py)
-            raise CheckError(f"{run.file}: {field}: cannot read what zone {zone} offers ({err}); check the project "
+            raise CheckError(f"{where}{field}: cannot read what zone {zone} offers ({err}); check the project "
                              "and the credentials") from None
 
 

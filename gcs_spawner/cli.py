@@ -5,9 +5,9 @@
     gcs-spawner status run.yaml        progress, machines, cost, ETA (or a queue: gs://bucket/prefix, a directory)
     gcs-spawner down run.yaml          delete exactly what up made; the data stays
 
-and `validate`, `keep` (delete lost machines; TPU: replace preempted ones), `logs RUN MACHINE`, `merge`, `export`, plus the steps
-`up` takes, each on its own for a queue: `tasks`, `submit`, `mirror`, `upload-code`. The tools in tools/ are
-these subcommands under their old names.
+and `validate`, `add` (more machines of another spec on the run's queue), `keep` (delete lost machines; TPU:
+replace preempted ones), `logs RUN MACHINE`, `merge`, `export`, plus the steps `up` takes, each on its own for a
+queue: `tasks`, `submit`, `mirror`, `upload-code`. The tools in tools/ are these subcommands under their old names.
 
 One name per concept in every subcommand: the queue is QUEUE (or `--queue`), the count `--count`, a zone
 `--zone` (repeatable, or comma-separated), the project `--project`, an output file `-o/--output`, and `--yes`,
@@ -27,7 +27,7 @@ import pathlib
 import signal
 import sys
 
-from exitcodes import EX_DATAERR, EX_FAILED, EX_OK, EX_USAGE
+from exitcodes import EX_FAILED, EX_OK, EX_USAGE
 
 log = logging.getLogger("gcs_spawner")
 
@@ -48,6 +48,18 @@ def _confirm(question: str) -> bool:
 def _confirmer(args):
     """How to ask the user: on a terminal, a question on stderr; anywhere else, no way (so --yes is needed)."""
     return _confirm if sys.stdin.isatty() else None
+
+
+def _ask(question: str) -> str | None:
+    """A question on stderr, the answer's line from stdin (None at the end of input)."""
+    print(question, end="", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    return line if line else None
+
+
+def _price_asker(args):
+    """How to ask for a price (checks.price_for_limit): on a terminal, and not told --yes; else no way."""
+    return _ask if sys.stdin.isatty() and not getattr(args, "yes", False) else None
 
 
 # -- what the user typed ------------------------------------------------------------------------------------------
@@ -84,6 +96,24 @@ def _not_a_run_file(text: str) -> None:
                                                       "; give the run file (run.yaml) or the queue (gs://bucket/prefix)"))
 
 
+def _load_run(path: pathlib.Path):
+    """The run file, loaded (runfile.load_run); one that does not exist is named with the run files nearest to it
+    (beside it, or here when its directory does not exist)."""
+    import difflib
+
+    from gcs_spawner.runfile import RunFileError, load_run
+
+    if not path.exists():
+        where = path.parent if path.parent.is_dir() else pathlib.Path(".")
+        near = sorted(str(p) for p in where.glob("*") if p.suffix in (".yaml", ".yml", ".json") and p.is_file())
+        close = difflib.get_close_matches(str(where / path.name) if where != path.parent else str(path), near, n=3,
+                                          cutoff=0.7)
+        raise RunFileError(f"{path}: no such run file" + (f"; did you mean {' or '.join(close)}?" if close else
+                           f"; {'its directory does not exist; ' if not path.parent.is_dir() else ''}give the run "
+                           "file's path (cp templates/run.yaml run.yaml makes one)"))
+    return load_run(path)
+
+
 def zone_list(values: list[str]) -> list[str]:
     """--zone a --zone b and --zone a,b alike, in order, without repeats."""
     return list(dict.fromkeys(z.strip() for value in values for z in value.split(",") if z.strip()))
@@ -107,7 +137,7 @@ def cmd_validate(args) -> int:
     from gcs_spawner import up
     from gcs_spawner.runfile import load_run
 
-    run = load_run(args.run)
+    run = _load_run(args.run)
     doer = up._Up(run, project=args.project, dry_run=True, yes=True, out=sys.stdout, confirm=None, clients=None,
                   preflight=not args.no_preflight, prices=args.prices)
     doer.validate()
@@ -125,7 +155,7 @@ def cmd_plan(args) -> int:
     from gcs_spawner import tasks as tasks_module
     from gcs_spawner.checks import CheckError
     from gcs_spawner.runfile import load_run
-    from gcs_spawner.up import _run_tasks, plan_inputs
+    from gcs_spawner.upcheck import plan_inputs, run_tasks
     from reporting import plan as planner
     from reporting.considered import considered_resources, render_considered
     from reporting.plan import make_plan, render
@@ -141,9 +171,9 @@ def cmd_plan(args) -> int:
     if given:
         raise UsageError(f"--{given[0].replace('_', '-')}: a flag of a job planned alone (JOB --accelerator TYPE); a "
                          "run file's plan takes it from the file (its plan section and fleet)")
-    run = load_run(args.run)
+    run = _load_run(args.run)
     prices = checks.prices_file(run, args.prices)
-    _, task_models = _run_tasks(run, tasks_module)
+    _, task_models = run_tasks(run, tasks_module)
     if checks.cpu_fleet(run) or checks.accelerator(run, prices) is None:
         line = checks.cpu_fleet_price(run, prices) if checks.cpu_fleet(run) else checks.unpriced(run, prices, False)
         print(json.dumps({"plan": None, "why": line}, indent=1) if args.json else line)
@@ -168,9 +198,9 @@ def cmd_up(args) -> int:
     from gcs_spawner.runfile import load_run
     from objectstore import open_store
 
-    run = load_run(args.run)
+    run = _load_run(args.run)
     report = up.up(run, project=args.project, dry_run=args.dry_run, yes=args.yes, confirm=_confirmer(args),
-                   preflight=not args.no_preflight, prices=args.prices)
+                   preflight=not args.no_preflight, prices=args.prices, ask_price=_price_asker(args))
     if args.wait and not args.dry_run:
         reached = up.wait_for_machines(open_store(run.queue), run.machines if run.kind == "vm" else
                                        min(run.machines, len(report.created) + len(report.existed)), args.wait)
@@ -179,6 +209,18 @@ def cmd_up(args) -> int:
         from gcs_spawner import keep
 
         keep.keep(run, project=args.project, interval_s=args.interval)
+    return EX_OK
+
+
+def cmd_add(args) -> int:
+    from gcs_spawner import add
+    from gcs_spawner.runfile import load_run
+
+    if args.count < 1:
+        raise UsageError(f"--count: {args.count}; add makes 1 or more machines")
+    add.add(_load_run(args.run), args.spec, args.count, zone=args.zone, project=args.project, dry_run=args.dry_run,
+            yes=args.yes, confirm=_confirmer(args), preflight=not args.no_preflight, prices=args.prices,
+            ask_price=_price_asker(args))
     return EX_OK
 
 
@@ -198,7 +240,7 @@ def cmd_keep(args) -> int:
     from gcs_spawner import keep
     from gcs_spawner.runfile import load_run
 
-    report, lost = keep.keep(load_run(args.run), project=args.project, interval_s=args.interval, once=args.once,
+    report, lost = keep.keep(_load_run(args.run), project=args.project, interval_s=args.interval, once=args.once,
                              dry_run=args.dry_run, prices=args.prices)
     line = f"lost_deleted={len(lost.deleted)}"
     if report is not None:
@@ -227,8 +269,10 @@ def cmd_status(args) -> int:
         except ValueError:
             raise UsageError(f"--now {args.now!r} is not an ISO 8601 time; write e.g. 2026-11-23T15:00:00+00:00") from None
         now = now if now.tzinfo else now.replace(tzinfo=dt.timezone.utc)
-    prices = load_prices(args.prices)
     store = open_store(_queue(args))
+    from gcs_spawner.keep import run_prices
+
+    prices = run_prices(store, load_prices(args.prices))
     cache = RegionCache() if args.watch else None
     while True:
         at = now or dt.datetime.now(dt.timezone.utc)
@@ -451,11 +495,13 @@ def check_job_file(path: pathlib.Path) -> bytes:
 
 
 def cmd_mirror(args) -> int:
-    from extract.weights import mirror_hub_snapshot, upload_model_dir
+    from extract.hub import mirror_hub_snapshot, need_hub_client, upload_model_dir  # JAX-free: the base install mirrors
     from progress import Progress
     from objectstore.address import check_address
 
     dest = args.dest if pathlib.Path(args.dest).is_dir() else check_address(args.dest, "DEST", directory=False)
+    if not pathlib.Path(args.source).is_dir():
+        need_hub_client()  # a Hub source needs the extract extra: said in one line, before any progress
     with Progress("mirror", None, "bytes") as progress:
         if pathlib.Path(args.source).is_dir():
             if args.revision:
@@ -530,6 +576,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="TPU: then keep the fleet alive (gcs-spawner keep) until done")
     p.add_argument("--interval", type=float, default=60.0, help="with --keep: seconds between checks (default 60)")
     p.add_argument("--prices", help="price table JSON (default: reporting/prices.json)")
+
+    p = command("add", cmd_add, "make N more machines of another spec on a run's queue, recorded like up's",
+                "Make --count machines of another machine spec (a v5litepod-8 beside the run's slices, a GPU group) "
+                "on the run's queue, named RUN-SPECNAME and labelled with the run, recorded in its queue before "
+                "each create: status shows them, down deletes them, keep deletes the lost ones, and up leaves them "
+                "alone. Checked as up checks: the zone offers the type, its price and the run's max_dollars, the "
+                "code's lock, the pre-flight. Run it again to add more.")
+    p.add_argument("run", type=pathlib.Path, help=run_help)
+    p.add_argument("--spec", type=pathlib.Path, required=True, help="the machine spec (templates/vm.yaml, "
+                                                                    "templates/tpu.yaml or a copy)")
+    p.add_argument("--count", type=int, required=True, help="how many more (TPU: times the spec's slices)")
+    p.add_argument("--zone", help="default: the run's first zone (a VM group: or its region)")
+    p.add_argument("-y", "--yes", action="store_true", help="do not ask (needed without a terminal)")
+    p.add_argument("--dry-run", action="store_true", help="check and print one line per call it would make")
+    p.add_argument("--project", help="default: the run's project, else gcloud config")
+    p.add_argument("--no-preflight", action="store_true", help="skip the roles, quotas and bucket-location checks")
+    p.add_argument("--prices", help="price table JSON (default: the run file's plan.prices, else reporting/prices.json)")
 
     p = command("down", cmd_down, "delete exactly what up made (machines, group, template, TPUs); the data stays")
     _add_target(p)
@@ -655,20 +718,6 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     add_job_arguments(p)
 
 
-#: Errors that mean "the input cannot work": exit 65. Named here, imported only when one is raised.
-_BAD_INPUT = (
-    ("extract.errors", "BadInput"), ("gcs_spawner.runfile", "RunFileError"), ("gcs_spawner.checks", "CheckError"),
-    ("objectstore.address", "BadAddress"), ("fleet.specs", "SpecError"), ("taskqueue.submit", "SubmitError"),
-    ("reporting.pricing", "PriceError"), ("gcs_spawner.record", "RecordError"), ("fleet.preflight", "PreflightError"),
-)
-#: Errors of a step that failed for a reason outside the input (the cloud, the store, the network): exit 1.
-_FAILED = (
-    ("gcs_spawner.fleetstep", "UpError"), ("gcs_spawner.cloud", "DeleteError"), ("fleet.gapi", "LaunchError"),
-    ("objectstore.base", "StoreError"), ("fleet.codesync", "CodeSyncError"), ("fleet.keeper", "KeeperError"),
-    ("reporting.jobindex", "JobIndexError"), ("activations", "ActivationsError"), ("extract.errors", "ExtractError"),
-)
-
-
 #: The extra (setup.cfg extras_require) that brings each module a command may need beyond the base install
 #: (`pip install .`): a command that reaches one without it says so in one line instead of a traceback.
 EXTRA_OF = {
@@ -687,26 +736,33 @@ def missing_extra(err: BaseException) -> str | None:
             f"'gcs-spawner[{EXTRA_OF[root]}]' (or, in a checkout, pip install -e '.[{EXTRA_OF[root]}]')")
 
 
-def _is(err: BaseException, names) -> bool:
-    """Whether `err` is one of the named classes whose module is already imported (an error of a module never
-    imported cannot have been raised)."""
-    for module, name in names:
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(err, cls):
-            return True
-    return False
-
-
 def _error(prog: str, err: BaseException) -> None:
     print(f"{prog}: error: {err}", *getattr(err, "__notes__", ()), sep="\n", file=sys.stderr)
+
+
+def _misspelt_verb(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A first word that is no verb, said with the verbs nearest to it (exit 2), rather than argparse's list of all
+    of them."""
+    import difflib
+
+    words = [a for a in argv if a not in ("-v", "--verbose")]
+    verbs = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not words or words[0].startswith("-") or words[0] in verbs:
+        return
+    near = difflib.get_close_matches(words[0], list(verbs), n=3, cutoff=0.5)
+    parser.print_usage(sys.stderr)
+    print(f"gcs-spawner: error: {words[0]!r} is not a verb" + (f"; did you mean {' or '.join(near)}?" if near else
+          f"; the verbs: {', '.join(verbs)}"), file=sys.stderr)
+    raise SystemExit(EX_USAGE)
 
 
 def main(argv: list[str] | None = None) -> int:
     prog = "gcs-spawner"
     parser = build_parser()
+    _misspelt_verb(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)  # exits 2 on a usage error, 0 after --help
     _setup_logging(args.verbose)
-    if args.command in ("up", "submit", "mirror", "upload-code", "keep", "down"):
+    if args.command in ("up", "add", "submit", "mirror", "upload-code", "keep", "down"):
         signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
@@ -739,13 +795,13 @@ def failed(prog: str, err: Exception) -> int:
     if login:
         _error(prog, login)
         return EX_FAILED
-    if _is(err, _BAD_INPUT):
-        _error(prog, err)
-        return EX_DATAERR
-    if _is(err, _FAILED) or isinstance(err, OSError):
-        _error(prog, err)
-        return EX_FAILED
-    raise err
+    # Each error type says what a command that ends on it exits with (its `exit_code`: 65 for input that cannot
+    # work, 1 for a step the cloud, the store or the network failed); an OSError is a failed step too.
+    code = getattr(type(err), "exit_code", EX_FAILED if isinstance(err, OSError) else None)
+    if code is None:
+        raise err
+    _error(prog, err)
+    return code
 
 
 def _credentials(err: BaseException) -> str | None:

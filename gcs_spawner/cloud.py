@@ -26,8 +26,9 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
+from exitcodes import EX_FAILED
 from gcs_spawner.record import Resource
-from gcs_spawner.runfile import RUN_LABEL
+from gcs_spawner.runfile import ADD_LABEL, RUN_LABEL
 
 log = logging.getLogger("gcs_spawner")
 
@@ -89,6 +90,7 @@ class Found:
     size: int | None = None
     template: str | None = None  # a group's instance template (its name)
     machine_type: str | None = None  # a template's machine type, a TPU's accelerator type
+    added: str | None = None  # made by `gcs-spawner add` (its ADD_LABEL): not the run file's own fleet
 
 
 def _metadata_items(items) -> dict[str, str]:
@@ -97,15 +99,15 @@ def _metadata_items(items) -> dict[str, str]:
 
 def _compute_lists(clients, project: str, name: str, zones: Iterable[str], regions: Iterable[str]) -> list[Found]:
     found = []
-    ours = set()
+    ours: dict[str, str | None] = {}  # the run's templates, and the spec each was added from
     for template in clients.templates.list(project=project):
         props = template.properties
         if props.labels.get(RUN_LABEL) != name:
             continue
-        ours.add(template.name)
+        ours[template.name] = props.labels.get(ADD_LABEL)
         found.append(Found(Resource("instance_template", project, template.name), "READY",
                            _metadata_items(props.metadata.items).get(QUEUE_KEY),
-                           machine_type=props.machine_type.rsplit("/", 1)[-1]))
+                           machine_type=props.machine_type.rsplit("/", 1)[-1], added=ours[template.name]))
     places = [("zone", z) for z in zones] + [("region", r) for r in regions]
     for scope, where in places:
         groups = (clients.zonal_groups.list(project=project, zone=where) if scope == "zone" else
@@ -115,7 +117,7 @@ def _compute_lists(clients, project: str, name: str, zones: Iterable[str], regio
             if template not in ours:
                 continue
             found.append(Found(Resource("instance_group", project, group.name, **{scope: where}),
-                               "READY", size=group.target_size, template=template))
+                               "READY", size=group.target_size, template=template, added=ours[template]))
     return found
 
 
@@ -134,13 +136,15 @@ def _tpu_lists(clients, project: str, name: str, zones: Iterable[str]) -> list[F
             state = tpu_v2.QueuedResourceState.State(qr.state.state).name
             found.append(Found(Resource("queued_resource", project, rid, zone=zone), state,
                                nodes[0].node.metadata.get(QUEUE_KEY) if nodes else None,
-                               machine_type=nodes[0].node.accelerator_type if nodes else None))
+                               machine_type=nodes[0].node.accelerator_type if nodes else None,
+                               added=nodes[0].node.labels.get(ADD_LABEL) if nodes else None))
         for node in clients.list_nodes(project, zone):
             node_id = node.name.rsplit("/", 1)[-1]
             if node.labels.get(RUN_LABEL) != name or node_id in owned:
                 continue  # a queued resource's node goes with it
             found.append(Found(Resource("tpu_node", project, node_id, zone=zone), node.state.name,
-                               node.metadata.get(QUEUE_KEY), machine_type=node.accelerator_type))
+                               node.metadata.get(QUEUE_KEY), machine_type=node.accelerator_type,
+                               added=node.labels.get(ADD_LABEL)))
     return found
 
 
@@ -205,10 +209,11 @@ def identity(record, fields=None, project: str | None = None) -> RunIdentity | N
         return None
     project = project or (fields.project if fields is not None else None) or recorded.get("project")
     project = resolve_project(record.store.url("run/run.json"), project)
+    added = list((recorded.get("added") or {}).values())  # gcs-spawner add's groups (gcs_spawner/add.py)
     zones = [*(fields.fleet.zones if fields is not None else ()), *recorded.get("zones", ()),
-             *((recorded.get("fleet") or {}).get("zones") or ())]
+             *((recorded.get("fleet") or {}).get("zones") or ()), *(a["zone"] for a in added if a.get("zone"))]
     regions = [r for r in (fields.fleet.region if fields is not None else None, recorded.get("region"),
-                           (recorded.get("fleet") or {}).get("region")) if r]
+                           (recorded.get("fleet") or {}).get("region"), *(a.get("region") for a in added)) if r]
     return RunIdentity(name, project, tuple(dict.fromkeys(zones)), tuple(dict.fromkeys(regions)))
 
 
@@ -231,6 +236,8 @@ def delete_request(resource: Resource):
 
 class DeleteError(Exception):
     """Some deletes failed; the message names each (run the command again once the cause is fixed)."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 def delete_all(clients: Clients, resources: list[Resource], parallel: int = 8) -> dict[Resource, str]:

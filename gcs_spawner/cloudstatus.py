@@ -11,13 +11,20 @@ from gcs_spawner.record import RunRecord
 
 
 def record_lines(store) -> list[str]:
-    """One line: the resources the record lists, by kind and state (none: no line)."""
-    listed = RunRecord(store).resources()
+    """One line: the resources the record lists, by kind and state (none: no line); and one for the machines
+    `gcs-spawner add` made beside the run's fleet (run/run.json's `added`)."""
+    record = RunRecord(store)
+    listed = record.resources()
     if not listed:
         return []
     counts = collections.Counter((r.resource.kind.replace("_", " "), r.state) for r in listed)
     parts = [f"{n} {kind}{'s' if n != 1 else ''} {state}" for (kind, state), n in sorted(counts.items())]
-    return [f"run resources (recorded in {store.url('run/resources/')}): " + ", ".join(parts)]
+    lines = [f"run resources (recorded in {store.url('run/resources/')}): " + ", ".join(parts)]
+    added = ((record.read_run() or {}).get("added") or {}).values()
+    if added:
+        lines.append("added beside the fleet (gcs-spawner add): " + ", ".join(
+            f"{a['name']}: {a['machines']} x {a['accelerator']} in {a.get('zone') or a.get('region')}" for a in added))
+    return lines
 
 
 def lost_lines(lost: list[str], target: str, still_there: list[str] | None = None) -> list[str]:
@@ -57,12 +64,12 @@ def cloud_lines(store, fields=None, project: str | None = None, clients=None) ->
             listed = ", ".join(f"{m.name} {m.status or m.action}" for m in members[:10])
             more = f" and {len(members) - 10} more" if len(members) > 10 else ""
             lines.append(f"  {resource.describe()}: target size {f.size}, {len(members)} member"
-                         f"{'s' if len(members) != 1 else ''}" + (f": {listed}{more}" if members else ""))
+                         f"{'s' if len(members) != 1 else ''}" + (f": {listed}{more}" if members else "") + _added(f))
         elif resource.kind == "instance_template":
-            lines.append(f"  {resource.describe()}: {f.machine_type}")
+            lines.append(f"  {resource.describe()}: {f.machine_type}{_added(f)}")
         else:
             machines.append(resource.name)
-            lines.append(f"  {resource.describe()}: {f.state} ({f.machine_type})")
+            lines.append(f"  {resource.describe()}: {f.state} ({f.machine_type}){_added(f)}")
     if not found:
         lines.append("  nothing")
     recorded = {r.resource for r in record.resources() if r.state != "deleted"}
@@ -74,3 +81,7 @@ def cloud_lines(store, fields=None, project: str | None = None, clients=None) ->
         lines.append(f"  in the cloud, but not in this queue's record: {', '.join(beyond)} (gcs-spawner down deletes "
                      "them too)")
     return lines, machines
+
+
+def _added(found) -> str:
+    return f" [added: {found.added}]" if found.added else ""

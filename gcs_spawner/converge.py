@@ -14,6 +14,7 @@ reading and the sending (gcs_spawner/fleetstep.py). The rules:
 - **The count**: a change against the record's `fleet.count` *resizes* the VM group, or *creates* and *deletes*
   TPU VMs (the highest numbers go first).
 - What the record holds but the cloud lacks (deleted by hand, a machine that deleted itself) is *created* again.
+- What `gcs-spawner add` made (labelled `spawn-add`, gcs_spawner/add.py) is not the run file's fleet: no change.
 
 `record_fleet(run)` is what `up` writes into run/run.json once the machines step has been applied, and only then:
 the record says what the cloud was made to be, never what was only asked for.
@@ -102,6 +103,7 @@ def difference(run: Run, project: str, recorded: dict | None, found: list[Found]
     """The changes that make the cloud what the run file says (the module docstring's rules). `tasks`: the run's
     task count; `claimable`: tasks a new TPU VM could take now (None: all of them)."""
     refuse_identity(run, project, recorded, found)
+    found = [f for f in found if not f.added]  # `gcs-spawner add`'s machines are not the run file's fleet
     want = record_fleet(run)
     before = (recorded or {}).get("fleet") or {}
     claimable = tasks if claimable is None else claimable

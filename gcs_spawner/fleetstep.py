@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from exitcodes import EX_FAILED
 from fleet import specs
 from gcs_spawner import checks
 from gcs_spawner.cloud import Clients, delete_all, delete_request
@@ -30,6 +31,8 @@ log = logging.getLogger("gcs_spawner")
 
 class UpError(Exception):
     """A step failed for a reason other than bad input (the API or the store refused); the message says which."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 class FleetStep:
@@ -48,7 +51,7 @@ class FleetStep:
         elif diff.delete_tpus:
             self._delete([f.resource for f in diff.delete_tpus])
         if self.run.kind == "vm":
-            self._vm_fleet(launch, None if diff.replace else diff.resize_to)
+            self.vm_fleet(launch, None if diff.replace else diff.resize_to)
         elif self.run.spec.use_queued_resources:
             self._queued_resources(launch)
         else:
@@ -66,7 +69,7 @@ class FleetStep:
             self.report.deleted.append(resource.describe())
             self.say(f"machines: deleted {resource.describe()}" + (" (gone already)" if outcome == "gone" else ""))
 
-    def _create(self, resource: Resource, request, exists: Callable[[], bool], send: Callable[[object], None]) -> None:
+    def create(self, resource: Resource, request, exists: Callable[[], bool], send: Callable[[object], None]) -> None:
         """Create `resource` with `request` unless this run already made it (see record.py's contract)."""
         from google.api_core import exceptions as api_exceptions
 
@@ -102,18 +105,18 @@ class FleetStep:
             log.info("event=created resource=%s", resource.describe())
         self.record.created(resource)
 
-    def _vm_fleet(self, launch, resize_to: int | None) -> None:
+    def vm_fleet(self, launch, resize_to: int | None) -> None:
         from fleet import compute, gapi
 
         fleet, project, name = self.run.fields.fleet, self.project, self.run.name
         (template, template_exists), (group, group_exists) = vm_resources(self.run, project, self.clients)
         send = (lambda r: self.clients.compute_clients().send(r))
         request = compute.insert_template(project, specs.instance_template(self.run.spec, launch, name))
-        self._create(template, request, template_exists, send)
+        self.create(template, request, template_exists, send)
         size = min(fleet.count, max(1, self.tasks))
         request = compute.insert_group(project, name, name, size, zone=group.zone, region=fleet.region,
                                        on_failure=fleet.on_failure.upper().replace("-", "_"))
-        self._create(group, request, group_exists, send)
+        self.create(group, request, group_exists, send)
         if resize_to is None or group.describe() in self.report.created:
             return
         request = compute.resize_group(project, name, resize_to, zone=group.zone, region=fleet.region)
@@ -168,7 +171,7 @@ class FleetStep:
                 except api_exceptions.NotFound:
                     return False
             request = tpu.create_node(self.project, zone, node_id, specs.tpu_node(self.run.spec, launch))
-            self._create(Resource("tpu_node", self.project, node_id, zone=zone), request, exists,
+            self.create(Resource("tpu_node", self.project, node_id, zone=zone), request, exists,
                          lambda r: clients.send(r))
 
 

@@ -39,12 +39,33 @@ def queue_work(store):
     return work
 
 
+def run_prices(store, table):
+    """The price table `table` (reporting.pricing.PriceTable) with the prices the user gave `up` for types it does
+    not price (run/run.json's `prices`: $ per machine-hour, what the run pays, spot or not), so that status and the
+    keeper's spending limit price those machines too."""
+    import dataclasses
+
+    from gcs_spawner.record import RunRecord
+    from objectstore import StoreError
+
+    try:
+        given = (RunRecord(store).read_run() or {}).get("prices") or {}
+    except (StoreError, ValueError):  # no record to read: the table as it is
+        return table
+    if not given:
+        return table
+    entries = {name: {"on_demand_per_hour": float(p), "spot_per_hour": float(p)} for name, p in given.items()
+               if not table.priced(name)}
+    return dataclasses.replace(table, cpu_machines={**table.cpu_machines, **entries})
+
+
 def spent_dollars(store, prices: str | None = None) -> float:
-    """What the run's machines have cost so far, from their records (reporting.fleetview, reporting.cost)."""
+    """What the run's machines have cost so far, from their records (reporting.fleetview, reporting.cost), priced
+    with the run's given prices too (`run_prices`)."""
     from reporting.fleetview import fleet_snapshot
     from reporting.pricing import load_prices
 
-    return fleet_snapshot(store, prices=load_prices(prices))["cost"]["total_dollars"]
+    return fleet_snapshot(store, prices=run_prices(store, load_prices(prices)))["cost"]["total_dollars"]
 
 
 @dataclasses.dataclass
@@ -73,21 +94,25 @@ def delete_lost(run: Run, project: str, store, clients: Clients, dry_run: bool =
     lost = lost_machines(store)
     if not lost:
         return report
-    found = cloud.find_run(clients, project, run.name, run.kind, run.fields.fleet.zones,
-                           [run.fields.fleet.region] if run.fields.fleet.region else [])
-    requests = {}
-    if run.kind == "vm":
-        for group in (f.resource for f in found if f.resource.kind == "instance_group"):
+    # Every machine of the run: the run file's fleet and what `gcs-spawner add` made beside it (its zones are in
+    # the record: cloud.identity), VM group members and TPU VMs alike.
+    # A TPU run lists only the TPU API unless it has an added VM group (a project may not enable Compute).
+    record = RunRecord(store)
+    who = cloud.identity(record, run.fields, project)
+    kinds = {run.kind, *(a.get("kind") for a in ((record.read_run() or {}).get("added") or {}).values())}
+    found = cloud.find_run(clients, project, run.name, run.kind if len(kinds) == 1 else None, who.zones, who.regions)
+    requests = {}  # machine -> (the delete request, the API that takes it)
+    for f in found:
+        if f.resource.kind == "instance_group":
+            group = f.resource
             for member in cloud.group_members(clients, group):
                 ref = compute.GroupRef("zones" if group.zone else "regions", group.where, group.name)
-                requests[member.name] = compute.remove_group_member(project, ref, member.zone, member.name)
-    else:
-        for f in found:
-            if f.resource.kind in ("queued_resource", "tpu_node"):
-                requests[f.resource.name] = cloud.delete_request(f.resource)
+                requests[member.name] = (compute.remove_group_member(project, ref, member.zone, member.name), "vm")
+        elif f.resource.kind in ("queued_resource", "tpu_node"):
+            requests[f.resource.name] = (cloud.delete_request(f.resource), "tpu")
     for row in lost:
         machine = row["machine"]
-        request = requests.get(machine)
+        request, api = requests.get(machine, (None, None))
         if request is None:
             report.gone.append(machine)
             continue
@@ -97,7 +122,7 @@ def delete_lost(run: Run, project: str, store, clients: Clients, dry_run: bool =
             continue
         reason = (f"lost: its last record was {row['age_s']:.0f} s old, past the silence after which status gives "
                   "a machine up, while the cloud still had it")
-        client = clients.compute_clients() if run.kind == "vm" else clients.tpu_clients()
+        client = clients.compute_clients() if api == "vm" else clients.tpu_clients()
         try:
             client.send(request)
         except api_exceptions.NotFound:

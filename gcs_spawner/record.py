@@ -32,6 +32,7 @@ import dataclasses
 import datetime as dt
 import json
 
+from exitcodes import EX_DATAERR
 from objectstore import NotFound, ObjectStore
 
 RUN_OBJECT = "run/run.json"
@@ -45,6 +46,8 @@ STATES = ("requested", "created", "deleted")
 
 class RecordError(Exception):
     """The queue holds another run's record, or a record object that is not one; the message says which."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import Field, StrictFloat, ValidationError, WithJsonSchema, field_validator, model_validator
 
+from exitcodes import EX_DATAERR
 from objectstore.address import BadAddress, check_address
 from schemas import CROSS, MISSING, UNKNOWN, Flag, Model, PositiveInt, Problem, Text
 from schemas import choice, cross_field, external_ref, invalid, problems, rule, summary
@@ -38,6 +39,9 @@ from schemas import choice, cross_field, external_ref, invalid, problems, rule, 
 CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
 #: Label every resource of a run carries (its value: the run's name).
 RUN_LABEL = "spawn-run"
+#: Label the machines `gcs-spawner add` makes carry besides RUN_LABEL (its value: the added spec's name), so that
+#: `up` and the keeper, which converge the run file's own fleet, leave them alone (gcs_spawner/add.py).
+ADD_LABEL = "spawn-add"
 
 # Compute Engine names (https://cloud.google.com/compute/docs/naming-resources): lowercase letters, digits and
 # hyphens, starting with a letter. 50 rather than 63 characters leaves room for the -NNNN of TPU VM names.
@@ -49,6 +53,8 @@ _REGION = r"^[a-z]+(-[a-z]+)+[0-9]+$"
 
 class RunFileError(ValueError):
     """The run file (or a file it names) is invalid; the message names the file, the field and what to write."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 def _positive_number(hint: str):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+from exitcodes import EX_DATAERR
+
 __all__ = ["BadAddress", "bucket_of", "check_address", "split_gs"]
 
 _BUCKET_PART = r"[a-z0-9](?:[-_a-z0-9]{0,61}[a-z0-9])?"
@@ -31,6 +33,8 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 class BadAddress(ValueError):
     """An address that is neither a well-formed `gs://bucket/prefix` nor an existing directory; the message
     names the field (or flag) it came from and what to write instead."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 def check_address(text: str, what: str = "address", *, prefix: bool = True, directory: bool = True) -> str:

@@ -19,9 +19,13 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import BinaryIO
 
+from exitcodes import EX_FAILED
+
 
 class StoreError(Exception):
     """Base class of every object-store failure; the message names the object."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 class NotFound(StoreError):

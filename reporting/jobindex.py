@@ -30,6 +30,7 @@ import logging
 from activations.format import output_key
 from activations.io import ActivationsError, ByteReader
 from activations.reader import MissingStats, ShardRef, sum_stats  # numpy only, no JAX
+from exitcodes import EX_FAILED
 from objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ _RECORD_FIELDS = {"shard": str, "bytes": int, "crc32c": str, "sample_start": int
 
 class JobIndexError(Exception):
     """A done marker or one of its progress records is malformed or inconsistent; the message names it."""
+
+    exit_code = EX_FAILED  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictFloat, StrictStr, ValidationError, model_validator
 
+from exitcodes import EX_DATAERR
 from schemas import Model, PositiveInt, Text, choice, cross_field, phrase, problems, rule, summary
 
 PRICES_FILE = pathlib.Path(__file__).resolve().parent / "prices.json"
@@ -45,6 +46,8 @@ CPU = "cpu"
 
 class PriceError(ValueError):
     """The price file is malformed, or an accelerator type or storage class is not in it; the message names it."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +243,7 @@ class PriceTable:
 def check_machine_type(name: str, kind: str, prices_file: str | pathlib.Path | None = None, *,
                        unpriced_ok: bool = False) -> MachinePrice | None:
     """The one check of a fleet's machine type against the price table, for `up`/`validate`/`plan`
-    (gcs_spawner/checks.py), tools/create_tpus.py and tools/create_template.py: its hourly prices, or a PriceError
+    (gcs_spawner/checks.py) and `add` (gcs_spawner/add.py): its hourly prices, or a PriceError
     naming it and what to use instead (each caller puts the field in front, in its own error type).
 
     `kind` "tpu": an accelerator type, refused unless the table lists its family and the size counts whole chips

@@ -457,7 +457,7 @@ fail() {
 # The failed record stays the machine's last word: it says why, for as long as anyone looks.
 delete_after_failure() {
   if ! self_delete; then
-    log "event=self_delete_failed machine=${MACHINE} hint=see docs/CLOUD.md IAM; run tools/teardown.py"
+    log "event=self_delete_failed machine=${MACHINE} hint=see docs/CLOUD.md IAM; run gcs-spawner down RUN, or keep RUN"
   fi
 }
 

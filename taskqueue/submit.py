@@ -14,6 +14,7 @@ import pathlib
 import threading
 from collections.abc import Iterable
 
+from exitcodes import EX_DATAERR
 from objectstore import NotFound, ObjectStore, PreconditionFailed
 from taskqueue import layout
 from taskqueue.clock import Clock
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 class SubmitError(ValueError):
     """The job or tasks file cannot be submitted; the message names the file, line and field."""
+
+    exit_code = EX_DATAERR  # what a command that ends on it exits with (gcs_spawner/cli.py)
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""The README's install (`pip install .`, no extras) runs `plan`, `validate` and `up --dry-run` against the fakes.
+"""The README's install (`pip install .`, no extras) runs `plan`, `validate`, `up --dry-run` and `mirror` against the
+fakes.
 
 A run on the fake GCS server and the fake Compute and TPU APIs (a local checkpoint's config.json, a tasks file, a
 code prefix with every lock), then one `gcs-spawner` command line per verb, each of which must exit 0. What runs
@@ -104,6 +105,7 @@ def write_world(gcs, directory: pathlib.Path, kind: str = "vm") -> pathlib.Path:
         code.put(name, b"x\n")
     checkpoint = directory / "ckpt"
     checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"{}")  # what the mirror copies; nothing reads its tensors here
     (checkpoint / "config.json").write_text(json.dumps({
         "model_type": "qwen2", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
@@ -146,6 +148,19 @@ def run_verbs(command: Sequence[str], run_file: pathlib.Path, env: dict[str, str
     }  # fmt: skip
 
 
+def run_mirror(command: Sequence[str], run_file: pathlib.Path, env: dict[str, str],
+               checkout: bool = True) -> subprocess.CompletedProcess:  # fmt: skip
+    """`mirror` of the run's local checkpoint into its bucket (models/mirrored), as `run_verbs` runs a verb."""
+    run = json.loads(run_file.read_text())
+    dest = run["job"]["model"].rsplit("/", 1)[0] + "/mirrored"
+    full_env = {**os.environ, **env}
+    full_env.pop("PYTHONPATH", None)
+    if checkout:
+        full_env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([*command, "mirror", run["model"]["source"], dest], cwd=run_file.parent, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.cli.base_install", description=__doc__.splitlines()[0])
     parser.add_argument("--gcs-spawner", required=True, help="the base install's gcs-spawner command")
@@ -154,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     with servers() as world, tempfile.TemporaryDirectory(prefix="base-install-") as directory:
         for kind in ("vm", "tpu"):
             run_file = write_world(world["gcs"], pathlib.Path(directory) / kind, kind)
-            for verb, done in run_verbs([args.gcs_spawner], run_file, world["env"], checkout=False).items():
+            results = run_verbs([args.gcs_spawner], run_file, world["env"], checkout=False)
+            results["mirror"] = run_mirror([args.gcs_spawner], run_file, world["env"], checkout=False)
+            for verb, done in results.items():
                 print(f"base install: gcs-spawner {verb} ({kind} run): exit {done.returncode}", flush=True)
                 if done.returncode != 0:
                     failed += 1

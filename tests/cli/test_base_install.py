@@ -17,8 +17,9 @@ import sys
 from tests.cli import base_install
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-#: Verbs that truly need an extra, and the module they meet first: each says which extra in one line.
-NEEDS_EXTRA = {"mirror": "jax"}  # extract.weights: the checkpoint's loader and its mirror live together
+#: Verbs that truly need an extra, and the module they meet first: each says which extra in one line. None since
+#: `mirror` left the checkpoint's loader (extract/hub.py: JAX-free; only a Hub source needs huggingface_hub).
+NEEDS_EXTRA: dict[str, str] = {}
 
 
 def _verb_imports() -> dict[str, list[str]]:
@@ -65,15 +66,24 @@ def test_every_verb_imports_what_it_uses_without_the_extras():
     assert json.loads(done.stdout) == NEEDS_EXTRA
 
 
-def test_a_verb_that_needs_an_extra_names_it_in_one_line(tmp_path):
-    """`mirror` loads the checkpoint code, which needs JAX: on the base install it says which extra brings it, in
-    one line and exit 1, not a traceback."""
-    done = subprocess.run([*base_install.blocking_command(), "mirror", str(tmp_path), str(tmp_path / "copy")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 1, done.stderr
-    assert done.stderr.strip().splitlines() == [
-        "gcs-spawner mirror: error: this command needs jax, which the base install does not have: pip install "
-        "'gcs-spawner[extract]' (or, in a checkout, pip install -e '.[extract]')"
+def test_mirror_copies_a_local_checkpoint_without_the_extras_and_a_hub_source_names_its_extra(tmp_path):
+    """`mirror` of a local checkpoint runs on the base install (exit 0, config.json in the bucket, written last);
+    of a Hub id, which needs huggingface_hub, it says which extra brings it, in one line and exit 1."""
+    from objectstore import open_store
+
+    with base_install.servers() as world:
+        run_file = base_install.write_world(world["gcs"], tmp_path, "vm")
+        done = base_install.run_mirror(base_install.blocking_command(), run_file, world["env"])
+        assert done.returncode == 0, done.stderr
+        dest = json.loads(run_file.read_text())["job"]["model"].rsplit("/", 1)[0] + "/mirrored"
+        assert sorted(e.name for e in open_store(dest).list("")) == ["config.json", "model.safetensors"]
+        assert "mirrored 2 files to" in done.stdout and done.stdout.rstrip().endswith("model.safetensors config.json")
+    hub = subprocess.run([*base_install.blocking_command(), "mirror", "Qwen/Qwen2.5-0.5B", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert hub.returncode == 1, hub.stderr
+    assert hub.stderr.strip().splitlines() == [
+        "gcs-spawner mirror: error: this command needs huggingface_hub, which the base install does not have: pip "
+        "install 'gcs-spawner[extract]' (or, in a checkout, pip install -e '.[extract]')"
     ]
 
 

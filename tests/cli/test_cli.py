@@ -171,3 +171,48 @@ def test_mirror_copies_a_checkpoint_config_last_and_refuses_a_bucket_typo(world,
     assert names[-1] == "config.json" and sorted(names) == world.names("models/m")
     assert main(["mirror", str(world.checkpoint), f"gs:/{world.bucket}/models/m2"]) == 65
     assert world.names("models/m2") == []
+
+
+def test_an_errors_exit_code_comes_from_its_type_not_its_name_or_text(capsys):
+    """`failed` reads the type's `exit_code` (issue 46: no table of class names, no search of the message): a
+    subclass inherits its base's, a class cli.py never heard of is mapped by its own, an OSError is a failed step,
+    and any other error is a bug, re-raised."""
+    from exitcodes import EX_DATAERR, EX_FAILED
+    from gcs_spawner.checks import CheckError
+    from gcs_spawner.cli import failed
+    from objectstore import NotFound
+
+    class Refused(CheckError):
+        pass
+
+    class Elsewhere(Exception):
+        exit_code = EX_DATAERR
+
+    assert failed("t", Refused("pass --yes")) == EX_DATAERR
+    assert failed("t", Elsewhere("x")) == EX_DATAERR
+    assert failed("t", NotFound("gs://b/o")) == EX_FAILED
+    assert failed("t", PermissionError(13, "denied")) == EX_FAILED
+    assert "t: error: pass --yes" in capsys.readouterr().err
+    with pytest.raises(KeyError):
+        failed("t", KeyError("a bug"))
+
+
+def test_a_misspelt_verb_exits_2_naming_the_nearest_verbs(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["upp", "run.yaml"])
+    assert caught.value.code == 2
+    assert "gcs-spawner: error: 'upp' is not a verb; did you mean up?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["-v", "frobnicate"])
+    assert "'frobnicate' is not a verb; the verbs: plan, validate, up, add, down" in capsys.readouterr().err
+
+
+def test_a_run_file_that_is_not_there_is_named_with_the_nearest_one(tmp_path, capsys, monkeypatch):
+    (tmp_path / "run.yaml").write_text((REPO / "templates" / "run.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert main(["up", "runn.yaml"]) == 65
+    assert "runn.yaml: no such run file; did you mean run.yaml?" in capsys.readouterr().err
+    assert main(["validate", "elsewhere/run.yaml"]) == 65  # a directory that does not exist: the one here
+    assert "elsewhere/run.yaml: no such run file; did you mean run.yaml?" in capsys.readouterr().err
+    assert main(["plan", "nothing.yaml"]) == 65
+    assert "nothing.yaml: no such run file; give the run file's path" in capsys.readouterr().err

@@ -79,3 +79,75 @@ def test_an_unpriced_machine_type_is_planned_as_such_and_a_spending_limit_asks_f
     out = capsys.readouterr().out
     assert "accelerator g2-standard-96: 8 x NVIDIA L4" in out and "(8.00 / 3.00 $/machine-hour)" in out
     assert "would send InsertInstanceGroupManagerRequest" in out
+
+
+def _up_on_a_terminal(world, run_file, answers: list[bytes], interrupt_at: str | None = None):
+    """`gcs-spawner up RUN` with stdin a pseudo-terminal, each answer written once the question before it shows on
+    stderr (or, with `interrupt_at`, SIGINT once that text shows: Ctrl-C at the prompt); (exit, stdout, stderr)."""
+    import os
+    import pty
+    import signal
+    import subprocess
+    import sys
+
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-m", "gcs_spawner", "up", str(run_file), "--no-preflight"],
+                               cwd=REPO, env=env, stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.close(terminal)
+    err = b""
+    try:
+        for question in [b"machine-hour? ", b"e.g. 2.5 (got 'abc'): ", b"Proceed? [y/N] "][:len(answers) or 3]:
+            while question not in err and (interrupt_at is None or interrupt_at.encode() not in err):
+                chunk = os.read(process.stderr.fileno(), 4096)
+                if not chunk:
+                    break
+                err += chunk
+            if interrupt_at is not None and interrupt_at.encode() in err:
+                process.send_signal(signal.SIGINT)
+                break
+            if not answers:
+                break
+            os.write(controller, answers.pop(0))
+        out, rest = process.communicate(timeout=120)
+    finally:
+        os.close(controller)
+    return process.returncode, out.decode(), (err + rest).decode()
+
+
+def test_up_on_a_terminal_asks_the_price_of_an_unpriced_type_holds_the_limit_to_it_and_records_it(world, capsys):
+    """An unpriced type with max_dollars: on a terminal up asks its hourly price (a wrong answer is asked again),
+    says what the limit buys at it, records it in run/run.json, and status prices the fleet's machine-hours at
+    it; without a terminal the same up exits 65 in one line naming --prices and plan.prices; Ctrl-C at the
+    question leaves nothing made."""
+    run_file = _unpriced_run(world, max_dollars=100.0)
+    code, out, err = _up_on_a_terminal(world, run_file, [], interrupt_at="machine-hour? ")
+    assert code == 1 and "interrupted" in err, err
+    assert world.cloud.mutations() == [] and world.names() == []
+
+    assert main(["up", str(run_file), "--no-preflight", "--yes"]) == 65  # --yes: nothing may be asked
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "max_dollars: g2-standard-96 has no price" in said[0]
+    assert "plan.prices" in said[0] and "--prices FILE" in said[0] and "terminal" in said[0]
+    assert world.cloud.mutations() == [] and world.names() == []
+
+    code, out, err = _up_on_a_terminal(world, run_file, [b"abc\n", b"$4\n", b"y\n"])
+    assert code == 0, err
+    assert "g2-standard-96 has no price in" in err and "Its spot $ per machine-hour? " in err
+    assert "plan: 2 x g2-standard-96 at 4 $ per machine-hour" in out and "8 $ per hour for the fleet" in out
+    assert "max_dollars 100.00 $ lasts 12.5 h of the whole fleet" in out
+    assert json.loads(world.store().read("run/run.json").data)["prices"] == {"g2-standard-96": 4.0}
+    assert f"projects/{PROJECT}/zones/us-central1-a/instanceGroupManagers/r1" in world.cloud.ours()
+
+    import datetime as dt
+
+    from fleet.machines import make_record, write_record
+
+    now = dt.datetime.now(dt.timezone.utc)
+    since = (now - dt.timedelta(seconds=1810)).isoformat(timespec="seconds")
+    write_record(world.store(), make_record("r1-abcd", "working", at=now - dt.timedelta(seconds=10), since=since,
+                                            machine_type="g2-standard-96", beat_s=60, spot=True))
+    capsys.readouterr()
+    assert main(["status", str(run_file), "--json"]) == 0
+    cost = json.loads(capsys.readouterr().out)["fleet"]["cost"]
+    assert cost["unpriced_seconds"] == {} and 1.9 < cost["total_dollars"] < 2.2  # half an hour at 4 $

@@ -97,7 +97,10 @@ def test_every_template_the_tools_build_passes_googles_schema(cloud: FakeCloud, 
 def test_every_tpu_request_the_tools_build_passes_googles_schema(cloud: FakeCloud, tpu_clients: tpu.TpuClients, tmp_path: Path,
                                                                  changes):
     launch.create_tpus(_spec(tmp_path, "tpu.yaml", **changes), "p", "us-west4-a", 1, QUEUE, CODE, clients=tpu_clients)
-    launch.teardown("p", zone="us-west4-a", tpu_prefix="spawn-tpu", tpu_clients=tpu_clients)
+    for created in cloud.calls("POST"):  # each deleted as down deletes it (gcs_spawner/cloud.py, delete_request)
+        rid = created.query.get("queuedResourceId") or created.query["nodeId"]
+        name = f"projects/p/locations/us-west4-a/{created.path.rsplit('/', 1)[-1]}/{rid}"
+        tpu_clients.send(tpu.delete_queued_resource(name) if "queuedResourceId" in created.query else tpu.delete_node(name))
     assert len(cloud.calls("POST")) == changes.get("slices", 1) and not [k for k in cloud.resources if "/locations/" in k]
 
 

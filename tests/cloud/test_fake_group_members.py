@@ -53,6 +53,7 @@ def test_a_group_keeps_its_members_as_a_managed_instance_group_does(cloud: FakeC
 
     # The group's delete takes its members along.
     machines.events.clear()
-    launch.teardown("proj-a", zone="z1", group="spawn-worker", template="spawn-worker", compute_clients=compute_clients)
+    compute_clients.send(compute.delete_group("proj-a", "spawn-worker", zone="z1"))
+    compute_clients.send(compute.delete_template("proj-a", "spawn-worker"))
     assert sorted(machines.events) == sorted(("deleted", m) for m in members[1:])
     assert not [k for k in cloud.resources if "/instances/" in k or "instanceGroupManagers" in k or "instanceTemplates" in k]

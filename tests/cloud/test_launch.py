@@ -1,18 +1,16 @@
-"""The launch tools against the fake Compute and TPU APIs, through the real client libraries:
-the exact REST calls (paths and bodies) for templates, groups, TPU nodes, queued resources and teardown."""
+"""fleet/launch.py's builders against the fake Compute and TPU APIs, through the real client libraries: the exact
+REST calls (paths and bodies) for templates, groups, TPU nodes and queued resources. (`gcs-spawner up` and `add`
+send the same requests, recorded first: tests/cli.)"""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from fleet import compute, launch, tpu
+from fleet import compute, launch, specs, tpu
 from tests.cloud.fakecloud import FakeCloud
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,16 +19,9 @@ TPU_SPEC = REPO / "templates" / "tpu.yaml"
 QUEUE, CODE = "gs://bkt/jobs/j1", "gs://bkt/code/run1"
 
 
-def tool(*argv: str) -> subprocess.CompletedProcess:
-    # PYTHONPATH: the tools import this checkout's packages, whatever the shared venv has installed.
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
-
-
-def test_create_template_tool_inserts_the_template_through_the_endpoint_override(cloud: FakeCloud):
-    result = tool("tools/create_template.py", str(VM_SPEC), "--queue", QUEUE, "--code", CODE, "--project", "proj-a",
-                  "--name", "wk-v2", "--consumer", "python consume.py --dtype bf16")
-    assert result.returncode == 0, result.stderr
+def test_create_template_inserts_the_specs_template_through_the_endpoint_override(cloud: FakeCloud, monkeypatch):
+    monkeypatch.setenv("FLEET_COMPUTE_ENDPOINT", cloud.url)
+    launch.create_template(VM_SPEC, "proj-a", QUEUE, CODE, name="wk-v2", consumer="python consume.py --dtype bf16")
     [call] = cloud.calls()
     assert (call.method, call.path) == ("POST", "/compute/v1/projects/proj-a/global/instanceTemplates")
     assert call.body["name"] == "wk-v2"
@@ -85,9 +76,9 @@ def test_bad_spec_fails_naming_the_field_before_any_call(cloud: FakeCloud, tmp_p
     raw["disk_gb"] = -5
     bad = tmp_path / "vm.yaml"
     bad.write_text(yaml.safe_dump(raw))
-    result = tool("tools/create_template.py", str(bad), "--queue", QUEUE, "--code", CODE, "--project", "proj-a")
-    assert result.returncode == 65
-    assert f"{bad}: field 'disk_gb' must be a positive integer, got -5" in result.stderr
+    with pytest.raises(specs.SpecError) as caught:
+        launch.create_template(bad, "proj-a", QUEUE, CODE)
+    assert f"{bad}: field 'disk_gb' must be a positive integer, got -5" in str(caught.value)
     assert cloud.requests == []
 
 
@@ -105,12 +96,8 @@ def test_zonal_group_insert_then_resize(cloud: FakeCloud, compute_clients: compu
     assert cloud.resources["projects/proj-a/zones/us-central1-a/instanceGroupManagers/spawn-worker"]["targetSize"] == 50
 
 
-def test_regional_group_is_created_without_proactive_redistribution(cloud: FakeCloud):
-    result = tool("tools/create_group.py", "--template", "tmpl", "--name", "fleet-a", "--count", "8", "--region", "europe-west4",
-                  "--project", "proj-a")
-    assert result.returncode == 0, result.stderr
-    # The pre-flight could not read the (absent) template: it says so and the tool goes on.
-    assert "preflight unchecked template" in result.stdout
+def test_regional_group_is_created_without_proactive_redistribution(cloud: FakeCloud, compute_clients):
+    launch.create_group("proj-a", "tmpl", 8, region="europe-west4", name="fleet-a", clients=compute_clients)
     [call] = [c for c in cloud.calls("POST")]
     assert (call.method, call.path) == ("POST", "/compute/v1/projects/proj-a/regions/europe-west4/instanceGroupManagers")
     assert call.body["targetSize"] == 8 and call.body["name"] == "fleet-a"
@@ -154,41 +141,3 @@ def test_failed_creations_are_reported_together(cloud: FakeCloud, tpu_clients: t
     with pytest.raises(launch.gapi.LaunchError, match="1 of 2 requests failed") as caught:
         launch.create_tpus(TPU_SPEC, "proj-a", "z1", 2, QUEUE, CODE, clients=tpu_clients)
     assert "CreateQueuedResourceRequest spawn-tpu-000" in str(caught.value)
-
-
-def test_teardown_deletes_group_then_template_then_tpus_by_prefix(
-    cloud: FakeCloud, compute_clients: compute.ComputeClients, tpu_clients: tpu.TpuClients, tmp_path: Path
-):
-    launch.create_template(VM_SPEC, "proj-a", QUEUE, CODE, clients=compute_clients)
-    launch.create_group("proj-a", "spawn-worker", 3, zone="z1", clients=compute_clients)
-    launch.create_tpus(TPU_SPEC, "proj-a", "z1", 2, QUEUE, CODE, clients=tpu_clients)
-    raw = yaml.safe_load(TPU_SPEC.read_text())
-    raw["queued"] = False
-    plain = tmp_path / "tpu.yaml"
-    plain.write_text(yaml.safe_dump(raw))
-    launch.create_tpus(plain, "proj-a", "z1", 1, QUEUE, CODE, first_index=7, clients=tpu_clients)
-    cloud.add("projects/proj-a/locations/z1/nodes/other-0000", {"name": "projects/proj-a/locations/z1/nodes/other-0000"})
-    cloud.requests.clear()
-
-    launch.teardown("proj-a", zone="z1", group="spawn-worker", template="spawn-worker", tpu_prefix="spawn-tpu-",
-                    compute_clients=compute_clients, tpu_clients=tpu_clients)
-    deletes = [(r.path, r.query.get("force")) for r in cloud.calls("DELETE")]
-    assert deletes[:2] == [
-        ("/compute/v1/projects/proj-a/zones/z1/instanceGroupManagers/spawn-worker", None),
-        ("/compute/v1/projects/proj-a/global/instanceTemplates/spawn-worker", None),
-    ]
-    assert sorted(deletes[2:]) == [
-        ("/v2/projects/proj-a/locations/z1/nodes/spawn-tpu-0007", None),
-        ("/v2/projects/proj-a/locations/z1/queuedResources/spawn-tpu-0000", "true"),
-        ("/v2/projects/proj-a/locations/z1/queuedResources/spawn-tpu-0001", "true"),
-    ]
-    assert sorted(cloud.resources) == ["projects/proj-a/locations/z1/nodes/other-0000"]
-
-
-def test_teardown_dry_run_lists_but_deletes_nothing(cloud: FakeCloud):
-    cloud.add("projects/proj-a/locations/z1/nodes/spawn-tpu-0000", {"name": "projects/proj-a/locations/z1/nodes/spawn-tpu-0000"})
-    result = tool("tools/teardown.py", "--tpu-prefix", "spawn-tpu", "--zone", "z1", "--project", "proj-a", "--dry-run",
-                  "--bodies")
-    assert result.returncode == 0, result.stderr
-    assert [p["fields"]["name"] for p in json.loads(result.stdout)] == ["projects/proj-a/locations/z1/nodes/spawn-tpu-0000"]
-    assert cloud.mutations() == []

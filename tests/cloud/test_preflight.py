@@ -1,13 +1,10 @@
-"""fleet.preflight and the launch tools' pre-flight, against the fake Compute, Resource Manager
+"""fleet.preflight (the pre-flight of `gcs-spawner up` and `add`), against the fake Compute, Resource Manager
 and bucket endpoints: roles on the project, its ancestors and the bucket (direct, or possibly
 through a group), regional quotas, the bucket's region or dual-region, Private Google Access."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -77,34 +74,36 @@ def test_tpu_quota_is_reported_as_not_checked_and_needs_tpu_admin(cloud: FakeClo
     assert checks["bucket:location"].status == "ok" and "multi-region US" in checks["bucket:location"].detail
 
 
-def _tool(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+def _run_checks(cloud: FakeCloud, request: preflight.Request) -> list[preflight.Finding]:
+    args = {"client_options": {"api_endpoint": cloud.url}, "credentials": AnonymousCredentials(), "transport": "rest"}
+    storage_client = storage.Client(project=PROJECT, credentials=AnonymousCredentials(), client_options={"api_endpoint": cloud.url})
+    return preflight.run_checks(PROJECT, request, compute_args=args, rm=iam.ResourceManager(cloud.url),
+                                storage_client=storage_client)
 
 
-def test_create_tpus_dry_run_prints_the_preflight_and_a_shortfall_stops_it_unless_forced(cloud: FakeCloud):
+def test_a_tpu_specs_preflight_finds_the_missing_role_and_a_shortfall_stops_unless_forced(cloud: FakeCloud, capsys):
+    """What `gcs-spawner up` and `add` check for TPU VMs from a spec (gcs_spawner/checks.py, preflight_requests)."""
+    from fleet import specs
+
     _world(cloud, project_roles=("roles/storage.objectUser",))
-    argv = ["tools/create_tpus.py", str(REPO / "templates" / "tpu.yaml"), "--count", "2", "--zone", "us-central1-a",
-            "--queue", "gs://bkt/jobs/j", "--code", "gs://bkt/code/c", "--project", PROJECT, "--dry-run"]
-    stopped = _tool(*argv)
-    assert stopped.returncode == 65
-    assert "preflight short      role:self-delete" in stopped.stdout
-    assert "lacks roles/tpu.admin" in stopped.stderr
-    forced = _tool(*argv, "--force")
-    assert forced.returncode == 0, forced.stderr
-    assert "CreateQueuedResourceRequest" in forced.stdout
-    assert not [m for m in cloud.mutations() if "/v2/" in m[1]]  # a dry run
+    spec = specs.load_spec(REPO / "templates" / "tpu.yaml")
+    findings = _run_checks(cloud, preflight.request_for_tpus(spec, 2, "us-central1-a", "gs://bkt/jobs/j"))
+    with pytest.raises(preflight.PreflightError, match="lacks roles/tpu.admin"):
+        preflight.enforce(findings)
+    assert "preflight short      role:self-delete" in capsys.readouterr().out
+    preflight.enforce(findings, force=True)
 
 
-def test_create_group_reads_the_template_back_for_its_preflight(cloud: FakeCloud):
+def test_a_groups_preflight_reads_the_template_back(cloud: FakeCloud, compute_clients):
     _world(cloud, cpus=(8, 0))
     cloud.add(f"projects/{PROJECT}/global/instanceTemplates/tmpl", {"name": "tmpl", "properties": {
         "machineType": "g2-standard-8", "scheduling": {"provisioningModel": "SPOT"},
         "networkInterfaces": [{"accessConfigs": [{"type": "ONE_TO_ONE_NAT"}]}],
         "serviceAccounts": [{"email": SA}], "metadata": {"items": [{"key": "spawn-queue", "value": "gs://bkt/jobs/j"}]}}})
-    result = _tool("tools/create_group.py", "--template", "tmpl", "--count", "3", "--zone", "us-central1-a", "--project", PROJECT)
-    assert result.returncode == 65
-    assert "quota:CPUS: need 24, only 8 free in us-central1" in result.stderr
+    template = compute_clients.templates.get(project=PROJECT, instance_template="tmpl")
+    findings = _run_checks(cloud, preflight.request_for_template(template, 3, "us-central1-a", None))
+    with pytest.raises(preflight.PreflightError, match="quota:CPUS: need 24, only 8 free in us-central1"):
+        preflight.enforce(findings)
     assert not [m for m in cloud.mutations() if "instanceGroupManagers" in m[1]]
 
 

@@ -60,7 +60,7 @@ def test_the_shipped_table_is_valid_by_the_model():
 
 
 def test_one_machine_type_check_refuses_an_unknown_tpu_family_and_lets_an_unpriced_vm_type_through_when_asked():
-    """`pricing.check_machine_type` is the check that up/validate/plan, create_tpus.py and create_template.py share."""
+    """`pricing.check_machine_type` is the check that up/validate/plan, and add share."""
     with pytest.raises(pricing.PriceError, match=r"accelerator: 'v6f-8' is not in the price table .*v6e-8"):
         pricing.check_machine_type("v6f-8", "tpu")
     with pytest.raises(pricing.PriceError, match="counts TensorCores"):
