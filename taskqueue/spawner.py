@@ -34,6 +34,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 
+from jsonline import parse_object
 from objectstore import ObjectStore, StoreError
 from taskqueue import completion
 from taskqueue.claims import Claim, Claimer, ClaimOptions
@@ -86,15 +87,7 @@ class ProgressFile:
         for line in chunk[:end].splitlines():
             if not line.strip():
                 continue
-            if len(line) > MAX_PROGRESS_LINE:
-                raise ProgressError(f"{self.path}: a progress line is {len(line)} bytes, over {MAX_PROGRESS_LINE}")
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ProgressError(f"{self.path}: progress line is not JSON ({exc}): {line[:200]!r}") from None
-            if not isinstance(record, dict):
-                raise ProgressError(f"{self.path}: progress line is not a JSON object: {line[:200]!r}")
-            records.append(record)
+            records.append(parse_object(line, MAX_PROGRESS_LINE, f"{self.path}: progress line", ProgressError))
         self._offset += end
         return records
 
