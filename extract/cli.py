@@ -138,6 +138,7 @@ def _run_task(paths: dict, env, args: argparse.Namespace, stop, phases, warm=Non
     from extract.job import load_job, load_resume, load_task
     from extract.memory import DeviceMemoryError
 
+    role = None
     try:
         for flag, variable, _ in _FLAGS[:3]:
             if not paths[flag]:
@@ -192,8 +193,9 @@ def _run_task(paths: dict, env, args: argparse.Namespace, stop, phases, warm=Non
         else:
             log.exception("event=failure exit=%d error=%r", code, exc)
         # The task's own input (65) or the store (75) leave the loaded engine as it was; anything else (a bug, the
-        # runtime, the device's memory) may not have.
-        sound = code in (EX_DATAERR, EX_TEMPFAIL) and not isinstance(exc, DeviceMemoryError)
+        # runtime, the device's memory) may not have. A slice's host leaves after any failure: one that failed alone
+        # before the lockstep loop would leave the other hosts waiting at its first step, while its exit ends them.
+        sound = code in (EX_DATAERR, EX_TEMPFAIL) and not isinstance(exc, DeviceMemoryError) and role is None
         return resident.Outcome(code, stays=sound)
 
 
