@@ -115,12 +115,14 @@ def test_bad_slice_options_are_refused_naming_the_option(flags, problem, tmp_pat
     assert result.returncode == 2 and problem in result.stderr, result.stderr
 
 
-def test_a_slice_host_stopped_by_sigterm_releases_the_task_without_counting_an_attempt(tmp_path):
-    # 143 = 128 + SIGTERM: what every host of a slice exits with once one of them was stopped (preempted).
+@pytest.mark.parametrize("resident", [(), ("--resident",)], ids=["per-task", "resident"])
+def test_a_slice_host_stopped_by_sigterm_releases_the_task_without_counting_an_attempt(tmp_path, resident):
+    # 143 = 128 + SIGTERM: what every host of a slice exits with (a resident one: replies) once one of them was
+    # stopped (preempted).
     url = queue_with(tmp_path, [{"id": "t0", "exit": 143}])
     workers = Workers(url, tmp_path)
     try:
-        workers.start("leader", *SLICE_FLAGS, "--host-index", "0", "--max-tasks", "1")
+        workers.start("leader", *SLICE_FLAGS, "--host-index", "0", "--max-tasks", "1", *resident)
         wait_for(lambda: "event=released task=t0" in workers.log("leader"), 30, "the release")
     finally:
         workers.kill_all()
