@@ -191,7 +191,6 @@ class Follower:
         self._stop = threading.Event()
         self._consumer = ConsumerSlot()
         self._job: bytes | None = None
-        self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self._task_id = "-"
         self._resident = ResidentConsumer(consumer, self._resident_line)
         self._program: str | None = None  # the program this host's resident consumer joined
@@ -348,7 +347,6 @@ class Follower:
                      resident.starts)  # fmt: skip
         proc = resident.proc
         self._consumer.hold(proc)
-        self._tail.clear()
         self._task_id = task_id
         self._signalled = False
         if self._stop.is_set():  # a stop that arrived while we were starting it

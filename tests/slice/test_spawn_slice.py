@@ -160,7 +160,7 @@ def test_resident_slice_serves_task_after_task_and_a_killed_follower_costs_one_a
 
         killed_task = wait_for(working, 180, "a second task mid-way")
         follower_log = workers.log("follower")
-        follower_consumer = int(re.search(r"event=follower_resident_start pid=(\d+)", follower_log).group(1))
+        follower_consumer = int(re.findall(r"event=follower_resident_start pid=(\d+)", follower_log)[-1])
         killed_at = time.monotonic()
         workers.procs["follower"].send_signal(signal.SIGKILL)  # the host dies: its worker and its consumer
         os.killpg(follower_consumer, signal.SIGKILL)
