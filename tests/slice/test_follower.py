@@ -150,8 +150,8 @@ def test_status_shows_a_slice_as_one_worker_with_its_host_count(tmp_path):
 # -- resident slices (docs/PROTOCOL.md, "Slices": resident consumers) ------------------------------------------------
 
 
-def test_resident_slice_serves_every_task_with_one_consumer_per_host(tmp_path):
-    url = queue_with(tmp_path, [{"id": f"t{i}", "outputs": 2, "sleep": 0.1} for i in range(4)])
+def drain_resident_slice(url: str, tmp_path) -> Workers:
+    """A leader and a follower with --resident, run until the queue is drained; both exit 0."""
     workers = Workers(url, tmp_path)
     try:
         workers.start("leader", *SLICE_FLAGS, "--host-index", "0", "--resident")
@@ -160,6 +160,12 @@ def test_resident_slice_serves_every_task_with_one_consumer_per_host(tmp_path):
     finally:
         workers.kill_all()
     assert codes == {"leader": 0, "follower": 0}, workers.all_logs()
+    return workers
+
+
+def test_resident_slice_serves_every_task_with_one_consumer_per_host(tmp_path):
+    url = queue_with(tmp_path, [{"id": f"t{i}", "outputs": 2, "sleep": 0.1} for i in range(4)])
+    workers = drain_resident_slice(url, tmp_path)
     done = markers(url, layout.DONE)
     assert sorted(done) == ["t0", "t1", "t2", "t3"]
     assert len({record["pid"] for marker in done.values() for record in marker["outputs"]}) == 1
@@ -176,14 +182,7 @@ def test_resident_slice_serves_every_task_with_one_consumer_per_host(tmp_path):
 
 def test_resident_slice_starts_a_new_program_on_every_host_after_a_failed_task(tmp_path):
     url = queue_with(tmp_path, [{"id": "a", "outputs": 1}, {"id": "flaky", "fail_attempts": 1}, {"id": "c"}])
-    workers = Workers(url, tmp_path)
-    try:
-        workers.start("leader", *SLICE_FLAGS, "--host-index", "0", "--resident")
-        workers.start("follower", *SLICE_FLAGS, "--host-index", "1", "--resident")
-        codes = workers.wait(timeout=60)
-    finally:
-        workers.kill_all()
-    assert codes == {"leader": 0, "follower": 0}, workers.all_logs()
+    workers = drain_resident_slice(url, tmp_path)
     assert sorted(markers(url, layout.DONE)) == ["a", "c", "flaky"]
     leader, follower = workers.log("leader"), workers.log("follower")
     assert leader.count("event=resident_start") == 2
