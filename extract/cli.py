@@ -138,6 +138,7 @@ def _run_task(paths: dict, env, args: argparse.Namespace, stop, phases, warm=Non
     from extract.job import load_job, load_resume, load_task
     from extract.memory import DeviceMemoryError
 
+    role = None
     try:
         for flag, variable, _ in _FLAGS[:3]:
             if not paths[flag]:
@@ -149,6 +150,12 @@ def _run_task(paths: dict, env, args: argparse.Namespace, stop, phases, warm=Non
         if task_id and task_id != task.id:
             raise BadInput(f"task.id: the task file says {task.id!r}, SPAWN_TASK_ID={task_id!r}; pass this task's file")
         role = multihost.role_from_env()
+        if role is not None and warm is not None:
+            # A resident host of a slice: its share in the program it joined for its first task, with the engine it
+            # keeps. It serves on only after a task every host finished (they passed the same steps); after a
+            # failure the hosts may stand at different steps, so each leaves and the next task starts them again.
+            code = _run_share(role, job, task, paths, attempt, args, stop, warm)
+            return resident.Outcome(code, stays=code == EX_OK)
         if role is not None or multihost.has_gaps(paths["--resume-file"], task):
             # A share of a slice's task, or a resume with gaps: its own engine, so this process does not stay.
             return resident.Outcome(_run_share(role or multihost.SliceRole.single(), job, task, paths, attempt, args,
@@ -186,8 +193,9 @@ def _run_task(paths: dict, env, args: argparse.Namespace, stop, phases, warm=Non
         else:
             log.exception("event=failure exit=%d error=%r", code, exc)
         # The task's own input (65) or the store (75) leave the loaded engine as it was; anything else (a bug, the
-        # runtime, the device's memory) may not have.
-        sound = code in (EX_DATAERR, EX_TEMPFAIL) and not isinstance(exc, DeviceMemoryError)
+        # runtime, the device's memory) may not have. A slice's host leaves after any failure: one that failed alone
+        # before the lockstep loop would leave the other hosts waiting at its first step, while its exit ends them.
+        sound = code in (EX_DATAERR, EX_TEMPFAIL) and not isinstance(exc, DeviceMemoryError) and role is None
         return resident.Outcome(code, stays=sound)
 
 
@@ -218,16 +226,21 @@ def _exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
-def _run_share(role, job, task, paths, attempt, args, stop) -> int:
-    """This host's share of a task run by a whole slice (or a resume whose committed shards have gaps)."""
-    from extract import multihost
-
-    from extract import compilecache
+def _run_share(role, job, task, paths, attempt, args, stop, warm=None) -> int:
+    """This host's share of a task run by a whole slice (or a resume whose committed shards have gaps). With `warm`
+    (a resident host of a slice) the process joins the slice's program once, keeps its engine and tokenizer, and
+    returns every failure's exit code (its reply carries it) instead of leaving at once."""
+    from extract import compilecache, multihost
+    from extract.consumer import Stopped, load_engine, load_tokenizer
 
     global _distributed_teardown
-    multihost.initialize(role)
-    _distributed_teardown = role.process_count > 1
-    compilecache.enable()  # after jax.distributed's set-up: it reads the devices
+    if multihost.initialize(role):
+        # A per-task host leaves through jax.distributed's shutdown barrier (exit_now); a resident one leaves when
+        # its worker does, at a time no other host waits for.
+        _distributed_teardown = warm is None and role.process_count > 1
+        compilecache.enable()  # after jax.distributed's set-up: it reads the devices
+    elif role.process_count == 1:
+        compilecache.enable()
     inputs = multihost.SliceInputs(
         job=job,
         task=task,
@@ -238,14 +251,17 @@ def _run_share(role, job, task, paths, attempt, args, stop) -> int:
         log_every_s=args.log_every,
     )
     try:
-        result = multihost.run_share(inputs, role, stop)
+        engine = tokenizer = None
+        if warm is not None:
+            if not warm.fits(job):
+                warm.engine = warm.tokenizer = None  # drop another job's engine before loading this one's
+                engine = load_engine(job)
+                warm.keep(job, engine, compilecache.active(), load_tokenizer(engine, job))
+            engine, tokenizer = warm.engine, warm.tokenizer
+        result = multihost.run_share(inputs, role, stop, engine=engine, tokenizer=tokenizer)
     except BaseException as exc:
         if role.process_count == 1:
             raise
-        # Leave at once: a normal exit would wait at jax.distributed's shutdown barrier for hosts that may
-        # be dead, until the heartbeat timeout. The leader should learn of the failure now.
-        from extract.consumer import Stopped
-
         if isinstance(exc, multihost.SliceFailed):
             code = exc.exit_code
         elif isinstance(exc, Stopped):
@@ -253,6 +269,10 @@ def _run_share(role, job, task, paths, attempt, args, stop) -> int:
         else:
             code = exit_code_for(exc)
         log.error("event=slice_failed exit=%d error=%r", code, exc)
+        if warm is not None:
+            return code  # the reply says it; the process then leaves without teardown (exit_now)
+        # Leave at once: a normal exit would wait at jax.distributed's shutdown barrier for hosts that may
+        # be dead, until the heartbeat timeout. The leader should learn of the failure now.
         _exit_without_teardown(code)
     if result.stopped:
         return 128 + (stop.signum or signal.SIGTERM)

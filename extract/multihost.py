@@ -103,10 +103,20 @@ def role_from_env(env: Mapping[str, str] | None = None) -> SliceRole | None:
     return role
 
 
-def initialize(role: SliceRole) -> None:
-    """Join the slice's JAX program. Every host must call this; process 0 serves the coordinator."""
+#: The role this process joined its slice's program with (a process joins one program, once).
+_joined: SliceRole | None = None
+
+
+def initialize(role: SliceRole) -> bool:
+    """Join the slice's JAX program. Every host must call this; process 0 serves the coordinator. A resident consumer
+    calls it for each task: the program it joined for its first task serves them all. True when this call joined."""
+    global _joined
     if role.process_count == 1:
-        return
+        return False
+    if _joined is not None:
+        if _joined != role:
+            raise RuntimeError(f"this process joined its slice as {_joined}; it cannot join again as {role}")
+        return False
     import jax
 
     if (os.environ.get("JAX_PLATFORMS") or "").strip() == "cpu":
@@ -127,6 +137,8 @@ def initialize(role: SliceRole) -> None:
         role.process_index, role.process_count, role.coordinator, jax.device_count(), jax.local_device_count(),
         role.heartbeat_timeout_s, time.monotonic() - started,
     )  # fmt: skip
+    _joined = role
+    return True
 
 
 # -- shares -------------------------------------------------------------------------------------
@@ -309,8 +321,11 @@ class SliceInputs:
         return ResumeState(attempt=attempt, records=(), committed=0)
 
 
-def run_share(inputs: SliceInputs, role: SliceRole, stop: Any, engine: Any | None = None) -> Any:
-    """Run this host's share of the task in lockstep with the other hosts. Returns a consumer.RunResult.
+def run_share(
+    inputs: SliceInputs, role: SliceRole, stop: Any, engine: Any | None = None, tokenizer: Any | None = None
+) -> Any:
+    """Run this host's share of the task in lockstep with the other hosts. Returns a consumer.RunResult. A resident
+    consumer passes the engine and tokenizer it keeps loaded (None: loaded here).
 
     Raises BadInput, I/O errors, Stopped (locally), SliceFailed (another host failed or stopped).
     """
@@ -338,7 +353,7 @@ def run_share(inputs: SliceInputs, role: SliceRole, stop: Any, engine: Any | Non
     engine = engine if engine is not None else load_engine(job)
     if (cache := compilecache.active()) is not None:  # seal what this host's compiles write (extract/compilecache.py)
         engine.compile_hook = lambda seq_len, packed, stage: cache.compiling() if stage == "compile" else contextlib.nullcontext()
-    tokenizer = load_tokenizer(engine, job)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(engine, job)
     is_writer = role.process_index == 0
     progress = ProgressLog(inputs.progress_path if is_writer else None)
     outbox = _Outbox(progress, task.num_samples, is_writer)

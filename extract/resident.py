@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, NamedTuple
 
+from jsonline import parse_object
+
 log = logging.getLogger(__name__)
 
 #: The environment variable a worker sets on a consumer it runs resident.
@@ -67,14 +69,7 @@ def is_resident(env: Mapping[str, str] | None = None) -> bool:
 
 def parse_request(line: bytes | str, now: float) -> Request:
     """One request line; raises ProtocolError naming the field at fault."""
-    if len(line) > MAX_REQUEST:
-        raise ProtocolError(f"request line of {len(line)} bytes, over {MAX_REQUEST}")
-    try:
-        body = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"request is not JSON ({exc}): {str(line)[:200]!r}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(f"request is not a JSON object: {str(line)[:200]!r}")
+    body = parse_object(line, MAX_REQUEST, "request", ProtocolError)
     task, env, waited = body.get("task"), body.get("env"), body.get("waited_s", 0.0)
     if not isinstance(task, str) or not task:
         raise ProtocolError(f"request.task: a task id string is needed, got {task!r}")

@@ -94,6 +94,12 @@ class _Common(Model):
     spawn_flags: Annotated[list[Text], rule("must be a list of non-empty strings")] = Field(
         [], description="extra spawn.py flags, one list item per word"
     )
+    resident: Flag = Field(
+        True,
+        description="one consumer process per machine (per host of a slice) serving every task, its model kept loaded "
+        "(spawn.py --resident; the consumer must speak the resident protocol, as consume.py does); false: a fresh "
+        "consumer per task",
+    )
     extras: Annotated[
         list[Annotated[StrictStr, Field(pattern=r"^[a-z0-9][-_a-z0-9]*$"), rule("must be a package extra")]],
         rule("must be a list of package extras such as [extract]"),
@@ -250,6 +256,10 @@ class Launch:
         flags = list(spec.spawn_flags if spawn_flags is None else spawn_flags)
         if spec.max_idle_s is not None and "--idle-timeout" not in flags:
             flags += ["--idle-timeout", str(spec.max_idle_s)]
+        if spec.resident and "--resident" not in flags:
+            # A warm task starts in about a second instead of paying imports, devices, weights and traces again
+            # (docs/PERFORMANCE.md, "Resident consumers"; issue 44).
+            flags.append("--resident")
         return cls(
             queue=queue.rstrip("/"),
             code=code.rstrip("/"),

@@ -159,6 +159,7 @@ def cmd_plan(args) -> int:
     from reporting import plan as planner
     from reporting.considered import considered_resources, render_considered
     from reporting.plan import make_plan, render
+    from reporting.pricing import PriceError
     from reporting.planflags import JOB_FLAGS, add_job_arguments
 
     if args.accelerator is not None:  # a job file alone: JOB --accelerator TYPE [its flags]
@@ -174,14 +175,21 @@ def cmd_plan(args) -> int:
     run = _load_run(args.run)
     prices = checks.prices_file(run, args.prices)
     _, task_models = run_tasks(run, tasks_module)
-    if checks.cpu_fleet(run) or checks.accelerator(run, prices) is None:
-        line = checks.cpu_fleet_price(run, prices) if checks.cpu_fleet(run) else checks.unpriced(run, prices, False)
+    if checks.accelerator(run, prices) is None:
+        line = checks.unpriced(run, prices, False)
         print(json.dumps({"plan": None, "why": line}, indent=1) if args.json else line)
         return EX_OK
     inputs = plan_inputs(run, task_models, prices)
     try:
         plan = make_plan(inputs)
         rows = considered_resources(inputs, plan, [run.accelerator, *run.fields.fleet.alternatives], run.spec.spot)
+    except PriceError as err:
+        if not checks.cpu_fleet(run):
+            raise CheckError(f"{run.file}: plan: {err}") from None
+        # A CPU machine type the table prices without a peak (peak_fp32_gflops_per_vcpu): its hourly price alone.
+        line = checks.cpu_fleet_price(run, prices)
+        print(json.dumps({"plan": None, "why": f"{line} ({err})"}, indent=1) if args.json else f"{line}\n{err}")
+        return EX_OK
     except BadInput as err:  # a transient read (TransientIOError) stays a failure, exit 1
         raise CheckError(f"{run.file}: plan: {err}") from None
     if args.json:

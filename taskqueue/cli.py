@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resident", action="store_true",
         help="run one consumer process for every task, its model kept loaded between tasks (it must speak the "
-        "resident protocol, as consume.py does: docs/PROTOCOL.md, 'Resident consumers')",
+        "resident protocol, as consume.py does: docs/PROTOCOL.md, 'Resident consumers'); on a slice, set on its "
+        "leader: the followers do as the leader does",
     )  # fmt: skip
     p.add_argument("--worker-id", default=None, help="name in leases and logs (default: host-pid-random)")
     p.add_argument("--lease-ttl", type=float, default=120.0, help="seconds a silent lease lives (default 120)")

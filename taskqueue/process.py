@@ -14,6 +14,8 @@ import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
+from jsonline import parse_object
+
 #: The consumer's time to exit after SIGTERM before its group is killed; a release must fit in 10 s.
 STOP_GRACE_S = 5.0
 
@@ -92,14 +94,7 @@ class ReplyError(ValueError):
 
 def parse_reply(line: bytes) -> dict:
     """{"task": str, "exit_code": int, "stays": bool}, or ReplyError naming what is wrong."""
-    if len(line) > MAX_REPLY_LINE:
-        raise ReplyError(f"a reply line of {len(line)} bytes, over {MAX_REPLY_LINE}")
-    try:
-        reply = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ReplyError(f"reply is not JSON ({exc}): {line[:200]!r}") from None
-    if not isinstance(reply, dict):
-        raise ReplyError(f"reply is not a JSON object: {line[:200]!r}")
+    reply = parse_object(line, MAX_REPLY_LINE, "reply", ReplyError)
     checks = (("task", str), ("exit_code", int), ("stays", bool))
     for field, kind in checks:
         value = reply.get(field)

@@ -38,13 +38,16 @@ import threading
 from objectstore import NotFound, ObjectStore, PreconditionFailed, StoreError
 from taskqueue import completion, layout
 from taskqueue.clock import Clock
-from taskqueue.lease import HELD, HeldLease
-from taskqueue.process import STOP_GRACE_S, ConsumerSlot, pump_output
+from taskqueue.lease import DONE, HELD, HeldLease
+from taskqueue.process import STOP_GRACE_S, TASK_VARIABLES, ConsumerSlot, ResidentConsumer, pump_output
 
 log = logging.getLogger(__name__)
 
 SLICES = "slices/"
 ASSIGNED, IDLE, CLOSED = "assigned", "idle", "closed"
+#: How long a follower's consumer may take to exit (or reply) once the leader's consumer finished the task well: all
+#: hosts passed its last step together, so only the exit is left (jax.distributed's shutdown barrier is 30 s).
+FINISH_WAIT_S = 40.0
 
 
 class SliceConflict(StoreError):
@@ -129,30 +132,39 @@ class AssignmentBoard:
                 ) from exc
         log.info("event=slice_assignment slice=%s state=%s task=%s", self.options.slice_id, body["state"], body.get("task"))
 
-    def assign(self, lease: HeldLease, manifest: dict, output_url: str) -> None:
-        """Publish the task the leader now holds; call before starting the leader's own consumer."""
-        self._publish(
-            {
-                "state": ASSIGNED,
-                "task": lease.task_id,
-                "fencing_token": lease.token,
-                "nonce": lease.body["nonce"],
-                "attempt": lease.attempt,
-                "manifest": manifest,
-                "resume": {"task": lease.task_id, "attempt": lease.attempt, "progress": lease.committed},
-                "output": output_url,
-            }
-        )
+    def assign(self, lease: HeldLease, manifest: dict, output_url: str, program: str | None = None) -> None:
+        """Publish the task the leader now holds; call before sending it to the leader's own consumer. `program`
+        names the leader's resident consumer (its JAX program), which the followers' resident consumers serve
+        with it; None: per-task consumers."""
+        body = {
+            "state": ASSIGNED,
+            "task": lease.task_id,
+            "fencing_token": lease.token,
+            "nonce": lease.body["nonce"],
+            "attempt": lease.attempt,
+            "manifest": manifest,
+            "resume": {"task": lease.task_id, "attempt": lease.attempt, "progress": lease.committed},
+            "output": output_url,
+        }
+        if program is not None:
+            body["program"] = program
+        self._publish(body)
 
-    def withdraw(self, task_id: str, outcome: str) -> None:
-        self._publish({"state": IDLE, "task": task_id, "outcome": outcome})
+    def withdraw(self, task_id: str, exit_code: int | None) -> None:
+        """The leader's consumer is done with `task_id` (exit 0: it finished it, with every host's share)."""
+        self._publish({"state": IDLE, "task": task_id, "outcome": f"consumer exit {exit_code}", "exit_code": exit_code})
 
     def close(self, reason: str) -> None:
         self._publish({"state": CLOSED, "reason": reason})
 
 
 class Follower:
-    """A follower host's worker loop: run the consumer on whatever the leader assigns, for as long as it holds it."""
+    """A follower host's worker loop: run the consumer on whatever the leader assigns, for as long as it holds it.
+
+    Per-task or resident as the leader is: an assignment that names a `program` is served by this host's resident
+    consumer of that program (started for it if none runs; one of another program is closed first, since a JAX
+    program cannot take a new process in place of one it lost); one without runs a fresh consumer.
+    """
 
     def __init__(
         self,
@@ -179,12 +191,20 @@ class Follower:
         self._stop = threading.Event()
         self._consumer = ConsumerSlot()
         self._job: bytes | None = None
+        self._task_id = "-"
+        self._resident = ResidentConsumer(consumer, self._resident_line)
+        self._program: str | None = None  # the program this host's resident consumer joined
+        self._signalled = False
 
     def request_stop(self, reason: str) -> None:
         """Signal-safe: stop the consumer and leave the loop."""
         log.info("event=follower_stop_requested reason=%s", reason)
         self._stop.set()
-        self._consumer.signal(signal.SIGTERM)
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, signum: int) -> None:
+        self._signalled = True  # a resident consumer signalled during a task never serves another
+        self._consumer.signal(signum)
 
     # -- reading the leader's state --------------------------------------------------------------
 
@@ -194,21 +214,33 @@ class Follower:
         except NotFound:
             return None
 
+    def _lease(self, assignment: dict) -> dict | None:
+        try:
+            return json.loads(self.store.read(layout.lease_object(assignment["task"])).data)
+        except NotFound:
+            return None
+
     def _leader_holds(self, assignment: dict) -> bool:
         """The lease is still the leader's claim that the assignment names."""
-        try:
-            lease = json.loads(self.store.read(layout.lease_object(assignment["task"])).data)
-        except NotFound:
-            return False
+        lease = self._lease(assignment)
         return (
-            lease.get("state") == HELD
+            lease is not None
+            and lease.get("state") == HELD
             and lease.get("worker") == assignment.get("leader")
             and lease.get("nonce") == assignment.get("nonce")
         )
 
+    def _finished_well(self, current: dict | None, assignment: dict) -> bool:
+        """The leader's consumer finished the assignment's task with exit 0 (withdrawn so, or its lease completed):
+        every host's consumer has passed the task's last step, and this one's reply is on its way."""
+        if current is not None and current.get("state") == IDLE and current.get("task") == assignment["task"]:
+            return current.get("exit_code") == 0
+        lease = self._lease(assignment)
+        return lease is not None and lease.get("state") == DONE and lease.get("nonce") == assignment.get("nonce")
+
     @staticmethod
-    def _key(assignment: dict) -> tuple[str, int]:
-        return assignment.get("task", ""), int(assignment.get("fencing_token", 0))
+    def _key(assignment: dict) -> tuple[str, int, str]:
+        return assignment.get("task", ""), int(assignment.get("fencing_token", 0)), str(assignment.get("program", ""))
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -217,31 +249,36 @@ class Follower:
         timeout (`idle`), or a stop (`stopped`)."""
         log.info("event=follower_start worker=%s slice=%s host=%d/%d", self.worker, self.options.slice_id,
                  self.options.host_index, self.options.hosts)  # fmt: skip
-        done: set[tuple[str, int]] = set()
+        done: set[tuple[str, int, str]] = set()
         idle_since = self.clock.monotonic()
         reason = "stopped"
-        while not self._stop.is_set():
-            try:
-                assignment = self._assignment()
-                if assignment is not None and assignment.get("state") == CLOSED:
-                    reason = "leader_exit"
+        try:
+            while not self._stop.is_set():
+                try:
+                    assignment = self._assignment()
+                    if assignment is not None and assignment.get("state") == CLOSED:
+                        reason = "leader_exit"
+                        break
+                    if (
+                        assignment is not None
+                        and assignment.get("state") == ASSIGNED
+                        and self._key(assignment) not in done
+                        and self._leader_holds(assignment)
+                    ):
+                        done.add(self._key(assignment))
+                        self._run_one(assignment)
+                        idle_since = self.clock.monotonic()
+                        continue
+                except StoreError as exc:
+                    log.warning("event=follower_store_error error=%s", exc)
+                if self.clock.monotonic() - idle_since >= self.idle_timeout_s:
+                    reason = "idle"
                     break
-                if (
-                    assignment is not None
-                    and assignment.get("state") == ASSIGNED
-                    and self._key(assignment) not in done
-                    and self._leader_holds(assignment)
-                ):
-                    done.add(self._key(assignment))
-                    self._run_one(assignment)
-                    idle_since = self.clock.monotonic()
-                    continue
-            except StoreError as exc:
-                log.warning("event=follower_store_error error=%s", exc)
-            if self.clock.monotonic() - idle_since >= self.idle_timeout_s:
-                reason = "idle"
-                break
-            self._stop.wait(self.poll_s)
+                self._stop.wait(self.poll_s)
+        finally:
+            if self._resident.proc is not None:
+                code = self._close_resident(grace_s=STOP_GRACE_S)
+                log.info("event=follower_resident_exit exit_code=%s processes=%d", code, self._resident.starts)
         log.info("event=follower_exit worker=%s reason=%s runs=%d", self.worker, reason, self.runs)
         return reason
 
@@ -265,9 +302,13 @@ class Follower:
             files["SPAWN_RESUME_FILE"].write_text(json.dumps(assignment["resume"]))
             files["SPAWN_PROGRESS_FILE"].touch()
             env = dict(os.environ)
-            env.update({key: str(path) for key, path in files.items()})
             env.update(self.options.consumer_env())
-            env.update(SPAWN_TASK_ID=task_id, SPAWN_ATTEMPT=str(assignment["attempt"]), SPAWN_OUTPUT=assignment["output"])
+            task_env = {key: str(path) for key, path in files.items()}
+            task_env.update(SPAWN_TASK_ID=task_id, SPAWN_ATTEMPT=str(assignment["attempt"]), SPAWN_OUTPUT=assignment["output"])
+            if assignment.get("program") is not None:
+                self._run_resident(assignment, env, task_env)
+                return
+            env.update(task_env)
             tail: collections.deque[str] = collections.deque(maxlen=40)
             proc = self._consumer.start(self.consumer, env)
             if self._stop.is_set():  # a stop that arrived while we were starting it
@@ -283,25 +324,92 @@ class Follower:
             self._consumer.clear()
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _watch(self, proc: subprocess.Popen, assignment: dict) -> int:
-        """Wait for the consumer; stop it once the assignment or the leader's lease is gone."""
+    def _run_resident(self, assignment: dict, env: dict[str, str], task_env: dict[str, str]) -> None:
+        """The assignment on this host's resident consumer of the assignment's program (docs/PROTOCOL.md, "Slices":
+        resident slices). Its reply (or its exit) ends this host's part; it serves the next task only if it said
+        `stays` and was not signalled."""
+        task_id, program = assignment["task"], str(assignment["program"])
+        resident = self._resident
+        if resident.proc is not None and (self._program != program or not resident.running()):
+            why = "another program" if self._program != program else "it exited"
+            log.info("event=follower_resident_exit exit_code=%s why=%r program=%s",
+                     self._close_resident(grace_s=0), why, self._program)  # fmt: skip
+        if resident.proc is None:
+            if self._program == program:
+                # Its process of this program is gone, and a JAX program takes no process in place of one it lost:
+                # the leader's consumer fails with it, and the leader's next task names a new program.
+                log.warning("event=follower_skip task=%s program=%s why=%r", task_id, program,
+                            "this host's consumer of that program has exited")  # fmt: skip
+                return
+            resident.start({k: v for k, v in env.items() if k not in TASK_VARIABLES})
+            self._program = program
+            log.info("event=follower_resident_start pid=%d program=%s processes=%d", resident.proc.pid, program,
+                     resident.starts)  # fmt: skip
+        proc = resident.proc
+        self._consumer.hold(proc)
+        self._task_id = task_id
+        self._signalled = False
+        if self._stop.is_set():  # a stop that arrived while we were starting it
+            self._signal(signal.SIGTERM)
+        self.runs += 1
+        sent = resident.send(task_id, task_env, 0.0)
+        log.info("event=follower_consumer_start task=%s token=%s pid=%d resident=true program=%s", task_id,
+                 assignment["fencing_token"], proc.pid, program)  # fmt: skip
+        reply = self._watch(proc, assignment, resident) if sent else None
+        self._task_id = "-"
+        replied = isinstance(reply, dict) and reply.get("task") == task_id
+        signalled = self._signalled
+        stays = replied and reply["stays"] and not signalled
+        code = reply["exit_code"] if replied else proc.poll()
+        if not stays:
+            log.info("event=follower_resident_exit task=%s exit_code=%s why=%r", task_id,
+                     self._close_resident(grace_s=STOP_GRACE_S),
+                     "it was stopped" if signalled else "no reply" if not replied else "its state is not sound")  # fmt: skip
+        self._consumer.clear()
+        log.info("event=follower_consumer_exit task=%s exit_code=%s resident=true stays=%s", task_id, code, stays)
+
+    def _close_resident(self, grace_s: float) -> int | None:
+        code = self._resident.close(grace_s=grace_s)
+        self._consumer.clear()
+        return code
+
+    def _resident_line(self, line: str) -> None:
+        logging.getLogger("consumer").info("task=%s | %s", self._task_id, line)
+
+    def _watch(self, proc: subprocess.Popen, assignment: dict, resident: ResidentConsumer | None = None):
+        """Wait for the consumer (per task: its exit code; resident: its reply, else None once it exited); stop it
+        once the assignment or the leader's lease is gone. A task the leader's consumer finished well is not a
+        reason to stop: this host's consumer has passed the last step too, and gets `FINISH_WAIT_S` to say so."""
         next_check = self.clock.monotonic() + self.watch_s
         kill_at: float | None = None
+        finish_by: float | None = None
         while True:
-            try:
-                return proc.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                pass
+            if resident is None:
+                try:
+                    return proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                reply = resident.reply(0.2)
+                if reply is not None:
+                    return reply
+                if proc.poll() is not None:
+                    return resident.reply(0.5)  # a reply written just before it exited (a stop's)
             now = self.clock.monotonic()
             if kill_at is not None:
                 if now >= kill_at:
                     log.warning("event=follower_consumer_kill pid=%d reason=stop_grace_exceeded", proc.pid)
-                    self._consumer.signal(signal.SIGKILL)
+                    self._signal(signal.SIGKILL)
                 continue
             if self._stop.is_set():
                 kill_at = now + STOP_GRACE_S
                 continue
-            if now < next_check:
+            if finish_by is not None and now >= finish_by:
+                log.warning("event=follower_stop task=%s reason=no_exit_after_the_leaders_finish", assignment["task"])
+                self._signal(signal.SIGTERM)
+                kill_at = now + STOP_GRACE_S
+                continue
+            if now < next_check or finish_by is not None:
                 continue
             next_check = now + self.watch_s
             try:
@@ -312,13 +420,16 @@ class Follower:
                     and self._key(current) == self._key(assignment)
                     and self._leader_holds(assignment)
                 )
+                finished = not still and self._finished_well(current, assignment)
             except StoreError as exc:
                 log.warning("event=follower_watch_failed task=%s error=%s", assignment["task"], exc)
                 continue
-            if not still:
+            if finished:
+                finish_by = now + FINISH_WAIT_S
+            elif not still:
                 log.warning(
                     "event=follower_stop task=%s token=%s reason=assignment_or_lease_gone",
                     assignment["task"], assignment["fencing_token"],
                 )  # fmt: skip
-                self._consumer.signal(signal.SIGTERM)
+                self._signal(signal.SIGTERM)
                 kill_at = now + STOP_GRACE_S

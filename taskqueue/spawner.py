@@ -34,6 +34,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 
+from jsonline import parse_object
 from objectstore import ObjectStore, StoreError
 from taskqueue import completion
 from taskqueue.claims import Claim, Claimer, ClaimOptions
@@ -86,15 +87,7 @@ class ProgressFile:
         for line in chunk[:end].splitlines():
             if not line.strip():
                 continue
-            if len(line) > MAX_PROGRESS_LINE:
-                raise ProgressError(f"{self.path}: a progress line is {len(line)} bytes, over {MAX_PROGRESS_LINE}")
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ProgressError(f"{self.path}: progress line is not JSON ({exc}): {line[:200]!r}") from None
-            if not isinstance(record, dict):
-                raise ProgressError(f"{self.path}: progress line is not a JSON object: {line[:200]!r}")
-            records.append(record)
+            records.append(parse_object(line, MAX_PROGRESS_LINE, f"{self.path}: progress line", ProgressError))
         self._offset += end
         return records
 
@@ -135,9 +128,6 @@ class SpawnOptions:
             )
         if self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be at least 1, got {self.max_attempts}")
-        if self.resident and self.slice is not None:
-            raise ValueError("--resident: a multi-host slice runs a fresh consumer per task (its hosts' JAX program "
-                             "is one per task); leave --resident out with --slice-hosts")  # fmt: skip
         if self.job_wait_s < 0:
             raise ValueError(f"--job-wait must be 0 or more seconds, got {self.job_wait_s}")
         for flag, value in (("--stuck-after", self.stuck_after_s), ("--max-task-time", self.max_task_s)):
@@ -330,7 +320,8 @@ class Spawner:
         )
         if self.board is not None:
             env.update(self.options.slice.consumer_env())
-            self.board.assign(lease, claim.manifest, env["SPAWN_OUTPUT"])
+            if self._resident is None:  # a resident one's program is named once it runs (`_run_resident`)
+                self.board.assign(lease, claim.manifest, env["SPAWN_OUTPUT"])
         return env, files["SPAWN_PROGRESS_FILE"]
 
     def _run_consumer(self, claim: Claim, run: TaskRun, workdir: pathlib.Path):
@@ -389,6 +380,15 @@ class Spawner:
                     log.warning("event=resident_lost exit_code=%s: starting another", resident.close(grace_s=0))
                 resident.start({k: v for k, v in env.items() if k not in TASK_VARIABLES_SET})
                 log.info("event=resident_start pid=%d processes=%d", resident.proc.pid, resident.starts)
+        if self.board is not None:
+            # The followers' resident consumers serve this task with this process's program (taskqueue/slice.py):
+            # a new process is a new JAX program, which they join with new processes of their own.
+            try:
+                self.board.assign(lease, claim.manifest, env["SPAWN_OUTPUT"], program=self._program())
+            except Exception as exc:  # noqa: BLE001 - as in _prepare: the slice refused, give the task back
+                log.error("event=consumer_not_started task=%s error=%r", claim.task_id, exc)
+                return run.start_failed(exc)
+        with self._core_lock:
             self._consumer.hold(resident.proc)
             self._tail.clear()
             self._run = run
@@ -410,6 +410,7 @@ class Spawner:
                 self._run = None
         process_code = proc.poll()
         exit_code = resident_exit_code(None if reply is None else reply["exit_code"], process_code)
+        self._withdraw(claim.task_id, exit_code)
         with self._core_lock:
             self._read_progress(run, progress)
             stays = run.consumer_stays(reply is not None and reply["stays"])
@@ -465,6 +466,10 @@ class Spawner:
                                 run.phase.value, run.why)  # fmt: skip
                 self._perform(signals)
 
+    def _program(self) -> str:
+        """The name of the resident consumer's JAX program on a slice: this worker's, and its process count."""
+        return f"{self.options.worker}.{self._resident.starts}"
+
     def _resident_line(self, line: str) -> None:
         """A line of the resident consumer's log: logged under the task it runs, kept for its error record, and
         activity for the stuck-task backstop."""
@@ -497,7 +502,7 @@ class Spawner:
         if self.board is None:
             return
         try:
-            self.board.withdraw(task_id, f"consumer exit {exit_code}")
+            self.board.withdraw(task_id, exit_code)
         except StoreError as exc:  # the followers also stop when the lease goes away
             log.error("event=slice_withdraw_failed task=%s error=%s", task_id, exc)
 

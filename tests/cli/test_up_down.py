@@ -379,5 +379,13 @@ def test_a_cpu_vm_run_goes_up_priced_per_machine_hour_and_a_limit_it_cannot_chec
     assert line in capsys.readouterr().out
     items = {i["key"]: i["value"] for i in world.cloud.resources[VM_RESOURCES[0]]["properties"]["metadata"]["items"]}
     assert items["spawn-accelerator"] == "cpu"
+    # plan states the job's hours and $ on the CPU machine type as on an accelerator: from the table's CPU peak, which
+    # it names as assumed.
     assert main(["plan", str(run_file)]) == 0
-    assert line in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "machine-hours" in out and "compute $" in out and f"{spot:g} $/machine-hour" in out.replace(" / ", " ")
+    assert "n2-standard-8" in out and "assumed: 8 vCPUs" in out
+    assert main(["plan", str(run_file), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["accelerator"]["platform"] == "cpu" and plan["time"]["machine_hours"] > 0
+    assert plan["compute_dollars"]["spot"] > 0

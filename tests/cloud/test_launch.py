@@ -40,7 +40,7 @@ def test_create_template_inserts_the_specs_template_through_the_endpoint_overrid
     assert items["startup-script"] == (REPO / "startup" / "startup.sh").read_text()
     assert (items["spawn-queue"], items["spawn-code"]) == (QUEUE, CODE)
     assert items["spawn-consumer"] == "python consume.py --dtype bf16"
-    assert items["spawn-flags"] == "--on-empty delete --preemption-watch auto --lease-ttl 120 --max-attempts 3 --stuck-after 1800"
+    assert items["spawn-flags"] == "--on-empty delete --preemption-watch auto --lease-ttl 120 --max-attempts 3 --stuck-after 1800 --resident"
     assert "projects/proj-a/global/instanceTemplates/wk-v2" in cloud.resources
 
 

@@ -120,7 +120,7 @@ def test_spot_template_deletes_on_preemption_and_carries_the_launch_attributes()
         "spawn-queue": "gs://bkt/jobs/j",
         "spawn-code": "gs://bkt/code/c",
         "spawn-consumer": spec.consumer,
-        "spawn-flags": "--lease-ttl 60 --log-level 'a b'",
+        "spawn-flags": "--lease-ttl 60 --log-level 'a b' --resident",
         "spawn-accelerator": "gpu",
         "spawn-extras": "extract",
         "spawn-python": spec.python,
@@ -156,9 +156,20 @@ def test_max_run_duration_makes_compute_engine_delete_the_vm_at_the_limit(tmp_pa
 def test_idle_cap_becomes_the_workers_idle_timeout(tmp_path: Path):
     spec = specs.load_spec(_write(tmp_path, "tpu.yaml", max_idle_s=600))
     launch = specs.Launch.make(spec, "gs://bkt/q", "gs://bkt/c")
-    assert launch.spawn_flags[-2:] == ["--idle-timeout", "600"]
+    assert launch.spawn_flags[-3:] == ["--idle-timeout", "600", "--resident"]
     explicit = specs.Launch.make(spec, "gs://bkt/q", "gs://bkt/c", spawn_flags=["--idle-timeout", "30"])
-    assert explicit.spawn_flags == ["--idle-timeout", "30"]
+    assert explicit.spawn_flags == ["--idle-timeout", "30", "--resident"]
+
+
+@pytest.mark.parametrize("kind", ["vm.yaml", "tpu.yaml"])
+def test_machines_run_a_resident_consumer_unless_the_spec_turns_it_off(tmp_path: Path, kind: str):
+    on = specs.Launch.make(specs.load_spec(REPO / "templates" / kind), "gs://bkt/q", "gs://bkt/c")
+    assert on.spawn_flags.count("--resident") == 1
+    again = specs.Launch.make(specs.load_spec(REPO / "templates" / kind), "gs://bkt/q", "gs://bkt/c",
+                              spawn_flags=["--resident"])  # fmt: skip
+    assert again.spawn_flags == ["--resident"]  # never twice
+    off = specs.Launch.make(specs.load_spec(_write(tmp_path, kind, resident=False)), "gs://bkt/q", "gs://bkt/c")
+    assert "--resident" not in off.spawn_flags
 
 
 def test_setup_cfg_requires_the_tpu_client_that_has_queued_resources():

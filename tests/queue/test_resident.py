@@ -80,3 +80,30 @@ def test_sigterm_stops_the_resident_consumer_and_releases_the_task(local_queue_u
     assert markers(local_queue_url, layout.DONE) == {}
     assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
     assert re.search(r"event=resident_exit task=long exit_code=-15 why=stopping", local_workers.log("w"))
+
+
+def test_every_line_protocol_refuses_a_line_by_the_one_rule_naming_its_own_object():
+    # Progress lines, resident replies and resident requests: one parse (jsonline), each protocol's own error type.
+    import pytest
+
+    from extract.resident import MAX_REQUEST, ProtocolError, parse_request
+    from taskqueue.process import MAX_REPLY_LINE, ReplyError, parse_reply
+    from taskqueue.spawner import MAX_PROGRESS_LINE, ProgressError, ProgressFile
+
+    def progress(tmp: bytes):
+        import pathlib
+        import tempfile
+
+        path = pathlib.Path(tempfile.mkdtemp()) / "progress.jsonl"
+        path.write_bytes(tmp + b"\n")
+        return ProgressFile(path).new_records()
+
+    cases = [(parse_reply, ReplyError, "reply", MAX_REPLY_LINE),
+             (lambda line: parse_request(line, 0.0), ProtocolError, "request", MAX_REQUEST),
+             (progress, ProgressError, "progress line", MAX_PROGRESS_LINE)]  # fmt: skip
+    for parse, error, what, limit in cases:
+        for line, problem in ((b"[1, 2]", "is not a JSON object"), (b"{oops", "is not JSON"),
+                              (b"{" + b" " * limit + b"}", f"over {limit}")):  # fmt: skip
+            with pytest.raises(error, match=problem) as caught:
+                parse(line)
+            assert what in str(caught.value)

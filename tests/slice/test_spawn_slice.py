@@ -132,3 +132,58 @@ def test_leader_killed_lets_another_worker_take_over_and_the_follower_stops(
     assert markers(url, layout.DONE)["t000000"]["worker"] == "other"
     follower_log = workers.log("follower")
     assert follower_log.count("event=follower_consumer_start") == 1  # it never ran a task the leader did not hold
+
+
+def test_resident_slice_serves_task_after_task_and_a_killed_follower_costs_one_attempt(
+    tmp_path, tiny_models, corpus, consume_env, coordinator, reference
+):
+    # The corpus as three tasks. Each host's resident consume.py joins the slice's JAX program once and serves every
+    # task in it; a follower host killed mid-task fails that attempt on every host in bounded time, and the retry
+    # starts both hosts' consumers again (a new program).
+    tasks = [{"id": f"t{k}", "files": corpus.slice_files([rows])} for k, rows in enumerate(ALL_ROWS)]
+    url = str(tmp_path / "queue")
+    job = split_job(tiny_models, corpus, shard_size=4, batch_size=2)
+    assert submit(open_store(url), json.dumps(job).encode(), [(t["id"], json.dumps(t).encode()) for t in tasks])
+    workers = Workers(url, tmp_path)
+    fast = ("--resident", "--lease-ttl", "6", "--heartbeat", "0.5")
+    try:
+        start_host(workers, "leader", 0, coordinator, consume_env(), *fast, "--idle-timeout", "120")
+        start_host(workers, "follower", 1, coordinator, consume_env(), *fast)
+        wait_for(lambda: markers(url, layout.DONE), 180, "a first task done by the resident slice")
+        first = next(iter(markers(url, layout.DONE)))
+
+        def working() -> str | None:  # the task the slice works on, once it has committed shards
+            board = json.loads(open_store(url).read(assignment_object("s1")).data)
+            task = board.get("task") if board["state"] == "assigned" else None
+            return task if task and task not in markers(url, layout.DONE) and len(
+                (lease_body(url, task) or {}).get("progress", [])) >= 2 else None  # fmt: skip
+
+        killed_task = wait_for(working, 180, "a second task mid-way")
+        follower_log = workers.log("follower")
+        follower_consumer = int(re.findall(r"event=follower_resident_start pid=(\d+)", follower_log)[-1])
+        killed_at = time.monotonic()
+        workers.procs["follower"].send_signal(signal.SIGKILL)  # the host dies: its worker and its consumer
+        os.killpg(follower_consumer, signal.SIGKILL)
+        wait_for(lambda: (lease_body(url, killed_task) or {}).get("errors"), 60, "the failed attempt recorded")
+        noticed_s = time.monotonic() - killed_at
+        assert noticed_s < 5 + 10, noticed_s  # the JAX heartbeat timeout + one lease write, with slack for 2 cores
+        start_host(workers, "follower-2", 1, coordinator, consume_env(), *fast)
+        wait_for(lambda: len(markers(url, layout.DONE)) == 3, 240, "every task done")
+    finally:
+        workers.kill_all()
+    done = markers(url, layout.DONE)
+    assert done[killed_task]["attempt"] == 2 and done[killed_task]["worker"] == "leader"
+    assert [e["attempt"] for e in lease_body(url, killed_task)["errors"]] == [1]
+    # Before the kill: one consumer per host served the tasks in one program; after it, one new one per host.
+    leader = workers.log("leader")
+    assert leader.count("event=resident_start") == 2, leader[-3000:]
+    assert follower_log.count("event=follower_resident_start") == 1
+    assert re.search(rf"event=follower_consumer_start task={first} .* program=leader\.1", follower_log)
+    assert re.search(rf"event=follower_consumer_start task={killed_task} .* program=leader\.1", follower_log)
+    assert "program=leader.2" in workers.log("follower-2")
+    assert leader.count("event=slice_joined") == 2  # once per program, not once per task
+    committed_samples: dict = {}
+    for task_id in done:
+        committed_samples.update(committed(url, task_id))
+    assert_same_samples(committed_samples, reference)
+    print(f"figure: resident slice noticed the dead follower after {noticed_s:.1f}s")
