@@ -34,14 +34,17 @@ adds is the TPU side (docs/CLOUD.md, "The TPU fleet, rehearsed"):
   and moves the queued resource to SUSPENDED. A killed host (`kill`) gets no shutdown: SIGKILL of its
   namespaces.
 
-The operator drives one run and one machine made by hand on one queue (a queue holds one run), each command a
-process of its own (`python -m gcs_spawner`, tools/create_tpus.py): the run `slice16` (templates/tpu.yaml as a
-v5litepod-16, count 1) and `single8-0000` (a v5litepod-8). In order: `up slice16`, `up slice16` again (nothing
-new), a follower of the slice killed mid-task, the slice preempted once its attempt has ended, `keep slice16
---once` (claimable tasks outnumber free workers: it replaces it), the single host made by tools/create_tpus.py,
-the new slice preempted in the tail (nothing claimable, the single host holding the last task, the slice idle)
-and `keep slice16 --once` again (nothing made), the queue drained, the single host deleting its queued resource,
-`status`, `down`, `merge`.
+The operator drives one run and two machines made by hand on one queue (a queue holds one run), each command a
+process of its own (`python -m gcs_spawner`; `by_hand`, the one place a machine is made outside the run, calls
+tools/create_tpus.py): the run `slice16` (templates/tpu.yaml as a v5litepod-16, count 1), `single8-0000` and
+`nocode8-0000` (v5litepod-8s). In order: `up slice16`, `up slice16` again (nothing new), `nocode8` made by hand
+with its host refused the code by its bucket listener (tests/boot/machines.refuse_code: a failed boot, which must
+record why and delete its queued resource), a follower of the slice killed mid-task, the slice preempted once
+its attempt has ended, `keep slice16 --once` (claimable tasks outnumber free workers: it replaces it), the single
+host made by hand, the new slice preempted in the tail (nothing claimable, the single host holding the last task,
+the slice idle) and `keep slice16 --once` again (nothing made), the queue drained, the single host deleting its
+queued resource, `status`, `down`, `merge`. Every host's record, read as it stops, is checked against how it
+ended (tests/boot/records.py).
 """
 
 from __future__ import annotations
@@ -845,9 +848,13 @@ def breakages(report: TpuReport) -> list[str]:
     name = next(iter(report.writes), "")
 
     def with_record(pick, record) -> TpuReport:
-        """The report with the record of the first host `pick` accepts replaced by `record(host)`."""
-        chosen = next((h for h in report.hosts if pick(h)), None)
-        hosts = [dataclasses.replace(h, record=record(h)) if h is chosen else h for h in report.hosts]
+        """The report with the record of the first host `pick` accepts replaced by `record(host)`; the report
+        unchanged (so the breakage counts as not caught) where no host is such."""
+        at = next((i for i, h in enumerate(report.hosts) if pick(h)), None)
+        if at is None:
+            return report
+        hosts = list(report.hosts)
+        hosts[at] = dataclasses.replace(hosts[at], record=record(hosts[at]))
         return dataclasses.replace(report, hosts=hosts)
 
     drained = lambda h: h.end == "self-deleted" and not h.refused and h.index == 0  # noqa: E731
@@ -862,7 +869,11 @@ def breakages(report: TpuReport) -> list[str]:
         "a task without its done marker": dataclasses.replace(
             report, done={k: v for k, v in report.done.items() if k != f"done/{report.tasks[0]}.json"}),
     }
-    return [what for what, bad in broken.items() if not set(check(bad)) - set(check(report))]
+    found = set(check(report))
+    uncaught = [what for what, bad in broken.items() if not set(check(bad)) - found]
+    for what in uncaught:  # what the broken report's hosts were, to see why
+        print(f"not caught: {what}: {[(h.record_name, h.refused, h.end, h.final_record()) for h in broken[what].hosts]}")
+    return uncaught
 
 
 if __name__ == "__main__":
