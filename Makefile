@@ -44,19 +44,19 @@ rehearsal-tools:
 	fi
 
 # The whole fleet rehearsed (tests/boot/fleet.py), driven by `gcs-spawner` from a run file it writes
-# (`up --yes`, the same `up` mid-run, `submit`, `down`, `merge`): a group of 3 rehearsal machines on the
-# tiny model, a preemption, a late submit, every machine deleting itself; its figures (per machine,
-# per command and the wall time) are in docs/CLOUD.md. Needs root, as the boot rehearsal does.
-# `make test` runs it at a smaller size (tests/boot/test_fleet.py).
+# (`up --yes`, the same `up` mid-run, `submit`, `down`, `merge`): a group of 3 working rehearsal machines and one
+# refused the code (a failed boot) on the tiny model, a preemption, a late submit, every machine deleting itself,
+# every boot's final record; its figures (per machine, per command and the wall time) are in docs/CLOUD.md. Needs
+# root, as the boot rehearsal does. `make test` runs it at a smaller size (tests/boot/test_fleet.py).
 rehearsal: $(VENV)/.test-installed rehearsal-tools
 	$(PY) -m tests.boot.fleet
 
-# The TPU fleet rehearsed (tests/boot/tpu_fleet.py), driven by `gcs-spawner` from two run files on one queue
-# (`up` twice each, `keep --once`, `status`, `down`, `merge`): a v5litepod-16 slice (4 hosts in namespaces of
-# their own, on a network of their own, one jax.distributed program) and a v5litepod-8 booted from the fake TPU
-# API's queued resources, a follower killed mid-task, a preempted slice replaced, a preemption in the tail left
-# alone; its figures are in docs/CLOUD.md. Needs root. `make test` runs it at a smaller size
-# (tests/boot/test_tpu_fleet.py).
+# The TPU fleet rehearsed (tests/boot/tpu_fleet.py), driven by `gcs-spawner` from a run file (`up` twice,
+# `keep --once`, `status`, `down`, `merge`): a v5litepod-16 slice (4 hosts in namespaces of their own, on a network
+# of their own, one jax.distributed program) and two v5litepod-8s made by hand on its queue, booted from the fake TPU
+# API's queued resources; a follower killed mid-task, a preempted slice replaced, a preemption in the tail left
+# alone, a host refused the code (a failed boot), every host's final record; its figures are in docs/CLOUD.md.
+# Needs root. `make test` runs it at a smaller size (tests/boot/test_tpu_fleet.py: 4 tasks, not 6).
 rehearsal-tpu: $(VENV)/.test-installed rehearsal-tools
 	$(PY) -m tests.boot.tpu_fleet
 

@@ -1,7 +1,7 @@
 """The whole fleet, rehearsed: a managed instance group of rehearsal machines on the tiny model, from
 `up` to `down`, with a preemption, a second `up`, a late submit, and every machine deleting itself.
 
-    sudo .venv/bin/python -m tests.boot.fleet [--machines 3] [--tasks 6] [--late 2] [--keep]
+    sudo .venv/bin/python -m tests.boot.fleet [--machines 3] [--tasks 6] [--late 2] [--failed 1] [--keep]
     make rehearsal                                    # the same, with its defaults
 
 What is real and what stands in is the boot rehearsal's (tests/boot/rehearsal.py, docs/CLOUD.md "The
@@ -22,7 +22,11 @@ in the bucket, spawn.py and consume.py extracting with the tiny model. What this
   "Preemption process"): `instance/preempted` turns TRUE, the machine runs up to 30 s more, then stops; its
   template's termination action (DELETE) removes it and the group, whose defaultActionOnFailure is
   REPAIR, makes it again under its name (https://cloud.google.com/compute/docs/instance-groups/about-repairing-vms-in-a-mig),
-  on a new boot disk.
+  on a new boot disk;
+- a failed boot: the first member the group makes has a bucket listener that refuses it the code (403, as
+  Cloud Storage answers an account without the role: tests/boot/machines.refuse_code). Its startup.sh must
+  record `failed` with the refusal as its reason and leave the group through deleteInstances, as any
+  failed boot does; the other members do the work.
 
 The operator drives it as a user would, each command a process of its own (`python -m gcs_spawner`, the
 console script's module) with no terminal: `write_run` writes the run file (its job and first tasks,
@@ -45,24 +49,20 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
+from tests.boot import records
+from tests.boot.machines import Command, MachineBoot, Machines, drive, run_command, table, wait
 from tests.boot.rehearsal import (
-    BUCKET, METADATA_ADDRESS, PROJECT, REPO, ZONE, Disk, Namespaces, Rehearsal, RehearsalError, instance_metadata,
-    machine_env, prepare_disk, release_host, remove_in_background, standin_release, tools_verdict,
+    BUCKET, PROJECT, REPO, ZONE, Disk, Namespaces, Rehearsal, RehearsalError, instance_metadata, release_host,
+    remove_in_background, standin_release,
 )  # fmt: skip
-from tests.boot import records, rootfs
 from tests.cloud.fakecloud import PROJECT_NUMBER, FakeCloud
-from tests.cloud.fakehttp import Listener
-from tests.cloud.fakemetadata import FakeMetadata
 from tests.fakegcs.server import FakeGCS
 
 RUN_NAME = "fleet"  # the run's: its template and group are named so, the members RUN_NAME-xxxx (runfile.py)
@@ -80,68 +80,35 @@ PREEMPTION_NOTICE_S = 30.0  # Compute Engine's: at most this long from the notic
 
 
 @dataclasses.dataclass
-class Run:
-    """One boot of one instance: its disk, namespaces, metadata server and listeners, and how it went."""
+class Run(MachineBoot):
+    """One boot of one instance (tests/boot/machines.MachineBoot): the instance, and which of its boots."""
 
-    instance: str
-    boot: int
-    disk: Disk
-    started: float = 0.0  # epoch seconds, when the startup-script runner began
-    ended: float | None = None
-    end: str = ""  # why it stopped: deleted (through the API), preempted, still up
-    console: str = ""
-    ns: Namespaces | None = None
-    metadata: FakeMetadata | None = None
-    gcs: FakeGCS | None = None
-    api: Listener | None = None
-    thread: threading.Thread | None = None
-    requests: int = 0
-    saved_log: str | None = None  # the worker's log as the machine ended (its disk goes afterwards)
-    record: dict | None = None  # its machine record as it stopped (a recreated machine overwrites it later)
+    instance: str = ""
+    boot: int = 1
+
+
+class Fleet(Machines):
+    """Boots what the fake Compute API creates (tests/cloud/fakecloud.Machines), each instance a
+    rehearsal machine of its own, and shuts down what it deletes. The first boots of the first
+    `failing` instances are refused the code (tests/boot/machines.refuse_code): failed boots."""
+
+    def __init__(self, world: "FleetRehearsal", failing: int = 0):
+        super().__init__(world)
+        self.failing = failing
 
     @property
-    def name(self) -> str:
-        return self.instance.rsplit("/", 1)[1]
-
-    def log(self) -> str:
-        """The worker's log (the journal's stand-in), read from the disk's upper layer, up or not."""
-        if self.saved_log is not None:
-            return self.saved_log
-        path = self.disk.path / "upper/var/log/spawn-worker.service.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def first_claim(self) -> float | None:
-        """Epoch seconds of its first claim: the fencing token is the lease's generation, which the
-        fake GCS takes from the clock in microseconds (tests/boot/rehearsal.first_claim_time)."""
-        tokens = [int(t) / 1e6 for t in re.findall(r"event=claimed task=\S+ token=(\d+)", self.log())]
-        return min(tokens, default=None)
-
-    def tasks_done(self) -> int:
-        return len(re.findall(r"event=done task=", self.log()))
-
-    def count_requests(self) -> int:
-        """Requests this machine sent: to the bucket, the Compute/TPU/IAM APIs and its metadata server."""
-        if self.gcs is not None:
-            self.requests = (sum(self.gcs.counts().values()) + (self.api.served if self.api else 0)
-                             + (len(self.metadata.requests) if self.metadata else 0))  # fmt: skip
-        return self.requests
-
-
-class Fleet:
-    """Boots what the fake Compute API creates (tests/cloud/fakecloud.Machines), each instance a
-    rehearsal machine of its own, and shuts down what it deletes."""
-
-    def __init__(self, world: "FleetRehearsal"):
-        self.world = world
-        self.lock = threading.Lock()
-        self.runs: list[Run] = []
+    def runs(self) -> list[Run]:
+        return self.boots
 
     # -- what the fake Compute API calls (with its lock held: start work, never wait for it)
 
     def created(self, instance: str, resource: dict) -> None:
         with self.lock:
             boot = 1 + sum(r.instance == instance for r in self.runs)
-            run = Run(instance, boot, Disk(self.world.workdir / f"{instance.rsplit('/', 1)[1]}-boot{boot}"))
+            name = instance.rsplit("/", 1)[1]
+            refused = boot == 1 and len({r.instance for r in self.runs}) < self.failing
+            run = Run(name, Disk(self.world.workdir / f"{name}-boot{boot}"), refused=refused, instance=instance,
+                      boot=boot)
             self.runs.append(run)
         run.thread = threading.Thread(target=self._boot, args=(run, resource), name=f"boot-{run.name}", daemon=True)
         run.thread.start()
@@ -162,37 +129,7 @@ class Fleet:
         attributes = {item["key"]: item["value"] for item in resource["metadata"]["items"]}
         values = instance_metadata(run.name, attributes, resource["machineType"],
                                    spot=resource.get("scheduling", {}).get("provisioningModel") == "SPOT")
-        try:
-            run.ns = Namespaces(self.world.lower, [run.disk]).start()
-            run.metadata = run.ns.in_netns(lambda: FakeMetadata(values).start(METADATA_ADDRESS))
-            run.gcs = run.ns.in_netns(lambda: self.world.listener_gcs())
-            run.api = run.ns.in_netns(lambda: self.world.cloud.listen())
-            prepare_disk(run.ns.view(run.disk), run.gcs.url, run.api.url)
-            run.started = time.time()
-            result = run.ns.run(run.disk, ["/usr/local/sbin/google-startup-script"], machine_env(run.gcs.url, run.api.url),
-                                timeout=3600)
-            run.console = result.stdout + result.stderr
-        except Exception as err:  # noqa: BLE001 - a machine halted mid-boot, or one that never came up: on record
-            run.console += f"\nrehearsal: the boot ended: {type(err).__name__}: {err}"
-        (self.world.workdir / f"console-{run.name}-boot{run.boot}.log").write_text(run.console)
-
-    def halt(self, run: Run, why: str) -> None:
-        """The machine stops: every process in its namespaces dies; its worker's log and request count
-        are kept (its disk is removed with the rehearsal)."""
-        with self.lock:
-            if run.ended is not None:
-                return
-            run.ended, run.end = time.time(), why
-        if run.ns is not None:
-            run.ns.stop()
-        run.record = self.world.machine_record(run.name)  # before a recreated machine of this name writes its own
-        run.count_requests()
-        run.saved_log = run.log()
-        (self.world.workdir / f"worker-{run.name}-boot{run.boot}.log").write_text(run.saved_log)
-        for server in (run.metadata, run.gcs, run.api):
-            if server is not None:
-                with contextlib.suppress(Exception):
-                    server.stop()
+        self.boot(run, values, lambda: Namespaces(self.world.lower, [run.disk]))
 
     def preempt(self, run: Run) -> None:
         """A spot VM's preemption: the notice, up to PREEMPTION_NOTICE_S for the worker to hand its task
@@ -213,20 +150,15 @@ class Fleet:
         at = parse_time(record.get("at")) if record else None
         return bool(record and record.get("state") in FINAL_STATES and at and at.timestamp() >= int(run.started))
 
-    def stop_all(self) -> None:
-        with self.lock:
-            runs = [r for r in self.runs if r.ended is None]
-        for run in runs:
-            self.halt(run, "still up at the end")
-
 
 class FleetRehearsal(Rehearsal):
     """The world: the operator's side (this process: the fake bucket and Compute API on 127.0.0.1, the
     tools) and a `Fleet` of machines, each in namespaces of its own, made by the fake group."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, failing: int = 0):
         super().__init__(workdir, disks=0)
-        self.fleet = Fleet(self)
+        self.queue = QUEUE
+        self.fleet = Fleet(self, failing)
         self.python_release, self.python_downloads = "", Path()  # the stand-in interpreter's host and listing
 
     def start(self) -> "FleetRehearsal":
@@ -281,24 +213,13 @@ class FleetRehearsal(Rehearsal):
                 "UV_PYTHON_DOWNLOADS_JSON_URL": self.python_downloads.as_uri()}
 
     def gcs_spawner(self, *argv: str, timeout: float = 1800) -> Command:
-        """`gcs-spawner ARGV` in a process of its own, stdin not a terminal; raises RehearsalError unless it
-        exits 0."""
-        before = len(self.cloud.mutations())
-        started, clock = time.time(), time.monotonic()
-        result = subprocess.run([sys.executable, "-m", "gcs_spawner", *argv], cwd=REPO, env=self.operator_env(),
-                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
-        command = Command(list(argv), result.returncode, result.stdout, result.stderr, started,
-                          time.monotonic() - clock, self.cloud.mutations()[before:])
-        name = argv[0]
-        (self.workdir / f"gcs-spawner-{name}-{started:.0f}.log").write_text(result.stdout + result.stderr)
-        if result.returncode != 0:
-            raise RehearsalError(f"gcs-spawner {' '.join(argv)} exited {result.returncode}:\n{result.stdout[-2000:]}\n"
-                                 f"{result.stderr[-3000:]}")
-        return command
+        """`gcs-spawner ARGV` in a process of its own (the console script's module), stdin not a terminal;
+        raises RehearsalError unless it exits 0."""
+        return run_command(self, [sys.executable, "-m", "gcs_spawner"], list(argv), f"gcs-spawner-{argv[0]}", timeout)
 
     def machine_record(self, name: str) -> dict | None:
         """machines/NAME.json under the queue as it is now (fleet/machines.py), or None if there is none."""
-        key = f"{QUEUE.split('/', 3)[3]}/machines/{name}.json"
+        key = f"{self.queue.split('/', 3)[3]}/machines/{name}.json"
         stored = self.objects(key).get(key)
         return json.loads(stored.data) if stored is not None else None
 
@@ -308,50 +229,6 @@ class FleetRehearsal(Rehearsal):
 
 
 # -- the operator: a run file, and the `gcs-spawner` command in a process of its own per call
-
-
-@dataclasses.dataclass
-class Command:
-    """One `gcs-spawner` command as the operator ran it, and what the fake Compute API received meanwhile."""
-
-    argv: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-    started: float  # epoch seconds
-    seconds: float
-    mutations: list[tuple[str, str]]  # (method, path) of every request but a GET the fake API took while it ran
-
-    def events(self, event: str) -> list[dict[str, str]]:
-        """Its `event=EVENT key=value ...` log lines (stderr is no terminal, so the log is at INFO)."""
-        found = []
-        for line in self.stderr.splitlines():
-            fields = dict(field.split("=", 1) for field in line.split() if "=" in field)
-            if fields.get("event") == event:
-                found.append(fields)
-        return found
-
-    def created(self) -> list[str]:
-        """The resources it says it created (`event=created resource=KIND NAME (WHERE)`), in order."""
-        return re.findall(r"event=created resource=(.+)$", self.stderr, flags=re.MULTILINE)
-
-    def creates(self) -> list[tuple[str, str]]:
-        """Requests in its window that make or grow something: an insert of a template, a group, an
-        instance, a TPU node or queued resource, or a group's resize (the machines send none of these)."""
-        return [(method, path) for method, path in self.mutations if method == "POST" and (
-            re.search(r"/(instanceTemplates|instanceGroupManagers|instances|nodes|queuedResources)$", path)
-            or path.endswith("/resize"))]  # fmt: skip
-
-    def steps(self) -> list[tuple[str, float]]:
-        """`up`'s steps and the seconds each took, from its `event=step_done` lines' timestamps."""
-        out, previous = [], self.started
-        for line in self.stderr.splitlines():
-            match = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*event=step_done step=(\S+)", line)
-            if match:
-                at = time.mktime(time.strptime(match.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + int(match.group(1)[20:]) / 1e3
-                out.append((match.group(2), at - previous))
-                previous = at
-        return out
 
 
 def write_run(directory: Path, job: Path, tasks: Path, model: Path, machines: int) -> Path:
@@ -399,6 +276,7 @@ class FleetReport:
     deletes: list[str]
     left: list[str]
     done: dict[str, dict]
+    failed: int  # members whose boot was refused the code
 
     def lines(self) -> list[str]:
         out = [f"fleet rehearsal: {len(self.runs)} boots of {len({r.instance for r in self.runs})} instances, "
@@ -409,33 +287,24 @@ class FleetReport:
                                ("merge", self.merge)):
             steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in command.steps())
             out.append(f"  gcs-spawner {label}: {command.seconds:.1f} s" + (f" ({steps})" if steps else ""))
-        out.append(f"  {'machine':24s} {'boot':>4s} {'boot to first claim':>20s} {'tasks run':>9s} {'requests':>8s}  end: record")
+        rows = []
         for run in self.runs:
             claim = run.first_claim()
             to_claim = f"{claim - run.started:.1f} s" if claim and run.started else "-"
-            record = f"{run.record.get('state')} ({run.record.get('reason', '')})" if run.record else "none"
-            out.append(f"  {run.name:24s} {run.boot:4d} {to_claim:>20s} {run.tasks_done():9d} {run.requests:8d}  "
-                       f"{run.end}: {record}")
-        return out
+            rows.append([run.name, run.boot, to_claim, run.tasks_done(), run.requests,
+                         f"{run.end}{' (refused the code)' if run.refused else ''}: {run.final_record()}"])
+        return out + table(["machine", "boot", "boot to first claim", "tasks run", "requests", "end: record"], rows)
 
 
-def _wait(what: str, check: Callable[[], object], timeout: float) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(1)
-    raise RehearsalError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def rehearse(workdir: Path, machines: int = 3, first: int = 6, late: int = 2, timeout: float = 1800) -> FleetReport:
-    """The fleet's life, start to end; raises RehearsalError when a step does not happen in time, or a
+def rehearse(workdir: Path, machines: int = 3, first: int = 6, late: int = 2, failed: int = 1,
+             timeout: float = 1800) -> FleetReport:
+    """The fleet's life, start to end, with a group of `machines` that work and `failed` more whose boot is refused
+    the code (tests/boot/machines.refuse_code); raises RehearsalError when a step does not happen in time, or a
     command fails."""
     began = time.monotonic()
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     try:
-        return _rehearse(workdir, machines, first, late, timeout, began)
+        return _rehearse(workdir, machines, first, late, failed, timeout, began)
     finally:  # this process's storage clients went to the rehearsal's bucket meanwhile
         if emulator is None:
             os.environ.pop("STORAGE_EMULATOR_HOST", None)
@@ -449,14 +318,15 @@ def _recorded(store) -> dict[str, str]:
     return {r.resource.describe(): r.state for r in RunRecord(store).resources()}
 
 
-def _rehearse(workdir: Path, machines: int, first: int, late: int, timeout: float, began: float) -> FleetReport:
+def _rehearse(workdir: Path, machines: int, first: int, late: int, failed: int, timeout: float,
+              began: float) -> FleetReport:
     from objectstore import open_store
     from reporting.status import snapshot
 
-    if first < machines:
-        raise RehearsalError(f"{first} first tasks for {machines} machines: the group is as large as the tasks, "
-                             "so give at least as many tasks as machines")
-    with FleetRehearsal(workdir) as world:
+    if first < machines + failed:
+        raise RehearsalError(f"{first} first tasks for {machines} + {failed} machines: the group is as large as the "
+                             "tasks, so give at least as many tasks as machines")
+    with FleetRehearsal(workdir, failing=failed) as world:
         release, listing = standin_release(world.lower)
         world.python_release, stop_release = release_host(release)
         world.python_downloads = listing
@@ -469,25 +339,25 @@ def _rehearse(workdir: Path, machines: int, first: int, late: int, timeout: floa
             (workdir / "first.jsonl").write_text("\n".join(lines[:first]) + "\n")
             (workdir / "late.jsonl").write_text("\n".join(lines[first:]) + "\n")
             tasks = [json.loads(line)["id"] for line in lines]
-            run_file = str(write_run(workdir, job, workdir / "first.jsonl", job.parent / "model", machines))
+            run_file = str(write_run(workdir, job, workdir / "first.jsonl", job.parent / "model", machines + failed))
             os.environ["STORAGE_EMULATOR_HOST"] = world.gcs.url  # this process's clients: the operator's
             store = open_store(QUEUE)
             fleet = world.fleet
 
             first_up = world.gcs_spawner("up", run_file, "--yes")
             members = world.cloud.members(GROUP)
-            working = _wait("a machine working on a task", lambda: next(
+            working = wait("a machine working on a task", lambda: next(
                 (r for r in list(fleet.runs) if r.ended is None and "event=consumer_start" in r.log()), None), timeout)
             code = world.generations(CODE_PREFIX)
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 again = pool.submit(world.gcs_spawner, "up", run_file, "--yes")  # the same command, mid-run
                 fleet.preempt(working)  # meanwhile, mid-task: its consumer runs
-                _wait("a first done marker", lambda: store.list_page("done/").entries, timeout)
+                wait("a first done marker", lambda: store.list_page("done/").entries, timeout)
                 late_submit = world.gcs_spawner("submit", run_file, "--tasks", str(workdir / "late.jsonl"))
                 second_up = again.result()
             rewritten = sorted(name for name, generation in world.generations(CODE_PREFIX).items()
                                if code.get(name) != generation)
-            _wait("every task done and every machine gone", lambda: (
+            wait("every task done and every machine gone", lambda: (
                 len(store.list_page("done/").entries) == len(tasks) and not world.cloud.members(GROUP)
                 and all(r.ended for r in list(fleet.runs))), timeout)  # fmt: skip
             recorded = _recorded(store)
@@ -503,41 +373,23 @@ def _rehearse(workdir: Path, machines: int, first: int, late: int, timeout: floa
         done = {e.name: json.loads(store.read(e.name).data) for e in store.list("done/")}
         for run in fleet.runs:
             run.count_requests()
-        return FleetReport(time.monotonic() - began, tasks, list(fleet.runs), machines, first_up, second_up,
+        return FleetReport(time.monotonic() - began, tasks, list(fleet.runs), machines + failed, first_up, second_up,
                            late_submit, down, merge, members, rewritten, working.name, tasks[first:], recorded,
-                           recorded_after, view, index, deletes, left, done)  # fmt: skip
+                           recorded_after, view, index, deletes, left, done, failed)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.boot.fleet", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--machines", type=int, default=3, help="the group's size (default 3)")
+    parser.add_argument("--machines", type=int, default=3, help="the group's working machines (default 3)")
+    parser.add_argument("--failed", type=int, default=1,
+                        help="more members, whose first boot is refused the code: a failed boot each (default 1)")
     parser.add_argument("--tasks", type=int, default=6, help="tasks submitted by `up` (default 6)")
     parser.add_argument("--late", type=int, default=2, help="tasks submitted once the first is done (default 2)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (disks, consoles, logs)")
     args = parser.parse_args(argv)
-    # A machine that cannot get the tools (no root, apt's lock held, no namespaces) says why in one
-    # line, and skips, or fails where CI requires the rehearsal: never a RootfsError traceback.
-    verdict = tools_verdict()
-    if verdict is not None:
-        message, fails = verdict
-        print(f"fleet rehearsal {'failed' if fails else 'skipped'}: {message}", file=sys.stderr)
-        return 1 if fails else 0
-    workdir = Path(tempfile.mkdtemp(prefix="fleet-rehearsal-"))
-    try:
-        report = rehearse(workdir, args.machines, args.tasks, args.late)
-    except (RehearsalError, rootfs.RootfsError) as err:
-        print(f"fleet rehearsal failed: {err} (consoles and logs: {workdir})", file=sys.stderr)
-        return 1
-    print("\n".join(report.lines()))
-    problems = check(report)
-    for problem in problems:
-        print(f"PROBLEM {problem}")
-    if problems or args.keep:
-        print(f"consoles and logs: {workdir}")
-    else:
-        remove_in_background([workdir])  # gigabytes of disks: the shell need not wait for them
-    return 1 if problems else 0
+    return drive("fleet rehearsal", args.keep,
+                 lambda workdir: rehearse(workdir, args.machines, args.tasks, args.late, args.failed), check)
 
 
 def check(report: FleetReport) -> list[str]:
@@ -593,10 +445,17 @@ def check(report: FleetReport) -> list[str]:
         problems.append(f"down sent {sent} (expected {wanted}) and left the record {report.recorded_after}")
     # Every boot's last record says how it ended (tests/boot/records.py): self-deleted, preempted, or,
     # for the machine its group recreated, its own boot's self-delete (not the preempted boot's record).
+    # A boot refused the code must say so: `failed`, its phase and the refusal in the reason, and it deleted
+    # itself (its deleteInstances is among those checked above).
     endings = {"deleted": records.SELF_DELETED, "preempted": records.PREEMPTED}
     problems += records.problems([
-        records.Ending(r.name, r.boot, endings[r.end], r.record, r.started, r.ended or time.time())
+        records.Ending(r.name, r.boot, records.FAILED_BOOT if r.refused else endings[r.end], r.record, r.started,
+                       r.ended or time.time(), records.CODE_REFUSED if r.refused else None)
         for r in report.runs if r.end in endings])  # fmt: skip
+    refused = [r for r in report.runs if r.refused]
+    if len(refused) != report.failed or any(r.tasks_done() or r.first_claim() for r in refused):
+        problems.append(f"failed boots {[(r.name, r.end, r.final_record()) for r in refused]}: {report.failed} "
+                        "expected, none claiming")
     if report.left:
         problems.append(f"teardown left {report.left}")
     if not report.view.get("complete"):

@@ -12,6 +12,9 @@ final records, startup/startup.sh a failed boot's):
 |---|---|---|
 | self-deleted (`--on-empty delete`, nothing left to run) | `deleting` | `queue drained` or `queue idle`, with no dead-letter note unless expected |
 | preempted (the spot notice, then the stop) | `exited` | `preempted` |
+| shut down (a TPU preemption or a deleted node: SIGTERM, no notice) | `exited` | `stopped (SIGTERM)` |
+| a slice's follower, stopped (its slice deleted or preempted) | `exited` | `follower stopped`, `follower leader_exit` or `follower idle` |
+| killed (SIGKILL: it can write nothing more) | `idle` | anything: the last record its worker wrote |
 | a failed boot (startup.sh) | `failed` | `<phase>_failed: ...` |
 
 A machine recreated by its group is a boot of its own (the same name, a later boot): its record is
@@ -27,12 +30,22 @@ import re
 from fleet.machines import parse_time
 
 SELF_DELETED, PREEMPTED, FAILED_BOOT = "self-deleted", "preempted", "failed boot"
+SHUT_DOWN, FOLLOWER_STOPPED, KILLED = "shut down", "follower stopped", "killed"
 #: how a machine ended -> (the state its last record must have, a pattern its reason must match in full)
 EXPECTED: dict[str, tuple[str, str]] = {
     SELF_DELETED: ("deleting", r"queue (drained|idle)"),
     PREEMPTED: ("exited", r"preempted"),
+    # Cloud TPU shuts a preempted TPU VM down with no notice its worker can read
+    # (https://cloud.google.com/tpu/docs/preemptible): the worker sees the shutdown's SIGTERM.
+    SHUT_DOWN: ("exited", r"stopped \(SIGTERM\)"),
+    FOLLOWER_STOPPED: ("exited", r"follower (stopped|leader_exit|idle)"),
+    KILLED: ("idle", r".*"),
     FAILED_BOOT: ("failed", r"[a-z_]+_failed: .+"),
 }
+#: The reason of a boot refused the code (tests/boot/machines.refuse_code): startup.sh names the phase, the
+#: account, the permission and the code's URL, as Cloud Storage's 403 words them.
+CODE_REFUSED = (r"code_sync_failed: permission denied: \S+ does not have storage\.objects\.(list|get) access to the "
+                r"Google Cloud Storage (bucket|object) gs://\S+ \(grant the machines' service account .+\)")
 #: seconds of slack between a record's `at` (whole seconds) and the boot's own clock readings
 CLOCK_SLACK_S = 2.0
 

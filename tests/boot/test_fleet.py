@@ -1,11 +1,13 @@
 """The whole fleet rehearsed (tests/boot/fleet.py) at CI's size, driven by `gcs-spawner` as an operator drives it:
 a run file, then `gcs-spawner up run.yaml --yes` in a process of its own (the pre-flight against the fakes, the
 model mirrored, the code with its wheelhouse and interpreter uploaded, 3 tasks on the tiny model submitted, the
-template and a group of 2 created); each member booted by the fake Compute API as a rehearsal machine with its own
-metadata, the real startup.sh and gcloud; one machine preempted mid-task and recreated by its group while the same
-`up` runs again and creates nothing; a late `gcs-spawner submit` of 1 task; every machine leaving through
-deleteInstances; `gcs-spawner down run.yaml` (no --yes: only a complete job goes on) deleting exactly what up
-recorded; nothing left; every boot's last machine record saying how it ended (tests/boot/records.py). `make rehearsal` runs the full size (3 machines, 6 + 2 tasks), with the same checks.
+template and a group of 3 created); each member booted by the fake Compute API as a rehearsal machine with its own
+metadata, the real startup.sh and gcloud, one of them refused the code by the bucket (a failed boot: it records why
+and leaves its group); one machine preempted mid-task and recreated by its group while the same `up` runs again and
+creates nothing; a late `gcs-spawner submit` of 1 task; every machine leaving through deleteInstances; `gcs-spawner
+down run.yaml` (no --yes: only a complete job goes on) deleting exactly what up recorded; nothing left; every boot's
+last machine record saying how it ended (tests/boot/records.py: self-deleted, preempted, recreated, failed boot).
+`make rehearsal` runs the full size (3 working machines and the failed one, 6 + 2 tasks), with the same checks.
 Needs what tests/boot/test_first_boot.py needs; skips (outside CI) without."""
 
 from __future__ import annotations

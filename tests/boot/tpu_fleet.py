@@ -34,14 +34,17 @@ adds is the TPU side (docs/CLOUD.md, "The TPU fleet, rehearsed"):
   and moves the queued resource to SUSPENDED. A killed host (`kill`) gets no shutdown: SIGKILL of its
   namespaces.
 
-The operator drives one run and one machine made by hand on one queue (a queue holds one run), each command a
-process of its own (`python -m gcs_spawner`, tools/create_tpus.py): the run `slice16` (templates/tpu.yaml as a
-v5litepod-16, count 1) and `single8-0000` (a v5litepod-8). In order: `up slice16`, `up slice16` again (nothing
-new), a follower of the slice killed mid-task, the slice preempted once its attempt has ended, `keep slice16
---once` (claimable tasks outnumber free workers: it replaces it), the single host made by tools/create_tpus.py,
-the new slice preempted in the tail (nothing claimable, the single host holding the last task, the slice idle)
-and `keep slice16 --once` again (nothing made), the queue drained, the single host deleting its queued resource,
-`status`, `down`, `merge`.
+The operator drives one run and two machines made by hand on one queue (a queue holds one run), each command a
+process of its own (`python -m gcs_spawner`; `by_hand`, the one place a machine is made outside the run, calls
+tools/create_tpus.py): the run `slice16` (templates/tpu.yaml as a v5litepod-16, count 1), `single8-0000` and
+`nocode8-0000` (v5litepod-8s). In order: `up slice16`, `up slice16` again (nothing new), `nocode8` made by hand
+with its host refused the code by its bucket listener (tests/boot/machines.refuse_code: a failed boot, which must
+record why and delete its queued resource), a follower of the slice killed mid-task, the slice preempted once
+its attempt has ended, `keep slice16 --once` (claimable tasks outnumber free workers: it replaces it), the single
+host made by hand, the new slice preempted in the tail (nothing claimable, the single host holding the last task,
+the slice idle) and `keep slice16 --once` again (nothing made), the queue drained, the single host deleting its
+queued resource, `status`, `down`, `merge`. Every host's record, read as it stops, is checked against how it
+ended (tests/boot/records.py).
 """
 
 from __future__ import annotations
@@ -56,22 +59,23 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import yaml
 
-from tests.boot.fleet import Command, FleetRehearsal, _wait
+from tests.boot import records
+from tests.boot.fleet import FleetRehearsal
+from tests.boot.machines import (
+    CLAIM, Command, MachineBoot, Machines, drive, first_event, log_time, run_command, table, wait,
+)  # fmt: skip
 from tests.boot.rehearsal import (
-    _HOLDER, BUCKET, METADATA_ADDRESS, PROJECT, REPO, ZONE, Disk, Namespaces, RehearsalError, machine_env, prepare_disk,
-    release_host, remove_in_background, standin_release,
+    _HOLDER, BUCKET, PROJECT, REPO, ZONE, Disk, Namespaces, RehearsalError, release_host, remove_in_background,
+    standin_release,
 )  # fmt: skip
 from tests.cloud.fakecloud import PROJECT_NUMBER
-from tests.cloud.fakehttp import Listener
-from tests.cloud.fakemetadata import FakeMetadata, gce_vm
-from tests.fakegcs.server import FakeGCS
+from tests.cloud.fakemetadata import gce_vm
 
 QUEUE = f"gs://{BUCKET}/jobs/tpu"
 CODE = f"gs://{BUCKET}/code/tpu"
@@ -88,26 +92,10 @@ HEARTBEAT_TIMEOUT_S = 10  # --slice-heartbeat-timeout: how long a slice takes to
 #: release; 2 x the heartbeat timeout leaves a loaded machine its step.
 ATTEMPT_END_BOUND_S = 2 * HEARTBEAT_TIMEOUT_S + 10
 SERVICE_ACCOUNT = f"{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
-#: A lease taken, in a worker's log: a claim, or a takeover of a released or expired lease (taskqueue/claims.py).
-CLAIM = r"event=(?:claimed|takeover|steal) task="
-LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-
-
-def log_time(line: str) -> float | None:
-    """Epoch seconds of a worker log line (`logging`'s asctime, this machine's local time)."""
-    match = LOG_TIME.match(line)
-    if not match:
-        return None
-    return time.mktime(time.strptime(match.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + int(match.group(1)[20:]) / 1e3
-
-
-def first_event(log: str, pattern: str) -> float | None:
-    for line in log.splitlines():
-        if re.search(pattern, line):
-            at = log_time(line)
-            if at is not None:
-                return at
-    return None
+#: A v5litepod-8 made by hand beside the others whose host is refused the code (tests/boot/machines.refuse_code):
+#: the failed boot, whose record must say why.
+REFUSED_RUN = "nocode8"
+BREAKAGES = 6  # the ways `breakages` breaks a report
 
 
 def tpu_vm_metadata(node: dict, index: int, vm_name: str, cpu_lock: bool = True) -> dict[str, str]:
@@ -210,25 +198,15 @@ class Switch:
 
 
 @dataclasses.dataclass
-class Host:
-    """One TPU VM host of one node: its disk, namespaces, metadata server and listeners, and how it went."""
+class Host(MachineBoot):
+    """One TPU VM host of one node (tests/boot/machines.MachineBoot; its name is its record's, machines/<name>.json:
+    the node id for worker 0, NODE-wN for the others, as startup.sh's machine_name)."""
 
-    node: str  # projects/P/locations/Z/nodes/N
-    index: int
-    hosts: int
-    address: str
-    disk: Disk
-    accelerator: str
-    started: float = 0.0
-    ended: float | None = None
-    end: str = ""  # self-deleted (its slice's delete), preempted, killed, still up at the end
-    console: str = ""
-    ns: Namespaces | None = None
-    metadata: FakeMetadata | None = None
-    gcs: FakeGCS | None = None
-    api: Listener | None = None
-    requests: int = 0
-    saved_log: str | None = None
+    node: str = ""  # projects/P/locations/Z/nodes/N
+    index: int = 0
+    hosts: int = 1
+    address: str = ""
+    accelerator: str = ""
 
     @property
     def node_id(self) -> str:
@@ -236,19 +214,7 @@ class Host:
 
     @property
     def record_name(self) -> str:
-        """machines/<name>.json: the node id for worker 0, NODE-wN for the others (startup.sh's machine_name)."""
-        return self.node_id if self.index == 0 else f"{self.node_id}-w{self.index}"
-
-    def log(self) -> str:
-        if self.saved_log is not None:
-            return self.saved_log
-        path = self.disk.path / "upper/var/log/spawn-worker.service.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def first_claim(self) -> float | None:
-        """When it first claimed (its fencing token: the lease's generation, microseconds since the epoch)."""
-        tokens = [int(t) / 1e6 for t in re.findall(CLAIM + r"\S+ token=(\d+)", self.log())]
-        return min(tokens, default=None)
+        return self.name
 
     def first_join(self) -> float | None:
         """When a follower first started its share of a task (its consumer joining the slice's program)."""
@@ -258,33 +224,43 @@ class Host:
         """Tasks it ran to done (the leader's or a single host's `done`), or shares it ran (a follower)."""
         if self.hosts > 1 and self.index > 0:
             return len(re.findall(r"event=follower_consumer_exit task=\S+ exit_code=0", self.log()))
-        return len(re.findall(r"event=done task=", self.log()))
+        return self.tasks_done()
 
-    def count_requests(self) -> int:
-        if self.gcs is not None:
-            self.requests = (sum(self.gcs.counts().values()) + (self.api.served if self.api else 0)
-                             + (len(self.metadata.requests) if self.metadata else 0))  # fmt: skip
-        return self.requests
+    def ending(self) -> tuple[str, str | None] | None:
+        """How this host ended, as tests/boot/records.py names it, and the reason it must give where the rehearsal
+        expects one more exactly (None: the ending's own); None for an end no host should have."""
+        if self.refused:
+            return records.FAILED_BOOT, records.CODE_REFUSED
+        if self.end.startswith("killed"):
+            return records.KILLED, None
+        if self.index > 0 and self.end in ("preempted", "self-deleted"):
+            return records.FOLLOWER_STOPPED, None
+        return {"preempted": (records.SHUT_DOWN, None), "self-deleted": (records.SELF_DELETED, None)}.get(self.end)
 
 
-class TpuFleet:
-    """Boots the hosts of every node the fake TPU API makes, and shuts them down when it goes."""
+class TpuFleet(Machines):
+    """Boots the hosts of every node the fake TPU API makes, and shuts them down when it goes. The hosts of a node
+    whose id starts with REFUSED_RUN are refused the code: failed boots."""
 
     def __init__(self, world: "TpuRehearsal"):
-        self.world = world
-        self.lock = threading.Lock()
-        self.hosts: list[Host] = []
+        super().__init__(world)
         self.switches: dict[str, Switch] = {}
+
+    @property
+    def hosts(self) -> list[Host]:
+        return self.boots
 
     # -- what the fake TPU API calls (its lock held: start work, never wait for it)
 
     def node_created(self, node: str, resource: dict) -> None:
         endpoints = resource["networkEndpoints"]
+        node_id = node.rsplit("/", 1)[1]
         with self.lock:
-            made = [Host(node, i, len(endpoints), e["ipAddress"],
-                         Disk(self.world.workdir / f"{node.rsplit('/', 1)[1]}-w{i}"), resource["acceleratorType"])
-                    for i, e in enumerate(endpoints)]
-            self.hosts += made
+            made = [Host(node_id if i == 0 else f"{node_id}-w{i}", Disk(self.world.workdir / f"{node_id}-w{i}"),
+                         refused=node_id.startswith(REFUSED_RUN), node=node, index=i, hosts=len(endpoints),
+                         address=e["ipAddress"], accelerator=resource["acceleratorType"])
+                    for i, e in enumerate(endpoints)]  # fmt: skip
+            self.hosts.extend(made)
         threading.Thread(target=self._boot_node, args=(node, resource, made), name=f"boot-{node}", daemon=True).start()
 
     def node_deleted(self, node: str) -> None:
@@ -300,34 +276,22 @@ class TpuFleet:
         switch = Switch(node)
         with self.lock:
             self.switches[node] = switch
-        threads = []
         for host in hosts:
             values = tpu_vm_metadata(resource, host.index, f"{vm_prefix(host.node_id)}-w-{host.index}")
-            threads.append(threading.Thread(target=self._boot, args=(host, values, switch), daemon=True,
-                                            name=f"boot-{host.record_name}"))
-            threads[-1].start()
+            host.thread = threading.Thread(target=self._boot, args=(host, values, switch), daemon=True,
+                                           name=f"boot-{host.record_name}")
+            host.thread.start()
 
     def _boot(self, host: Host, values: dict[str, str], switch: Switch) -> None:
-        name = values["instance/name"]
-        try:
-            host.ns = HostNamespaces(self.world.lower, [host.disk], name).start()
-            switch.attach(host.ns.pid, host.address)
-            host.metadata = host.ns.in_netns(lambda: FakeMetadata(values).start(METADATA_ADDRESS))
-            host.gcs = host.ns.in_netns(lambda: self.world.listener_gcs())
-            host.api = host.ns.in_netns(lambda: self.world.cloud.listen())
-            prepare_disk(host.ns.view(host.disk), host.gcs.url, host.api.url)
+        def wire(machine: MachineBoot) -> None:
+            switch.attach(machine.ns.pid, host.address)
             # The slice's hosts by name, as a VPC's internal DNS answers for its VMs
             # (https://cloud.google.com/compute/docs/internal-dns).
             peers = [entry.split(":") for entry in values["instance/attributes/worker-network-endpoints"].split(",")]
-            with (host.ns.view(host.disk) / "etc/hosts").open("a") as hosts:
-                hosts.writelines(f"{address} {peer}\n" for peer, _, address in peers)
-            host.started = time.time()
-            result = host.ns.run(host.disk, ["/usr/local/sbin/google-startup-script"],
-                                 machine_env(host.gcs.url, host.api.url), timeout=3600)
-            host.console = result.stdout + result.stderr
-        except Exception as err:  # noqa: BLE001 - a host stopped mid-boot, or one that never came up: on record
-            host.console += f"\nrehearsal: the boot ended: {type(err).__name__}: {err}"
-        (self.world.workdir / f"console-{host.record_name}.log").write_text(host.console)
+            with (machine.ns.view(machine.disk) / "etc/hosts").open("a") as names:
+                names.writelines(f"{address} {peer}\n" for peer, _, address in peers)
+
+        self.boot(host, values, lambda: HostNamespaces(self.world.lower, [host.disk], values["instance/name"]), wire)
 
     def _worker_pids(self, host: Host, program: bytes = b"spawn.py") -> list[int]:
         """`program`'s processes in the host's PID namespace (spawn.py: the worker and, on a slice, nothing else)."""
@@ -375,40 +339,16 @@ class TpuFleet:
         for thread in threads:
             thread.join()
 
-    def halt(self, host: Host, why: str) -> None:
-        """Every process in the host's namespaces dies (SIGKILL); its log and request count are kept."""
-        with self.lock:
-            if host.ended is not None:
-                return
-            host.ended, host.end = time.time(), why
-        if host.ns is not None:
-            host.ns.stop()
-        host.count_requests()
-        host.saved_log = host.log()
-        (self.world.workdir / f"worker-{host.record_name}.log").write_text(host.saved_log)
-        for server in (host.metadata, host.gcs, host.api):
-            if server is not None:
-                with contextlib.suppress(Exception):
-                    server.stop()
-
     def preempt(self, queued_resource: str) -> None:
         """Cloud TPU preempts a spot slice: every host shuts down, the queued resource goes SUSPENDED (its node gone)."""
-        node_id = queued_resource.rsplit("/", 1)[1]
-        with self.lock:
-            hosts = [h for h in self.hosts if h.node_id == node_id and h.ended is None]
-        threads = [threading.Thread(target=self.shutdown, args=(h, "preempted"), daemon=True) for h in hosts]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        self.shutdown_node(next((h.node for h in self.hosts if h.node_id == queued_resource.rsplit("/", 1)[1]), ""),
+                           "preempted")
         self.world.cloud.set_queued_resource_state(queued_resource, "SUSPENDED")
 
     def stop_all(self) -> None:
+        super().stop_all()
         with self.lock:
-            hosts = [h for h in self.hosts if h.ended is None]
             switches = list(self.switches.values())
-        for host in hosts:
-            self.halt(host, "still up at the end")
         for switch in switches:
             switch.stop()
 
@@ -418,6 +358,7 @@ class TpuRehearsal(FleetRehearsal):
 
     def __init__(self, workdir: Path):
         super().__init__(workdir)
+        self.queue = QUEUE
         self.tpus = TpuFleet(self)
         self.writes: collections.Counter[str] = collections.Counter()
 
@@ -466,17 +407,7 @@ class TpuRehearsal(FleetRehearsal):
         RehearsalError unless it exits 0."""
         if not argv[0].startswith("tools/"):
             return self.gcs_spawner(*argv, timeout=timeout)
-        before = len(self.cloud.mutations())
-        started, clock = time.time(), time.monotonic()
-        result = subprocess.run([sys.executable, *argv], cwd=REPO, env=self.operator_env(), stdin=subprocess.DEVNULL,
-                                capture_output=True, text=True, timeout=timeout)
-        command = Command(list(argv), result.returncode, result.stdout, result.stderr, started,
-                          time.monotonic() - clock, self.cloud.mutations()[before:])
-        (self.workdir / f"{Path(argv[0]).stem}-{started:.0f}.log").write_text(result.stdout + result.stderr)
-        if result.returncode != 0:
-            raise RehearsalError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout[-2000:]}\n"
-                                 f"{result.stderr[-3000:]}")
-        return command
+        return run_command(self, [sys.executable], list(argv), Path(argv[0]).stem, timeout)
 
     def upload_cpu_code(self) -> float:
         """The code with the CPU lock, its wheelhouse and the interpreter (module docstring: why the CPU lock)."""
@@ -500,20 +431,31 @@ def tpu_spec(name: str, accelerator: str) -> dict:
     return spec
 
 
-def write_run(directory: Path, job: Path, tasks: Path, model: Path) -> tuple[Path, Path]:
-    """The slice's run file (a queue holds one run, and a run's spec one accelerator type), and the single host's
-    spec for tools/create_tpus.py, the documented by-hand way, on the same queue."""
+def write_run(directory: Path, job: Path, tasks: Path, model: Path) -> tuple[Path, dict[str, Path]]:
+    """The slice's run file (a queue holds one run, and a run's spec one accelerator type), and the specs of the
+    machines made by hand on the same queue (`by_hand`): the single host's and the refused one's, each a
+    v5litepod-8."""
     run = {"name": SLICE_RUN, "project": PROJECT, "queue": QUEUE,
            "job": os.path.relpath(job, directory), "tasks": {"file": os.path.relpath(tasks, directory)},
            "model": {"source": os.path.relpath(model, directory)},
            "code": {"url": CODE, "upload": False, "environment": False},  # uploaded with the CPU lock (module docstring)
            "fleet": {"spec": tpu_spec(SLICE_RUN, SLICE_TYPE), "count": 1, "zones": [ZONE]}}  # fmt: skip
     path = directory / f"{SLICE_RUN}.yaml"
-    path.write_text(f"# The TPU fleet rehearsal's run (tests/boot/tpu_fleet.py)\n"
+    path.write_text("# The TPU fleet rehearsal's run (tests/boot/tpu_fleet.py)\n"
                     + yaml.safe_dump(run, sort_keys=False, default_flow_style=None))
-    spec = directory / f"{SINGLE_RUN}-spec.yaml"
-    spec.write_text(yaml.safe_dump(tpu_spec(SINGLE_RUN, SINGLE_TYPE), sort_keys=False, default_flow_style=None))
-    return path, spec
+    specs = {}
+    for name in (SINGLE_RUN, REFUSED_RUN):
+        specs[name] = directory / f"{name}-spec.yaml"
+        specs[name].write_text(yaml.safe_dump(tpu_spec(name, SINGLE_TYPE), sort_keys=False, default_flow_style=None))
+    return path, specs
+
+
+def by_hand(world: "TpuRehearsal", spec: Path) -> Command:
+    """One v5litepod-8 more on the run's queue, made by hand from `spec`: the one place the rehearsal makes a
+    machine outside its run (tools/create_tpus.py today; where `gcs-spawner add RUN --spec SPEC --count 1` takes
+    its place, only this changes)."""
+    return world.operator("tools/create_tpus.py", str(spec), "--count", "1", "--queue", QUEUE, "--code", CODE,
+                          "--zone", ZONE, "--project", PROJECT)
 
 
 # -- the rehearsal
@@ -535,7 +477,6 @@ class TpuReport:
     keep_replace: Command
     keep_tail: Command
     tail_work: dict  # status when the tail preemption happened
-    records: dict[str, dict]  # machines/<name>.json bodies at the end
     done: dict[str, dict]
     index: dict
     writes: dict[str, int]  # object name -> writes, for outputs and done markers
@@ -550,19 +491,16 @@ class TpuReport:
                f"{len(self.tasks)} tasks, wall {self.wall_s:.1f} s, load average {os.getloadavg()[0]:.1f} "
                f"({os.cpu_count()} cores)"]
         for label, command in self.commands:
-            out.append(f"  gcs-spawner {label}: {command.seconds:.1f} s")
+            out.append(f"  {label}: {command.seconds:.1f} s")
         out.append(f"  follower {self.killed} killed mid-task {self.killed_task}: the slice's attempt ended "
                    + (f"{self.attempt_end_s:.1f} s later" if self.attempt_end_s is not None else "never")
                    + f" (bound {ATTEMPT_END_BOUND_S} s)")
-        out.append(f"  {'slice':14s} {'host':>4s} {'boot to first claim/join':>25s} {'tasks run':>9s} "
-                   f"{'requests':>8s}  {'final record':24s} end")
+        rows = []
         for host in self.hosts:
             at = host.first_claim() if host.index == 0 else host.first_join()
-            to = f"{at - host.started:.1f} s" if at and host.started else "-"
-            record = self.records.get(host.record_name, {})
-            final = f"{record.get('state', '-')} ({record.get('reason', '')})" if record else "none"
-            out.append(f"  {host.node_id:14s} {host.index:4d} {to:>25s} {host.tasks_run():9d} {host.requests:8d}  "
-                       f"{final:24s} {host.end}")
+            rows.append([host.node_id, host.index, f"{at - host.started:.1f} s" if at and host.started else "-",
+                         host.tasks_run(), host.requests, f"{host.end}: {host.final_record()}"])
+        out += table(["slice", "host", "boot to first claim/join", "tasks run", "requests", "end: final record"], rows)
         out.append(f"  wall time {self.wall_s:.1f} s")
         return out
 
@@ -606,7 +544,12 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
 
         def command(label: str, *argv: str) -> Command:
             result = world.operator(*argv)
-            commands.append((label, result))
+            commands.append((f"gcs-spawner {label}", result))
+            return result
+
+        def made_by_hand(name: str) -> Command:
+            result = by_hand(world, specs[name])
+            commands.append((f"{name} made by hand (by_hand)", result))
             return result
 
         try:
@@ -619,8 +562,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             job_body.update({"batch_size": 4, "shard_size": 4})
             job.write_text(json.dumps(job_body))
             tasks = [json.loads(line)["id"] for line in lines]
-            run_file, single_spec = write_run(workdir, job, planned, job.parent / "model")
-            by_hand = ["--queue", QUEUE, "--code", CODE, "--zone", ZONE, "--project", PROJECT]
+            run_file, specs = write_run(workdir, job, planned, job.parent / "model")
             os.environ["STORAGE_EMULATOR_HOST"] = world.gcs.url
             store = open_store(QUEUE)
             world.upload_cpu_code()
@@ -628,11 +570,13 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
 
             first_ups = {SLICE_RUN: command(f"up {SLICE_RUN}", "up", str(run_file), "--yes")}
             second_ups = {SLICE_RUN: command(f"up {SLICE_RUN} again", "up", str(run_file), "--yes")}
+            # The failed boot: a v5litepod-8 whose host is refused the code, made while the slice boots.
+            made_by_hand(REFUSED_RUN)
             slice_node = f"{SLICE_RUN}-0000"
             single_node = f"{SINGLE_RUN}-0000"
             # A follower killed mid-task: its consumer has joined the slice's program (jax.distributed.initialize
             # returns once every host has connected) and built its engine.
-            victim = _wait("a follower of the slice computing its share", lambda: next(
+            victim = wait("a follower of the slice computing its share", lambda: next(
                 (h for h in fleet.of(slice_node) if h.index == 2 and "event=engine_ready" in h.log()),
                 None), timeout)
             leader = fleet.of(slice_node)[0]
@@ -641,7 +585,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             before = len([line for line in leader.log().splitlines() if settled.search(line)])
             killed_at = time.time()
             fleet.halt(victim, "killed (SIGKILL of its namespaces)")
-            _wait("the slice's attempt to end", lambda: len(
+            wait("the slice's attempt to end", lambda: len(
                 [line for line in leader.log().splitlines() if settled.search(line)]) > before, ATTEMPT_END_BOUND_S * 3)
             ended = [log_time(line) for line in leader.log().splitlines() if settled.search(line)][before:]
             attempt_end_s = (ended[0] - killed_at) if ended and ended[0] else None
@@ -652,7 +596,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             keep_replace = command(f"keep {SLICE_RUN} --once", "keep", str(run_file), "--once")
             # The single host joins now, beside the new slice: the two share what is left, so that the slice runs
             # tasks to done too (a single host that came first would finish them while a slice boots).
-            command(f"create_tpus.py {SINGLE_RUN}", "tools/create_tpus.py", str(single_spec), "--count", "1", *by_hand)
+            made_by_hand(SINGLE_RUN)
             # The tail: nothing claimable, the by-hand single host holding the last task, the run's slice idle (it
             # holds no lease, so its shutdown hands nothing back). The slice is preempted then, and its keeper
             # (gcs-spawner keep, the one keeper since issue 47; a machine made by hand has none) must not replace it:
@@ -660,9 +604,9 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             # found the single host idle and the slice busy: no such tail), so the single host's first task is
             # made a long one: its consume.py is stopped (SIGSTOP; its worker still heartbeats the lease) until
             # the slice has run every other task and idles, and continued (SIGCONT) after the tail's keep.
-            single = _wait(f"{single_node}'s host", lambda: next(iter(fleet.of(single_node)), None), timeout)
+            single = wait(f"{single_node}'s host", lambda: next(iter(fleet.of(single_node)), None), timeout)
             replacement = f"{SLICE_RUN}-0001"
-            paused = _wait(f"{single_node} running a task", lambda: _holding(single.log()) > 0 and fleet.signal_consumer(
+            paused = wait(f"{single_node} running a task", lambda: _holding(single.log()) > 0 and fleet.signal_consumer(
                 single, signal.SIGSTOP), timeout)
 
             def tail() -> tuple[Host, dict] | None:
@@ -679,7 +623,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
                 return None
 
             try:
-                idle, tail_view = _wait("the tail (nothing claimable, the single host working, the slice idle)", tail,
+                idle, tail_view = wait("the tail (nothing claimable, the single host working, the slice idle)", tail,
                                         timeout)
                 fleet.preempt(f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{idle.node_id}")
                 keep_tail = command(f"keep {SLICE_RUN} --once (tail)", "keep", str(run_file), "--once")
@@ -687,7 +631,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
                 for pid in paused:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)
-            _wait("every task done and every host gone", lambda: (
+            wait("every task done and every host gone", lambda: (
                 len(store.list_page("done/").entries) == len(tasks)
                 and all(h.ended for h in fleet.hosts)), timeout)  # fmt: skip
             command("status", "status", str(run_file))
@@ -698,7 +642,6 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             stop_release()
         for host in fleet.hosts:
             host.count_requests()
-        records = {e.name[len("machines/"):-len(".json")]: _read_json(store, e.name) for e in store.list("machines/")}
         done = {e.name: _read_json(store, e.name) for e in store.list("done/")}
         index = _read_json(store, "index.json") or {}
         writes = {name: n for name, n in world.writes.items()
@@ -709,7 +652,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
         compared, problems = compare_with_one_process(world, store, done, workdir)
         return TpuReport(time.monotonic() - began, tasks, list(fleet.hosts), commands, first_ups, second_ups,
                          victim.record_name, killed_task, int(killed_token), attempt_end_s, lease_after_kill, keep_replace, keep_tail,
-                         tail_view, records, done, index, writes, qr_deletes, left, view, problems, compared)
+                         tail_view, done, index, writes, qr_deletes, left, view, problems, compared)
 
 
 def safetensors_tensors(blob: bytes) -> dict[str, tuple[str, list[int], bytes]]:
@@ -773,29 +716,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=6, help="tasks of 8 rows (default 6)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (disks, consoles, logs)")
     args = parser.parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="tpu-fleet-rehearsal-"))
-    try:
-        report = rehearse(workdir, args.tasks)
-    except RehearsalError as err:
-        print(f"TPU fleet rehearsal failed: {err} (consoles and logs: {workdir})", file=sys.stderr)
-        return 1
-    print("\n".join(report.lines()))
-    problems = check(report)
+    return drive("TPU fleet rehearsal", args.keep, lambda workdir: rehearse(workdir, args.tasks), check_and_break)
+
+
+def check_and_break(report: TpuReport) -> list[str]:
+    """`check`'s problems, then the checks tried against the report broken BREAKAGES ways: each not caught is one."""
     uncaught = breakages(report)
-    print(f"checks tried against the report broken 4 ways: {4 - len(uncaught)} caught"
+    print(f"checks tried against the report broken {BREAKAGES} ways: {BREAKAGES - len(uncaught)} caught"
           + (f"; not caught: {uncaught}" if uncaught else ""))
-    problems += [f"the checks did not catch {what}" for what in uncaught]
-    for problem in problems:
-        print(f"PROBLEM {problem}")
-    if problems or args.keep:
-        print(f"consoles and logs: {workdir}")
-    else:
-        remove_in_background([workdir])
-    return 1 if problems else 0
-
-
-def _final(record: dict | None) -> str:
-    return f"{record.get('state')} ({record.get('reason', '')})" if record else "no record"
+    return check(report) + [f"the checks did not catch {what}" for what in uncaught]
 
 
 def check(report: TpuReport) -> list[str]:
@@ -816,8 +745,9 @@ def check(report: TpuReport) -> list[str]:
         problems.append(f"outputs or done markers written more than once: {twice}" if twice else "no output was written")
     # The nodes: exactly those up and keep asked for, each host booted from its own endpoint.
     nodes = sorted({h.node_id for h in hosts})
-    if nodes != [f"{SINGLE_RUN}-0000", f"{SLICE_RUN}-0000", f"{SLICE_RUN}-0001"]:
-        problems.append(f"hosts booted for nodes {nodes}: the two up made and the one keep made expected")
+    if nodes != [f"{REFUSED_RUN}-0000", f"{SINGLE_RUN}-0000", f"{SLICE_RUN}-0000", f"{SLICE_RUN}-0001"]:
+        problems.append(f"hosts booted for nodes {nodes}: the one up made, the one keep made and the two made by hand "
+                        "expected")
     for node in nodes:
         members = [h for h in hosts if h.node_id == node]
         want = 4 if node.startswith(SLICE_RUN) else 1
@@ -873,31 +803,33 @@ def check(report: TpuReport) -> list[str]:
             problems.append(f"the second up of {name} created {again.created()}, sent {again.creates()}, said "
                             f"{summary.group(0) if summary else again.stdout[-300:]!r}: it should make nothing")
     # Self-deletion: the machine alive when the queue drained (the single host, a one-host slice) deletes its queued
-    # resource once, from host 0.
+    # resource once, from host 0; so does a failed boot.
     drained = [h for h in hosts if h.index == 0 and h.end == "self-deleted"]
-    if not drained:
+    if not [h for h in drained if not h.refused]:
         problems.append("no slice deleted itself when the queue drained")
     for leader in drained:
         sent = [via for qr, via in report.qr_deletes if qr == leader.node_id]
         own = leader.api.url.split("//", 1)[1] if leader.api else "?"
         if sent != [own]:
             problems.append(f"{leader.node_id}'s queued resource was deleted through {sent}, not once from its host 0 ({own})")
-    # Every host's final record says how it ended.
-    wanted = {"self-deleted": ({"deleting"}, {"exited"}), "preempted": ({"exited"}, {"exited"})}
+    # Every host's final record, read as it stopped, says how it ended (tests/boot/records.py): a self-deleted host 0
+    # `deleting` (queue drained or idle), a host 0 shut down by a preemption `exited` (stopped (SIGTERM)), a follower
+    # of either `exited` (follower stopped, leader_exit or idle), the killed follower its last `idle`, the refused
+    # host `failed` naming the code sync and the refusal.
+    endings, odd = [], []
     for host in hosts:
-        record = report.records.get(host.record_name)
-        if host.end.startswith("killed"):
-            if not record or record.get("state") in ("failed", "deleting", "exited"):
-                problems.append(f"{host.record_name} was killed, yet its record is {_final(record)}")
+        how = host.ending()
+        if how is None:
+            odd.append(f"{host.record_name} ({host.end!r})")
             continue
-        if host.end not in wanted:
-            problems.append(f"{host.record_name} ended {host.end!r}: every host should end by its slice's delete or a "
-                            "preemption")
-            continue
-        states = wanted[host.end][0 if host.index == 0 else 1]
-        if not record or record.get("state") not in states or not record.get("reason"):
-            problems.append(f"{host.record_name} ended {host.end}, and its final record is {_final(record)} "
-                            f"(expected {'/'.join(sorted(states))} with a reason)")
+        endings.append(records.Ending(host.record_name, 1, how[0], host.record, host.started, host.ended or time.time(),
+                                      how[1]))
+    if odd:
+        problems.append(f"hosts that ended otherwise than by a delete, a preemption, the kill or a failed boot: {odd}")
+    problems += records.problems(endings)
+    if sum(h.refused for h in hosts) != 1 or any(h.first_claim() for h in hosts if h.refused):
+        problems.append(f"failed boots {[(h.record_name, h.end, h.final_record()) for h in hosts if h.refused]}: "
+                        f"one expected ({REFUSED_RUN}), claiming nothing")
     if report.left:
         problems.append(f"down left {report.left}")
     if not report.view.get("complete"):
@@ -906,24 +838,42 @@ def check(report: TpuReport) -> list[str]:
 
 
 def breakages(report: TpuReport) -> list[str]:
-    """The checks, tried against the report broken in the ways issue 43 names: each breakage must fail `check`.
-    Returns the breakages that did not (none: every one was caught)."""
-    host = next((h for h in report.hosts if report.records.get(h.record_name)), None)
+    """The checks, tried against the report broken in the ways issue 43 names (and two of issue 48's): each breakage
+    must fail `check`. Returns the breakages that did not (none: every one was caught)."""
     again = report.second_ups[SLICE_RUN]
     created_again = dataclasses.replace(
         again, stdout=again.stdout.replace("(0 resources created now, 1 there already)",
-                                           "(1 resources created now, 1 there already)"),
+                                           "(1 resource created now, 1 there already)"),
         mutations=[*again.mutations, ("POST", f"/v2/projects/{PROJECT}/locations/{ZONE}/queuedResources")])
     name = next(iter(report.writes), "")
+
+    def with_record(pick, record) -> TpuReport:
+        """The report with the record of the first host `pick` accepts replaced by `record(host)`; the report
+        unchanged (so the breakage counts as not caught) where no host is such."""
+        at = next((i for i, h in enumerate(report.hosts) if pick(h)), None)
+        if at is None:
+            return report
+        hosts = list(report.hosts)
+        hosts[at] = dataclasses.replace(hosts[at], record=record(hosts[at]))
+        return dataclasses.replace(report, hosts=hosts)
+
+    drained = lambda h: h.end == "self-deleted" and not h.refused and h.index == 0  # noqa: E731
     broken = {
-        "a host that never wrote its final record": dataclasses.replace(
-            report, records={k: v for k, v in report.records.items() if host is None or k != host.record_name}),
+        "a host that never wrote its final record": with_record(lambda h: h.record is not None, lambda h: None),
+        "a self-deleted host whose last record is a stale idle": with_record(
+            drained, lambda h: {**(h.record or {}), "state": "idle", "reason": ""}),
+        "a failed boot whose record does not say why": with_record(
+            lambda h: h.refused, lambda h: {**(h.record or {}), "reason": "code_sync_failed: exit 1 at line 564"}),
         "a second up that creates again": dataclasses.replace(report, second_ups={SLICE_RUN: created_again}),
         "an output written twice": dataclasses.replace(report, writes={**report.writes, name: 2}),
         "a task without its done marker": dataclasses.replace(
             report, done={k: v for k, v in report.done.items() if k != f"done/{report.tasks[0]}.json"}),
     }
-    return [what for what, bad in broken.items() if not set(check(bad)) - set(check(report))]
+    found = set(check(report))
+    uncaught = [what for what, bad in broken.items() if not set(check(bad)) - found]
+    for what in uncaught:  # what the broken report's hosts were, to see why
+        print(f"not caught: {what}: {[(h.record_name, h.refused, h.end, h.final_record()) for h in broken[what].hosts]}")
+    return uncaught
 
 
 if __name__ == "__main__":
