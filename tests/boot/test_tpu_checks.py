@@ -34,8 +34,8 @@ def _report() -> tpu_fleet.TpuReport:
         _host("slice16-0000", 0, 4, "preempted", "exited", "stopped (SIGTERM)"),
         _host("slice16-0000", 1, 4, "preempted", "exited", "follower stopped"),
         _host("slice16-0000", 2, 4, "killed (SIGKILL of its namespaces)", "idle"),
-        _host("nocode8-0000", 0, 1, "self-deleted", "failed", REFUSED, refused=True),
-        _host("single8-0000", 0, 1, "self-deleted", "deleting", "queue drained"),
+        _host("slice16-nocode8-0000", 0, 1, "self-deleted", "failed", REFUSED, refused=True),
+        _host("slice16-single8-0000", 0, 1, "self-deleted", "deleting", "queue drained"),
     ]
     again = Command(["up"], 0, "up: (0 resources created now, 1 there already)", "", NOW, 1.0, [])
     return tpu_fleet.TpuReport(

@@ -34,14 +34,14 @@ adds is the TPU side (docs/CLOUD.md, "The TPU fleet, rehearsed"):
   and moves the queued resource to SUSPENDED. A killed host (`kill`) gets no shutdown: SIGKILL of its
   namespaces.
 
-The operator drives one run and two machines made by hand on one queue (a queue holds one run), each command a
-process of its own (`python -m gcs_spawner`; `by_hand`, the one place a machine is made outside the run, calls
-tools/create_tpus.py): the run `slice16` (templates/tpu.yaml as a v5litepod-16, count 1), `single8-0000` and
-`nocode8-0000` (v5litepod-8s). In order: `up slice16`, `up slice16` again (nothing new), `nocode8` made by hand
+The operator drives one run on one queue, each command a process of its own (`python -m gcs_spawner`): the run
+`slice16` (templates/tpu.yaml as a v5litepod-16, count 1), and two v5litepod-8s added to it by `gcs-spawner add`
+(`by_hand`, the one place a machine is made beside the run's fleet): `slice16-single8-0000` and
+`slice16-nocode8-0000`. In order: `up slice16`, `up slice16` again (nothing new), `nocode8` added
 with its host refused the code by its bucket listener (tests/boot/machines.refuse_code: a failed boot, which must
 record why and delete its queued resource), a follower of the slice killed mid-task, the slice preempted once
 its attempt has ended, `keep slice16 --once` (claimable tasks outnumber free workers: it replaces it), the single
-host made by hand, the new slice preempted in the tail (nothing claimable, the single host holding the last task,
+host added, the new slice preempted in the tail (nothing claimable, the single host holding the last task,
 the slice idle) and `keep slice16 --once` again (nothing made), the queue drained, the single host deleting its
 queued resource, `status`, `down`, `merge`. Every host's record, read as it stops, is checked against how it
 ended (tests/boot/records.py).
@@ -68,7 +68,7 @@ import yaml
 from tests.boot import records
 from tests.boot.fleet import FleetRehearsal
 from tests.boot.machines import (
-    CLAIM, Command, MachineBoot, Machines, drive, first_event, log_time, run_command, table, wait,
+    CLAIM, Command, MachineBoot, Machines, drive, first_event, log_time, table, wait,
 )  # fmt: skip
 from tests.boot.rehearsal import (
     _HOLDER, BUCKET, PROJECT, REPO, ZONE, Disk, Namespaces, RehearsalError, release_host, remove_in_background,
@@ -257,7 +257,7 @@ class TpuFleet(Machines):
         node_id = node.rsplit("/", 1)[1]
         with self.lock:
             made = [Host(node_id if i == 0 else f"{node_id}-w{i}", Disk(self.world.workdir / f"{node_id}-w{i}"),
-                         refused=node_id.startswith(REFUSED_RUN), node=node, index=i, hosts=len(endpoints),
+                         refused=node_id.startswith(f"{SLICE_RUN}-{REFUSED_RUN}-"), node=node, index=i, hosts=len(endpoints),
                          address=e["ipAddress"], accelerator=resource["acceleratorType"])
                     for i, e in enumerate(endpoints)]  # fmt: skip
             self.hosts.extend(made)
@@ -403,11 +403,8 @@ class TpuRehearsal(FleetRehearsal):
             cloud.add(name, {"name": name, "type": accelerator})
 
     def operator(self, *argv: str, timeout: float = 1800) -> Command:
-        """`gcs-spawner ARGV`, or a tool when ARGV[0] is tools/NAME.py, in a process of its own; raises
-        RehearsalError unless it exits 0."""
-        if not argv[0].startswith("tools/"):
-            return self.gcs_spawner(*argv, timeout=timeout)
-        return run_command(self, [sys.executable], list(argv), Path(argv[0]).stem, timeout)
+        """`gcs-spawner ARGV` in a process of its own; raises RehearsalError unless it exits 0."""
+        return self.gcs_spawner(*argv, timeout=timeout)
 
     def upload_cpu_code(self) -> float:
         """The code with the CPU lock, its wheelhouse and the interpreter (module docstring: why the CPU lock)."""
@@ -450,12 +447,16 @@ def write_run(directory: Path, job: Path, tasks: Path, model: Path) -> tuple[Pat
     return path, specs
 
 
-def by_hand(world: "TpuRehearsal", spec: Path) -> Command:
-    """One v5litepod-8 more on the run's queue, made by hand from `spec`: the one place the rehearsal makes a
-    machine outside its run (tools/create_tpus.py today; where `gcs-spawner add RUN --spec SPEC --count 1` takes
-    its place, only this changes)."""
-    return world.operator("tools/create_tpus.py", str(spec), "--count", "1", "--queue", QUEUE, "--code", CODE,
-                          "--zone", ZONE, "--project", PROJECT)
+def by_hand(world: "TpuRehearsal", run_file: Path, spec: Path) -> Command:
+    """One v5litepod-8 more on the run's queue, from `spec`: `gcs-spawner add RUN --spec SPEC --count 1`, the one
+    place the rehearsal makes a machine beside its run's fleet (recorded in the run and labelled, so `down` deletes
+    it; named RUN-SPEC-0000: `added`)."""
+    return world.operator("add", str(run_file), "--spec", str(spec), "--count", "1", "--zone", ZONE, "--yes")
+
+
+def added(name: str) -> str:
+    """The node `by_hand` makes from the spec `name`: `gcs-spawner add` names it after the run and the spec."""
+    return f"{SLICE_RUN}-{name}-0000"
 
 
 # -- the rehearsal
@@ -548,8 +549,8 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             return result
 
         def made_by_hand(name: str) -> Command:
-            result = by_hand(world, specs[name])
-            commands.append((f"{name} made by hand (by_hand)", result))
+            result = by_hand(world, run_file, specs[name])
+            commands.append((f"gcs-spawner add {SLICE_RUN} --spec {name}", result))
             return result
 
         try:
@@ -573,7 +574,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             # The failed boot: a v5litepod-8 whose host is refused the code, made while the slice boots.
             made_by_hand(REFUSED_RUN)
             slice_node = f"{SLICE_RUN}-0000"
-            single_node = f"{SINGLE_RUN}-0000"
+            single_node = added(SINGLE_RUN)
             # A follower killed mid-task: its consumer has joined the slice's program (jax.distributed.initialize
             # returns once every host has connected) and built its engine.
             victim = wait("a follower of the slice computing its share", lambda: next(
@@ -745,12 +746,12 @@ def check(report: TpuReport) -> list[str]:
         problems.append(f"outputs or done markers written more than once: {twice}" if twice else "no output was written")
     # The nodes: exactly those up and keep asked for, each host booted from its own endpoint.
     nodes = sorted({h.node_id for h in hosts})
-    if nodes != [f"{REFUSED_RUN}-0000", f"{SINGLE_RUN}-0000", f"{SLICE_RUN}-0000", f"{SLICE_RUN}-0001"]:
+    if nodes != sorted([added(REFUSED_RUN), added(SINGLE_RUN), f"{SLICE_RUN}-0000", f"{SLICE_RUN}-0001"]):
         problems.append(f"hosts booted for nodes {nodes}: the one up made, the one keep made and the two made by hand "
                         "expected")
     for node in nodes:
         members = [h for h in hosts if h.node_id == node]
-        want = 4 if node.startswith(SLICE_RUN) else 1
+        want = 4 if node in (f"{SLICE_RUN}-0000", f"{SLICE_RUN}-0001") else 1
         if sorted(h.index for h in members) != list(range(want)) or len({h.address for h in members}) != want:
             problems.append(f"{node} booted hosts {[(h.index, h.address) for h in members]}, not {want} at addresses of their own")
     # Host 0 claims; every host of a slice computes its share of each task its leader ran to done.
