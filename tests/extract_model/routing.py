@@ -14,7 +14,7 @@ The rule (docs/MODEL.md, "Mixtures of experts", Parity):
    input. An unexplained flip fails the test: a router that chose wrongly where the choice is clear.
 2. The bounds leave out exactly the values downstream of a flip: at layer l, for token t, those that read a flip at
    an earlier layer at token t or before; and at the flip's own layer, its own token's values from the choice on
-   (`expert_weights`, `mlp_out`, `resid_post`). Everything else is compared, near ties included. Sliding windows,
+   (`expert_weights`, `expert_indices`, `mlp_out`, `resid_post`). Everything else is compared, near ties included. Sliding windows,
    which would narrow what a later token reads, are ignored: the rule leaves out at least what a flip reaches.
 3. Every output must still compare at least MIN_COMPARED of its tokens, or the seed says too little.
 """
@@ -31,7 +31,7 @@ TIE_MARGIN = 2.0**-4
 #: The share of an output's tokens the bfloat16 bounds must still compare after the flips' values are left out.
 MIN_COMPARED = 0.6
 #: A mixture layer's sites computed from its router's choice (the others of the layer are computed before it).
-AFTER_CHOICE = ("expert_weights", "mlp_out", "resid_post")
+AFTER_CHOICE = ("expert_weights", "expert_indices", "mlp_out", "resid_post")
 
 
 @dataclasses.dataclass(frozen=True)

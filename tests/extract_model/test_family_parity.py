@@ -98,9 +98,12 @@ def float32_errors(ours: dict, refs: References) -> dict[str, tuple[float, float
 def bf16_errors(ours: dict, refs: References, compared: dict[Output, list[np.ndarray]] | None = None
                 ) -> dict[str, tuple[float, float, float, float]]:
     """Per output: mean and worst (1 - cosine) over valid tokens against float64, ours then transformers'; only the
-    tokens `compared` marks per sample, where given (`bf16_compared`)."""
+    tokens `compared` marks per sample, where given (`bf16_compared`). The chosen experts' indices are no direction
+    to take a cosine of: they are held exactly (`assert_same_experts_chosen`, `routing.py`'s flips)."""
     errors = {}
     for output, values in ours.items():
+        if isinstance(output, HookPoint) and output.site == "expert_indices":
+            continue
         kept = compared[output] if compared else [np.ones(len(s), bool) for s in refs.samples]
         mine = np.concatenate([(1 - cosine(values[r, : len(s)], refs.float64[r][output]))[kept[r]]
                                for r, s in enumerate(refs.samples)])  # fmt: skip
@@ -144,7 +147,8 @@ def assert_bf16_within_bound(errors: dict) -> None:
 
 def assert_same_experts_chosen(ours: dict, refs: References, model: FamilyModel, every_expert: bool = True) -> None:
     """A mixture's router chose the same experts as transformers' for every token of every layer (the nonzero
-    entries of `expert_weights`), and, with `every_expert`, each layer routed some token to every expert."""
+    entries of `expert_weights`; `expert_indices`, where kept, names the same ones in transformers' order, heaviest
+    first), and, with `every_expert`, each layer routed some token to every expert."""
     layers = [output.layer for output in ours if isinstance(output, HookPoint) and output.site == "expert_weights"]
     for layer in layers:
         routed = set()
@@ -152,6 +156,14 @@ def assert_same_experts_chosen(ours: dict, refs: References, model: FamilyModel,
             mine = ours[HookPoint("expert_weights", layer)][row, : len(sample)] != 0
             theirs = refs.float32[row][HookPoint("expert_weights", layer)] != 0
             np.testing.assert_array_equal(mine, theirs, err_msg=f"experts chosen in layer {layer}, sample {row}")
+            indices = ours.get(HookPoint("expert_indices", layer))
+            if indices is not None:
+                indices = indices[row, : len(sample)]
+                np.testing.assert_array_equal(indices, refs.float32[row][HookPoint("expert_indices", layer)],
+                                              err_msg=f"expert indices in layer {layer}, sample {row}")  # fmt: skip
+                named = np.zeros_like(mine)
+                np.put_along_axis(named, indices.astype(int), True, axis=1)
+                np.testing.assert_array_equal(named, mine, err_msg=f"indices and weights, layer {layer}, row {row}")
             routed |= set(np.flatnonzero(mine.any(axis=0)))
         assert not every_expert or routed == set(range(mine.shape[1])), f"layer {layer} never routed to some expert"
     assert layers or "expert_weights" not in model.layer_sites(0)
