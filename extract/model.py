@@ -264,6 +264,12 @@ class MoeBlock(nnx.Module):
         # lower index, so it runs over the experts in reverse.
         top, reversed_chosen = jax.lax.top_k(probs[..., ::-1], self.moe.top_k)
         chosen = self.moe.num_experts - 1 - reversed_chosen
+        # ... and lists experts of equal weight in ascending index order, as torch.topk on CPU does (the order of
+        # `expert_indices`): by index first, then a stable sort by weight, heaviest first.
+        by_index = jnp.argsort(chosen, axis=-1)
+        chosen, top = jnp.take_along_axis(chosen, by_index, -1), jnp.take_along_axis(top, by_index, -1)
+        by_weight = jnp.argsort(-top, axis=-1, stable=True)
+        chosen, top = jnp.take_along_axis(chosen, by_weight, -1), jnp.take_along_axis(top, by_weight, -1)
         if self.moe.norm_topk_prob:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
         if not self.moe.float32_weights:
