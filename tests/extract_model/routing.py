@@ -14,8 +14,9 @@ The rule (docs/MODEL.md, "Mixtures of experts", Parity):
    input. An unexplained flip fails the test: a router that chose wrongly where the choice is clear.
 2. The bounds leave out exactly the values downstream of a flip: at layer l, for token t, those that read a flip at
    an earlier layer at token t or before; and at the flip's own layer, its own token's values from the choice on
-   (`expert_weights`, `expert_indices`, `mlp_out`, `resid_post`). Everything else is compared, near ties included. Sliding windows,
-   which would narrow what a later token reads, are ignored: the rule leaves out at least what a flip reaches.
+   (`expert_weights`, `expert_indices`, `mlp_out`, `resid_post`). Everything else is compared, near ties included.
+   Sliding windows, which would narrow what a later token reads, are ignored: the rule leaves out at least what a
+   flip reaches.
 3. Every output must still compare at least MIN_COMPARED of its tokens, or the seed says too little.
 """
 
@@ -55,7 +56,9 @@ def tie_margins(logits: np.ndarray, choice: np.ndarray) -> np.ndarray:
     return (ranked[:, k - 1] - ranked[:, k]) / np.abs(logits).max(axis=1)
 
 
-def routing_flips(float64: list[dict[Output, np.ndarray]], runs: dict[str, list[dict[Output, np.ndarray]]]) -> list[Flip]:
+def routing_flips(
+    float64: list[dict[Output, np.ndarray]], runs: dict[str, list[dict[Output, np.ndarray]]]
+) -> list[Flip]:
     """Every (sample, layer, token) at which a bfloat16 run's chosen experts differ from float64's. `float64` and each
     run in `runs` are per sample: {output: values [T, width]} with the router's sites."""
     flips = []
@@ -76,7 +79,8 @@ def downstream(flip: Flip, row: int, layer: int, token: int, after_choice: bool)
     the layer computed from its router's choice)."""
     if flip.row != row:
         return False
-    return (flip.layer < layer and flip.token <= token) or (flip.layer == layer and flip.token == token and after_choice)
+    earlier_layer = flip.layer < layer and flip.token <= token
+    return earlier_layer or (flip.layer == layer and flip.token == token and after_choice)
 
 
 def unexplained(flips: list[Flip]) -> list[Flip]:

@@ -117,7 +117,8 @@ def bf16_errors(ours: dict, refs: References, compared: dict[Output, list[np.nda
 
 def bf16_flips(ours: dict, refs: References) -> list[Flip]:
     """The tokens a mixture's bfloat16 run, ours or transformers', routes otherwise than float64 (routing.py)."""
-    per_sample = [{output: values[row, : len(s)] for output, values in ours.items()} for row, s in enumerate(refs.samples)]
+    per_sample = [{output: values[row, : len(s)] for output, values in ours.items()}
+                  for row, s in enumerate(refs.samples)]  # fmt: skip
     return routing_flips(refs.float64, {"ours": per_sample, "transformers'": refs.bfloat16})
 
 

@@ -25,8 +25,8 @@ def test_a_flip_is_a_token_whose_chosen_experts_differ_from_float64s_with_its_ma
     flips = routing_flips([wide], {"ours": [run], "transformers'": [wide]})
     assert [(f.row, f.layer, f.token, f.run) for f in flips] == [(0, 0, 0, "ours")]
     assert abs(flips[0].margin - 0.1 / 4.0) < 1e-12
-    np.testing.assert_allclose(tie_margins(wide[HookPoint("router_logits", 0)], wide[HookPoint("expert_weights", 0)] != 0),
-                               [0.025, 0.5, 0.25])  # fmt: skip
+    margins = tie_margins(wide[HookPoint("router_logits", 0)], wide[HookPoint("expert_weights", 0)] != 0)
+    np.testing.assert_allclose(margins, [0.025, 0.5, 0.25])
 
 
 def test_a_flip_leaves_out_its_tokens_own_values_from_the_choice_on_and_every_later_tokens_in_later_layers():

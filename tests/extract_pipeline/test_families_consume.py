@@ -75,7 +75,8 @@ def test_a_transformers_checkpoint_goes_through_consume_and_matches_at_every_sit
         assert indices.shape == (8, 2) and (indices == np.round(indices)).all()
         chosen = indices.astype(int)
         assert (np.sort(chosen, axis=1) == np.sort(np.argsort(-batch, axis=1)[:, :2], axis=1)).all()
-        assert (np.take_along_axis(batch, chosen, axis=1)[:, 0] >= np.take_along_axis(batch, chosen, axis=1)[:, 1]).all()
+        weights = np.take_along_axis(batch, chosen, axis=1)
+        assert (weights[:, 0] >= weights[:, 1]).all()
         assert hook_name(layer, layers, "expert_indices") == f"blocks.{layer}.mlp.hook_expert_indices"
         assert hook_name(layer, layers, "expert_weights") == f"blocks.{layer}.mlp.hook_expert_weights"
         assert hook_name(layer, layers, "router_logits") == f"blocks.{layer}.mlp.hook_router_logits"
