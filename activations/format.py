@@ -17,8 +17,8 @@ A shard is a standard safetensors file (docs/EXTRACTION.md, "Output shards"):
 Hidden states (transformers' `output_hidden_states` index, an `int` everywhere) are stored as `layer_<L>`, as they
 always were. A hook point (`HookPoint(site, layer)`: one site of decoder layer `layer`, counted from 0) is stored as
 `<site>_<layer>`; its statistics as `stats.<site>_<layer>.*`. The sites are SITES (docs/EXTRACTION.md, "Hook sites");
-`mlp_hidden` is `intermediate_size` wide, `router_logits` and `expert_weights` `num_experts`, every other site
-`hidden_size`.
+`mlp_hidden` is `intermediate_size` wide, `router_logits` and `expert_weights` `num_experts`, `expert_indices`
+`num_experts_per_tok`, every other site `hidden_size`.
 
 The statistics come first in the data section, so one ranged read after the header fetches all of them; they are
 computed from the stored values (after the cast to the output dtype), so they describe exactly what a reader gets.
@@ -105,12 +105,17 @@ def numpy_dtype(name: str) -> np.dtype:
 #: residual stream leaving the layer (never final-normed). A mixture-of-experts layer (Mixtral, Qwen-MoE, OLMoE) has
 #: no one MLP hidden activation, and adds its router's: the router's logits per expert (`router_logits`), and the
 #: weight each expert's output gets (`expert_weights`: zero for the experts not chosen, so the chosen experts are its
-#: nonzero entries), both `num_experts` wide; its `mlp_out` is the block's output (every chosen expert's, weighted,
-#: plus a shared expert's).
+#: nonzero entries), both `num_experts` wide; and the chosen experts themselves (`expert_indices`, `num_experts_per_tok`
+#: wide: each token's experts by index, its heaviest first, stored as whole numbers in the job's dtype, exact in
+#: float32, bfloat16 and float16 for up to 256 experts; fp8 is refused for it); its `mlp_out` is the block's output
+#: (every chosen expert's, weighted, plus a shared expert's).
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_out", "resid_post", "router_logits",
-         "expert_weights")  # fmt: skip
+         "expert_weights", "expert_indices")  # fmt: skip
 #: The sites only a mixture-of-experts layer has.
-ROUTER_SITES = ("router_logits", "expert_weights")
+ROUTER_SITES = ("router_logits", "expert_weights", "expert_indices")
+#: The most experts whose indices `expert_indices` stores exactly in bfloat16 (8 significant bits: every whole number
+#: up to 2^8); float16 (11 bits) and float32 hold more.
+EXACT_EXPERT_INDICES = 256
 #: The site name of hidden states (plain ints) where a site must be named, e.g. the loader's `site=`.
 HIDDEN = "hidden"
 

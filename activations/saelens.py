@@ -54,6 +54,8 @@ HOOKS = {
     # the router's logits: that one is named as its neighbours are.
     "router_logits": "mlp.hook_router_logits",
     "expert_weights": "mlp.hook_expert_weights",
+    # ... and the chosen experts' indices hook_expert_indices ([batch, pos, experts_per_token], heaviest first).
+    "expert_indices": "mlp.hook_expert_indices",
 }
 assert tuple(HOOKS) == SITES
 

@@ -149,9 +149,11 @@ class ModelConfig:
 
     def width(self, output: Output) -> int:
         """Values per token of one output: intermediate_size for the MLP's hidden activations, num_experts for the
-        router's, else hidden_size."""
+        router's logits and weights, num_experts_per_tok for the chosen experts' indices, else hidden_size."""
         if isinstance(output, HookPoint) and output.site == "mlp_hidden":
             return self.intermediate_size
+        if isinstance(output, HookPoint) and output.site == "expert_indices" and self.moe is not None:
+            return self.moe.top_k
         if isinstance(output, HookPoint) and output.site in ROUTER_SITES and self.moe is not None:
             return self.moe.num_experts
         return self.hidden_size

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from activations.format import Output, output_key
+from activations.format import EXACT_EXPERT_INDICES, HookPoint, Output, output_key
 from extract import attention, costmodel
 from extract import memory as mem
 from extract import sharding as shd
@@ -244,9 +244,23 @@ class Engine:
         self._programs: dict[int, jax.stages.Compiled] = {}
         self.compiled_programs = 0
 
+    def _check_expert_indices(self, points: Sequence[HookPoint]) -> None:
+        """`expert_indices` holds whole numbers in the output dtype: refused where that dtype cannot hold every
+        index exactly (bfloat16 past 256 experts, float16 past 2,048)."""
+        exact = {"bfloat16": EXACT_EXPERT_INDICES, "float16": 2048}.get(jnp.dtype(self._out_dtype).name)
+        moe = self.config.moe
+        if moe is None or exact is None or moe.num_experts <= exact:
+            return
+        if any(point.site == "expert_indices" for point in points):
+            raise BadInput(
+                f"sites.expert_indices: out_dtype {self.out_dtype} holds whole numbers exactly only up to {exact}, and "
+                f"this model has {moe.num_experts} experts; use float32, or keep expert_weights"
+            )
+
     def _place(self, layers, sites, mesh: str | None, devices) -> None:
         """Choose the mesh and shardings, and build the abstract (shapes-only) model truncated at the deepest layer."""
         points = self.config.hook_points(sites)
+        self._check_expert_indices(points)
         self.layers = normalize_layers(layers, self.config.num_hidden_layers, allow_empty=bool(points))
         self.outputs = (*self.layers, *points)
         self.num_computed_layers = self.config.depth_for(self.outputs)

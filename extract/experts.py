@@ -6,7 +6,8 @@ x · W_router; their softmax over every expert, in float32; the top `top_k` of i
 where `norm_topk_prob` (Mixtral always); then cast to the compute dtype (Mixtral keeps them in float32). Ties among
 equal probabilities go to the higher expert index: transformers leaves them to torch.topk, which does not specify
 an order, and on CPU (torch 2.13) chooses the higher index, as tests/extract_model/test_moe.py checks for three tied
-experts of four. Every token goes to its `top_k` experts: there is no capacity, so no token is ever dropped, as in
+experts of four; it lists experts of equal weight in ascending index order (`expert_indices` keeps that order). Every
+token goes to its `top_k` experts: there is no capacity, so no token is ever dropped, as in
 transformers' evaluation."""
 
 from __future__ import annotations

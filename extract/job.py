@@ -232,6 +232,17 @@ class Job(Model):
             )
         return self
 
+    @model_validator(mode="after")
+    def _indices_stored_exactly(self) -> Job:
+        # fp8's 3 mantissa bits and its per-token scale would store most expert indices only approximately.
+        if self.dtype == "fp8" and self.sites and "expert_indices" in self.sites:
+            raise cross_field(
+                "dtype/sites.expert_indices",
+                "fp8 cannot store expert indices exactly; use dtype bf16, fp16 or fp32, or keep expert_weights (the "
+                "chosen experts are its nonzero entries)",
+            )
+        return self
+
     @property
     def sampling(self) -> TokenSampling:
         """Which positions are stored; `.active` is False when every one is (the shards are then unsampled)."""

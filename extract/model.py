@@ -255,23 +255,31 @@ class MoeBlock(nnx.Module):
         self.shared_expert_gate = _param(rngs, (config.hidden_size, 1), dtype, "replicated") if shared else None
         self.moe, self.activation = moe, config.activation
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The router's logits [B, T, E] and each expert's weight [B, T, E] (zero where not chosen)."""
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The router's logits [B, T, E], each expert's weight [B, T, E] (zero where not chosen), and the chosen
+        experts' indices [B, T, K], the heaviest first (int32)."""
         logits = jnp.einsum("BTD,DE->BTE", x, self.router[...])
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         # Ties go to the higher expert index, as torch.topk on CPU breaks them (extract/experts.py): top_k prefers the
         # lower index, so it runs over the experts in reverse.
         top, reversed_chosen = jax.lax.top_k(probs[..., ::-1], self.moe.top_k)
         chosen = self.moe.num_experts - 1 - reversed_chosen
+        # ... and lists experts of equal weight in ascending index order, as torch.topk on CPU does (the order of
+        # `expert_indices`): by index first, then a stable sort by weight, heaviest first.
+        by_index = jnp.argsort(chosen, axis=-1)
+        chosen, top = jnp.take_along_axis(chosen, by_index, -1), jnp.take_along_axis(top, by_index, -1)
+        by_weight = jnp.argsort(-top, axis=-1, stable=True)
+        chosen, top = jnp.take_along_axis(chosen, by_weight, -1), jnp.take_along_axis(top, by_weight, -1)
         if self.moe.norm_topk_prob:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
         if not self.moe.float32_weights:
             top = top.astype(x.dtype)
         one_hot = jax.nn.one_hot(chosen, self.moe.num_experts, dtype=top.dtype)  # [B, T, K, E]
-        return logits, jnp.einsum("BTK,BTKE->BTE", top, one_hot)
+        return logits, jnp.einsum("BTK,BTKE->BTE", top, one_hot), chosen
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        logits, weights = self.route(x)
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The block's output and the router's sites by name (`router_logits`, `expert_weights`, `expert_indices`)."""
+        logits, weights, chosen = self.route(x)
         gate = jnp.einsum("BTD,EDF->BTEF", x, self.experts.gate_proj[...])
         up = jnp.einsum("BTD,EDF->BTEF", x, self.experts.up_proj[...])
         hidden = ACTIVATIONS[self.activation](gate) * up
@@ -283,7 +291,7 @@ class MoeBlock(nnx.Module):
             shared, _ = self.shared_expert(x)
             gate_value = jax.nn.sigmoid(jnp.einsum("BTD,DO->BTO", x, self.shared_expert_gate[...]))
             out = out + gate_value * shared
-        return out, logits, weights
+        return out, {"router_logits": logits, "expert_weights": weights, "expert_indices": chosen}
 
 
 class DecoderLayer(nnx.Module):
@@ -322,7 +330,8 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("mlp"):
             sites["mlp_in"] = self._maybe(self.mlp_norm, x)
             if isinstance(self.mlp, MoeBlock):
-                mlp_out, sites["router_logits"], sites["expert_weights"] = self.mlp(sites["mlp_in"])
+                mlp_out, router = self.mlp(sites["mlp_in"])
+                sites.update(router)
             else:
                 mlp_out, sites["mlp_hidden"] = self.mlp(sites["mlp_in"])
             sites["mlp_out"] = mlp_out = self._maybe(self.mlp_out_norm, mlp_out)

@@ -258,8 +258,9 @@ def _site_modules(block: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, st
         "resid_post": (block, "output"),
         "router_logits": (getattr(mlp, "gate", None), "router_logits"),
         "expert_weights": (getattr(mlp, "gate", None), "expert_weights"),
+        "expert_indices": (getattr(mlp, "gate", None), "expert_indices"),
     }
-    for site in ("router_logits", "expert_weights") if not moe else ("mlp_hidden",):
+    for site in ("router_logits", "expert_weights", "expert_indices") if not moe else ("mlp_hidden",):
         del sites[site]
     if getattr(block, "use_parallel_residual", False):
         del sites["resid_mid"]
@@ -271,13 +272,16 @@ def _hook(module: torch.nn.Module, kind: str, captured: dict, key: HookPoint):
     def first(value):
         return value[0] if isinstance(value, tuple) else value
 
-    if kind in ("router_logits", "expert_weights"):
+    if kind in ("router_logits", "expert_weights", "expert_indices"):
 
         def router(module, _args, output):
-            # The router returns (logits, the chosen experts' weights, their indices), over the batch's tokens.
+            # The router returns (logits, the chosen experts' weights, their indices), over the batch's tokens; the
+            # indices as torch.topk sorts them, heaviest first.
             logits, weights, chosen = output
             if kind == "router_logits":
                 captured[key] = logits[None]
+            elif kind == "expert_indices":
+                captured[key] = chosen[None]
             else:
                 captured[key] = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, chosen, weights)[None]
 

@@ -89,13 +89,17 @@ def _reloaded(path: pathlib.Path):
 def test_router_sites_exist_only_on_mixture_layers_and_mlp_hidden_only_on_dense_ones(tmp_path):
     model = write_family_model(tmp_path, "qwen2_moe")  # layer 1 is dense (mlp_only_layers)
     config = ModelConfig.from_file(model.path / "config.json")
-    assert config.layer_sites(0)[-2:] == ("router_logits", "expert_weights") and "mlp_hidden" not in config.layer_sites(0)
+    assert config.layer_sites(0)[-3:] == ("router_logits", "expert_weights", "expert_indices")
+    assert "mlp_hidden" not in config.layer_sites(0)
     assert "mlp_hidden" in config.layer_sites(1) and "router_logits" not in config.layer_sites(1)
     with pytest.raises(BadInput, match=r"sites.router_logits: layer 1 has no router_logits: its MLP is dense"):
         config.hook_points({"router_logits": [0, 1]})
     with pytest.raises(BadInput, match=r"sites.mlp_hidden: layer 2 has no mlp_hidden: its MLP is a mixture"):
         config.hook_points({"mlp_hidden": [1, 2]})
     assert config.width(HookPoint("router_logits", 0)) == config.width(HookPoint("expert_weights", 2)) == 4
+    assert config.width(HookPoint("expert_indices", 0)) == 2  # num_experts_per_tok
+    with pytest.raises(BadInput, match=r"sites.expert_indices: layer 1 has no expert_indices: its MLP is dense"):
+        config.hook_points({"expert_indices": [1]})
 
 
 @pytest.mark.parametrize("experts, mesh", [(4, "data=1,model=4"), (6, "data=2,model=2"), (3, "data=1,model=4")])
@@ -105,7 +109,7 @@ def test_a_four_device_mesh_split_by_experts_or_by_their_width_matches_one_devic
     devices = jax.devices()
     assert len(devices) >= 4, "needs XLA_FLAGS=--xla_force_host_platform_device_count=4 before jax is imported"
     model = write_family_model(tmp_path, "qwen3_moe", seed=3, num_experts=experts)
-    sites = {"mlp_out": [0, 2], "router_logits": [1], "expert_weights": [2]}
+    sites = {"mlp_out": [0, 2], "router_logits": [1], "expert_weights": [2], "expert_indices": [1, 2]}
 
     def outputs(devices, mesh=None):
         engine = Engine(str(model.path), [1, -1], sites=sites, batch_size=4, max_seq_len=24, compute_dtype="float32",
@@ -158,3 +162,23 @@ def test_the_memory_model_counts_every_expert_and_shards_qwen3_30b_a3b_where_one
         usable = memory.usable_bytes(accelerator, "tpu")
         assert memory.replica_bytes(config, layers, 8, 1024, 2, 2, 1) > usable  # one chip: too small
         assert memory.choose_mesh_shape(config, chips, usable, **step) == shape, accelerator
+
+
+def test_expert_indices_are_refused_where_the_output_dtype_cannot_hold_every_index_exactly(tmp_path):
+    """bfloat16 holds whole numbers exactly only up to 256: a model of 257 experts keeps its indices in float32, or
+    its weights; the same site in float16 (exact to 2,048) is accepted."""
+    model = write_family_model(tmp_path, "olmoe", seed=1, num_hidden_layers=1, num_experts=257, intermediate_size=8,
+                               shard_size=None)  # fmt: skip
+
+    def engine(sites, out_dtype):
+        return Engine(str(model.path), [], sites=sites, batch_size=1, max_seq_len=8, compute_dtype="float32",
+                      out_dtype=out_dtype, devices=jax.devices()[:1])  # fmt: skip
+
+    with pytest.raises(BadInput, match=r"^sites.expert_indices: out_dtype bfloat16 holds whole numbers exactly only "
+                                       r"up to 256, and this model has 257 experts; use float32"):  # fmt: skip
+        engine({"expert_indices": [0]}, "bfloat16")
+    engine({"expert_weights": [0]}, "bfloat16")
+    got = engine({"expert_indices": [0]}, "float16").forward(np.arange(1, 9, dtype=np.int32)[None])
+    indices = np.asarray(got[HookPoint("expert_indices", 0)], np.float64)
+    assert indices.shape == (1, 8, 2) and (indices == np.round(indices)).all() and (0 <= indices).all()
+    assert (indices < 257).all()

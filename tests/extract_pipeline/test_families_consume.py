@@ -68,5 +68,15 @@ def test_a_transformers_checkpoint_goes_through_consume_and_matches_at_every_sit
         experts = model.torch_model.config.num_experts
         assert batch.shape == (8, experts) and ((batch != 0).sum(axis=1) == 2).all()
         assert (batch.sum(axis=1) <= 1 + 1e-6).all()
+        # ... and the chosen experts' indices, the same tokens' in the same order: whole numbers naming the experts
+        # the weights are nonzero for, the heaviest first.
+        with ActivationLoader(spec.output, site="expert_indices", layers=layer, batch_size=8, shuffle=False) as loader:
+            indices = np.asarray(next(loader))
+        assert indices.shape == (8, 2) and (indices == np.round(indices)).all()
+        chosen = indices.astype(int)
+        assert (np.sort(chosen, axis=1) == np.sort(np.argsort(-batch, axis=1)[:, :2], axis=1)).all()
+        weights = np.take_along_axis(batch, chosen, axis=1)
+        assert (weights[:, 0] >= weights[:, 1]).all()
+        assert hook_name(layer, layers, "expert_indices") == f"blocks.{layer}.mlp.hook_expert_indices"
         assert hook_name(layer, layers, "expert_weights") == f"blocks.{layer}.mlp.hook_expert_weights"
         assert hook_name(layer, layers, "router_logits") == f"blocks.{layer}.mlp.hook_router_logits"

@@ -157,6 +157,8 @@ HUB = {k: v for k, v in GOOD_JOB.items() if k != "data_files"} | {"dataset": {"n
         ({**GOOD_JOB, "shard_bytes": 0}, "^shard_bytes: must be a positive integer, got 0"),
         ({**GOOD_JOB, "packing": "yes"}, "^packing: must be true or false, got 'yes'"),
         ({**GOOD_JOB, "lr": 1, "layer": 2}, "^layer: unknown field; .*use one of: .*layers.* \\(also wrong: lr\\)$"),
+        ({**GOOD_JOB, "dtype": "fp8", "sites": {"expert_indices": [0]}},
+         "^dtype/sites.expert_indices: fp8 cannot store expert indices exactly; use dtype bf16, fp16 or fp32"),
     ],
 )
 def test_job_rule_violation_names_the_field_and_what_to_write(raw, message):
