@@ -1,6 +1,6 @@
 """The TPU fleet rehearsed (tests/boot/tpu_fleet.py) at CI's size, on one queue: the run `slice16` driven by
 `gcs-spawner` (a v5litepod-16 slice: 4 hosts, each booted from its own TPU VM metadata in namespaces of its own,
-on a network between them, one jax.distributed program) and two v5litepod-8s made by hand (`by_hand`), all from
+on a network between them, one jax.distributed program) and two v5litepod-8s added by `gcs-spawner add`, all from
 the fake TPU API's queued resources; `up` twice (the second makes nothing), a follower SIGKILLed mid-task (the
 attempt ends within the stated bound, the task completes on a retry, nothing is written twice), the slice
 preempted and replaced by `keep`, the new slice preempted in the tail (the single host holding the last task)

@@ -92,7 +92,7 @@ HEARTBEAT_TIMEOUT_S = 10  # --slice-heartbeat-timeout: how long a slice takes to
 #: release; 2 x the heartbeat timeout leaves a loaded machine its step.
 ATTEMPT_END_BOUND_S = 2 * HEARTBEAT_TIMEOUT_S + 10
 SERVICE_ACCOUNT = f"{PROJECT_NUMBER}-compute@developer.gserviceaccount.com"
-#: A v5litepod-8 made by hand beside the others whose host is refused the code (tests/boot/machines.refuse_code):
+#: A v5litepod-8 added beside the others whose host is refused the code (tests/boot/machines.refuse_code):
 #: the failed boot, whose record must say why.
 REFUSED_RUN = "nocode8"
 BREAKAGES = 6  # the ways `breakages` breaks a report
@@ -430,7 +430,7 @@ def tpu_spec(name: str, accelerator: str) -> dict:
 
 def write_run(directory: Path, job: Path, tasks: Path, model: Path) -> tuple[Path, dict[str, Path]]:
     """The slice's run file (a queue holds one run, and a run's spec one accelerator type), and the specs of the
-    machines made by hand on the same queue (`by_hand`): the single host's and the refused one's, each a
+    machines added to it (`by_hand`): the single host's and the refused one's, each a
     v5litepod-8."""
     run = {"name": SLICE_RUN, "project": PROJECT, "queue": QUEUE,
            "job": os.path.relpath(job, directory), "tasks": {"file": os.path.relpath(tasks, directory)},
@@ -600,7 +600,7 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             made_by_hand(SINGLE_RUN)
             # The tail: nothing claimable, the by-hand single host holding the last task, the run's slice idle (it
             # holds no lease, so its shutdown hands nothing back). The slice is preempted then, and its keeper
-            # (gcs-spawner keep, the one keeper since issue 47; a machine made by hand has none) must not replace it:
+            # (gcs-spawner keep, the one keeper since issue 47; it never replaces an added machine) must not replace it:
             # no claimable task outnumbers the free workers. Which machine holds the last task is a race (a run
             # found the single host idle and the slice busy: no such tail), so the single host's first task is
             # made a long one: its consume.py is stopped (SIGSTOP; its worker still heartbeats the lease) until
@@ -747,7 +747,7 @@ def check(report: TpuReport) -> list[str]:
     # The nodes: exactly those up and keep asked for, each host booted from its own endpoint.
     nodes = sorted({h.node_id for h in hosts})
     if nodes != sorted([added(REFUSED_RUN), added(SINGLE_RUN), f"{SLICE_RUN}-0000", f"{SLICE_RUN}-0001"]):
-        problems.append(f"hosts booted for nodes {nodes}: the one up made, the one keep made and the two made by hand "
+        problems.append(f"hosts booted for nodes {nodes}: the one up made, the one keep made and the two added "
                         "expected")
     for node in nodes:
         members = [h for h in hosts if h.node_id == node]
