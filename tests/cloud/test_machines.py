@@ -4,12 +4,14 @@ tests/status/test_fleet_view.py)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from fleet import machines
 from objectstore import open_store
+from tests.workers import wait_for
 
 
 
@@ -18,13 +20,10 @@ def test_recorder_refreshes_its_record_every_beat_and_stops_after_a_final_state(
     recorder = machines.MachineRecorder(store, "w-9", beat_s=0.05, accelerator="cpu").start()
     recorder.set("working", task="t1")
     first = store.read("machines/w-9.json").generation
-    import time
-
-    time.sleep(0.3)
-    assert store.read("machines/w-9.json").generation > first + 1
+    wait_for(lambda: store.read("machines/w-9.json").generation > first + 1, 5, "two beats of the record")
     recorder.set("exited", reason="drained")
     final = store.read("machines/w-9.json")
-    time.sleep(0.2)
+    time.sleep(0.2)  # four beats' time in which nothing may be written: the behaviour under test
     assert store.read("machines/w-9.json").generation == final.generation
     assert json.loads(final.data)["state"] == "exited"
 

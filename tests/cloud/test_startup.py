@@ -17,6 +17,7 @@ import pytest
 
 from tests.cloud.conftest import StubBin
 from tests.cloud.fakecloud import FakeCloud
+from tests.workers import wait_for
 from tests.cloud.fakemetadata import FakeMetadata, gce_vm, tpu_vm
 from tests.fakegcs.server import FakeGCS
 
@@ -241,7 +242,8 @@ def test_image_without_uv_waits_for_the_dpkg_lock_bootstraps_uv_and_boots_twice(
     boot.metadata.values.update(gce_vm("p", "us-central1-a", "w-2", ATTRS))
     holder = subprocess.Popen(["flock", str(boot.dpkg_lock), "sleep", "2"])  # unattended-upgrades, say
     try:
-        time.sleep(0.2)
+        wait_for(lambda: subprocess.run(["flock", "-n", str(boot.dpkg_lock), "true"]).returncode != 0, 5,
+                 "the holder to take the dpkg lock")
         started = time.monotonic()
         first = boot.run()
         waited = time.monotonic() - started
