@@ -28,7 +28,7 @@ idle on the bill, and print it (also in --dry-run).
   (https://cloud.google.com/nat/docs/overview). The check reads the subnet; a fleet that uses
   Cloud NAT instead passes --force.
 
-`check_*` return Findings; `enforce` raises PreflightError naming each shortfall unless forced.
+`check_*` return Findings; `enforce` (the one rule, for `up` and `add` too) raises PreflightError naming each shortfall unless forced.
 """
 
 from __future__ import annotations
@@ -382,13 +382,14 @@ def run_checks(
     return findings
 
 
-def enforce(findings: Sequence[Finding], force: bool = False) -> None:
-    """Print every finding; raise PreflightError naming the shortfalls unless `force`."""
+def enforce(findings: Sequence[Finding], force: bool = False, say=print, fix: str = "pass --force") -> None:
+    """Say every finding (`say(line)`); raise PreflightError naming the shortfalls unless `force` (`fix` says how
+    to force it: a flag, or the run file's fleet.force)."""
     for finding in findings:
-        print(finding.line())
+        say(finding.line())
     short = [f for f in findings if f.status == "short"]
     if short and not force:
-        raise PreflightError("pre-flight found shortfalls (fix them, or pass --force):\n  " + "\n  ".join(
+        raise PreflightError(f"the pre-flight found shortfalls (fix them, or {fix}):\n  " + "\n  ".join(
             f"{f.check}: {f.detail}" for f in short))
     if short:
         log.warning("event=preflight_forced shortfalls=%d", len(short))

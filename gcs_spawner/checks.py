@@ -259,13 +259,12 @@ def preflight(run: Run, project: str) -> list:
 def preflight_holds(run: Run, project: str, say) -> None:
     """The pre-flight's findings, each said (`say(line)`); a shortfall is refused unless the run file says
     fleet.force (`up` and `add` alike)."""
-    findings = preflight(run, project)
-    for finding in findings:
-        say(finding.line())
-    short = [f for f in findings if f.status == "short"]
-    if short and not run.fields.fleet.force:
-        raise CheckError(f"{run.file}: fleet: the pre-flight found shortfalls (fix them, or set fleet.force: true):"
-                         "\n  " + "\n  ".join(f"{f.check}: {f.detail}" for f in short))
+    from fleet import preflight as fleet_preflight
+
+    try:
+        fleet_preflight.enforce(preflight(run, project), run.fields.fleet.force, say, fix="set fleet.force: true")
+    except fleet_preflight.PreflightError as exc:
+        raise CheckError(f"{run.file}: fleet: {exc}") from None
 
 
 def zones_offer(run: Run, project: str, clients=None) -> None:
