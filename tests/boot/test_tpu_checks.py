@@ -5,6 +5,9 @@ The rehearsal itself runs the same breakages on its real report (tests/boot/test
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import datetime as dt
 import time
 from pathlib import Path
@@ -51,3 +54,22 @@ def test_the_records_of_each_way_a_tpu_host_ends_raise_no_problem_of_their_own()
 
 def test_every_way_the_rehearsal_breaks_its_report_adds_a_problem():
     assert tpu_fleet.breakages(_report()) == []
+
+
+def test_a_self_deleted_queued_resource_counts_the_deletes_of_hosts_not_downs_404():
+    report = _report()
+    for i, host in enumerate(report.hosts):
+        host.api = types.SimpleNamespace(url=f"http://127.0.0.1:{1000 + i}")
+    nocode, single, operator = "127.0.0.1:1003", "127.0.0.1:1004", "127.0.0.1:2000"
+
+    def deleted_through(deletes):
+        lines = tpu_fleet.check(dataclasses.replace(report, qr_deletes=deletes))
+        return [line for line in lines if "deleted through" in line]
+
+    # Each from its host 0, then down's own (answered 404): no problem.
+    assert deleted_through([("slice16-nocode8-0000", nocode), ("slice16-single8-0000", single),
+                            ("slice16-nocode8-0000", operator), ("slice16-single8-0000", operator)]) == []
+    # Deleted twice by hosts, or only by down: each a problem.
+    assert deleted_through([("slice16-nocode8-0000", nocode), ("slice16-single8-0000", single),
+                            ("slice16-single8-0000", "127.0.0.1:1000")])
+    assert deleted_through([("slice16-nocode8-0000", nocode), ("slice16-single8-0000", operator)])
