@@ -588,6 +588,15 @@ def test_the_head_region_is_cut_for_ids_that_sort_before_any_letter(tmp_path):
     assert names(store, layout.SPLITS) == ["splits/A.json"]
 
 
+def test_each_region_a_batch_touched_is_cut_counting_its_own_tasks_only(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    for task_id in ("a", "b", "c", "d", "m", "n", "o", "p"):
+        store.create(layout.task_object(task_id), b"{}")
+    store.create(layout.split_object("m"), b"{}")  # regions [head, m) and [m, end), four tasks each
+    mark_regions(store, ["a", "m"], region_tasks=3)
+    assert names(store, layout.SPLITS) == ["splits/d.json", "splits/m.json", "splits/p.json"]
+
+
 def test_only_the_regions_a_batch_added_tasks_to_are_listed(tmp_path):
     store = Failing(tmp_path / "q", lambda m, n, s: None)
     for task_id in ("a", "b", "m", "n"):
@@ -610,6 +619,13 @@ def test_a_batch_landing_in_a_swept_region_unsweeps_it_and_no_other(tmp_path):
     assert names(store, layout.SWEPT) == ["swept/-.json", "swept/not-a-region.json.tmp"]
     mark_regions(store, ["a"])
     assert names(store, layout.SWEPT) == ["swept/not-a-region.json.tmp"]
+
+
+def test_the_head_regions_swept_marker_is_removed_for_ids_that_sort_before_any_letter(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    store.create(layout.swept_object(layout.HEAD), b"{}", metadata={"end": "m", "confirmed": "1"})
+    mark_regions(store, ["A"])
+    assert names(store, layout.SWEPT) == []
 
 
 def test_a_swept_marker_ending_at_the_batchs_first_id_stays(tmp_path):
