@@ -696,6 +696,7 @@ def test_nothing_stale_writes_no_prune_mark(tmp_path, caplog):
         assert prune_batches(store, OWN, 180.0) == 0
         assert layout.PRUNED not in batches(store)
         assert prune_batches(store, layout.batch_object("abcd"), 180.0) == 0  # its own marker is not listed
+        assert prune_batches(store, layout.task_object("a"), 180.0) == 0  # nor is a name outside batches/
     assert caplog.messages == []  # nothing to do is no failure
 
 
