@@ -10,6 +10,7 @@ import concurrent.futures
 import datetime as dt
 import hashlib
 import json
+import locale
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ import pytest
 from objectstore import NotFound, PreconditionFailed, StoreUnavailable
 from objectstore.local import LocalStore
 from taskqueue import layout
+from taskqueue.clock import Clock
 from taskqueue.submit import (
     PRUNE_EVERY_S,
     SubmitError,
@@ -96,6 +98,17 @@ def test_a_bad_line_is_named_with_its_number_and_what_is_wrong(tmp_path, text, m
     with pytest.raises(SubmitError) as caught:
         read_tasks(path)
     assert str(caught.value).startswith(f"{path}{message}") and caught.value.__cause__ is None
+
+
+def test_a_tasks_file_is_read_as_utf8_whatever_the_machines_locale(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes('{"id": "a", "prompt": "caf\u00e9"}\n'.encode())
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")  # a machine whose locale reads files as ASCII
+    try:
+        assert read_tasks(path) == [("a", b'{"id":"a","prompt":"caf\\u00e9"}')]
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
 
 
 def test_a_manifest_of_exactly_the_limit_is_read(tmp_path):
@@ -179,12 +192,84 @@ def test_many_refused_tasks_are_counted_and_the_first_three_named(tmp_path):
     urls = ", ".join(store.url(f"tasks/{t}.json") for t in "abc")
     assert str(caught.value).startswith(f"4 tasks already exist ({urls}, ...) with a different manifest")
     assert "The batch's other 1 tasks are submitted (1 created now)" in str(caught.value)
+    with pytest.raises(SubmitError) as caught:
+        run(store, None, tasks("a", "b", "c", v=3))
+    assert str(caught.value).startswith(f"3 tasks already exist ({urls}) with a different manifest")  # all three named
     store = LocalStore(tmp_path / "r")
     run(store, None, tasks("a", "a.5", v=1))
     with pytest.raises(SubmitError) as caught:
         run(store, None, tasks("a", "a.5", v=2))
     # In the order of the listings, where `a.5.json` comes before `a.json`.
     assert str(caught.value).startswith(f"2 tasks already exist ({store.url('tasks/a.5.json')}, {store.url('tasks/a.json')}) with")
+
+
+def test_a_batch_marker_spans_its_ids_in_the_listings_order(tmp_path):
+    """Workers and status compare the span with listed names, where `a.5.json` sorts before `a.json`."""
+    store = LocalStore(tmp_path / "q")
+    run(store, None, tasks("a", "a.5"))
+    assert batches(store)[batch_name(["a", "a.5"])] == {"first": "a.5", "last": "a", "tasks": "2", "state": "done"}
+
+
+class Crowded(LocalStore):
+    """Each create of a name under `prefix` waits until `crowd` creates were in flight at once (however
+    slowly the threads start), then `hold_s` more for one more than `crowd` (it never comes while no
+    more than `crowd` are sent at a time); `peak` is the most that were, `threads` the threads that
+    sent them."""
+
+    def __init__(self, path, prefix, crowd, hold_s=0.5):
+        super().__init__(path)
+        self.prefix, self.crowd, self.hold_s = prefix, crowd, hold_s
+        self.in_flight = self.peak = 0
+        self.threads: set[str] = set()
+        self._changed = threading.Condition()
+
+    def create(self, name, data, metadata=None):
+        if not name.startswith(self.prefix):
+            return super().create(name, data, metadata)
+        with self._changed:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+            self.threads.add(threading.current_thread().name)
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self.peak >= self.crowd, timeout=5)
+            self._changed.wait_for(lambda: self.in_flight > self.crowd, timeout=self.hold_s)
+        try:
+            return super().create(name, data, metadata)
+        finally:
+            with self._changed:
+                self.in_flight -= 1
+
+
+def test_a_submit_sends_sixteen_creates_at_a_time_and_no_more_than_parallel_on_a_larger_executor(tmp_path):
+    store = Crowded(tmp_path / "q", layout.TASKS, 16, hold_s=0.3)
+    assert submit(store, None, tasks(*[f"a{i:02}" for i in range(17)]), clock=Clock()).created == 17
+    assert store.peak == 16
+    store = Crowded(tmp_path / "r", layout.TASKS, 1, hold_s=0.2)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        submit(store, None, tasks("a", "b"), parallel=1, clock=Clock(), executor=pool)
+    assert store.peak == 1 and len(names(store, layout.TASKS)) == 2
+
+
+def test_a_submit_and_a_finish_by_hand_send_every_split_on_the_executor_they_are_given(tmp_path):
+    store = Crowded(tmp_path / "q", layout.SPLITS, crowd=1, hold_s=0)
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="given") as pool:
+        submit(store, None, tasks("a", "b", "c"), clock=Clock(), executor=pool, region_tasks=1)
+        store.create(layout.batch_object("x"), b"{}", metadata={"first": "d", "last": "f", "state": "running"})
+        for task_id in "def":
+            store.create(layout.task_object(task_id), b"{}")
+        finish_batch(store, "x", executor=pool, region_tasks=1)
+    assert names(store, layout.SPLITS) == [f"splits/{t}.json" for t in "bcdef"]
+    assert store.threads and {t.split("_")[0] for t in store.threads} == {"given"}
+
+
+def test_a_batch_finished_by_hand_sends_sixteen_splits_at_a_time(tmp_path):
+    store = Crowded(tmp_path / "q", layout.SPLITS, 16, hold_s=0.3)
+    ids = [f"a{i:02}" for i in range(18)]
+    for task_id in ids:
+        LocalStore.create(store, layout.task_object(task_id), b"{}")
+    store.create(layout.batch_object("x"), b"{}", metadata={"first": ids[0], "last": ids[-1], "state": "running"})
+    finish_batch(store, "x", region_tasks=1)
+    assert len(names(store, layout.SPLITS)) == 17 and store.peak == 16
 
 
 class Gapped(LocalStore):
@@ -195,6 +280,21 @@ def test_the_marker_is_finished_a_second_after_it_was_begun_and_no_sooner(tmp_pa
     clock = SetClock()
     run(Gapped(tmp_path / "q"), None, tasks("a"), clock=clock)
     assert clock.waits == [1.0]
+
+
+def test_the_finishing_write_waits_only_what_is_left_of_the_write_gap(tmp_path):
+    clock = SetClock()
+
+    class Slow(Failing):
+        same_object_write_gap_s = 1.0
+
+    def slow(method, name, store):
+        if method == "create" and name.startswith(layout.TASKS):
+            clock.now += 0.25  # the create took a quarter of a second
+        return None
+
+    run(Slow(tmp_path / "q", slow), None, tasks("a"), clock=clock)
+    assert clock.waits == [0.75]
 
 
 class Failing(LocalStore):
@@ -253,6 +353,18 @@ def test_a_create_that_fails_stops_the_submit_and_its_marker_is_finished_once_th
     assert [m for m in caplog.messages if m.startswith(f"event=batch_finished_after_failure batch={name} error=StoreUnavailable(")]
 
 
+def test_an_exit_raised_in_a_creates_thread_stops_the_submit_and_its_create_is_settled(tmp_path):
+    """A KeyboardInterrupt or SystemExit in the thread sending a create: the submitting thread raises
+    it, after sending that create again and finishing the marker, as for any failure."""
+    store = Failing(tmp_path / "q", once("create", "tasks/a.json", KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt) as caught:
+        run(store, None, tasks("a", "b"), parallel=2)
+    assert not getattr(caught.value, "__notes__", None)
+    assert names(store, layout.TASKS) == ["tasks/a.json"]  # a sent again; b never sent, the submit had stopped
+    assert batches(store)[batch_name(["a", "b"])] == {"first": "a", "last": "b", "tasks": "2", "state": "done",
+                                                      "gave_up": "KeyboardInterrupt"}  # fmt: skip
+
+
 def test_a_store_that_refuses_the_finishing_write_leaves_the_batch_running_and_says_how_to_finish_it(tmp_path, caplog):
     def fail(method, name, store):
         if method == "create" and name == "tasks/b.json":
@@ -286,6 +398,32 @@ def test_a_second_interrupt_while_waiting_says_so_in_the_note(tmp_path):
         submit(store, None, tasks("a"), clock=Interrupting(), executor=executor)
     executor.shutdown()
     assert "may be left running (interrupted again while its creates were in flight)" in caught.value.__notes__[0]
+
+
+def test_a_second_interrupt_ends_the_submit_at_once_and_leaves_the_create_in_flight_to_its_thread(tmp_path):
+    """Ctrl-C twice: the submit raises there and then; its own pool's thread ends with its create."""
+    answer, sent = threading.Event(), threading.Event()
+
+    def hang(method, name, store):
+        if method == "create" and name == "tasks/a.json":
+            sent.set()
+            answer.wait(5)
+        return None
+
+    class CtrlC(SetClock):
+        def wait(self, stop, seconds):
+            sent.wait(5)
+            raise KeyboardInterrupt
+
+    store = Failing(tmp_path / "q", hang)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            submit(store, None, tasks("a"), clock=CtrlC())
+        assert names(store, layout.TASKS) == []  # the create is still in flight
+    finally:
+        answer.set()
+    assert "may be left running (interrupted again while its creates were in flight)" in caught.value.__notes__[0]
+    assert batches(store)[batch_name(["a"])]["state"] == "running"
 
 
 def test_an_interrupt_while_a_create_is_in_flight_finishes_the_batch_only_once_that_create_is_answered(tmp_path):
@@ -446,6 +584,30 @@ def test_regions_are_cut_at_every_nth_task_of_each_region_the_batch_touched(tmp_
     assert len(names(store, layout.SPLITS)) == 3
 
 
+def test_the_head_region_is_cut_for_ids_that_sort_before_any_letter(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    run(store, None, tasks("0", "1", "A", "B"), region_tasks=2)
+    assert names(store, layout.SPLITS) == ["splits/A.json"]
+
+
+def test_each_region_a_batch_touched_is_cut_counting_its_own_tasks_only(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    for task_id in ("a", "b", "c", "d", "m", "n", "o", "p"):
+        store.create(layout.task_object(task_id), b"{}")
+    store.create(layout.split_object("m"), b"{}")  # regions [head, m) and [m, end), four tasks each
+    mark_regions(store, ["a", "m"], region_tasks=3)
+    assert names(store, layout.SPLITS) == ["splits/d.json", "splits/m.json", "splits/p.json"]
+
+
+def test_only_the_regions_a_batch_added_tasks_to_are_listed(tmp_path):
+    store = Failing(tmp_path / "q", lambda m, n, s: None)
+    for task_id in ("a", "b", "m", "n"):
+        store.create(layout.task_object(task_id), b"{}")
+    store.create(layout.split_object("m"), b"{}")
+    mark_regions(store, ["m"])  # the first id of region m: the head region before it is not listed
+    assert store.calls.count(("list", layout.TASKS)) == 1
+
+
 def test_a_batch_landing_in_a_swept_region_unsweeps_it_and_no_other(tmp_path):
     store = LocalStore(tmp_path / "q")
     for region, end in ((layout.HEAD, "m"), ("m", "t"), ("t", "")):
@@ -459,6 +621,13 @@ def test_a_batch_landing_in_a_swept_region_unsweeps_it_and_no_other(tmp_path):
     assert names(store, layout.SWEPT) == ["swept/-.json", "swept/not-a-region.json.tmp"]
     mark_regions(store, ["a"])
     assert names(store, layout.SWEPT) == ["swept/not-a-region.json.tmp"]
+
+
+def test_the_head_regions_swept_marker_is_removed_for_ids_that_sort_before_any_letter(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    store.create(layout.swept_object(layout.HEAD), b"{}", metadata={"end": "m", "confirmed": "1"})
+    mark_regions(store, ["A"])
+    assert names(store, layout.SWEPT) == []
 
 
 def test_a_swept_marker_ending_at_the_batchs_first_id_stays(tmp_path):
@@ -503,21 +672,34 @@ def aged(store, **ages):
 
 def test_a_submit_prunes_the_done_markers_older_than_the_keep_time_and_marks_the_cutoff(tmp_path, caplog):
     store = LocalStore(tmp_path / "q")
-    aged(store, own=0, old=181, edge=180, young=10, rold=1000)
+    aged(store, own=0, old=181, older=900, edge=180, young=10, rold=1000)
     with caplog.at_level(logging.INFO, logger="taskqueue.submit"):
-        assert prune_batches(store, OWN, 180.0) == 1
+        assert prune_batches(store, OWN, 180.0) == 2
     assert sorted(batches(store)) == ["batches/-pruned.json", OWN, "batches/edge.json", "batches/rold.json",
                                       "batches/young.json"]  # fmt: skip
     assert batches(store)[layout.PRUNED] == {"before": (T0 - dt.timedelta(seconds=180)).isoformat()}
-    assert "event=batches_pruned count=1" in caplog.messages
+    assert "event=batches_pruned count=2" in caplog.messages
 
 
-def test_nothing_stale_writes_no_prune_mark(tmp_path):
+def test_a_finished_submit_prunes_the_done_markers_its_keep_time_older_than_its_own(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    now = dt.datetime.now(dt.timezone.utc)
+    aged(store, old=0, young=0)
+    set_updated(store, "batches/old.json", now - dt.timedelta(seconds=120))
+    set_updated(store, "batches/young.json", now - dt.timedelta(seconds=30))
+    run(store, None, tasks("a"), batch_keep_s=60.0)
+    assert sorted(batches(store)) == [layout.PRUNED, batch_name(["a"]), "batches/young.json"]
+
+
+def test_nothing_stale_writes_no_prune_mark(tmp_path, caplog):
     store = LocalStore(tmp_path / "q")
     aged(store, own=0, young=10)
-    assert prune_batches(store, OWN, 180.0) == 0
-    assert layout.PRUNED not in batches(store)
-    assert prune_batches(store, layout.batch_object("gone"), 180.0) == 0  # its own marker is not listed
+    with caplog.at_level(logging.INFO, logger="taskqueue.submit"):
+        assert prune_batches(store, OWN, 180.0) == 0
+        assert layout.PRUNED not in batches(store)
+        assert prune_batches(store, layout.batch_object("abcd"), 180.0) == 0  # its own marker is not listed
+        assert prune_batches(store, layout.task_object("a"), 180.0) == 0  # nor is a name outside batches/
+    assert caplog.messages == []  # nothing to do is no failure
 
 
 def test_a_prune_mark_keeps_the_latest_cutoff_and_a_recent_prune_defers_the_next(tmp_path):
@@ -553,6 +735,37 @@ def test_the_spread_between_parallel_submitters_comes_from_the_batch_name(tmp_pa
     aged(store, **{"0000": 0})
     assert prune_batches(store, layout.batch_object("0000"), 180.0) == 1
     assert PRUNE_EVERY_S == 5.0
+
+
+def prunes_after(tmp_path, batch_hex, since_last_prune_s):
+    """How many markers a submit of batch `batch_hex` prunes, the last prune `since_last_prune_s` before its marker."""
+    store = LocalStore(tmp_path / f"{batch_hex}-{since_last_prune_s}")
+    aged(store, **{batch_hex: 0, "old": 500})
+    store.create(layout.PRUNED, b"{}", metadata={"before": T0.isoformat()})
+    set_updated(store, layout.PRUNED, T0 - dt.timedelta(seconds=since_last_prune_s))
+    return prune_batches(store, layout.batch_object(batch_hex), 180.0)
+
+
+@pytest.mark.parametrize(("batch_hex", "spread"), [("0" * 24, 0.0), ("8" + "0" * 23, 0.5), ("f" * 24, 0xFFFF / 0x10000)])
+def test_each_batch_prunes_once_its_share_of_between_one_and_two_prune_intervals_has_passed(tmp_path, batch_hex, spread):
+    """A batch's name (24 hex digits, as submit makes them) sets its wait, the same for every submit
+    of it: a prune interval times 1 + its first four digits / 0x10000."""
+    due = round(PRUNE_EVERY_S * (1 + spread), 6)
+    assert prunes_after(tmp_path, batch_hex, due) == 1
+    assert prunes_after(tmp_path, batch_hex, due - 0.001) == 0
+    assert prunes_after(tmp_path, batch_hex, 2 * PRUNE_EVERY_S) == 1
+
+
+def test_a_stale_marker_a_rerun_made_running_again_is_not_pruned(tmp_path):
+    def rerun(method, name, store):
+        if method == "delete" and name == "batches/old.json":  # listed done; running again before the delete
+            store.write(name, b"{}", if_generation=store.read(name).generation, metadata={"state": "running"})
+        return None
+
+    store = Failing(tmp_path / "q", rerun)
+    aged(store, own=0, old=500)
+    assert prune_batches(store, OWN, 180.0) == 0
+    assert batches(store)["batches/old.json"] == {"state": "running"}
 
 
 def test_a_prune_another_submit_is_doing_is_left_to_it_and_a_failing_one_costs_the_submit_nothing(tmp_path, caplog):
