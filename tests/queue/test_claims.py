@@ -211,19 +211,21 @@ def test_a_takeover_beside_a_marker_an_older_version_wrote_settles_it_and_learns
     the done markers ahead of it, so a21 and a22 are never taken over, even once their TTL is past."""
     ids = ids_of("a", 24)
     store, clock = queue(tmp_path, ids)
-    for task_id in ("a03", "a04", "a20"):
+    for task_id in ("a03", "a04", "a05", "a20"):
         lease(store, task_id, RELEASED)
     for task_id in ("a21", "a22"):
         lease(store, task_id, HELD, ttl_s=30.0)
         store.plain.create(layout.done_object(task_id), b"{}")
     store.plain.create(layout.done_object("a03"), b"{}", {"counters": '{"rows":3}'})
     store.plain.create(layout.failed_object("a04"), b"{}")
+    store.plain.create(layout.done_object("a05"), b"{}")  # a task that counted nothing
     claims = claimer(store, clock, seed=2)
     with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
         ran = run_all(claims, clock)
-    assert sorted(ran) == sorted(set(ids) - {"a03", "a04", "a21", "a22"}) and claims.exit_reason == "drained"
+    assert sorted(ran) == sorted(set(ids) - {"a03", "a04", "a05", "a21", "a22"}) and claims.exit_reason == "drained"
     assert (stored(store, "a03")["state"], stored(store, "a03")["worker"], stored(store, "a03").get("counters")) == (DONE, "w1", {"rows": 3})
     assert (stored(store, "a04")["state"], stored(store, "a04")["worker"]) == (DEAD, "w1")
+    assert (stored(store, "a05")["state"], "counters" in stored(store, "a05")) == (DONE, False)
     assert [(stored(store, t)["state"], stored(store, t)["worker"]) for t in ("a21", "a22")] == [(HELD, "w0")] * 2
     assert "event=tombstone task=a03 state=done previous_worker=w0" in caplog.messages
     assert "event=tombstone task=a04 state=dead previous_worker=w0" in caplog.messages
@@ -539,11 +541,13 @@ def test_a_claim_after_waiting_starts_the_backoff_again(tmp_path):
     assert 1.0 <= clock.waits[before] <= 2.0  # from the first wait again, not from where it had got to
 
 
-def test_a_worker_does_not_leave_idle_beside_a_lease_it_has_not_judged(tmp_path):
+def test_a_worker_does_not_leave_idle_beside_a_lease_it_has_not_judged(tmp_path, caplog):
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", HELD, ttl_s=30.0)  # its holder died: nobody renews it
     claims = claimer(store, clock, idle_timeout_s=5.0)
-    assert run_all(claims, clock) == ["a1"] and claims.exit_reason == "drained"
+    with caplog.at_level(logging.DEBUG, logger="taskqueue.claims"):
+        assert run_all(claims, clock) == ["a1"] and claims.exit_reason == "drained"
+    assert "event=idle_deferred unjudged=1 first=a1" in caplog.messages
 
 
 def test_a_worker_leaves_idle_beside_leases_it_saw_renew_once_the_idle_timeout_has_passed(tmp_path, caplog):
@@ -571,6 +575,29 @@ def test_the_last_look_before_leaving_idle_finds_a_task_no_poll_listed(tmp_path)
                        and store.plain.create(layout.task_object("a2"), b'{"id": "a2"}'))  # fmt: skip
     claim = next(walk)
     assert claim.task_id == "a2" and clock.now >= 120.0
+
+
+def test_news_found_by_the_last_look_keeps_the_worker_from_leaving_idle(tmp_path):
+    """A batch is submitted just before the last look lists batches/ (the poll of the same turn saw
+    nothing): the worker claims its task instead of leaving."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    listed, submitted = [], []
+
+    def submit_at_the_last_look(op, name):
+        if op == "list" and name == layout.BATCHES:
+            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not submitted:
+                store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+                store.plain.create(layout.split_object("c1"), b"{}")
+                store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "c1", "last": "c1", "tasks": "1"})
+                submitted.append(clock.now)
+            listed.append(clock.now)
+
+    store.hooks.append(submit_at_the_last_look)
+    claims = claimer(store, clock, idle_timeout_s=20.0)
+    claim = next(iter(claims), None)
+    assert submitted and claim is not None and claim.task_id == "c1", claims.exit_reason
 
 
 def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_worker_leaves(tmp_path):
