@@ -618,6 +618,19 @@ def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_work
     assert last_look >= 120.0 and claim.task_id == "a2" and clock.now >= last_look + 30.0
 
 
+@pytest.mark.parametrize("seed", [5, 6, 10])
+def test_a_waiting_worker_explores_a_region_it_never_loaded_long_before_its_last_look(tmp_path, seed):
+    """Regions a and b hold leases renewed by a live holder, region c a free task. With these seeds
+    the first move loads a and b (JUMP_TRIES) and finds nothing: the worker waits, and one of its
+    polls loads c, however long the idle timeout."""
+    store, clock = queue(tmp_path, ["a1", "b1", "c1"], splits=["b1", "c1"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claim = next(iter(claimer(store, clock, seed=seed, idle_timeout_s=600.0)))
+    assert claim.task_id == "c1" and clock.waits and clock.now < 200.0
+
+
 def test_news_of_a_batch_sends_a_waiting_worker_to_its_regions_within_a_poll(tmp_path):
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", HELD)
