@@ -631,6 +631,26 @@ def test_a_waiting_worker_explores_a_region_it_never_loaded_long_before_its_last
     assert claim.task_id == "c1" and clock.waits and clock.now < 200.0
 
 
+def test_a_waiting_worker_mostly_re_lists_the_leases_of_the_region_it_looked_at_longest_ago(tmp_path):
+    """Ten regions, each with one task held by a live holder; the view caches eight, so two are always
+    unwatched. Of a waiting worker's polls, about one in four loads a region it does not watch
+    (tasks and leases; 7 of 16 with this seed), the rest re-list the leases of the watched region
+    looked at longest ago."""
+    ids = [f"{c}1" for c in "abcdefghij"]
+    store, clock = queue(tmp_path, ids, splits=ids[1:])
+    for task_id in ids:
+        lease(store, task_id, HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, seed=7, idle_timeout_s=600.0)
+    store.hooks.insert(0, lambda op, name: len(clock.waits) == 13 and claims.stop())
+    assert list(claims) == []
+    polls = [(op, name) for op, name, t in store.requests if t > 100 and op == "list" and name.startswith((layout.TASKS, layout.LEASES))]
+    loads = sum(1 for op, name in polls if name.startswith(layout.TASKS))
+    assert 1 <= loads <= 0.6 * (len(polls) - loads), polls
+    refreshed = [name for op, name in polls if name.startswith(layout.LEASES)]
+    assert len(set(refreshed[:3])) == len(refreshed[:3])  # each re-list goes to another region
+
+
 def test_news_of_a_batch_sends_a_waiting_worker_to_its_regions_within_a_poll(tmp_path):
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", HELD)
