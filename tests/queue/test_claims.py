@@ -510,6 +510,21 @@ def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_regi
     assert nxt.startswith("a") == stays, nxt
 
 
+def test_a_move_skips_a_region_it_knows_has_nothing_to_claim(tmp_path):
+    """Region b's only task is held by a live holder; the worker loads b, then a, runs a's tasks and
+    moves: b is known to have nothing claimable, so the move does not re-list it (the first poll does)."""
+    store, clock = queue(tmp_path, ["a1", "a2", "a3", "b1"], splits=["b1"])
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, seed=1, idle_timeout_s=600.0)
+    store.hooks.insert(0, lambda op, name: len(clock.waits) >= 3 and claims.stop())
+    assert sorted(run_all(claims, clock)) == ["a1", "a2", "a3"]
+    listed = [name for op, name, t in store.requests if op == "list"]
+    first_poll = [k for k, name in enumerate(listed) if name == layout.BATCHES][1]
+    assert listed.index("tasks/b1.json") < listed.index("tasks/")  # b was loaded first
+    assert listed[:first_poll].count("leases/b1.json") == 1 and listed[first_poll + 1] == "leases/b1.json"
+
+
 # -- waiting and leaving --------------------------------------------------------------------------
 
 
