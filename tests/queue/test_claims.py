@@ -635,15 +635,17 @@ def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_work
 
 @pytest.mark.parametrize("seed", [5, 6, 10])
 def test_a_waiting_worker_explores_a_region_it_never_loaded_long_before_its_last_look(tmp_path, seed):
-    """Regions a and b hold leases renewed by a live holder, region c a free task. With these seeds
-    the first move loads a and b (JUMP_TRIES) and finds nothing: the worker waits, and one of its
-    polls loads c, however long the idle timeout."""
-    store, clock = queue(tmp_path, ["a1", "b1", "c1"], splits=["b1", "c1"])
+    """Regions a and b hold leases renewed by a live holder, region c twenty free tasks. With these
+    seeds the first move loads a and b (JUMP_TRIES) and finds nothing: the worker waits, and one of
+    its polls loads c, however long the idle timeout, and lands in the middle of it (only the start's
+    move lands at a random spot of an untouched region)."""
+    store, clock = queue(tmp_path, ["a1", "b1"] + ids_of("c", 20), splits=["b1", "c00"])
     lease(store, "a1", HELD)
     lease(store, "b1", HELD)
     store.hooks.append(renewing(store))
     claim = next(iter(claimer(store, clock, seed=seed, idle_timeout_s=600.0)))
-    assert claim.task_id == "c1" and clock.waits and clock.now < 200.0
+    assert claim.task_id.startswith("c") and clock.waits and clock.now < 200.0
+    assert 5 <= int(claim.task_id[1:]) <= 15
 
 
 def test_a_waiting_worker_mostly_re_lists_the_leases_of_the_region_it_looked_at_longest_ago(tmp_path):
