@@ -669,8 +669,11 @@ def test_a_waiting_worker_mostly_re_lists_the_leases_of_the_region_it_looked_at_
 
 
 def test_news_of_a_batch_sends_a_waiting_worker_to_its_regions_within_a_poll(tmp_path):
-    store, clock = queue(tmp_path, ["a1"])
+    """Regions a and b are held by a live holder; a batch adds region c while the worker waits: the
+    next poll's listing of batches/ sends it to the regions the batch met, without another wait."""
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
     lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
     store.hooks.append(renewing(store))
     claims = claimer(store, clock, idle_timeout_s=600.0)
     submitted = []
@@ -687,6 +690,10 @@ def test_news_of_a_batch_sends_a_waiting_worker_to_its_regions_within_a_poll(tmp
     claim = next(iter(claims))
     (at, waits), = submitted
     assert claim.task_id == "c1" and len(clock.waits) == waits  # no wait between the news and the claim
+    since = [name for op, name, t in store.requests if op == "list" and t >= at]
+    assert since.count(layout.BATCHES) == 1  # the news is listed once: the map after it is listed without batches/
+    # a's region is no news (b's is: before the batch's split was listed, b ran to the keyspace's end)
+    assert layout.TASKS not in since and layout.LEASES not in since
 
 
 def test_a_worker_is_not_drained_while_a_batch_begins_between_its_two_listings_of_batches(tmp_path):
