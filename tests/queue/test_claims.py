@@ -159,6 +159,8 @@ def test_a_worker_claims_every_task_once_then_leaves_drained_with_every_region_s
     assert claims.exit_reason == "drained"
     assert {e.name for e in list_of(store, layout.SWEPT)} == {"swept/-.json", "swept/b1.json"}
     assert not any(op == "read" and name.startswith(layout.TASKS) for op, name, _ in store.requests)  # from the listing
+    creates = [name for op, name, _ in store.requests if op == "create" and name.startswith(layout.LEASES)]
+    assert sorted(creates) == sorted(set(creates)) and len(creates) == 5  # a task it finished is never claimed again
 
 
 def test_a_first_claim_creates_the_lease_whose_generation_is_its_token(tmp_path, caplog):
@@ -696,14 +698,17 @@ def test_news_of_a_batch_sends_a_waiting_worker_to_its_regions_within_a_poll(tmp
     assert layout.TASKS not in since and layout.LEASES not in since
 
 
-def test_a_worker_is_not_drained_while_a_batch_begins_between_its_two_listings_of_batches(tmp_path):
+@pytest.mark.parametrize("before", [layout.SPLITS, layout.BATCHES])
+def test_a_worker_is_not_drained_while_a_batch_begins_during_its_drained_check(tmp_path, before):
+    """The drained check lists batches/, then the map, then batches/ again. A submit begins between
+    the two listings of batches/ (a marker that changed), or just before the first (a batch running
+    in both: the map shows its region open)."""
     store, clock = queue(tmp_path, ["a1"])
     plain = LocalStore(tmp_path / "q")
     begun = []
 
     def begin_during_the_drained_check(op, name):
-        # the drained check lists batches/, then splits/: a submit begins in between
-        if op == "list" and name == layout.SPLITS and list_of(store, layout.SWEPT) and not begun:
+        if op == "list" and name == before and list_of(store, layout.SWEPT) and not begun:
             plain.create(layout.batch_object("b"), b"{}", {"state": "running", "first": "a2", "last": "a2", "tasks": "1"})
             plain.create(layout.task_object("a2"), b'{"id": "a2"}')
             begun.append(clock.now)
