@@ -192,7 +192,8 @@ def test_the_done_check_of_a_takeover_is_one_page_of_done_markers_from_the_task_
     lease(store, "a1", RELEASED)
     claim = next(iter(claimer(store, clock)))
     assert claim.task_id == "a1"
-    assert [p for p in store.pages if p[0].startswith((layout.DONE, layout.FAILED))] == [("done/a1.json", 64), ("failed/a1.json", 1)]
+    checks = [page for page in store.pages if page[0].startswith((layout.DONE, layout.FAILED))]
+    assert checks == [("done/a1.json", 64), ("failed/a1.json", 1)]
 
 
 def test_a_held_lease_is_stolen_only_once_watched_unchanged_for_its_ttl(tmp_path, caplog):
@@ -225,7 +226,8 @@ def test_a_takeover_beside_a_marker_an_older_version_wrote_settles_it_and_learns
     with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
         ran = run_all(claims, clock)
     assert sorted(ran) == sorted(set(ids) - {"a03", "a04", "a05", "a21", "a22"}) and claims.exit_reason == "drained"
-    assert (stored(store, "a03")["state"], stored(store, "a03")["worker"], stored(store, "a03").get("counters")) == (DONE, "w1", {"rows": 3})
+    a03 = stored(store, "a03")
+    assert (a03["state"], a03["worker"], a03.get("counters")) == (DONE, "w1", {"rows": 3})
     assert (stored(store, "a04")["state"], stored(store, "a04")["worker"]) == (DEAD, "w1")
     assert (stored(store, "a05")["state"], "counters" in stored(store, "a05")) == (DONE, False)
     assert [(stored(store, t)["state"], stored(store, t)["worker"]) for t in ("a21", "a22")] == [(HELD, "w0")] * 2
@@ -663,7 +665,8 @@ def test_a_waiting_worker_mostly_re_lists_the_leases_of_the_region_it_looked_at_
     claims = claimer(store, clock, seed=7, idle_timeout_s=600.0)
     store.hooks.insert(0, lambda op, name: len(clock.waits) == 13 and claims.stop())
     assert list(claims) == []
-    polls = [(op, name) for op, name, t in store.requests if t > 100 and op == "list" and name.startswith((layout.TASKS, layout.LEASES))]
+    polls = [(op, name) for op, name, t in store.requests
+             if t > 100 and op == "list" and name.startswith((layout.TASKS, layout.LEASES))]  # fmt: skip
     loads = sum(1 for op, name in polls if name.startswith(layout.TASKS))
     assert 1 <= loads <= 0.6 * (len(polls) - loads), polls
     refreshed = [name for op, name in polls if name.startswith(layout.LEASES)]
