@@ -1,0 +1,776 @@
+"""taskqueue.claims on its own: what a worker claims, how it takes over a lease, where it walks, when it
+waits and when it leaves (docs/PROTOCOL.md, "Claim").
+
+In-process, on a local store and a clock the test sets, so that mutation testing (`make mutants`)
+reaches every branch of the Claimer in a second or two per mutant. Where another worker must write
+between two of the Claimer's requests, or a request must fail, a hook of the store does it
+(`Hooked`); time moves only when the Claimer waits (`SetClock`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from objectstore import StoreError, StoreUnavailable
+from objectstore.base import MAX_LIST_PAGE
+from objectstore.local import LocalStore
+from taskqueue import layout
+from taskqueue.claims import Claimer, ClaimOptions, default_poll_max
+from taskqueue.lease import DEAD, DONE, HELD, RELEASED, LeaseLost, encode, new_lease_body
+from tests.queue.test_lease import SetClock
+
+
+class Hooked(LocalStore):
+    """A local store that logs every request of the code under test, with the test's clock, and runs
+    the test's hooks before it: another worker's write between two of ours, or a failure. Hooks
+    and the test's own setup go through `plain`, the same queue unlogged and unhooked."""
+
+    def __init__(self, path, clock: SetClock):
+        super().__init__(path)
+        self.plain = LocalStore(path)
+        self.clock = clock
+        self.hooks: list = []
+        self.requests: list[tuple[str, str, float]] = []  # (operation, name or prefix + offset, when)
+        self.pages: list[tuple[str, int]] = []  # (prefix + offset, page size) of each listing
+        self.splits_page = MAX_LIST_PAGE
+
+    def _hook(self, op: str, name: str) -> None:
+        self.requests.append((op, name, self.clock.now))
+        for hook in list(self.hooks):
+            hook(op, name)
+
+    def read(self, name):
+        self._hook("read", name)
+        return super().read(name)
+
+    def create(self, name, data, metadata=None):
+        self._hook("create", name)
+        return super().create(name, data, metadata)
+
+    def write(self, name, data, if_generation, metadata=None):
+        self._hook("write", name)
+        return super().write(name, data, if_generation, metadata)
+
+    def delete(self, name, if_generation=None):
+        self._hook("delete", name)
+        return super().delete(name, if_generation)
+
+    def list_page(self, prefix, page_token=None, start_offset=None, page_size=MAX_LIST_PAGE, end_offset=None):
+        self._hook("list", prefix + (start_offset or "")[len(prefix):])
+        self.pages.append((start_offset or prefix, page_size))
+        if prefix == layout.SPLITS:
+            page_size = min(page_size, self.splits_page)  # a map of many pages without a thousand regions
+        return super().list_page(prefix, page_token, start_offset, page_size, end_offset)
+
+    def count(self, op: str, name: str) -> int:
+        return sum(1 for o, n, _ in self.requests if o == op and n == name)
+
+
+def queue(tmp_path, ids, splits=(), manifests=True) -> tuple[Hooked, SetClock]:
+    clock = SetClock()
+    store = Hooked(tmp_path / "q", clock)
+    for task_id in ids:
+        manifest = json.dumps({"id": task_id})
+        store.plain.create(layout.task_object(task_id), manifest.encode(),
+                          {"manifest": manifest} if manifests else None)  # fmt: skip
+    for task_id in splits:
+        store.plain.create(layout.split_object(task_id), b"{}")
+    return store, clock
+
+
+def list_of(store, prefix):
+    return list(store.plain.list(prefix))
+
+
+def claimer(store, clock, seed=1, **options) -> Claimer:
+    options = {"worker": "w1", "lease_ttl_s": 30.0, "idle_timeout_s": 60.0, "poll_min_s": 1.0, "poll_max_s": 8.0, **options}
+    return Claimer(store, ClaimOptions(seed=seed, **options), clock)
+
+
+def lease(store, task_id, state=HELD, worker="w0", ttl_s=30.0, **fields) -> int:
+    """Another worker's lease, as its last write left it."""
+    data, metadata = encode({**new_lease_body(task_id, worker, ttl_s, SetClock()), "state": state, **fields})
+    return store.plain.create(layout.lease_object(task_id), data, metadata)
+
+
+def rewrite(store, task_id, **changes) -> int:
+    """Another worker's write of a lease at its current generation (a heartbeat, a takeover, a tombstone)."""
+    current = store.plain.read(layout.lease_object(task_id))
+    data, metadata = encode({**json.loads(current.data), **changes})
+    return store.plain.write(layout.lease_object(task_id), data, current.generation, metadata)
+
+
+def stored(store, task_id) -> dict:
+    return json.loads(store.plain.read(layout.lease_object(task_id)).data)
+
+
+def run_all(claims: Claimer, clock, limit=50) -> list[str]:
+    """Claim and complete everything the Claimer yields; the ids in claim order."""
+    ran = []
+    for claim in claims:
+        ran.append(claim.task_id)
+        claim.lease.complete([], clock.now)
+        assert len(ran) <= limit, f"claimed {ran}"
+    return ran
+
+
+def renewing(store, worker="w0"):
+    """A hook: the live holder `worker` renews its held leases before every listing of leases/."""
+
+    def hook(op, name):
+        if op == "list" and name.startswith(layout.LEASES):
+            for entry in store.plain.list(layout.LEASES):
+                if entry.metadata.get("worker") == worker and entry.metadata.get("state") == HELD:
+                    rewrite(store, layout.id_from_object(entry.name, layout.LEASES), heartbeat_at=str(store.clock.now))
+
+    return hook
+
+
+def failing(op, name, error, times=1):
+    """A hook: the next `times` requests `op` on `name` fail with `error`."""
+    left = [times]
+
+    def hook(o, n):
+        if o == op and n == name and left[0] > 0:
+            left[0] -= 1
+            raise error
+
+    return hook
+
+
+def ids_of(prefix, n) -> list[str]:
+    return [f"{prefix}{k:02d}" for k in range(n)]
+
+
+# -- claiming -------------------------------------------------------------------------------------
+
+
+def test_a_worker_claims_every_task_once_then_leaves_drained_with_every_region_swept(tmp_path):
+    store, clock = queue(tmp_path, ["a1", "a2", "a3", "b1", "b2"], splits=["b1"])
+    claims = claimer(store, clock)
+    seen = []
+    for claim in claims:
+        assert claim.manifest == {"id": claim.task_id} and claim.problem is None
+        seen.append(claim.task_id)
+        claim.lease.complete([], clock.now)
+    assert sorted(seen) == ["a1", "a2", "a3", "b1", "b2"]
+    assert claims.exit_reason == "drained"
+    assert {e.name for e in list_of(store, layout.SWEPT)} == {"swept/-.json", "swept/b1.json"}
+    assert not any(op == "read" and name.startswith(layout.TASKS) for op, name, _ in store.requests)  # from the listing
+    creates = [name for op, name, _ in store.requests if op == "create" and name.startswith(layout.LEASES)]
+    assert sorted(creates) == sorted(set(creates)) and len(creates) == 5  # a task it finished is never claimed again
+
+
+def test_a_first_claim_creates_the_lease_whose_generation_is_its_token(tmp_path, caplog):
+    store, clock = queue(tmp_path, ["a1"])
+    with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
+        claim = next(iter(claimer(store, clock, lease_ttl_s=45.0)))
+    current = store.plain.read(layout.lease_object("a1"))
+    assert claim.lease.generation == claim.lease.token == current.generation
+    body = json.loads(current.data)
+    assert (body["state"], body["worker"], body["ttl_s"], body["attempt"], body["takeovers"]) == (HELD, "w1", 45.0, 1, 0)
+    assert f"event=claimed task=a1 token={current.generation} attempt=1" in caplog.messages
+    assert claim.lease.last_write == 100.0
+
+
+def test_a_released_lease_is_taken_over_at_once_with_its_errors_and_progress(tmp_path, caplog):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", RELEASED, errors=[{"attempt": 1, "exit_code": 1}], progress=[{"shard": 0}], attempt=2)
+    with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
+        claim = next(iter(claimer(store, clock)))
+    body = stored(store, "a1")
+    assert (claim.task_id, body["state"], body["worker"], body["attempt"], body["takeovers"]) == ("a1", HELD, "w1", 2, 0)
+    assert body["errors"] == [{"attempt": 1, "exit_code": 1}] and body["progress"] == [{"shard": 0}]
+    assert clock.waits == [] and store.count("create", layout.lease_object("a1")) == 0
+    assert f"event=takeover task=a1 token={claim.lease.token} attempt=2 previous_worker=w0 committed=1" in caplog.messages
+
+
+def test_the_done_check_of_a_takeover_is_one_page_of_done_markers_from_the_task_on_and_one_dead_letter(tmp_path):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", RELEASED)
+    claim = next(iter(claimer(store, clock)))
+    assert claim.task_id == "a1"
+    checks = [page for page in store.pages if page[0].startswith((layout.DONE, layout.FAILED))]
+    assert checks == [("done/a1.json", 64), ("failed/a1.json", 1)]
+
+
+def test_a_held_lease_is_stolen_only_once_watched_unchanged_for_its_ttl(tmp_path, caplog):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD, ttl_s=30.0)
+    with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
+        claim = next(iter(claimer(store, clock, idle_timeout_s=5.0)))
+    assert claim.task_id == "a1" and claim.lease.body["takeovers"] == 1 and claim.lease.body["worker"] == "w1"
+    writes = [t for op, name, t in store.requests if op == "write" and name == layout.lease_object("a1")]
+    assert writes and writes[0] >= 130.0 and clock.now < 130.0 + 8.0  # within a poll of the expiry
+    assert any(m.startswith("event=steal task=a1 ") and "previous_worker=w0" in m for m in caplog.messages)
+
+
+def test_a_takeover_beside_a_marker_an_older_version_wrote_settles_it_and_learns_the_markers_ahead(tmp_path, caplog):
+    """An older version wrote the marker first and the tombstone after; its holders died in between:
+    a03 released beside its done marker, a04 beside its dead letter, a21 and a22 held beside their
+    done markers. a03 and a04 are settled as tombstones, never run; a20's takeover (no marker) lists
+    the done markers ahead of it, so a21 and a22 are never taken over, even once their TTL is past."""
+    ids = ids_of("a", 24)
+    store, clock = queue(tmp_path, ids)
+    for task_id in ("a03", "a04", "a05", "a20"):
+        lease(store, task_id, RELEASED)
+    for task_id in ("a21", "a22"):
+        lease(store, task_id, HELD, ttl_s=30.0)
+        store.plain.create(layout.done_object(task_id), b"{}")
+    store.plain.create(layout.done_object("a03"), b"{}", {"counters": '{"rows":3}'})
+    store.plain.create(layout.failed_object("a04"), b"{}")
+    store.plain.create(layout.done_object("a05"), b"{}")  # a task that counted nothing
+    claims = claimer(store, clock, seed=2)
+    with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
+        ran = run_all(claims, clock)
+    assert sorted(ran) == sorted(set(ids) - {"a03", "a04", "a05", "a21", "a22"}) and claims.exit_reason == "drained"
+    a03 = stored(store, "a03")
+    assert (a03["state"], a03["worker"], a03.get("counters")) == (DONE, "w1", {"rows": 3})
+    assert (stored(store, "a04")["state"], stored(store, "a04")["worker"]) == (DEAD, "w1")
+    assert (stored(store, "a05")["state"], "counters" in stored(store, "a05")) == (DONE, False)
+    assert [(stored(store, t)["state"], stored(store, t)["worker"]) for t in ("a21", "a22")] == [(HELD, "w0")] * 2
+    assert "event=tombstone task=a03 state=done previous_worker=w0" in caplog.messages
+    assert "event=tombstone task=a04 state=dead previous_worker=w0" in caplog.messages
+
+
+def test_a_done_check_that_fails_gives_the_lease_back_and_raises(tmp_path):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", RELEASED)
+    store.hooks.append(failing("list", "done/a1.json", StoreError("done/: refused")))
+    with pytest.raises(StoreError, match="refused"):
+        next(iter(claimer(store, clock)))
+    assert (stored(store, "a1")["state"], stored(store, "a1")["worker"]) == (RELEASED, "w1")
+
+
+def test_a_give_back_that_fails_too_is_logged_and_the_done_checks_error_raised(tmp_path, caplog):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", RELEASED)
+    store.hooks.append(failing("list", "done/a1.json", StoreError("done/: refused")))
+    writes = [0]
+
+    def second_write_fails(op, name):
+        if op == "write" and name == layout.lease_object("a1"):
+            writes[0] += 1
+            if writes[0] == 2:
+                raise StoreError("leases/: refused")
+
+    store.hooks.append(second_write_fails)
+    with caplog.at_level(logging.WARNING, logger="taskqueue.claims"), pytest.raises(StoreError, match="done/: refused"):
+        next(iter(claimer(store, clock)))
+    assert "event=release_failed task=a1" in caplog.messages
+    assert (stored(store, "a1")["state"], stored(store, "a1")["worker"]) == (HELD, "w1")  # it expires after its TTL
+
+
+def test_a_lease_renewed_between_its_listing_and_the_read_is_watched_a_whole_ttl_again(tmp_path):
+    """The dead-looking holder renewed once more just before the steal's read, then died: the worker
+    must watch that new generation for a whole TTL, and must not leave idle meanwhile."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD, ttl_s=30.0)
+    renewed = []
+
+    def renew_before_the_first_read(op, name):
+        if op == "read" and name == layout.lease_object("a1") and not renewed:
+            renewed.append((rewrite(store, "a1", heartbeat_at="late"), clock.now))
+
+    store.hooks.append(renew_before_the_first_read)
+    claim = next(iter(claimer(store, clock, idle_timeout_s=5.0)))
+    (generation, at), = renewed
+    assert at >= 130.0
+    writes = [t for op, name, t in store.requests if op == "write" and name == layout.lease_object("a1")]
+    assert writes[0] >= at + 30.0 and claim.lease.body["takeovers"] == 1
+    assert claim.lease.token > generation
+
+
+def test_a_lease_gone_before_the_read_is_created_afresh(tmp_path):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", RELEASED)
+    gone = []
+
+    def delete_before_the_read(op, name):
+        if op == "read" and name == layout.lease_object("a1") and not gone:
+            gone.append(store.plain.delete(name))
+
+    store.hooks.append(delete_before_the_read)
+    claim = next(iter(claimer(store, clock)))
+    assert claim.task_id == "a1" and claim.lease.body["attempt"] == 1 and clock.waits == []
+    assert store.count("create", layout.lease_object("a1")) == 1 and store.count("read", layout.lease_object("a1")) == 1
+
+
+def test_a_lease_finished_between_its_listing_and_the_read_is_never_written(tmp_path):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", RELEASED)
+    store.hooks.append(lambda op, name: op == "read" and stored(store, "a1")["state"] == RELEASED
+                       and rewrite(store, "a1", state=DONE, worker="w0"))  # fmt: skip
+    claims = claimer(store, clock)
+    assert list(claims) == [] and claims.exit_reason == "drained"
+    assert (stored(store, "a1")["state"], stored(store, "a1")["worker"]) == (DONE, "w0")
+    assert store.count("write", layout.lease_object("a1")) == 0
+
+
+def test_a_takeover_that_loses_the_race_claims_nothing(tmp_path):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", RELEASED)
+    store.hooks.append(lambda op, name: op == "write" and stored(store, "a1")["state"] == RELEASED
+                       and rewrite(store, "a1", state=DONE, worker="w9"))  # fmt: skip
+    claims = claimer(store, clock)
+    assert list(claims) == [] and claims.exit_reason == "drained"
+    assert (stored(store, "a1")["state"], stored(store, "a1")["worker"]) == (DONE, "w9")
+
+
+def test_a_create_that_collides_leaves_the_task_to_its_holder_and_judges_it_before_leaving_idle(tmp_path, caplog):
+    """Another worker created the lease between our listing and our create, then died: the worker
+    claims the other task, never leaves idle beside the dead holder's lease (its placeholder is no
+    renewal), and steals it once it has watched it unchanged for its TTL."""
+    store, clock = queue(tmp_path, ["a1", "a2"])
+    collided = []
+
+    def create_first(op, name):
+        if op == "create" and name.startswith(layout.LEASES) and not collided:
+            collided.append((layout.id_from_object(name, layout.LEASES), clock.now))
+            lease(store, collided[0][0], HELD, worker="w9", ttl_s=30.0)
+
+    store.hooks.append(create_first)
+    claims = claimer(store, clock, idle_timeout_s=5.0)
+    with caplog.at_level(logging.DEBUG, logger="taskqueue.claims"):
+        ran = run_all(claims, clock)
+    (task_id, at), = collided
+    assert f"event=claim_collision task={task_id}" in caplog.messages
+    assert ran == [({"a1", "a2"} - {task_id}).pop(), task_id] and claims.exit_reason == "drained"
+    writes = [t for op, name, t in store.requests if op == "write" and name == layout.lease_object(task_id)]
+    assert writes[0] >= at + 30.0 and store.count("create", layout.lease_object(task_id)) == 1
+
+
+# -- what a worker did itself --------------------------------------------------------------------
+
+
+def test_a_task_the_worker_released_itself_is_taken_over_not_created_again(tmp_path, caplog):
+    store, clock = queue(tmp_path, ["a1"])
+    claims = claimer(store, clock)
+    walk = iter(claims)
+    next(walk).lease.release(error={"attempt": 1, "exit_code": 1})
+    with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
+        again = next(walk)
+    assert again.task_id == "a1" and again.lease.body["attempt"] == 2 and clock.waits == []
+    assert store.count("create", layout.lease_object("a1")) == 1 and store.count("read", layout.lease_object("a1")) == 1
+    assert any(m.startswith("event=takeover task=a1 ") for m in caplog.messages)
+
+
+def test_a_tombstone_whose_write_failed_leaves_the_task_held_until_a_ttl_after_that_write(tmp_path):
+    """The `done` write went unanswered: the worker does not count the task finished, nor claim it
+    again while its own last confirmed write is live; a TTL after that write it steals it back."""
+    store, clock = queue(tmp_path, ["a1"])
+    walk = iter(claimer(store, clock, idle_timeout_s=5.0))
+    first = next(walk)
+    clock.now += 10.0
+    first.lease.heartbeat()  # its last confirmed write: sent at 110
+    store.hooks.append(failing("write", layout.lease_object("a1"), StoreUnavailable("leases/a1.json: no answer")))
+    with pytest.raises(StoreUnavailable):
+        first.lease.complete([], clock.now)
+    again = next(walk)
+    writes = [t for op, name, t in store.requests if op == "write" and name == layout.lease_object("a1")]
+    assert again.task_id == "a1" and writes[-1] >= 140.0 and again.lease.body["takeovers"] == 1
+
+
+def test_a_task_the_worker_lost_is_its_thiefs(tmp_path):
+    store, clock = queue(tmp_path, ["a1", "a2"])
+    walk = iter(claimer(store, clock, seed=3))
+    first = next(walk)
+    rewrite(store, first.task_id, worker="thief")  # stolen while this worker was frozen
+    with pytest.raises(LeaseLost):
+        first.lease.heartbeat()
+    rest = next(walk)
+    assert rest.task_id != first.task_id
+    rest.lease.complete([], clock.now)
+    rewrite(store, first.task_id, state=DONE)  # the thief finishes it
+    assert list(walk) == []
+
+
+# -- manifests ------------------------------------------------------------------------------------
+
+
+def test_a_manifest_rides_in_the_listing_or_is_read_and_a_bad_one_is_a_problem_named_not_an_error(tmp_path):
+    store, clock = queue(tmp_path, [], manifests=False)
+    plain = LocalStore(tmp_path / "q")
+    plain.create(layout.task_object("m1"), json.dumps({"id": "m1", "n": 1}).encode())  # no copy in the listing
+    plain.create(layout.task_object("m2"), b"{not json")
+    plain.create(layout.task_object("m3"), json.dumps({"id": "m3", "pad": "x" * layout.MAX_MANIFEST_BYTES}).encode())
+    plain.create(layout.task_object("m4"), json.dumps({"id": "m4"}).encode())
+    store.hooks.append(lambda op, name: op == "read" and name == layout.task_object("m4") and plain.delete(name))
+    claims = {}
+    for claim in claimer(store, clock):
+        claims[claim.task_id] = claim
+        claim.lease.complete([], clock.now)
+    assert claims["m1"].manifest == {"id": "m1", "n": 1} and claims["m1"].problem is None
+    assert claims["m2"].manifest is None and claims["m2"].problem.startswith(store.url("tasks/m2.json") + ": ")
+    size = len(json.dumps({"id": "m3", "pad": "x" * layout.MAX_MANIFEST_BYTES}))
+    assert claims["m3"].problem == f"{store.url('tasks/m3.json')}: manifest is {size} bytes, over the 65536-byte limit"
+    assert claims["m4"].problem == f"{store.url('tasks/m4.json')}: manifest object is missing"
+    assert store.count("read", layout.task_object("m3")) == 0  # too big: known from the listing's size
+    assert all(claims[t].lease.body["state"] == DONE for t in claims)
+
+
+def test_a_manifest_that_cannot_be_read_now_gives_the_task_back(tmp_path):
+    store, clock = queue(tmp_path, ["m1"], manifests=False)
+    store.hooks.append(failing("read", layout.task_object("m1"), StoreError("tasks/m1.json: refused")))
+    with pytest.raises(StoreError, match="refused"):
+        next(iter(claimer(store, clock)))
+    assert (stored(store, "m1")["state"], stored(store, "m1")["worker"]) == (RELEASED, "w1")
+
+
+def test_a_manifest_of_exactly_the_limit_is_read(tmp_path):
+    store, clock = queue(tmp_path, [], manifests=False)
+    text = json.dumps({"id": "m1", "pad": ""})
+    text = json.dumps({"id": "m1", "pad": "x" * (layout.MAX_MANIFEST_BYTES - len(text))})
+    assert len(text) == layout.MAX_MANIFEST_BYTES
+    store.plain.create(layout.task_object("m1"), text.encode())
+    claim = next(iter(claimer(store, clock)))
+    assert claim.problem is None and claim.manifest["id"] == "m1"
+
+
+# -- where a worker walks -------------------------------------------------------------------------
+
+
+def first_claims(tmp_path, ids, prepare, seeds) -> list[int]:
+    """The index of each seed's first claim in a fresh copy of the queue."""
+    store, clock = queue(tmp_path, ids)
+    prepare(store)
+    found = []
+    for seed in seeds:
+        task_id = next(iter(claimer(store, clock, seed=seed))).task_id
+        found.append(ids.index(task_id))
+        store.plain.delete(layout.lease_object(task_id))  # the queue as it was, for the next seed
+    return found
+
+
+def test_workers_starting_in_an_untouched_region_start_anywhere_in_it(tmp_path):
+    found = first_claims(tmp_path, ids_of("a", 20), lambda store: None, range(25))
+    assert min(found) <= 2 and max(found) >= 17 and len(set(found)) >= 12
+
+
+def test_otherwise_a_worker_lands_near_the_middle_of_the_longest_run_of_claimable_tasks(tmp_path):
+    ids = ids_of("a", 40)
+
+    def tombstones_at_5_and_30(store):  # runs: 0-4, 6-29 (24 tasks), 31-39
+        lease(store, "a05", DONE)
+        lease(store, "a30", DONE)
+
+    found = first_claims(tmp_path, ids, tombstones_at_5_and_30, range(30))
+    assert min(found) == 12 and max(found) == 24  # 6 + 24 // 2, give or take 24 // 4
+
+
+def test_of_two_runs_as_long_the_first_is_taken(tmp_path):
+    ids = ids_of("a", 21)
+    found = first_claims(tmp_path, ids, lambda store: lease(store, "a10", DONE), range(20))  # runs 0-9 and 11-20
+    assert min(found) == 3 and max(found) == 7
+
+
+def test_a_worker_walks_forward_claiming_the_next_task_each_time(tmp_path):
+    store, clock = queue(tmp_path, ids_of("a", 30))
+    walk = iter(claimer(store, clock, seed=4))
+    ran = []
+    for claim in walk:
+        ran.append(int(claim.task_id[1:]))
+        claim.lease.complete([], clock.now)
+        if len(ran) == 5:
+            break
+    assert ran == list(range(ran[0], ran[0] + 5)) and ran[0] <= 25
+
+
+def test_past_a_stretch_someone_else_holds_the_walk_lands_in_the_middle_of_the_run_beyond(tmp_path):
+    """a20 is held (live): the worker lands in 0-19, walks to a19, then goes to the middle of 21-39,
+    not to a21 just behind the holder."""
+    ids = ids_of("a", 40)
+    store, clock = queue(tmp_path, ids)
+    lease(store, "a20", HELD)
+    walk = iter(claimer(store, clock, seed=5))
+    ran = []
+    for claim in walk:
+        ran.append(ids.index(claim.task_id))
+        claim.lease.complete([], clock.now)
+        if ran[-1] == 19 or len(ran) > 30:
+            break
+    assert 5 <= ran[0] <= 15 and ran == list(range(ran[0], 20))
+    assert 26 <= ids.index(next(walk).task_id) <= 34
+
+
+@pytest.mark.parametrize("beyond, stays", [(16, True), (15, False)])
+def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_region(tmp_path, beyond, stays):
+    """Region a: a00-a19 free, a20 held, then `beyond` free tasks; region b: ten free tasks."""
+    ids = ids_of("a", 21 + beyond)
+    store, clock = queue(tmp_path, ids + ids_of("b", 10), splits=["b00"])
+    lease(store, "a20", HELD)
+    walk = iter(claimer(store, clock, seed=1))
+    ran = []
+    for claim in walk:
+        ran.append(claim.task_id)
+        claim.lease.complete([], clock.now)
+        if "a19" in ran or len(ran) > 40:
+            break
+    ran_a = [t for t in ran if t.startswith("a")]
+    assert ran_a == ids[ids.index(ran_a[0]):20], ran  # it walked in a up to the held task
+    nxt = next(walk).task_id
+    assert nxt.startswith("a") == stays, nxt
+
+
+def test_a_move_skips_a_region_it_knows_has_nothing_to_claim(tmp_path):
+    """Region b's only task is held by a live holder; the worker loads b, then a, runs a's tasks and
+    moves: b is known to have nothing claimable, so the move does not re-list it (the first poll does)."""
+    store, clock = queue(tmp_path, ["a1", "a2", "a3", "b1"], splits=["b1"])
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, seed=1, idle_timeout_s=600.0)
+    store.hooks.insert(0, lambda op, name: len(clock.waits) >= 3 and claims.stop())
+    assert sorted(run_all(claims, clock)) == ["a1", "a2", "a3"]
+    listed = [name for op, name, t in store.requests if op == "list"]
+    first_poll = [k for k, name in enumerate(listed) if name == layout.BATCHES][1]
+    assert listed.index("tasks/b1.json") < listed.index("tasks/")  # b was loaded first
+    assert listed[:first_poll].count("leases/b1.json") == 1 and listed[first_poll + 1] == "leases/b1.json"
+
+
+# -- waiting and leaving --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("poll_min_s, first", [(1.0, 2.0), (3.0, 3.0)])
+def test_a_worker_with_nothing_to_claim_waits_from_an_eighth_of_its_longest_wait_doubling_to_it(tmp_path, poll_min_s, first):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, poll_min_s=poll_min_s, poll_max_s=16.0, idle_timeout_s=60.0)
+    assert list(claims) == [] and claims.exit_reason == "idle"
+    bounds = [first, 2 * first, 4 * first, 8 * first] + [16.0] * 10
+    for wait, high in zip(clock.waits, bounds):
+        assert min(high, 16.0) / 2 <= wait <= min(high, 16.0), clock.waits
+    assert 160.0 <= clock.now < 160.0 + 16.0
+
+
+def test_a_claim_after_waiting_starts_the_backoff_again(tmp_path):
+    store, clock = queue(tmp_path, ["a1", "a2"])
+    lease(store, "a1", HELD, ttl_s=20.0)
+    lease(store, "a2", HELD, ttl_s=60.0)
+    claims = claimer(store, clock, poll_max_s=16.0, idle_timeout_s=5.0)
+    walk = iter(claims)
+    first = next(walk)
+    assert first.task_id == "a1"
+    before = len(clock.waits)
+    first.lease.complete([], clock.now)
+    second = next(walk)
+    assert second.task_id == "a2"
+    assert 1.0 <= clock.waits[before] <= 2.0  # from the first wait again, not from where it had got to
+
+
+def test_a_worker_does_not_leave_idle_beside_a_lease_it_has_not_judged(tmp_path, caplog):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD, ttl_s=30.0)  # its holder died: nobody renews it
+    claims = claimer(store, clock, idle_timeout_s=5.0)
+    with caplog.at_level(logging.DEBUG, logger="taskqueue.claims"):
+        assert run_all(claims, clock) == ["a1"] and claims.exit_reason == "drained"
+    assert "event=idle_deferred unjudged=1 first=a1" in caplog.messages
+
+
+def test_a_worker_leaves_idle_beside_leases_it_saw_renew_once_the_idle_timeout_has_passed(tmp_path, caplog):
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, idle_timeout_s=20.0)
+    with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
+        assert list(claims) == [] and claims.exit_reason == "idle"
+    assert 120.0 <= clock.now < 120.0 + 8.0
+    (line,) = [m for m in caplog.messages if m.startswith("event=idle_timeout")]
+    assert line.endswith("open_regions=2") and float(line.split("waited_s=")[1].split()[0]) >= 20.0
+
+
+def test_the_last_look_before_leaving_idle_finds_a_task_no_poll_listed(tmp_path):
+    """a2 appears without a batch marker while the worker waits: polls re-list leases only, the last
+    look lists tasks too."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, idle_timeout_s=20.0)
+    walk = iter(claims)
+    store.hooks.append(lambda op, name: op == "list" and clock.now > 100 and not list_of(store, "tasks/a2")
+                       and store.plain.create(layout.task_object("a2"), b'{"id": "a2"}'))  # fmt: skip
+    claim = next(walk)
+    assert claim.task_id == "a2" and clock.now >= 120.0
+
+
+def test_news_found_by_the_last_look_keeps_the_worker_from_leaving_idle(tmp_path):
+    """A batch is submitted just before the last look lists batches/ (the poll of the same turn saw
+    nothing): the worker claims its task instead of leaving."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    listed, submitted = [], []
+
+    def submit_at_the_last_look(op, name):
+        if op == "list" and name == layout.BATCHES:
+            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not submitted:
+                store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+                store.plain.create(layout.split_object("c1"), b"{}")
+                store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "c1", "last": "c1", "tasks": "1"})
+                submitted.append(clock.now)
+            listed.append(clock.now)
+
+    store.hooks.append(submit_at_the_last_look)
+    claims = claimer(store, clock, idle_timeout_s=20.0)
+    claim = next(iter(claims), None)
+    assert submitted and claim is not None and claim.task_id == "c1", claims.exit_reason
+
+
+def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_worker_leaves(tmp_path):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, idle_timeout_s=20.0)
+    added = []
+
+    def dead_task_appears(op, name):  # a task with a lease of a dead holder, no batch marker
+        if op == "list" and name.startswith(layout.TASKS) and clock.now > 100 and not added:
+            store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
+            added.append(lease(store, "a2", HELD, worker="gone", ttl_s=30.0))
+
+    store.hooks.append(dead_task_appears)
+    claim = next(iter(claims))
+    (last_look,) = [t for op, name, t in store.requests if op == "list" and name.startswith(layout.TASKS) and t > 100][:1]
+    assert last_look >= 120.0 and claim.task_id == "a2" and clock.now >= last_look + 30.0
+
+
+@pytest.mark.parametrize("seed", [5, 6, 10])
+def test_a_waiting_worker_explores_a_region_it_never_loaded_long_before_its_last_look(tmp_path, seed):
+    """Regions a and b hold leases renewed by a live holder, region c twenty free tasks. With these
+    seeds the first move loads a and b (JUMP_TRIES) and finds nothing: the worker waits, and one of
+    its polls loads c, however long the idle timeout, and lands in the middle of it (only the start's
+    move lands at a random spot of an untouched region)."""
+    store, clock = queue(tmp_path, ["a1", "b1"] + ids_of("c", 20), splits=["b1", "c00"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claim = next(iter(claimer(store, clock, seed=seed, idle_timeout_s=600.0)))
+    assert claim.task_id.startswith("c") and clock.waits and clock.now < 200.0
+    assert 5 <= int(claim.task_id[1:]) <= 15
+
+
+def test_a_waiting_worker_mostly_re_lists_the_leases_of_the_region_it_looked_at_longest_ago(tmp_path):
+    """Ten regions, each with one task held by a live holder; the view caches eight, so two are always
+    unwatched. Of a waiting worker's polls, about one in four loads a region it does not watch
+    (tasks and leases; 7 of 16 with this seed), the rest re-list the leases of the watched region
+    looked at longest ago."""
+    ids = [f"{c}1" for c in "abcdefghij"]
+    store, clock = queue(tmp_path, ids, splits=ids[1:])
+    for task_id in ids:
+        lease(store, task_id, HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, seed=7, idle_timeout_s=600.0)
+    store.hooks.insert(0, lambda op, name: len(clock.waits) == 13 and claims.stop())
+    assert list(claims) == []
+    polls = [(op, name) for op, name, t in store.requests
+             if t > 100 and op == "list" and name.startswith((layout.TASKS, layout.LEASES))]  # fmt: skip
+    loads = sum(1 for op, name in polls if name.startswith(layout.TASKS))
+    assert 1 <= loads <= 0.6 * (len(polls) - loads), polls
+    refreshed = [name for op, name in polls if name.startswith(layout.LEASES)]
+    assert len(set(refreshed[:3])) == len(refreshed[:3])  # each re-list goes to another region
+
+
+def test_news_of_a_batch_sends_a_waiting_worker_to_its_regions_within_a_poll(tmp_path):
+    """Regions a and b are held by a live holder; a batch adds region c while the worker waits: the
+    next poll's listing of batches/ sends it to the regions the batch met, without another wait."""
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, idle_timeout_s=600.0)
+    submitted = []
+
+    def submit_c1(op, name):
+        if op == "list" and name == layout.BATCHES and clock.now > 110 and not submitted:
+            plain = LocalStore(tmp_path / "q")
+            plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+            plain.create(layout.split_object("c1"), b"{}")
+            plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "c1", "last": "c1", "tasks": "1"})
+            submitted.append((clock.now, len(clock.waits)))
+
+    store.hooks.append(submit_c1)
+    claim = next(iter(claims))
+    (at, waits), = submitted
+    assert claim.task_id == "c1" and len(clock.waits) == waits  # no wait between the news and the claim
+    since = [name for op, name, t in store.requests if op == "list" and t >= at]
+    assert since.count(layout.BATCHES) == 1  # the news is listed once: the map after it is listed without batches/
+    # a's region is no news (b's is: before the batch's split was listed, b ran to the keyspace's end)
+    assert layout.TASKS not in since and layout.LEASES not in since
+
+
+@pytest.mark.parametrize("before", [layout.SPLITS, layout.BATCHES])
+def test_a_worker_is_not_drained_while_a_batch_begins_during_its_drained_check(tmp_path, before):
+    """The drained check lists batches/, then the map, then batches/ again. A submit begins between
+    the two listings of batches/ (a marker that changed), or just before the first (a batch running
+    in both: the map shows its region open)."""
+    store, clock = queue(tmp_path, ["a1"])
+    plain = LocalStore(tmp_path / "q")
+    begun = []
+
+    def begin_during_the_drained_check(op, name):
+        if op == "list" and name == before and list_of(store, layout.SWEPT) and not begun:
+            plain.create(layout.batch_object("b"), b"{}", {"state": "running", "first": "a2", "last": "a2", "tasks": "1"})
+            plain.create(layout.task_object("a2"), b'{"id": "a2"}')
+            begun.append(clock.now)
+
+    store.hooks.append(begin_during_the_drained_check)
+    claims = claimer(store, clock, idle_timeout_s=600.0)
+    walk = iter(claims)
+    ran = [next(walk)]
+    ran[0].lease.complete([], clock.now)
+    ran.append(next(walk))
+    assert [c.task_id for c in ran] == ["a1", "a2"] and begun
+    ran[1].lease.complete([], clock.now)
+    current = store.plain.read(layout.batch_object("b"))
+    plain.write(layout.batch_object("b"), b"{}", current.generation, {"state": "done", "first": "a2", "last": "a2", "tasks": "1"})
+    assert list(walk) == [] and claims.exit_reason == "drained"
+
+
+def test_a_worker_leaves_drained_only_once_every_page_of_the_map_is_swept(tmp_path):
+    ids = [f"{c}1" for c in "abcdefg"]
+    store, clock = queue(tmp_path, ids, splits=ids[1:])
+    store.splits_page = 2  # seven regions: four pages of the map
+    claims = claimer(store, clock)
+    assert sorted(run_all(claims, clock)) == ids and claims.exit_reason == "drained"
+    assert len(list_of(store, layout.SWEPT)) == 7
+
+
+# -- outages and stops ----------------------------------------------------------------------------
+
+
+def test_a_store_outage_is_waited_out_with_a_growing_backoff(tmp_path, caplog):
+    store, clock = queue(tmp_path, ["a1"])
+    store.hooks.append(failing("list", layout.SPLITS, StoreUnavailable("splits/: 503"), times=4))
+    with caplog.at_level(logging.WARNING, logger="taskqueue.claims"):
+        claim = next(iter(claimer(store, clock, poll_min_s=1.0, poll_max_s=4.0)))
+    assert claim.task_id == "a1"
+    assert len(clock.waits) == 4 and all(0 <= w <= high for w, high in zip(clock.waits, [1.0, 2.0, 4.0, 4.0]))
+    assert clock.waits[2] > 2.0 or clock.waits[3] > 2.0 or clock.waits[1] > 1.0  # it grew past the first
+    assert caplog.messages[:2] == ["event=store_unavailable step=_start error=splits/: 503 retry_in_s=1.0",
+                                   "event=store_unavailable step=_start error=splits/: 503 retry_in_s=2.0"]  # fmt: skip
+    assert caplog.messages[3].endswith("retry_in_s=4.0")
+
+
+def test_a_stop_during_an_outage_ends_the_walk_stopped(tmp_path):
+    store, clock = queue(tmp_path, ["a1"])
+    store.hooks.append(failing("list", layout.SPLITS, StoreUnavailable("splits/: 503"), times=100))
+    claims = claimer(store, clock)
+    store.hooks.insert(0, lambda op, name: len(clock.waits) == 2 and claims.stop())
+    assert list(claims) == [] and claims.exit_reason == "stopped" and len(clock.waits) == 3
+
+
+def test_a_stop_while_waiting_ends_the_walk_stopped(tmp_path):
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock)
+    store.hooks.append(lambda op, name: len(clock.waits) == 3 and claims.stop())
+    assert list(claims) == [] and claims.exit_reason == "stopped" and len(clock.waits) == 3
+
+
+@pytest.mark.parametrize("poll_min_s, ttl_s, longest", [(1.0, 30.0, 15.0), (1.0, 600.0, 60.0), (20.0, 30.0, 20.0)])
+def test_the_longest_wait_is_half_a_ttl_at_most_a_minute_at_least_the_shortest(poll_min_s, ttl_s, longest):
+    assert default_poll_max(poll_min_s, ttl_s) == longest
