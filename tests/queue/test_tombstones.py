@@ -80,10 +80,27 @@ def test_a_holder_that_died_between_marker_and_tombstone_is_settled_not_rerun(qu
     assert (swept.metadata["tasks"], swept.metadata["failed"], swept.metadata["counters"]) == ("3", "1", '{"rows":4}')
 
 
+class TurnCounting(CountingStore):
+    """Counts as CountingStore does, and calls `then` once batches/ has been listed `turns` times."""
+
+    def after(self, turns: int, then) -> None:
+        self.turns, self.then = turns, then
+
+    def list_page(self, prefix, *args, **kwargs):
+        if prefix == layout.BATCHES:
+            self.turns -= 1
+            if self.turns == 0:
+                self.then()
+        return super().list_page(prefix, *args, **kwargs)
+
+
 def test_a_waiting_worker_watches_its_regions_with_one_request_and_still_explores_the_rest(tmp_path):
     """Ten regions of three tasks, each with one task held by a live worker and the rest finished:
     nothing to claim, so the worker waits, polling mostly the regions it watches (one leases
-    listing each) and now and then one it does not (tasks and leases)."""
+    listing each) and now and then one it does not (tasks and leases). It is stopped after 80 turns
+    of its loop (each lists batches/ once), not after a time: on a loaded machine 3 s held 27 polls,
+    too few for the walk's own ten listings of each kind to stop mattering (a round at a load of 20
+    failed on 47 > 2 * 27)."""
     from objectstore.local import LocalStore
 
     local = LocalStore(tmp_path / "q")
@@ -102,12 +119,14 @@ def test_a_waiting_worker_watches_its_regions_with_one_request_and_still_explore
             data, metadata = encode({**new_lease_body(task_id, "gone-vm", 60, Clock()), "state": DONE})
             store.create(layout.lease_object(task_id), data, metadata=metadata)
     before = dict(store.counts)
-    waiting = Claimer(store, ClaimOptions(worker="w", lease_ttl_s=0.5, idle_timeout_s=3.0, poll_min_s=0.01,
+    turns = TurnCounting(local, store.counts)
+    waiting = Claimer(turns, ClaimOptions(worker="w", lease_ttl_s=0.5, idle_timeout_s=600.0, poll_min_s=0.01,
                                           poll_max_s=0.02, seed=3))  # fmt: skip
+    turns.after(80, waiting.stop)
     with contextlib.ExitStack() as live:  # the busy workers renew (uncounted): the waiting one sees them alive
         for lease in busy:
             live.enter_context(renewing(lease))
-        assert list(waiting) == [] and waiting.exit_reason == "idle"
+        assert list(waiting) == [] and waiting.exit_reason == "stopped"
     polls = {k: store.counts[k] - before.get(k, 0) for k in ("list tasks/", "list leases/")}
     assert polls["list leases/"] > 2 * polls["list tasks/"]  # most polls re-list a watched region only
     assert set(waiting.view.tasks) | set(waiting.view.swept) <= set(waiting.view.splits)
