@@ -79,8 +79,8 @@ def prune(store, before: dt.datetime):
 
 
 class Meddled(LocalStore):
-    """A local queue in which something happens while a snapshot lists its regions: `meddle` runs
-    just before each listing of `splits/` (the first listing of a snapshot's try after `batches/`),
+    """A local queue in which something happens while a snapshot looks: `meddle` runs after the
+    regions were listed and before `batches/` is listed again (once per look, `tries` counting them),
     and the snapshot's listings of `batches/` are counted (not those of `meddle` itself)."""
 
     def __init__(self, path, meddle=None) -> None:
@@ -88,17 +88,22 @@ class Meddled(LocalStore):
         self.meddle = meddle
         self.batch_listings = 0
         self.tries = 0
+        self._regions_listed = False
 
     def list_page(self, prefix, page_token=None, start_offset=None, page_size=1000, end_offset=None):
-        if prefix == layout.BATCHES and self.meddle is not None:
-            self.batch_listings += 1
-        if prefix == layout.SPLITS and self.meddle is not None:
-            self.tries += 1
-            meddle, self.meddle = self.meddle, None  # not inside its own listings
-            try:
-                meddle(self, self.tries)
-            finally:
-                self.meddle = meddle
+        if self.meddle is not None:
+            if prefix == layout.TASKS:
+                self._regions_listed = True
+            if prefix == layout.BATCHES:
+                self.batch_listings += 1
+                if self._regions_listed:
+                    self._regions_listed = False
+                    self.tries += 1
+                    meddle, self.meddle = self.meddle, None  # not inside its own listings
+                    try:
+                        meddle(self, self.tries)
+                    finally:
+                        self.meddle = meddle
         return super().list_page(prefix, page_token, start_offset, page_size, end_offset)
 
 
@@ -393,6 +398,7 @@ def test_a_batch_that_came_and_went_between_the_two_listings_keeps_the_queue_fro
 
     def come_and_go(store, tries):
         if tries == 1:
+            task(store, "z")  # its batch marker created, finished and pruned: only the prune mark says so
             prune(store, now() + dt.timedelta(hours=1))
 
     store = Meddled(tmp_path / "q", come_and_go)
@@ -403,7 +409,7 @@ def test_a_batch_that_came_and_went_between_the_two_listings_keeps_the_queue_fro
         prune(store, now() - dt.timedelta(hours=1))
     view = snapshot(store, now=now())
     assert store.tries == 2, "status looked once: a batch that came and went was not seen"
-    assert view["complete"]  # the second look is steady
+    assert view["total"] == 2 and not view["complete"], "complete while task z has no marker"
 
 
 def test_a_prune_of_batches_older_than_the_first_listing_is_no_change(tmp_path):
