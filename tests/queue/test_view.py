@@ -213,6 +213,14 @@ def test_only_a_confirmed_swept_marker_of_a_known_region_counts(tmp_path):
     assert view.open_regions() == [] and view.all_swept()
 
 
+def test_a_running_batch_before_a_swept_region_leaves_it_swept(tmp_path):
+    store, clock, view = queue(tmp_path, ["a", "b1"], splits=["b"], scan=False)
+    swept(store, "b")
+    batch(store, "x", "a", "a")  # in the head region, before b
+    view.scan_map()
+    assert view.is_swept("b") and view.open_regions() == [layout.HEAD]
+
+
 def test_a_swept_region_under_a_running_batch_is_open(tmp_path):
     store, clock, view = queue(tmp_path, ["a", "b1"], splits=["b"], scan=False)
     swept(store, layout.HEAD)
@@ -465,11 +473,12 @@ def test_sightings_past_the_bound_go_oldest_first_and_never_those_of_cached_regi
     lease(store, "a")
     clock.now = 0.0
     view.load(layout.HEAD)  # a: cached, first seen at 0, the oldest
-    for i in range(view_module.MAX_SIGHTINGS):
-        view.leases[f"b{i}"] = Sighting(1, HELD, "w", 30.0, float(i + 1))
+    n = view_module.MAX_SIGHTINGS
+    for i in range(n):  # b0 is the newest, b<n-1> the oldest: neither order of names nor of insertion is age
+        view.leases[f"b{i}"] = Sighting(1, HELD, "w", 30.0, float(n - i))
     view.forget("b")
     assert len(view.leases) == view_module.MAX_SIGHTINGS  # one over: the oldest uncached goes
-    assert "a" in view.leases and "b0" not in view.leases and "b1" in view.leases
+    assert "a" in view.leases and f"b{n - 1}" not in view.leases and "b0" in view.leases and f"b{n - 2}" in view.leases
     view.forget("b")
     assert len(view.leases) == view_module.MAX_SIGHTINGS  # at the bound: none goes
 
