@@ -380,6 +380,7 @@ def test_loading_a_region_takes_two_requests_and_sorts_its_leases_into_finished_
     lease(store, "b3", state=DEAD)
     store.create(layout.lease_object("b4"), b"{}", metadata={})  # no state, worker or TTL said
     store.create("leases/-x.json", b"{}", metadata={"state": DONE})
+    store.create("leases/b1.json.tmp", b"{}", metadata={"state": DONE})  # in b's range, not a lease: skipped
     lease(store, "c1")
     store.listed.clear()
     view.load("b")
@@ -416,6 +417,22 @@ def test_a_lease_is_renewed_only_when_seen_changed_within_a_ttl_of_its_last_sigh
     view.refresh(layout.HEAD)
     assert not view.leases["c"].renewed, "a change seen across a gap of a TTL says nothing of now"
     assert not view.leases["d"].renewed
+
+
+def test_a_sighting_at_the_first_generation_a_store_gives_is_a_sighting_like_any(tmp_path):
+    store, clock, view = queue(tmp_path, ["a"])
+    view.leases["a"] = Sighting(1, HELD, "w0", 30.0, clock.now)  # a store that counts generations from 1
+    clock.now += 10
+    lease(store, "a")
+    view.load(layout.HEAD)
+    assert view.leases["a"].renewed
+
+
+def test_refreshing_a_region_never_loaded_sights_its_leases_and_caches_no_tasks(tmp_path):
+    store, clock, view = queue(tmp_path, ["a", "b1"], splits=["b"])
+    lease(store, "b1")
+    view.refresh("b")
+    assert view.tasks["b"] == [] and set(view.leases) == {"b1"}
 
 
 def test_a_lease_gone_from_its_region_listing_is_forgotten_and_other_regions_keep_theirs(tmp_path):
