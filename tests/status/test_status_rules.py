@@ -295,6 +295,27 @@ def test_a_sample_estimates_the_open_regions_it_did_not_list_and_is_never_comple
     assert not full["estimate"] and full["complete"]
 
 
+def test_the_seed_decides_which_regions_a_sample_lists(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    split(store, "b", "c", "d")
+    task(store, "a1", "b1", "b2", "c1", "c2", "c3", "d1", "d2", "d3", "d4")  # regions of 1, 2, 3 and 4 tasks
+    totals = {seed: snapshot(store, now=now(), sample=2, seed=seed)["total"] for seed in range(8)}
+    assert totals == {seed: snapshot(store, now=now(), sample=2, seed=seed)["total"] for seed in range(8)}
+    assert len(set(totals.values())) > 1  # and the seeds do choose
+
+
+def test_without_history_the_done_markers_of_swept_regions_are_not_listed(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    split(store, "b")
+    task(store, "a1", "b1")
+    done(store, "a1")
+    swept(store, layout.HEAD, tasks=1, end="b")
+    view = snapshot(store, now=now())
+    assert view["requests_by_kind"]["list done/"] == 1  # b's, open
+    assert view["curve"] is None  # no completion listed: the curve starts at the swept count
+    assert snapshot(store, now=now(), history=True)["requests_by_kind"]["list done/"] == 2
+
+
 def test_the_region_of_an_id_and_the_offsets_of_a_region():
     splits = [layout.HEAD, "b", "d"]
     keys = [""] + [layout.key(s) for s in splits[1:]]
