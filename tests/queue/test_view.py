@@ -311,8 +311,9 @@ def test_a_marker_without_its_range_is_no_batch(tmp_path):
     store, clock, view = queue(tmp_path, ["a"], scan=False)
     store.create(layout.batch_object("half"), b"{}", metadata={"first": "a", "state": layout.BATCH_RUNNING})
     store.create(layout.batch_object("other"), b"{}", metadata={"last": "a", "state": layout.BATCH_RUNNING})
+    batch(store, "x", "a", "a")  # listed after them
     view.scan_map()
-    assert view.batches == {} and view.running == []
+    assert set(view.batches) == {layout.batch_object("x")} and view.running == [("a", "a")]
 
 
 def test_news_of_a_batch_reaches_the_regions_a_later_cut_makes_of_its_region(tmp_path):
@@ -341,6 +342,7 @@ def test_a_prune_newer_than_the_last_listing_forgets_every_task_list_and_an_olde
     prune(store, older + (newer - older) / 2)  # pruned markers were all older than the newest listed
     assert not view.scan_batches()
     assert set(view.tasks) == {layout.HEAD, "b"}
+    assert set(view.batches) == {layout.batch_object("old"), layout.batch_object("new")}  # listed after the mark
     assert view.pruned is not None and view.pruned[1] == (older + (newer - older) / 2).isoformat()
     prune(store, dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1))  # a batch may have come and gone
     assert view.scan_batches()

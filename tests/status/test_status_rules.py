@@ -181,6 +181,26 @@ def test_one_dead_letter_is_said_in_the_singular():
     )
 
 
+def test_a_queue_whose_every_task_is_done_is_not_complete_while_a_batch_still_submits(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    task(store, "a")
+    done(store, "a")
+    batch(store, "x", "a", "b", state=layout.BATCH_RUNNING)  # b not created yet
+    view = snapshot(store, now=now())
+    assert view["total"] == view["done"] == 1 and view["submitting"] == ["a"]
+    assert not view["complete"]
+
+
+def test_watching_with_a_cache_lists_the_task_lists_of_open_regions_once_in_ten_looks(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    task(store, "a", "b")
+    done(store, "a")
+    cache = status.RegionCache()
+    listed = [snapshot(store, now=now(), cache=cache)["requests_by_kind"].get("list tasks/", 0) for _ in range(11)]
+    assert listed == [1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+    assert cache.tasks == {layout.HEAD: {"a", "b"}}
+
+
 def test_an_empty_queue_is_not_complete(tmp_path):
     store = LocalStore(tmp_path / "q")
     view = snapshot(store, now=now())
