@@ -101,6 +101,7 @@ def test_before_any_listing_the_view_knows_one_open_ended_region_and_no_finished
     assert view.splits == [layout.HEAD]
     assert view.region_of("zz") == layout.HEAD and view.region_end(layout.HEAD) is None
     assert view.known_regions() == [] and not view.all_swept()
+    assert not view.is_swept(layout.HEAD) and not view.under_running_batch(layout.HEAD)
     assert view.map_at is None and view.swept_at is None and view.batches is None
     assert view.max_loaded_regions == MAX_LOADED_REGIONS
     view.freshen_map()  # never listed: it lists now
@@ -112,7 +113,7 @@ def test_regions_run_from_their_split_to_the_next_and_every_id_has_one(tmp_path)
     assert view.splits == [layout.HEAD, "b", "d"] and view.map_complete
     assert [view.region_end(r) for r in view.splits] == ["b", "d", None]
     # `b.5` sorts before `b` (layout.key: `b.5.json` < `b.json`), so it is the head region's
-    assert [view.region_of(t) for t in ("a", "b.5", "b", "b0", "c", "d", "zz")] == ["", "", "b", "b", "b", "d", "d"]
+    assert [view.region_of(t) for t in ("0", "A", "a", "b.5", "b", "b0", "c", "d", "zz")] == ["", "", "", "", "b", "b", "b", "d", "d"]
     assert view.known_regions() == [layout.HEAD, "b", "d"]
 
 
@@ -337,6 +338,7 @@ def test_a_prune_newer_than_the_last_listing_forgets_every_task_list_and_an_olde
     assert older < newer
     view.scan_map()
     lease(store, "a")
+    lease(store, "b1", state=DONE)
     view.load(layout.HEAD)
     view.load("b")
     prune(store, older + (newer - older) / 2)  # pruned markers were all older than the newest listed
@@ -347,7 +349,7 @@ def test_a_prune_newer_than_the_last_listing_forgets_every_task_list_and_an_olde
     prune(store, dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1))  # a batch may have come and gone
     assert view.scan_batches()
     assert view.tasks == {} and view.news == set()
-    assert "a" in view.leases  # sightings kept: the TTL-long watch goes on
+    assert "a" in view.leases and "b1" in view.finished  # sightings kept: the TTL-long watch goes on
 
 
 def test_the_first_prune_seen_is_no_news(tmp_path):
