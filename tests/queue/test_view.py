@@ -222,6 +222,14 @@ def test_a_running_batch_before_a_swept_region_leaves_it_swept(tmp_path):
     assert view.is_swept("b") and view.open_regions() == [layout.HEAD]
 
 
+def test_a_partial_map_lists_the_swept_markers_up_to_its_last_known_split(tmp_path):
+    store, clock, view = queue(tmp_path, ["a", "b1", "c1", "d1"], splits=["b", "c", "d"], page=2, scan=False)
+    for region in (layout.HEAD, "b", "c", "d"):
+        swept(store, region)
+    view.scan_map()
+    assert view.splits == [layout.HEAD, "b", "c"] and set(view.swept) == {layout.HEAD, "b"}
+
+
 def test_a_swept_region_under_a_running_batch_is_open(tmp_path):
     store, clock, view = queue(tmp_path, ["a", "b1"], splits=["b"], scan=False)
     swept(store, layout.HEAD)
@@ -263,12 +271,14 @@ def test_the_first_listing_of_batches_is_the_baseline_and_not_news(tmp_path):
 
 def test_a_new_batch_is_news_for_the_regions_it_meets_and_their_task_lists_are_forgotten(tmp_path):
     store, clock, view = queue(tmp_path, ["a", "b1", "c1", "d1"], splits=["b", "c", "d"])
+    lease(store, "b1", state=DONE)
     for region in view.splits:
         view.load(region)
     batch(store, "x", "b5", "c1")  # meets b (from b) and c (up to c1)
     assert view.scan_batches()
     assert view.news == {"b", "c"}
     assert set(view.tasks) == {layout.HEAD, "d"}
+    assert "b1" in view.finished  # a region listed again for news keeps what it knew of its tasks
     assert not view.scan_batches()  # the same batch, still running: news once
     assert view.news == {"b", "c"}
 
