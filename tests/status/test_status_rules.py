@@ -279,6 +279,16 @@ def test_a_swept_region_under_a_running_batch_is_listed_and_one_elsewhere_is_not
     assert view["blockers_total"]["batch"] == 1
 
 
+def test_a_running_batch_before_a_swept_region_leaves_it_counted_from_its_marker(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    split(store, "b")
+    task(store, "a1", "b1")
+    swept(store, "b", tasks=5)
+    batch(store, "x", "a1", "a1", state=layout.BATCH_RUNNING)  # in the head region, before b
+    view = snapshot(store, now=now())
+    assert view["regions"] == {"total": 2, "swept": 1, "open": 1, "listed": 1} and view["total"] == 1 + 5
+
+
 def test_a_running_batch_in_a_region_cut_from_a_marker_keeps_the_whole_marker_from_counting(tmp_path):
     store = LocalStore(tmp_path / "q")
     split(store, "b")
