@@ -193,12 +193,14 @@ def test_a_queue_whose_every_task_is_done_is_not_complete_while_a_batch_still_su
 
 def test_watching_with_a_cache_lists_the_task_lists_of_open_regions_once_in_ten_looks(tmp_path):
     store = LocalStore(tmp_path / "q")
-    task(store, "a", "b")
+    split(store, "c")
+    task(store, "a", "b", "c1", "c2")
     done(store, "a")
     cache = status.RegionCache()
-    listed = [snapshot(store, now=now(), cache=cache)["requests_by_kind"].get("list tasks/", 0) for _ in range(11)]
-    assert listed == [1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]
-    assert cache.tasks == {layout.HEAD: {"a", "b"}}
+    views = [snapshot(store, now=now(), cache=cache) for _ in range(11)]
+    assert [v["requests_by_kind"].get("list tasks/", 0) for v in views] == [2, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0]
+    assert [v["total"] for v in views] == [4] * 11  # the cached lists of both regions count
+    assert cache.tasks == {layout.HEAD: {"a", "b"}, "c": {"c1", "c2"}}
 
 
 def test_an_empty_queue_is_not_complete(tmp_path):
