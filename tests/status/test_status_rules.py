@@ -139,6 +139,19 @@ def test_a_lease_without_a_state_is_held_and_one_whose_task_has_a_done_marker_is
     assert (view["leased"], view["done"], view["holders"]) == (1, 1, {"w1": 1})
 
 
+def test_the_done_markers_counters_are_summed_and_each_region_counts_only_its_own_leases(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    split(store, "b")
+    task(store, "a1", "a2", "a3", "b1", "b2")
+    done(store, "a1", counters=json.dumps({"rows": 3}))
+    done(store, "b1", counters=json.dumps({"rows": 4}))
+    lease(store, "a2", worker="w1")
+    store.create(layout.lease_object("b2"), b"{}", metadata={"state": HELD, "ttl_s": "30"})  # no worker said
+    view = snapshot(store, now=now())
+    assert view["counters"] == {"rows": 7}
+    assert view["leased"] == 2 and view["holders"] == {"?": 1, "w1": 1}
+
+
 def test_a_lease_with_no_ttl_is_never_stale(tmp_path):
     store = LocalStore(tmp_path / "q")
     task(store, "a")
