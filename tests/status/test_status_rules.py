@@ -152,6 +152,18 @@ def test_the_done_markers_counters_are_summed_and_each_region_counts_only_its_ow
     assert view["leased"] == 2 and view["holders"] == {"?": 1, "w1": 1}
 
 
+def test_a_lease_is_stale_only_once_silent_for_longer_than_its_ttl(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    task(store, "a")
+    lease(store, "a", worker="w1", ttl_s="30.0")
+    (entry,) = store.list(layout.LEASES)
+    at_ttl = snapshot(store, now=entry.updated + dt.timedelta(seconds=30))
+    assert (at_ttl["leased"], at_ttl["stale"]) == (1, 0)
+    past = snapshot(store, now=entry.updated + dt.timedelta(seconds=30.25))
+    assert (past["leased"], past["stale"]) == (0, 1)
+    assert past["stale_leases"] == [{"task": "a", "worker": "w1", "silent_s": 30.2}]
+
+
 def test_a_lease_with_no_ttl_is_never_stale(tmp_path):
     store = LocalStore(tmp_path / "q")
     task(store, "a")
