@@ -637,6 +637,23 @@ def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_work
     assert last_look >= 120.0 and claim.task_id == "a2" and clock.now >= last_look + 30.0
 
 
+@pytest.mark.parametrize("seed", [6])
+def test_a_last_look_lands_in_the_middle_of_a_region_no_move_or_poll_loaded(tmp_path, seed):
+    """As below, with region c of forty free tasks, and a seed whose move loads a and b and whose polls
+    never explore c before the idle timeout: the last look loads every open region, and the walk
+    starts around the middle of c (20, give or take 40 // 4), not at a random spot as a start does
+    (with this seed at c34)."""
+    store, clock = queue(tmp_path, ["a1", "b1"] + ids_of("c", 40), splits=["b1", "c00"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claim = next(iter(claimer(store, clock, seed=seed, idle_timeout_s=20.0)))
+    loads = [(name, t) for op, name, t in store.requests if op == "list" and name.startswith(layout.TASKS)]
+    (first_load_of_c,) = [t for name, t in loads if name == "tasks/c00.json"][:1]
+    assert first_load_of_c >= 120.0 and ("tasks/", first_load_of_c) in loads  # the last look: every region
+    assert claim.task_id.startswith("c") and 10 <= int(claim.task_id[1:]) <= 30, claim.task_id
+
+
 @pytest.mark.parametrize("seed", [5, 6, 10])
 def test_a_waiting_worker_explores_a_region_it_never_loaded_long_before_its_last_look(tmp_path, seed):
     """Regions a and b hold leases renewed by a live holder, region c twenty free tasks. With these
