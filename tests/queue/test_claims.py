@@ -619,6 +619,33 @@ def test_news_found_by_the_last_look_keeps_the_worker_from_leaving_idle(tmp_path
     assert submitted and claim is not None and claim.task_id == "c1", claims.exit_reason
 
 
+def test_a_task_the_last_look_found_taken_first_sends_the_worker_on_without_waiting(tmp_path):
+    """Regions a and d, each with a task held by a live holder; the view caches one region. Tasks a2 and
+    d2 appear, without a batch marker, just before the last look: it lands on a2, which another
+    worker creates a lease for just before this one does. The worker moves on to d at once (it is
+    not waiting any more: the last look found work), not after another wait and poll."""
+    store, clock = queue(tmp_path, ["a1", "d1"], splits=["d1"])
+    lease(store, "a1", HELD)
+    lease(store, "d1", HELD)
+    store.hooks.append(renewing(store))
+    listed, appeared = [], []
+
+    def tasks_appear_at_the_last_look(op, name):
+        if op == "list" and name == layout.BATCHES:
+            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not appeared:
+                store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
+                store.plain.create(layout.task_object("d2"), b'{"id": "d2"}')
+                appeared.append(len(clock.waits))
+            listed.append(clock.now)
+        if op == "create" and name == layout.lease_object("a2") and not list_of(store, layout.lease_object("a2")):
+            lease(store, "a2", HELD)  # the other worker's create comes first
+
+    store.hooks.append(tasks_appear_at_the_last_look)
+    claim = next(iter(claimer(store, clock, idle_timeout_s=20.0, max_loaded_regions=1)), None)
+    assert appeared and claim is not None and claim.task_id == "d2"
+    assert len(clock.waits) == appeared[0]  # no wait between the last look and the claim
+
+
 def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_worker_leaves(tmp_path):
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", HELD)
