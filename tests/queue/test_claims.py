@@ -514,6 +514,20 @@ def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_regi
     assert nxt.startswith("a") == stays, nxt
 
 
+@pytest.mark.parametrize("seed", [0, 23])
+def test_a_move_to_a_region_nobody_touched_lands_around_its_middle(tmp_path, seed):
+    """Region a holds one task, region b forty free ones. With these seeds the start lands on a1; once
+    it is done the walk moves to b and lands around its middle (20, give or take 40 // 4): only the
+    start lands at a random spot of an untouched region (with these seeds b02 and b01)."""
+    store, clock = queue(tmp_path, ["a1"] + ids_of("b", 40), splits=["b00"])
+    walk = iter(claimer(store, clock, seed=seed))
+    first = next(walk)
+    first.lease.complete([], clock.now)
+    assert first.task_id == "a1"
+    nxt = next(walk).task_id
+    assert nxt.startswith("b") and 10 <= int(nxt[1:]) <= 30, nxt
+
+
 def test_a_move_skips_a_region_it_knows_has_nothing_to_claim(tmp_path):
     """Region b's only task is held by a live holder; the worker loads b, then a, runs a's tasks and
     moves: b is known to have nothing claimable, so the move does not re-list it (the first poll does)."""
@@ -743,6 +757,21 @@ def test_news_of_a_batch_sends_a_waiting_worker_to_its_regions_within_a_poll(tmp
     assert since.count(layout.BATCHES) == 1  # the news is listed once: the map after it is listed without batches/
     # a's region is no news (b's is: before the batch's split was listed, b ran to the keyspace's end)
     assert layout.TASKS not in since and layout.LEASES not in since
+
+
+def test_a_poll_of_a_region_under_a_running_batch_lists_its_tasks_again(tmp_path):
+    """Regions a and b hold leases renewed by a live holder; a batch running since before the start
+    covers b2, and creates it while the worker waits (its marker does not change: no news). A poll
+    of b lists b's tasks, not only its leases, and finds b2 long before the last look."""
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.plain.create(layout.batch_object("b"), b"{}", {"state": "running", "first": "b2", "last": "b2", "tasks": "1"})
+    store.hooks.append(renewing(store))
+    store.hooks.append(lambda op, name: clock.now > 110 and not list_of(store, "tasks/b2")
+                       and store.plain.create(layout.task_object("b2"), b'{"id": "b2"}'))  # fmt: skip
+    claim = next(iter(claimer(store, clock, idle_timeout_s=600.0)))
+    assert claim.task_id == "b2" and clock.now < 200.0
 
 
 @pytest.mark.parametrize("before", [layout.SPLITS, layout.BATCHES])
