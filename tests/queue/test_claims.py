@@ -774,6 +774,32 @@ def test_a_poll_of_a_region_under_a_running_batch_lists_its_tasks_again(tmp_path
     assert claim.task_id == "b2" and clock.now < 200.0
 
 
+def test_news_is_spent_once_the_move_has_visited_its_region(tmp_path):
+    """As above, but c1 comes with a lease its live holder renews: the move the news set off visits
+    c and finds nothing. The news is spent: the polls after it list batches/ and one region each, not
+    the map again at every poll (and a move after it)."""
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, idle_timeout_s=600.0)
+    store.hooks.insert(0, lambda op, name: len(clock.waits) >= 7 and claims.stop())
+    submitted = []
+
+    def submit_c1(op, name):
+        if op == "list" and name == layout.BATCHES and clock.now > 110 and not submitted:
+            store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+            store.plain.create(layout.split_object("c1"), b"{}")
+            lease(store, "c1", HELD)
+            store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "c1", "last": "c1", "tasks": "1"})
+            submitted.append(clock.now)
+
+    store.hooks.append(submit_c1)
+    assert list(claims) == [] and submitted
+    later = [name for op, name, t in store.requests if op == "list" and t > submitted[0]]  # the polls after the news
+    assert later.count(layout.BATCHES) >= 2 and layout.SPLITS not in later, later
+
+
 @pytest.mark.parametrize("before", [layout.SPLITS, layout.BATCHES])
 def test_a_worker_is_not_drained_while_a_batch_begins_during_its_drained_check(tmp_path, before):
     """The drained check lists batches/, then the map, then batches/ again. A submit begins between
