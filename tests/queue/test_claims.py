@@ -528,6 +528,17 @@ def test_a_move_to_a_region_nobody_touched_lands_around_its_middle(tmp_path, see
     assert nxt.startswith("b") and 10 <= int(nxt[1:]) <= 30, nxt
 
 
+def test_a_start_on_a_queue_with_nothing_to_claim_loads_its_one_region_once(tmp_path):
+    """One region, its only task held: the start's move loads it (tasks and leases), lands nowhere and
+    waits; it does not load it again as the walk's own region, which it does not have yet."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    claims = claimer(store, clock)
+    store.hooks.insert(0, lambda op, name: clock.waits and claims.stop())
+    assert list(claims) == [] and claims.exit_reason == "stopped"
+    assert store.count("list", layout.TASKS) == 1 and store.count("list", layout.LEASES) == 2  # the start, one poll
+
+
 def test_a_move_skips_a_region_it_knows_has_nothing_to_claim(tmp_path):
     """Region b's only task is held by a live holder; the worker loads b, then a, runs a's tasks and
     moves: b is known to have nothing claimable, so the move does not re-list it (the first poll does)."""
