@@ -839,6 +839,24 @@ def test_a_worker_is_not_drained_while_a_batch_begins_during_its_drained_check(t
     assert list(walk) == [] and claims.exit_reason == "drained"
 
 
+def test_a_prune_during_the_drained_check_of_markers_older_than_those_listed_does_not_defer_it(tmp_path):
+    """A prune rewrites PRUNED between the drained check's two listings of batches/, with a `before`
+    older than every marker the first listing showed: no batch can have come and gone unseen, and
+    the worker leaves drained at once, without another wait and check."""
+    store, clock = queue(tmp_path, ["a1"])
+    store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "a1", "last": "a1", "tasks": "1"})
+    pruned = []
+
+    def prune_during_the_drained_check(op, name):
+        if op == "list" and name == layout.SPLITS and list_of(store, layout.SWEPT) and not pruned:
+            pruned.append(store.plain.create(layout.PRUNED, b"{}", {"before": "2000-01-01T00:00:00+00:00"}))
+
+    store.hooks.append(prune_during_the_drained_check)
+    claims = claimer(store, clock)
+    assert run_all(claims, clock) == ["a1"] and claims.exit_reason == "drained"
+    assert pruned and clock.waits == []
+
+
 def test_a_worker_leaves_drained_only_once_every_page_of_the_map_is_swept(tmp_path):
     ids = [f"{c}1" for c in "abcdefg"]
     store, clock = queue(tmp_path, ids, splits=ids[1:])
