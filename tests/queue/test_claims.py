@@ -811,6 +811,31 @@ def test_news_is_spent_once_the_move_has_visited_its_region(tmp_path):
     assert later.count(layout.BATCHES) >= 2 and layout.SPLITS not in later, later
 
 
+def test_a_batch_that_came_and_went_between_two_polls_sends_the_worker_to_the_region_it_cut(tmp_path):
+    """Region a is held by a live holder; the worker runs b1, sweeps region b (to the keyspace's end,
+    as it knows the map) and waits. A batch cuts region c and is deleted between two polls: only
+    PRUNED tells (its `before` is later than everything listed before). The poll that sees it lists
+    the map again, and the worker claims c1 long before its idle timeout."""
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    came_and_went = []
+
+    def batch_came_and_went(op, name):
+        if op == "list" and name == layout.BATCHES and list_of(store, layout.SWEPT) and not came_and_went:
+            store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+            store.plain.create(layout.split_object("c1"), b"{}")
+            came_and_went.append(store.plain.create(layout.PRUNED, b"{}", {"before": "2100-01-01T00:00:00+00:00"}))
+
+    walk = iter(claimer(store, clock, idle_timeout_s=600.0))
+    first = next(walk)
+    assert first.task_id == "b1"
+    first.lease.complete([], clock.now)
+    store.hooks.append(batch_came_and_went)
+    claim = next(walk)
+    assert came_and_went and claim.task_id == "c1" and clock.now < 200.0
+
+
 @pytest.mark.parametrize("before", [layout.SPLITS, layout.BATCHES])
 def test_a_worker_is_not_drained_while_a_batch_begins_during_its_drained_check(tmp_path, before):
     """The drained check lists batches/, then the map, then batches/ again. A submit begins between
