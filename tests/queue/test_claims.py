@@ -882,6 +882,21 @@ def test_a_prune_during_the_drained_check_of_markers_older_than_those_listed_doe
     assert pruned and clock.waits == []
 
 
+def test_a_move_that_gives_up_lists_the_rest_of_the_map_once(tmp_path):
+    """Seven regions, their six split markers on three pages, each task held: the start lists the
+    first page, its move loads JUMP_TRIES regions and gives up, then lists the whole map once (three
+    pages), not page after page again for each page it adds."""
+    ids = [f"{c}1" for c in "abcdefg"]
+    store, clock = queue(tmp_path, ids, splits=ids[1:])
+    store.splits_page = 2
+    for task_id in ids:
+        lease(store, task_id, HELD)
+    claims = claimer(store, clock)
+    store.hooks.insert(0, lambda op, name: clock.waits and claims.stop())
+    assert list(claims) == [] and claims.exit_reason == "stopped"
+    assert store.count("list", layout.SPLITS) == 1 + 3
+
+
 def test_a_worker_leaves_drained_only_once_every_page_of_the_map_is_swept(tmp_path):
     ids = [f"{c}1" for c in "abcdefg"]
     store, clock = queue(tmp_path, ids, splits=ids[1:])
