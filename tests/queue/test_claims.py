@@ -346,11 +346,13 @@ def test_a_create_that_collides_leaves_the_task_to_its_holder_and_judges_it_befo
 
 
 def test_after_a_collision_the_worker_re_lists_the_leases_and_lands_beyond_the_other_workers_run(tmp_path):
-    """Sixty untouched tasks; just before the first create another worker takes a00-a29. The create
-    collides; the worker re-lists the region's leases (one request) and lands around the middle of
-    a30-a59 (45, give or take 30 // 4), with no second collision."""
-    ids = ids_of("a", 60)
-    store, clock = queue(tmp_path, ids)
+    """Region b of sixty untouched tasks (the head region's only task is held); just before the first
+    create another worker takes b00-b29. The create collides; the worker re-lists b's leases (one
+    request, no move) and lands around the middle of b30-b59 (45, give or take 30 // 4), with no
+    second collision."""
+    ids = ids_of("b", 60)
+    store, clock = queue(tmp_path, ["a1"] + ids, splits=["b00"])
+    lease(store, "a1", HELD)
     taken = []
 
     def another_worker_takes_the_first_half(op, name):
@@ -358,11 +360,11 @@ def test_after_a_collision_the_worker_re_lists_the_leases_and_lands_beyond_the_o
             taken.extend(lease(store, task_id, HELD) for task_id in ids[:30])
 
     store.hooks.append(another_worker_takes_the_first_half)
-    claim = next(iter(claimer(store, clock, seed=3)))
+    claim = next(iter(claimer(store, clock, seed=2)))
     creates = [name for op, name, t in store.requests if op == "create" and name.startswith(layout.LEASES)]
     assert taken and len(creates) == 2 and ids.index(creates[0][len(layout.LEASES):-5]) < 30
     assert 38 <= ids.index(claim.task_id) <= 52, claim.task_id
-    assert store.count("list", layout.LEASES) == 2  # the start's load, and the one after the collision
+    assert store.count("list", "leases/b00.json") == 2  # the start's load, and the one after the collision
 
 
 def test_a_task_the_worker_released_itself_is_taken_over_not_created_again(tmp_path, caplog):
