@@ -367,6 +367,24 @@ def test_after_a_collision_the_worker_re_lists_the_leases_and_lands_beyond_the_o
     assert store.count("list", "leases/b00.json") == 2  # the start's load, and the one after the collision
 
 
+def test_after_a_collision_a_run_shorter_than_min_run_is_left_for_another_region(tmp_path):
+    """As above, but the other worker takes b00-b49: the ten tasks left in b are fewer than MIN_RUN,
+    so the worker moves on to region c instead of landing among them."""
+    ids = ids_of("b", 60)
+    store, clock = queue(tmp_path, ["a1"] + ids + ids_of("c", 20), splits=["b00", "c00"])
+    lease(store, "a1", HELD)
+    taken = []
+
+    def another_worker_takes_b00_to_b49(op, name):
+        if op == "create" and name.startswith(layout.LEASES) and not taken:
+            taken.extend(lease(store, task_id, HELD) for task_id in ids[:50])
+
+    store.hooks.append(another_worker_takes_b00_to_b49)
+    claim = next(iter(claimer(store, clock, seed=1)))
+    creates = [name for op, name, t in store.requests if op == "create" and name.startswith(layout.LEASES)]
+    assert taken and creates[0].startswith("leases/b") and claim.task_id.startswith("c"), (creates, claim.task_id)
+
+
 def test_a_task_the_worker_released_itself_is_taken_over_not_created_again(tmp_path, caplog):
     store, clock = queue(tmp_path, ["a1"])
     claims = claimer(store, clock)
