@@ -385,6 +385,17 @@ def test_after_a_collision_a_run_shorter_than_min_run_is_left_for_another_region
     assert taken and creates[0].startswith("leases/b") and claim.task_id.startswith("c"), (creates, claim.task_id)
 
 
+def test_after_a_release_the_walk_goes_on_to_the_next_task(tmp_path):
+    """A task given back (a failed attempt) is left behind: the next claim is the one after it, not
+    the same task taken over at once."""
+    store, clock = queue(tmp_path, ids_of("a", 10))
+    walk = iter(claimer(store, clock, seed=4))
+    first = next(walk)
+    first.lease.release()
+    second = next(walk)
+    assert int(second.task_id[1:]) == int(first.task_id[1:]) + 1, (first.task_id, second.task_id)
+
+
 def test_a_task_the_worker_released_itself_is_taken_over_not_created_again(tmp_path, caplog):
     store, clock = queue(tmp_path, ["a1"])
     claims = claimer(store, clock)
