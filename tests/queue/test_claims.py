@@ -345,6 +345,57 @@ def test_a_create_that_collides_leaves_the_task_to_its_holder_and_judges_it_befo
 # -- what a worker did itself --------------------------------------------------------------------
 
 
+def test_after_a_collision_the_worker_re_lists_the_leases_and_lands_beyond_the_other_workers_run(tmp_path):
+    """Region b of sixty untouched tasks (the head region's only task is held); just before the first
+    create another worker takes b00-b29. The create collides; the worker re-lists b's leases (one
+    request, no move) and lands around the middle of b30-b59 (45, give or take 30 // 4), with no
+    second collision."""
+    ids = ids_of("b", 60)
+    store, clock = queue(tmp_path, ["a1"] + ids, splits=["b00"])
+    lease(store, "a1", HELD)
+    taken = []
+
+    def another_worker_takes_the_first_half(op, name):
+        if op == "create" and name.startswith(layout.LEASES) and not taken:
+            taken.extend(lease(store, task_id, HELD) for task_id in ids[:30])
+
+    store.hooks.append(another_worker_takes_the_first_half)
+    claim = next(iter(claimer(store, clock, seed=2)))
+    creates = [name for op, name, t in store.requests if op == "create" and name.startswith(layout.LEASES)]
+    assert taken and len(creates) == 2 and ids.index(creates[0][len(layout.LEASES):-5]) < 30
+    assert 38 <= ids.index(claim.task_id) <= 52, claim.task_id
+    assert store.count("list", "leases/b00.json") == 2  # the start's load, and the one after the collision
+
+
+def test_after_a_collision_a_run_shorter_than_min_run_is_left_for_another_region(tmp_path):
+    """As above, but the other worker takes b00-b49: the ten tasks left in b are fewer than MIN_RUN,
+    so the worker moves on to region c instead of landing among them."""
+    ids = ids_of("b", 60)
+    store, clock = queue(tmp_path, ["a1"] + ids + ids_of("c", 20), splits=["b00", "c00"])
+    lease(store, "a1", HELD)
+    taken = []
+
+    def another_worker_takes_b00_to_b49(op, name):
+        if op == "create" and name.startswith(layout.LEASES) and not taken:
+            taken.extend(lease(store, task_id, HELD) for task_id in ids[:50])
+
+    store.hooks.append(another_worker_takes_b00_to_b49)
+    claim = next(iter(claimer(store, clock, seed=1)))
+    creates = [name for op, name, t in store.requests if op == "create" and name.startswith(layout.LEASES)]
+    assert taken and creates[0].startswith("leases/b") and claim.task_id.startswith("c"), (creates, claim.task_id)
+
+
+def test_after_a_release_the_walk_goes_on_to_the_next_task(tmp_path):
+    """A task given back (a failed attempt) is left behind: the next claim is the one after it, not
+    the same task taken over at once."""
+    store, clock = queue(tmp_path, ids_of("a", 10))
+    walk = iter(claimer(store, clock, seed=4))
+    first = next(walk)
+    first.lease.release()
+    second = next(walk)
+    assert int(second.task_id[1:]) == int(first.task_id[1:]) + 1, (first.task_id, second.task_id)
+
+
 def test_a_task_the_worker_released_itself_is_taken_over_not_created_again(tmp_path, caplog):
     store, clock = queue(tmp_path, ["a1"])
     claims = claimer(store, clock)
@@ -514,6 +565,31 @@ def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_regi
     assert nxt.startswith("a") == stays, nxt
 
 
+@pytest.mark.parametrize("seed", [0])
+def test_a_move_to_a_region_nobody_touched_lands_around_its_middle(tmp_path, seed):
+    """Region a holds one task, region b forty free ones. With this seed the start lands on a1; once
+    it is done the walk moves to b and lands around its middle (20, give or take 40 // 4): only the
+    start lands at a random spot of an untouched region (with this seed b02)."""
+    store, clock = queue(tmp_path, ["a1"] + ids_of("b", 40), splits=["b00"])
+    walk = iter(claimer(store, clock, seed=seed))
+    first = next(walk)
+    first.lease.complete([], clock.now)
+    assert first.task_id == "a1"
+    nxt = next(walk).task_id
+    assert nxt.startswith("b") and 10 <= int(nxt[1:]) <= 30, nxt
+
+
+def test_a_start_on_a_queue_with_nothing_to_claim_loads_its_one_region_once(tmp_path):
+    """One region, its only task held: the start's move loads it (tasks and leases), lands nowhere and
+    waits; it does not load it again as the walk's own region, which it does not have yet."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    claims = claimer(store, clock)
+    store.hooks.insert(0, lambda op, name: clock.waits and claims.stop())
+    assert list(claims) == [] and claims.exit_reason == "stopped"
+    assert store.count("list", layout.TASKS) == 1 and store.count("list", layout.LEASES) == 2  # the start, one poll
+
+
 def test_a_move_skips_a_region_it_knows_has_nothing_to_claim(tmp_path):
     """Region b's only task is held by a live holder; the worker loads b, then a, runs a's tasks and
     moves: b is known to have nothing claimable, so the move does not re-list it (the first poll does)."""
@@ -619,6 +695,33 @@ def test_news_found_by_the_last_look_keeps_the_worker_from_leaving_idle(tmp_path
     assert submitted and claim is not None and claim.task_id == "c1", claims.exit_reason
 
 
+def test_a_task_the_last_look_found_taken_first_sends_the_worker_on_without_waiting(tmp_path):
+    """Regions a and d, each with a task held by a live holder; the view caches one region. Tasks a2 and
+    d2 appear, without a batch marker, just before the last look: it lands on a2, which another
+    worker creates a lease for just before this one does. The worker moves on to d at once (it is
+    not waiting any more: the last look found work), not after another wait and poll."""
+    store, clock = queue(tmp_path, ["a1", "d1"], splits=["d1"])
+    lease(store, "a1", HELD)
+    lease(store, "d1", HELD)
+    store.hooks.append(renewing(store))
+    listed, appeared = [], []
+
+    def tasks_appear_at_the_last_look(op, name):
+        if op == "list" and name == layout.BATCHES:
+            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not appeared:
+                store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
+                store.plain.create(layout.task_object("d2"), b'{"id": "d2"}')
+                appeared.append(len(clock.waits))
+            listed.append(clock.now)
+        if op == "create" and name == layout.lease_object("a2") and not list_of(store, layout.lease_object("a2")):
+            lease(store, "a2", HELD)  # the other worker's create comes first
+
+    store.hooks.append(tasks_appear_at_the_last_look)
+    claim = next(iter(claimer(store, clock, idle_timeout_s=20.0, max_loaded_regions=1)), None)
+    assert appeared and claim is not None and claim.task_id == "d2"
+    assert len(clock.waits) == appeared[0]  # no wait between the last look and the claim
+
+
 def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_worker_leaves(tmp_path):
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", HELD)
@@ -635,6 +738,23 @@ def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_work
     claim = next(iter(claims))
     (last_look,) = [t for op, name, t in store.requests if op == "list" and name.startswith(layout.TASKS) and t > 100][:1]
     assert last_look >= 120.0 and claim.task_id == "a2" and clock.now >= last_look + 30.0
+
+
+@pytest.mark.parametrize("seed", [6])
+def test_a_last_look_lands_in_the_middle_of_a_region_no_move_or_poll_loaded(tmp_path, seed):
+    """As below, with region c of forty free tasks, and a seed whose move loads a and b and whose polls
+    never explore c before the idle timeout: the last look loads every open region, and the walk
+    starts around the middle of c (20, give or take 40 // 4), not at a random spot as a start does
+    (with this seed at c34)."""
+    store, clock = queue(tmp_path, ["a1", "b1"] + ids_of("c", 40), splits=["b1", "c00"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claim = next(iter(claimer(store, clock, seed=seed, idle_timeout_s=20.0)))
+    loads = [(name, t) for op, name, t in store.requests if op == "list" and name.startswith(layout.TASKS)]
+    (first_load_of_c,) = [t for name, t in loads if name == "tasks/c00.json"][:1]
+    assert first_load_of_c >= 120.0 and ("tasks/", first_load_of_c) in loads  # the last look: every region
+    assert claim.task_id.startswith("c") and 10 <= int(claim.task_id[1:]) <= 30, claim.task_id
 
 
 @pytest.mark.parametrize("seed", [5, 6, 10])
@@ -701,6 +821,72 @@ def test_news_of_a_batch_sends_a_waiting_worker_to_its_regions_within_a_poll(tmp
     assert layout.TASKS not in since and layout.LEASES not in since
 
 
+def test_a_poll_of_a_region_under_a_running_batch_lists_its_tasks_again(tmp_path):
+    """Regions a and b hold leases renewed by a live holder; a batch running since before the start
+    covers b2, and creates it while the worker waits (its marker does not change: no news). A poll
+    of b lists b's tasks, not only its leases, and finds b2 long before the last look."""
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.plain.create(layout.batch_object("b"), b"{}", {"state": "running", "first": "b2", "last": "b2", "tasks": "1"})
+    store.hooks.append(renewing(store))
+    store.hooks.append(lambda op, name: clock.now > 110 and not list_of(store, "tasks/b2")
+                       and store.plain.create(layout.task_object("b2"), b'{"id": "b2"}'))  # fmt: skip
+    claim = next(iter(claimer(store, clock, idle_timeout_s=600.0)))
+    assert claim.task_id == "b2" and clock.now < 200.0
+
+
+def test_news_is_spent_once_the_move_has_visited_its_region(tmp_path):
+    """As above, but c1 comes with a lease its live holder renews: the move the news set off visits
+    c and finds nothing. The news is spent: the polls after it list batches/ and one region each, not
+    the map again at every poll (and a move after it)."""
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
+    lease(store, "a1", HELD)
+    lease(store, "b1", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, idle_timeout_s=600.0)
+    store.hooks.insert(0, lambda op, name: len(clock.waits) >= 7 and claims.stop())
+    submitted = []
+
+    def submit_c1(op, name):
+        if op == "list" and name == layout.BATCHES and clock.now > 110 and not submitted:
+            store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+            store.plain.create(layout.split_object("c1"), b"{}")
+            lease(store, "c1", HELD)
+            store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "c1", "last": "c1", "tasks": "1"})
+            submitted.append(clock.now)
+
+    store.hooks.append(submit_c1)
+    assert list(claims) == [] and submitted
+    later = [name for op, name, t in store.requests if op == "list" and t > submitted[0]]  # the polls after the news
+    assert later.count(layout.BATCHES) >= 2 and layout.SPLITS not in later, later
+
+
+def test_a_batch_that_came_and_went_between_two_polls_sends_the_worker_to_the_region_it_cut(tmp_path):
+    """Region a is held by a live holder; the worker runs b1, sweeps region b (to the keyspace's end,
+    as it knows the map) and waits. A batch cuts region c and is deleted between two polls: only
+    PRUNED tells (its `before` is later than everything listed before). The poll that sees it lists
+    the map again, and the worker claims c1 long before its idle timeout."""
+    store, clock = queue(tmp_path, ["a1", "b1"], splits=["b1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    came_and_went = []
+
+    def batch_came_and_went(op, name):
+        if op == "list" and name == layout.BATCHES and list_of(store, layout.SWEPT) and not came_and_went:
+            store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+            store.plain.create(layout.split_object("c1"), b"{}")
+            came_and_went.append(store.plain.create(layout.PRUNED, b"{}", {"before": "2100-01-01T00:00:00+00:00"}))
+
+    walk = iter(claimer(store, clock, idle_timeout_s=600.0))
+    first = next(walk)
+    assert first.task_id == "b1"
+    first.lease.complete([], clock.now)
+    store.hooks.append(batch_came_and_went)
+    claim = next(walk)
+    assert came_and_went and claim.task_id == "c1" and clock.now < 200.0
+
+
 @pytest.mark.parametrize("before", [layout.SPLITS, layout.BATCHES])
 def test_a_worker_is_not_drained_while_a_batch_begins_during_its_drained_check(tmp_path, before):
     """The drained check lists batches/, then the map, then batches/ again. A submit begins between
@@ -727,6 +913,39 @@ def test_a_worker_is_not_drained_while_a_batch_begins_during_its_drained_check(t
     current = store.plain.read(layout.batch_object("b"))
     plain.write(layout.batch_object("b"), b"{}", current.generation, {"state": "done", "first": "a2", "last": "a2", "tasks": "1"})
     assert list(walk) == [] and claims.exit_reason == "drained"
+
+
+def test_a_prune_during_the_drained_check_of_markers_older_than_those_listed_does_not_defer_it(tmp_path):
+    """A prune rewrites PRUNED between the drained check's two listings of batches/, with a `before`
+    older than every marker the first listing showed: no batch can have come and gone unseen, and
+    the worker leaves drained at once, without another wait and check."""
+    store, clock = queue(tmp_path, ["a1"])
+    store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "a1", "last": "a1", "tasks": "1"})
+    pruned = []
+
+    def prune_during_the_drained_check(op, name):
+        if op == "list" and name == layout.SPLITS and list_of(store, layout.SWEPT) and not pruned:
+            pruned.append(store.plain.create(layout.PRUNED, b"{}", {"before": "2000-01-01T00:00:00+00:00"}))
+
+    store.hooks.append(prune_during_the_drained_check)
+    claims = claimer(store, clock)
+    assert run_all(claims, clock) == ["a1"] and claims.exit_reason == "drained"
+    assert pruned and clock.waits == []
+
+
+def test_a_move_that_gives_up_lists_the_rest_of_the_map_once(tmp_path):
+    """Seven regions, their six split markers on three pages, each task held: the start lists the
+    first page, its move loads JUMP_TRIES regions and gives up, then lists the whole map once (three
+    pages), not page after page again for each page it adds."""
+    ids = [f"{c}1" for c in "abcdefg"]
+    store, clock = queue(tmp_path, ids, splits=ids[1:])
+    store.splits_page = 2
+    for task_id in ids:
+        lease(store, task_id, HELD)
+    claims = claimer(store, clock)
+    store.hooks.insert(0, lambda op, name: clock.waits and claims.stop())
+    assert list(claims) == [] and claims.exit_reason == "stopped"
+    assert store.count("list", layout.SPLITS) == 1 + 3
 
 
 def test_a_worker_leaves_drained_only_once_every_page_of_the_map_is_swept(tmp_path):
