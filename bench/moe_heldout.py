@@ -66,8 +66,6 @@ def draw(seed: int) -> tuple[str, dict]:
     )  # fmt: skip
     if family == "mixtral":
         config.update(num_local_experts=experts, sliding_window=None if rng.random() < 0.5 else int(rng.integers(3, 9)))
-        config.pop("head_dim")  # Mixtral's head width is hidden // heads
-        config["hidden_size"] = heads * head_dim
     else:
         config.update(num_experts=experts, norm_topk_prob=bool(rng.random() < 0.5))
     if family in ("qwen2_moe", "qwen3_moe"):
@@ -75,10 +73,11 @@ def draw(seed: int) -> tuple[str, dict]:
                       mlp_only_layers=sorted({int(i) for i in rng.integers(0, layers, int(rng.integers(0, 2)))}))
         if family == "qwen2_moe":
             config.update(shared_expert_intermediate_size=int(rng.choice([16, 48, 80])), qkv_bias=True)
-            config.pop("head_dim")  # Qwen2's head width is hidden // heads
-            config["hidden_size"] = heads * head_dim
     if family == "olmoe":
         config["pad_token_id"] = 0
+    if family != "qwen3_moe":  # the others' head width is hidden // heads (OLMoE's q/k norm spans the whole projection)
+        del config["head_dim"]
+        config["hidden_size"] = heads * head_dim
     return family, config
 
 
