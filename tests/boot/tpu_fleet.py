@@ -594,10 +594,6 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             # The slice, one host short, could only fail its next attempts: Cloud TPU preempts it now.
             qr_slice = f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{slice_node}"
             fleet.preempt(qr_slice)
-            keep_replace = command(f"keep {SLICE_RUN} --once", "keep", str(run_file), "--once")
-            # The single host joins now, beside the new slice: the two share what is left, so that the slice runs
-            # tasks to done too (a single host that came first would finish them while a slice boots).
-            made_by_hand(SINGLE_RUN)
             # The tail: nothing claimable, the by-hand single host holding the last task, the run's slice idle (it
             # holds no lease, so its shutdown hands nothing back). The slice is preempted then, and its keeper
             # (gcs-spawner keep, the one keeper since issue 47; it never replaces an added machine) must not replace it:
@@ -605,10 +601,15 @@ def _rehearse(workdir: Path, task_count: int, timeout: float, began: float) -> T
             # found the single host idle and the slice busy: no such tail), so the single host's first task is
             # made a long one: its consume.py is stopped (SIGSTOP; its worker still heartbeats the lease) until
             # the slice has run every other task and idles, and continued (SIGCONT) after the tail's keep.
+            # The single host joins first, and the slice is replaced once the single host is stopped on its task:
+            # made beside the new slice, the single host found nothing left to claim in a round at a load of 20
+            # (the slice had booted first and run every task), and the rehearsal waited for a tail that never came.
+            made_by_hand(SINGLE_RUN)
             single = wait(f"{single_node}'s host", lambda: next(iter(fleet.of(single_node)), None), timeout)
-            replacement = f"{SLICE_RUN}-0001"
             paused = wait(f"{single_node} running a task", lambda: _holding(single.log()) > 0 and fleet.signal_consumer(
                 single, signal.SIGSTOP), timeout)
+            keep_replace = command(f"keep {SLICE_RUN} --once", "keep", str(run_file), "--once")
+            replacement = f"{SLICE_RUN}-0001"
 
             def tail() -> tuple[Host, dict] | None:
                 view = snapshot(store)
