@@ -62,9 +62,10 @@ def swept(store, region, confirmed=True, end=None):
     store.create(layout.swept_object(region), b"{}", metadata=metadata)
 
 
-def batch(store, name, first, last, state=layout.BATCH_RUNNING):
+def batch(store, name, first, last, state=layout.BATCH_RUNNING, tasks="1"):
+    """Write batch `name`'s marker (created, or rewritten over the one there); the status tests share it."""
     found = [e for e in store.list(layout.BATCHES) if e.name == layout.batch_object(name)]
-    metadata = {"first": first, "last": last, "state": state, "tasks": "1"}
+    metadata = {"first": first, "last": last, "state": state, "tasks": tasks}
     if found:
         return store.write(layout.batch_object(name), b"{}", found[0].generation, metadata=metadata)
     return store.create(layout.batch_object(name), b"{}", metadata=metadata)

@@ -18,6 +18,8 @@ from reporting import status
 from reporting.status import SNAPSHOT_TRIES, finished_text, snapshot
 from taskqueue import layout
 from taskqueue.lease import DEAD, DONE, HELD, RELEASED
+from tests.queue.test_view import batch as write_batch
+from tests.queue.test_view import prune
 
 
 def now() -> dt.datetime:
@@ -63,19 +65,9 @@ def swept(store, region, tasks, failed=0, end=None, confirmed=True, **metadata):
 
 
 def batch(store, name, first, last, state=layout.BATCH_DONE, tasks="1"):
-    found = [e for e in store.list(layout.BATCHES) if e.name == layout.batch_object(name)]
-    metadata = {"first": first, "last": last, "state": state, "tasks": tasks}
-    if found:
-        return store.write(layout.batch_object(name), b"{}", found[0].generation, metadata=metadata)
-    return store.create(layout.batch_object(name), b"{}", metadata=metadata)
+    return write_batch(store, name, first, last, state, tasks)
 
 
-def prune(store, before: dt.datetime):
-    found = [e for e in store.list(layout.BATCHES) if e.name == layout.PRUNED]
-    metadata = {"before": before.isoformat()}
-    if found:
-        return store.write(layout.PRUNED, b"{}", found[0].generation, metadata=metadata)
-    return store.create(layout.PRUNED, b"{}", metadata=metadata)
 
 
 class Meddled(LocalStore):
