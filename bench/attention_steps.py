@@ -24,7 +24,8 @@ import sys
 import tempfile
 
 SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
-             max_position_embeddings=40960, rope_theta=1e6, vocab_size=256, num_hidden_layers=1, intermediate_size=64)  # fmt: skip
+             max_position_embeddings=40960, rope_theta=1e6, vocab_size=256, num_hidden_layers=1,
+             intermediate_size=64)  # fmt: skip
 STEPS = ["normed", "q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope", "weighted values", "attn_out"]
 
 
@@ -68,10 +69,12 @@ def main() -> None:
                    for v, w in zip(values, wide))  # fmt: skip
 
     print(f"XLA options: {'without YNNPACK' if args.without_ynnpack else 'defaults'}\n")
-    print("| step | chained: ours / transformers' | ratio | local: ours / transformers' | ratio |\n|---|---|---|---|---|")
+    print("| step | chained: ours / transformers' | ratio | local: ours / transformers' | ratio |")
+    print("|---|---|---|---|---|")
     for step in STEPS:
         chained = error([o[step] for o in ours], step), error([n[step].double().numpy() for n in narrow], step)
-        local = error([o[step] for o in ours_local], step), error([n[step].double().numpy() for n in narrow_local], step)
+        local = (error([o[step] for o in ours_local], step),
+                 error([n[step].double().numpy() for n in narrow_local], step))  # fmt: skip
         print(f"| {step} | {chained[0]:.2e} / {chained[1]:.2e} | {chained[0] / chained[1]:.2f} "
               f"| {local[0]:.2e} / {local[1]:.2e} | {local[0] / local[1]:.2f} |")  # fmt: skip
 
@@ -94,7 +97,8 @@ def torch_steps(weights: dict, tokens: list[int], dtype, inputs: dict | None = N
     s = {"x": weights["embedding"][tokens].to(dtype)}
     s["normed"] = rms(s["x"], weights["norm"])
     x = fed("normed", s["normed"])
-    s["q"], s["k"], s["v"] = ((x @ w[p].T).view(t, heads, h) for p, heads in (("q_proj", n), ("k_proj", k), ("v_proj", k)))
+    for name, heads in (("q", n), ("k", k), ("v", k)):
+        s[name] = (x @ w[f"{name}_proj"].T).view(t, heads, h)
     s["q_norm"], s["k_norm"] = rms(fed("q", s["q"]), weights["q_norm"]), rms(fed("k", s["k"]), weights["k_norm"])
     inverse = 1.0 / (SHAPE["rope_theta"] ** (torch.arange(0, h, 2, dtype=torch.int64).to(torch.float) / h))
     angles = torch.arange(t)[:, None].float() * inverse[None]
