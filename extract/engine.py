@@ -456,7 +456,7 @@ class Engine:
         lowered_at = time.monotonic()
         try:
             with self.compile_hook(seq_len, packed, "compile"):
-                program = lowered.compile()
+                program = lowered.compile(compiler_options=self.compiler_options())
         except jax.errors.JaxRuntimeError as failure:  # a TPU compile reports an over-sized program itself
             self._raise_named(failure)
             raise
@@ -478,6 +478,21 @@ class Engine:
         if self._compute_dtype == jnp.float32:
             return jax.default_matmul_precision("highest")
         return contextlib.nullcontext()
+
+    def compiler_options(self) -> dict[str, str] | None:
+        """XLA options of this engine's programs: a float32 job on CPU compiles without YNNPACK (None: XLA's defaults).
+
+        XLA:CPU hands dots (and some elementwise and reduce fusions) to YNNPACK by default
+        (`DebugOptions.xla_cpu_experimental_ynn_fusion_type`, openxla/xla `xla/xla.proto`: "Fusion types enabled for
+        YNNPACK in the library rewriter pass"; an empty list turns them all off). Its float32 dots accumulate
+        more loosely once a product has 64 rows or more: at 4,096 inputs a [128, 4096] x [4096, 2048] product is
+        1.5e-6 of its largest value off float64, 4.6x torch's error on the same inputs, where XLA's own dot (Eigen)
+        is 0.85x it (docs/MODEL.md, "Real widths"; `bench/cpu_matmul.py`). That alone put Qwen3-30B-A3B's width over
+        the float32 bound. bf16 jobs keep the default: their results round to bf16 (2^-8), which dwarfs that
+        difference. Off a CPU the option does not apply."""
+        if self._compute_dtype == jnp.float32 and self.mesh.devices.flat[0].platform == "cpu":
+            return {"xla_cpu_experimental_ynn_fusion_type": ""}
+        return None
 
     def _compiled_need(self, program: jax.stages.Compiled) -> int | None:
         """XLA's bytes per device for one step (arguments, outputs, scratch), plus the outputs of earlier steps the

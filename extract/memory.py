@@ -220,7 +220,11 @@ def attention_bytes(
     squares = rows * seq_len * seq_len  # one [T, T] per row
     mask = squares if packed else 0  # a boolean same-document mask, [rows, T, T]
     if kernel in ("materialised", "xla"):
-        return int(heads * squares * (4 + 4 + compute_bytes) + mask)
+        # float32 logits and probabilities, and the probabilities cast to the compute dtype for the weighted sum:
+        # a cast to float32 is no cast (`extract/attention.py`), so a float32 step holds two [T, T] per head, not
+        # three (XLA:CPU's float32 program without YNNPACK, which a float32 job compiles: 8.3 bytes per element).
+        cast = compute_bytes if compute_bytes < 4 else 0
+        return int(heads * squares * (4 + 4 + cast) + mask)
     if kernel == "cudnn":
         return int(2 * 4 * rows * heads * seq_len + (squares * compute_bytes + mask if packed else 0))
     if kernel == "splash":

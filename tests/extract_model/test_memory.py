@@ -33,7 +33,8 @@ def step(config: ModelConfig, **overrides) -> dict:
 
 def test_float32_estimate_bounds_what_xla_allocates_for_the_step():
     """XLA's buffer assignment for the compiled step (arguments, outputs, scratch) is the independent figure, at
-    lengths where the MLP dominates and where the attention's T² does. The estimate must not be below it, nor far
+    lengths where the MLP dominates and where the attention's T² does, of the program the engine compiles (on a CPU,
+    float32 without YNNPACK). The estimate must not be below it, nor far
     above (float32 only: XLA's CPU backend widens bf16 matmuls to float32, which no accelerator does)."""
     config = ModelConfig.from_dict(SMALL)
     engine = Engine.with_random_weights(

@@ -182,3 +182,52 @@ def test_expert_indices_are_refused_where_the_output_dtype_cannot_hold_every_ind
     indices = np.asarray(got[HookPoint("expert_indices", 0)], np.float64)
     assert indices.shape == (1, 8, 2) and (indices == np.round(indices)).all() and (0 <= indices).all()
     assert (indices < 257).all()
+
+
+#: How transformers' routers (5.24, `MixtralTopKRouter`, `OlmoeTopKRouter`, `Qwen3MoeTopKRouter`) turn their logits
+#: into weights: renormalised or not, and kept in float32 (Mixtral) or cast back to the logits' dtype (Qwen3-MoE's
+#: router is OLMoE's with the renormalisation).
+ROUTERS = {"mixtral": (True, True), "olmoe": (False, False)}
+
+
+@pytest.mark.parametrize("model_type", list(ROUTERS))
+def test_a_bf16_router_takes_the_softmax_of_its_bf16_logits_in_float32_as_transformers_does(model_type, tmp_path):
+    """Given the router's own bfloat16 logits (the `router_logits` site, exact in a float32 output), its weights are
+    what transformers' router code computes from them: a float32 softmax, torch.topk, the renormalisation, then
+    Mixtral keeps them in float32 and the others round them to bfloat16. The parity bounds cannot see a softmax
+    taken in bfloat16 (it moves a weight by a bfloat16 rounding, as bfloat16's own noise does); this sees it:
+    Mixtral's float32 weights would be 2^-9 off instead of 2^-23, and the others' roundings would differ."""
+    import torch
+
+    renormalise, keeps_float32 = ROUTERS[model_type]
+    model = write_family_model(tmp_path, model_type, seed=7, shard_size=None)
+    layers = [0, 1, 2]
+    engine = Engine(
+        str(model.path), [], sites={"router_logits": layers, "expert_weights": layers}, batch_size=4, max_seq_len=24,
+        compute_dtype="bfloat16", out_dtype="float32", devices=jax.devices()[:1],
+    )  # fmt: skip
+    batch = np.random.default_rng(1).integers(1, model.vocab_size, (4, 24)).astype(np.int32)
+    got = {key: np.asarray(value) for key, value in engine.forward(batch).items()}
+    top_k = model.torch_model.config.num_experts_per_tok
+    identical = total = 0
+    for layer in layers:
+        returned = got[HookPoint("router_logits", layer)]
+        returned = returned.reshape(-1, returned.shape[-1])
+        logits = torch.tensor(returned).to(torch.bfloat16)
+        assert (logits.float().numpy() == returned).all()  # bfloat16 values, exact in float32
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top, chosen = torch.topk(probs, top_k, dim=-1)
+        if renormalise:
+            top /= top.sum(dim=-1, keepdim=True)
+        if not keeps_float32:
+            top = top.to(torch.bfloat16)
+        expected = torch.zeros_like(probs).scatter(1, chosen, top.float()).numpy()
+        ours = got[HookPoint("expert_weights", layer)].reshape(expected.shape)
+        np.testing.assert_array_equal(ours != 0, expected != 0, err_msg=f"experts chosen in layer {layer}")
+        if keeps_float32:  # a few float32 roundings of values at most 1
+            np.testing.assert_allclose(ours, expected, rtol=0, atol=2.0**-21, err_msg=f"layer {layer}")
+        else:  # within one bfloat16 rounding, and identical but where float32 lands on a rounding boundary
+            np.testing.assert_allclose(ours, expected, rtol=2.0**-8, atol=0, err_msg=f"layer {layer}")
+            identical += int((ours[expected != 0] == expected[expected != 0]).sum())
+            total += int((expected != 0).sum())
+    assert keeps_float32 or identical >= 0.98 * total, f"{identical} of {total} bfloat16 weights identical"
