@@ -638,6 +638,25 @@ def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_regi
     assert nxt.startswith("a") == stays, nxt
 
 
+def test_past_a_held_stretch_a_short_run_is_walked_on_when_no_other_region_has_work(tmp_path):
+    """Region a: a00-a09 free, a10 held, a11-a14 free (fewer than MIN_RUN); regions b and c hold one
+    held task each. Past a10 the worker re-lists a's leases, moves, finds nothing in b and c, and
+    then walks on to a11 at once, without a wait (and without re-listing and moving again)."""
+    ids = ids_of("a", 15)
+    store, clock = queue(tmp_path, ids + ["b1", "c1"], splits=["b1", "c1"])
+    for task_id in ("a10", "b1", "c1"):
+        lease(store, task_id, HELD)
+    walk = iter(claimer(store, clock, seed=0))
+    ran = []
+    for claim in walk:
+        ran.append(claim.task_id)
+        claim.lease.complete([], clock.now)
+        if claim.task_id == "a11" or len(ran) > 15:
+            break
+    assert ran == ids[ids.index(ran[0]):10] + ["a11"] and clock.waits == [], ran
+    assert store.count("list", "leases/b1.json") == 1 and store.count("list", "leases/c1.json") == 1
+
+
 @pytest.mark.parametrize("seed", [0])
 def test_a_move_to_a_region_nobody_touched_lands_around_its_middle(tmp_path, seed):
     """Region a holds one task, region b forty free ones. With this seed the start lands on a1; once
