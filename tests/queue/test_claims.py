@@ -638,6 +638,30 @@ def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_regi
     assert nxt.startswith("a") == stays, nxt
 
 
+def test_past_a_held_stretch_the_leases_are_re_listed_before_the_walk_lands_beyond_it(tmp_path):
+    """Region b: b00-b39 free, b40 held, b41-b79 free; the head region's only task is held. While
+    the worker walks b's first run from where it landed, another worker takes the tasks behind it and
+    b41-b60. Past b40 the worker re-lists b's leases, so it lands in b61-b79, the one run still
+    free, with no collision."""
+    ids = ids_of("b", 80)
+    store, clock = queue(tmp_path, ["a1"] + ids, splits=["b00"])
+    lease(store, "a1", HELD)
+    lease(store, "b40", HELD)
+    walk = iter(claimer(store, clock, seed=1))
+    ran = []
+    for claim in walk:
+        ran.append(claim.task_id)
+        claim.lease.complete([], clock.now)
+        if len(ran) == 1:
+            for task_id in ids[:ids.index(claim.task_id)] + ids[41:61]:
+                lease(store, task_id, HELD)
+        if claim.task_id == "b39" or len(ran) > 45:
+            break
+    beyond = next(walk).task_id
+    creates = [name for op, name, t in store.requests if op == "create" and name.startswith(layout.LEASES)]
+    assert ran[-1] == "b39" and 61 <= ids.index(beyond) <= 79 and len(creates) == len(ran) + 1, (ran, beyond)
+
+
 def test_past_a_held_stretch_a_short_run_is_walked_on_when_no_other_region_has_work(tmp_path):
     """Region a: a00-a09 free, a10 held, a11-a14 free (fewer than MIN_RUN); regions b and c hold one
     held task each. Past a10 the worker re-lists a's leases, moves, finds nothing in b and c, and
