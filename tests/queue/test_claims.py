@@ -638,6 +638,30 @@ def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_regi
     assert nxt.startswith("a") == stays, nxt
 
 
+def test_a_walk_goes_on_past_its_own_trail_without_a_move(tmp_path):
+    """Region a of thirty tasks, a25 held. The worker lands in a00-a24 and walks to a24; its holder
+    releases a25 then. Past it (a26) the worker re-lists, and lands in the run before its trail. At
+    that run's end the next claimable task, a25, lies beyond the worker's own done tasks only: it
+    walks on to it, with no listing of tasks or leases and no move, though tasks behind the run are
+    still unclaimed (the takeover's done check lists done/ and failed/)."""
+    ids = ids_of("a", 30)
+    store, clock = queue(tmp_path, ids)
+    lease(store, "a25", HELD)
+    walk = iter(claimer(store, clock, seed=1))
+    ran, listed = [], []
+    for claim in walk:
+        ran.append(claim.task_id)
+        listed.append(sum(1 for op, name, t in store.requests if op == "list" and name.startswith((layout.TASKS, layout.LEASES))))
+        claim.lease.complete([], clock.now)
+        if claim.task_id == "a24":
+            rewrite(store, "a25", state=RELEASED)
+        if claim.task_id == "a25" or len(ran) > 30:
+            break
+    trail = ids.index(ran[0])
+    k = ran.index(ids[trail - 1])  # the end of the run before the trail
+    assert trail > 2 and ran[k + 1] == "a25" and listed[k + 1] == listed[k], ran
+
+
 def test_past_a_held_stretch_the_leases_are_re_listed_before_the_walk_lands_beyond_it(tmp_path):
     """Region b: b00-b39 free, b40 held, b41-b79 free; the head region's only task is held. While
     the worker walks b's first run from where it landed, another worker takes the tasks behind it and
