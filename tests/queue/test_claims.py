@@ -872,6 +872,30 @@ def test_a_task_the_last_look_found_taken_first_sends_the_worker_on_without_wait
     assert len(clock.waits) == appeared[0]  # no wait between the last look and the claim
 
 
+def test_a_task_the_last_look_found_taken_first_restarts_the_idle_timeout(tmp_path):
+    """As above with region a alone: a2 appears just before the last look, and another worker (alive)
+    creates its lease just before this one does. Nothing else is left: the worker waits out a whole
+    idle timeout again from there, then leaves `idle`."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    listed, appeared = [], []
+
+    def a2_appears_at_the_last_look(op, name):
+        if op == "list" and name == layout.BATCHES:
+            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not appeared:
+                store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
+                appeared.append(clock.now)
+            listed.append(clock.now)
+        if op == "create" and name == layout.lease_object("a2") and not list_of(store, layout.lease_object("a2")):
+            lease(store, "a2", HELD)  # the other worker's create comes first
+
+    store.hooks.append(a2_appears_at_the_last_look)
+    claims = claimer(store, clock, idle_timeout_s=20.0)
+    assert list(claims) == [] and claims.exit_reason == "idle" and appeared
+    assert appeared[0] + 20.0 <= clock.now < appeared[0] + 20.0 + 8.0 + 8.0
+
+
 def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_worker_leaves(tmp_path):
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", HELD)
