@@ -565,21 +565,6 @@ def test_of_two_runs_as_long_the_first_is_taken(tmp_path):
     assert min(found) == 3 and max(found) == 7
 
 
-def test_a_start_in_a_region_whose_every_task_was_released_lands_around_its_middle(tmp_path):
-    """Every task claimable, but each has a lease (released by a worker that failed it): others have
-    been here, so the start lands around the middle (20, give or take 40 // 4), not at a random spot."""
-    ids = ids_of("a", 40)
-    store, clock = queue(tmp_path, ids)
-    for task_id in ids:
-        lease(store, task_id, RELEASED)
-    found = []
-    for seed in range(8):
-        task_id = next(iter(claimer(store, clock, seed=seed))).task_id
-        found.append(ids.index(task_id))
-        rewrite(store, task_id, state=RELEASED, worker="w0")  # the queue as it was, for the next seed
-    assert all(10 <= k <= 30 for k in found), found
-
-
 def test_a_lone_claimable_task_between_held_ones_is_claimed_where_the_start_landed(tmp_path):
     """a0 and a2 are held, a1 is free: a run of one. The start lands on it and claims it, with the
     start's one listing of the leases (no re-listing, no move)."""
