@@ -147,16 +147,17 @@ def ids_of(prefix, n) -> list[str]:
 # -- claiming -------------------------------------------------------------------------------------
 
 
-def test_a_worker_claims_every_task_once_then_leaves_drained_with_every_region_swept(tmp_path):
+def test_a_worker_claims_every_task_once_then_leaves_drained_with_every_region_swept(tmp_path, caplog):
     store, clock = queue(tmp_path, ["a1", "a2", "a3", "b1", "b2"], splits=["b1"])
     claims = claimer(store, clock)
     seen = []
-    for claim in claims:
-        assert claim.manifest == {"id": claim.task_id} and claim.problem is None
-        seen.append(claim.task_id)
-        claim.lease.complete([], clock.now)
+    with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
+        for claim in claims:
+            assert claim.manifest == {"id": claim.task_id} and claim.problem is None
+            seen.append(claim.task_id)
+            claim.lease.complete([], clock.now)
     assert sorted(seen) == ["a1", "a2", "a3", "b1", "b2"]
-    assert claims.exit_reason == "drained"
+    assert claims.exit_reason == "drained" and caplog.messages[-1] == "event=queue_drained regions=2"
     assert {e.name for e in list_of(store, layout.SWEPT)} == {"swept/-.json", "swept/b1.json"}
     assert not any(op == "read" and name.startswith(layout.TASKS) for op, name, _ in store.requests)  # from the listing
     creates = [name for op, name, _ in store.requests if op == "create" and name.startswith(layout.LEASES)]
@@ -185,6 +186,27 @@ def test_a_released_lease_is_taken_over_at_once_with_its_errors_and_progress(tmp
     assert body["errors"] == [{"attempt": 1, "exit_code": 1}] and body["progress"] == [{"shard": 0}]
     assert clock.waits == [] and store.count("create", layout.lease_object("a1")) == 0
     assert f"event=takeover task=a1 token={claim.lease.token} attempt=2 previous_worker=w0 committed=1" in caplog.messages
+
+
+@pytest.mark.parametrize("before", [None, RELEASED])
+def test_a_claims_lease_runs_from_when_its_write_was_sent_and_its_listing_names_its_holder(tmp_path, before):
+    """A create (no lease before) or a takeover's write whose answer takes 5 s: the lease is live
+    until a TTL after the write was sent, not after the answer came; and its listing carries the
+    state, holder and TTL that other workers' views read (they never read the body)."""
+    store, clock = queue(tmp_path, ["a1"])
+    if before:
+        lease(store, "a1", before)
+
+    def answered_5_s_later(op, name):
+        if op in ("create", "write") and name == layout.lease_object("a1"):
+            clock.now += 5.0
+
+    store.hooks.append(answered_5_s_later)
+    claim = next(iter(claimer(store, clock, lease_ttl_s=45.0)))
+    sent = [t for op, name, t in store.requests if op in ("create", "write") and name == layout.lease_object("a1")]
+    assert claim.lease.last_write == sent[0] and clock.now == sent[0] + 5.0
+    (entry,) = list_of(store, layout.LEASES)
+    assert (entry.metadata["state"], entry.metadata["worker"], entry.metadata["ttl_s"]) == (HELD, "w1", "45.0")
 
 
 def test_the_done_check_of_a_takeover_is_one_page_of_done_markers_from_the_task_on_and_one_dead_letter(tmp_path):
@@ -281,6 +303,32 @@ def test_a_lease_renewed_between_its_listing_and_the_read_is_watched_a_whole_ttl
     writes = [t for op, name, t in store.requests if op == "write" and name == layout.lease_object("a1")]
     assert writes[0] >= at + 30.0 and claim.lease.body["takeovers"] == 1
     assert claim.lease.token > generation
+
+
+def test_a_released_lease_taken_over_by_another_before_the_read_is_watched_a_whole_ttl(tmp_path):
+    """a1's holder renews it and releases it while this worker runs a2: changes seen within a TTL,
+    a renewal. Just before this worker's read for its takeover, w9 takes a1 over and dies. That
+    generation was never seen renewing: the worker watches it a whole TTL and steals it, rather
+    than leave `idle` beside it as if its holder were alive."""
+    store, clock = queue(tmp_path, ["a1", "a2"])
+    lease(store, "a1", HELD)
+    claims = claimer(store, clock, idle_timeout_s=5.0)
+    walk = iter(claims)
+    first = next(walk)
+    assert first.task_id == "a2"
+    rewrite(store, "a1", state=RELEASED)
+    first.lease.complete([], clock.now)
+    taken = []
+
+    def taken_over_before_the_read(op, name):
+        if op == "read" and name == layout.lease_object("a1") and not taken:
+            taken.append(clock.now)
+            rewrite(store, "a1", state=HELD, worker="w9")
+
+    store.hooks.append(taken_over_before_the_read)
+    second = next(walk, None)
+    assert taken and second is not None and second.task_id == "a1", claims.exit_reason
+    assert second.lease.body["takeovers"] == 1 and clock.now >= taken[0] + 30.0
 
 
 def test_a_lease_gone_before_the_read_is_created_afresh(tmp_path):
@@ -517,6 +565,16 @@ def test_of_two_runs_as_long_the_first_is_taken(tmp_path):
     assert min(found) == 3 and max(found) == 7
 
 
+def test_a_lone_claimable_task_between_held_ones_is_claimed_where_the_start_landed(tmp_path):
+    """a0 and a2 are held, a1 is free: a run of one. The start lands on it and claims it, with the
+    start's one listing of the leases (no re-listing, no move)."""
+    store, clock = queue(tmp_path, ["a0", "a1", "a2"])
+    lease(store, "a0", HELD)
+    lease(store, "a2", HELD)
+    claim = next(iter(claimer(store, clock)))
+    assert claim.task_id == "a1" and store.count("list", layout.LEASES) == 1, store.requests
+
+
 def test_a_worker_walks_forward_claiming_the_next_task_each_time(tmp_path):
     store, clock = queue(tmp_path, ids_of("a", 30))
     walk = iter(claimer(store, clock, seed=4))
@@ -563,6 +621,73 @@ def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_regi
     assert ran_a == ids[ids.index(ran_a[0]):20], ran  # it walked in a up to the held task
     nxt = next(walk).task_id
     assert nxt.startswith("a") == stays, nxt
+
+
+def test_a_walk_goes_on_past_its_own_trail_without_a_move(tmp_path):
+    """Region a of thirty tasks, a25 held. The worker lands in a00-a24 and walks to a24; its holder
+    releases a25 then. Past it (a26) the worker re-lists, and lands in the run before its trail. At
+    that run's end the next claimable task, a25, lies beyond the worker's own done tasks only: it
+    walks on to it, with no listing of tasks or leases and no move, though tasks behind the run are
+    still unclaimed (the takeover's done check lists done/ and failed/)."""
+    ids = ids_of("a", 30)
+    store, clock = queue(tmp_path, ids)
+    lease(store, "a25", HELD)
+    walk = iter(claimer(store, clock, seed=1))
+    ran, listed = [], []
+    for claim in walk:
+        ran.append(claim.task_id)
+        listed.append(sum(1 for op, name, t in store.requests if op == "list" and name.startswith((layout.TASKS, layout.LEASES))))
+        claim.lease.complete([], clock.now)
+        if claim.task_id == "a24":
+            rewrite(store, "a25", state=RELEASED)
+        if claim.task_id == "a25" or len(ran) > 30:
+            break
+    trail = ids.index(ran[0])
+    k = ran.index(ids[trail - 1])  # the end of the run before the trail
+    assert trail > 2 and ran[k + 1] == "a25" and listed[k + 1] == listed[k], ran
+
+
+def test_past_a_held_stretch_the_leases_are_re_listed_before_the_walk_lands_beyond_it(tmp_path):
+    """Region b: b00-b39 free, b40 held, b41-b79 free; the head region's only task is held. While
+    the worker walks b's first run from where it landed, another worker takes the tasks behind it and
+    b41-b60. Past b40 the worker re-lists b's leases, so it lands in b61-b79, the one run still
+    free, with no collision."""
+    ids = ids_of("b", 80)
+    store, clock = queue(tmp_path, ["a1"] + ids, splits=["b00"])
+    lease(store, "a1", HELD)
+    lease(store, "b40", HELD)
+    walk = iter(claimer(store, clock, seed=1))
+    ran = []
+    for claim in walk:
+        ran.append(claim.task_id)
+        claim.lease.complete([], clock.now)
+        if len(ran) == 1:
+            for task_id in ids[:ids.index(claim.task_id)] + ids[41:61]:
+                lease(store, task_id, HELD)
+        if claim.task_id == "b39" or len(ran) > 45:
+            break
+    beyond = next(walk).task_id
+    creates = [name for op, name, t in store.requests if op == "create" and name.startswith(layout.LEASES)]
+    assert ran[-1] == "b39" and 61 <= ids.index(beyond) <= 79 and len(creates) == len(ran) + 1, (ran, beyond)
+
+
+def test_past_a_held_stretch_a_short_run_is_walked_on_when_no_other_region_has_work(tmp_path):
+    """Region a: a00-a09 free, a10 held, a11-a14 free (fewer than MIN_RUN); regions b and c hold one
+    held task each. Past a10 the worker re-lists a's leases, moves, finds nothing in b and c, and
+    then walks on to a11 at once, without a wait (and without re-listing and moving again)."""
+    ids = ids_of("a", 15)
+    store, clock = queue(tmp_path, ids + ["b1", "c1"], splits=["b1", "c1"])
+    for task_id in ("a10", "b1", "c1"):
+        lease(store, task_id, HELD)
+    walk = iter(claimer(store, clock, seed=0))
+    ran = []
+    for claim in walk:
+        ran.append(claim.task_id)
+        claim.lease.complete([], clock.now)
+        if claim.task_id == "a11" or len(ran) > 15:
+            break
+    assert ran == ids[ids.index(ran[0]):10] + ["a11"] and clock.waits == [], ran
+    assert store.count("list", "leases/b1.json") == 1 and store.count("list", "leases/c1.json") == 1
 
 
 @pytest.mark.parametrize("seed", [0])
@@ -655,7 +780,17 @@ def test_a_worker_leaves_idle_beside_leases_it_saw_renew_once_the_idle_timeout_h
         assert list(claims) == [] and claims.exit_reason == "idle"
     assert 120.0 <= clock.now < 120.0 + 8.0
     (line,) = [m for m in caplog.messages if m.startswith("event=idle_timeout")]
-    assert line.endswith("open_regions=2") and float(line.split("waited_s=")[1].split()[0]) >= 20.0
+    assert line.endswith("open_regions=2") and 20.0 <= float(line.split("waited_s=")[1].split()[0]) < 20.0 + 8.0
+
+
+def test_an_idle_timeout_of_zero_leaves_without_a_wait_once_every_lease_in_view_is_seen_renewing(tmp_path):
+    """a2 is held by a live holder. The worker runs a1; its move re-lists a's leases and sees a2
+    renewed: with `--idle-timeout 0` it leaves `idle` on that turn, after its last look, with no wait."""
+    store, clock = queue(tmp_path, ["a1", "a2"])
+    lease(store, "a2", HELD)
+    store.hooks.append(renewing(store))
+    claims = claimer(store, clock, idle_timeout_s=0.0)
+    assert run_all(claims, clock) == ["a1"] and claims.exit_reason == "idle" and clock.waits == []
 
 
 def test_the_last_look_before_leaving_idle_finds_a_task_no_poll_listed(tmp_path):
@@ -720,6 +855,30 @@ def test_a_task_the_last_look_found_taken_first_sends_the_worker_on_without_wait
     claim = next(iter(claimer(store, clock, idle_timeout_s=20.0, max_loaded_regions=1)), None)
     assert appeared and claim is not None and claim.task_id == "d2"
     assert len(clock.waits) == appeared[0]  # no wait between the last look and the claim
+
+
+def test_a_task_the_last_look_found_taken_first_restarts_the_idle_timeout(tmp_path):
+    """As above with region a alone: a2 appears just before the last look, and another worker (alive)
+    creates its lease just before this one does. Nothing else is left: the worker waits out a whole
+    idle timeout again from there, then leaves `idle`."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    listed, appeared = [], []
+
+    def a2_appears_at_the_last_look(op, name):
+        if op == "list" and name == layout.BATCHES:
+            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not appeared:
+                store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
+                appeared.append(clock.now)
+            listed.append(clock.now)
+        if op == "create" and name == layout.lease_object("a2") and not list_of(store, layout.lease_object("a2")):
+            lease(store, "a2", HELD)  # the other worker's create comes first
+
+    store.hooks.append(a2_appears_at_the_last_look)
+    claims = claimer(store, clock, idle_timeout_s=20.0)
+    assert list(claims) == [] and claims.exit_reason == "idle" and appeared
+    assert appeared[0] + 20.0 <= clock.now < appeared[0] + 20.0 + 8.0 + 8.0
 
 
 def test_a_lease_the_last_look_sees_first_is_watched_a_whole_ttl_before_the_worker_leaves(tmp_path):
