@@ -127,6 +127,29 @@ def renewing(store, worker="w0"):
 
     return hook
 
+def at_the_last_look(clock, act) -> tuple:
+    """A hook that calls `act()` once, just before the last look lists batches/ (the second listing of
+    batches/ at one instant, from 120 s on), and the list its answer is appended to."""
+    listed, answers = [], []
+
+    def hook(op, name):
+        if op == "list" and name == layout.BATCHES:
+            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not answers:
+                answers.append(act())
+            listed.append(clock.now)
+
+    return hook, answers
+
+
+def created_first(store, task_id):
+    """A hook: another live worker creates `task_id`'s lease just before this one's create."""
+
+    def hook(op, name):
+        if op == "create" and name == layout.lease_object(task_id) and not list_of(store, name):
+            lease(store, task_id, HELD)
+
+    return hook
+
 
 def failing(op, name, error, times=1):
     """A hook: the next `times` requests `op` on `name` fail with `error`."""
@@ -813,18 +836,15 @@ def test_news_found_by_the_last_look_keeps_the_worker_from_leaving_idle(tmp_path
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", HELD)
     store.hooks.append(renewing(store))
-    listed, submitted = [], []
 
-    def submit_at_the_last_look(op, name):
-        if op == "list" and name == layout.BATCHES:
-            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not submitted:
-                store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
-                store.plain.create(layout.split_object("c1"), b"{}")
-                store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "c1", "last": "c1", "tasks": "1"})
-                submitted.append(clock.now)
-            listed.append(clock.now)
+    def submit():
+        store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+        store.plain.create(layout.split_object("c1"), b"{}")
+        store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "c1", "last": "c1", "tasks": "1"})
+        return clock.now
 
-    store.hooks.append(submit_at_the_last_look)
+    hook, submitted = at_the_last_look(clock, submit)
+    store.hooks.append(hook)
     claims = claimer(store, clock, idle_timeout_s=20.0)
     claim = next(iter(claims), None)
     assert submitted and claim is not None and claim.task_id == "c1", claims.exit_reason
@@ -839,19 +859,14 @@ def test_a_task_the_last_look_found_taken_first_sends_the_worker_on_without_wait
     lease(store, "a1", HELD)
     lease(store, "d1", HELD)
     store.hooks.append(renewing(store))
-    listed, appeared = [], []
 
-    def tasks_appear_at_the_last_look(op, name):
-        if op == "list" and name == layout.BATCHES:
-            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not appeared:
-                store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
-                store.plain.create(layout.task_object("d2"), b'{"id": "d2"}')
-                appeared.append(len(clock.waits))
-            listed.append(clock.now)
-        if op == "create" and name == layout.lease_object("a2") and not list_of(store, layout.lease_object("a2")):
-            lease(store, "a2", HELD)  # the other worker's create comes first
+    def tasks_appear():
+        store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
+        store.plain.create(layout.task_object("d2"), b'{"id": "d2"}')
+        return len(clock.waits)
 
-    store.hooks.append(tasks_appear_at_the_last_look)
+    hook, appeared = at_the_last_look(clock, tasks_appear)
+    store.hooks += [hook, created_first(store, "a2")]
     claim = next(iter(claimer(store, clock, idle_timeout_s=20.0, max_loaded_regions=1)), None)
     assert appeared and claim is not None and claim.task_id == "d2"
     assert len(clock.waits) == appeared[0]  # no wait between the last look and the claim
@@ -864,18 +879,13 @@ def test_a_task_the_last_look_found_taken_first_restarts_the_idle_timeout(tmp_pa
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", HELD)
     store.hooks.append(renewing(store))
-    listed, appeared = [], []
 
-    def a2_appears_at_the_last_look(op, name):
-        if op == "list" and name == layout.BATCHES:
-            if clock.now >= 120.0 and listed and listed[-1] == clock.now and not appeared:
-                store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
-                appeared.append(clock.now)
-            listed.append(clock.now)
-        if op == "create" and name == layout.lease_object("a2") and not list_of(store, layout.lease_object("a2")):
-            lease(store, "a2", HELD)  # the other worker's create comes first
+    def a2_appears():
+        store.plain.create(layout.task_object("a2"), b'{"id": "a2"}')
+        return clock.now
 
-    store.hooks.append(a2_appears_at_the_last_look)
+    hook, appeared = at_the_last_look(clock, a2_appears)
+    store.hooks += [hook, created_first(store, "a2")]
     claims = claimer(store, clock, idle_timeout_s=20.0)
     assert list(claims) == [] and claims.exit_reason == "idle" and appeared
     assert appeared[0] + 20.0 <= clock.now < appeared[0] + 20.0 + 8.0 + 8.0
