@@ -68,8 +68,6 @@ def batch(store, name, first, last, state=layout.BATCH_DONE, tasks="1"):
     return write_batch(store, name, first, last, state, tasks)
 
 
-
-
 class Meddled(LocalStore):
     """A local queue in which something happens while a snapshot looks: `meddle` runs after the
     regions were listed and before `batches/` is listed again (once per look, `tries` counting them),
