@@ -280,6 +280,28 @@ def test_a_takeover_beside_a_marker_an_older_version_wrote_settles_it_and_learns
     assert "event=tombstone task=a04 state=dead previous_worker=w0" in caplog.messages
 
 
+def test_a_task_a_takeover_settled_is_not_read_again_when_the_listing_after_it_fails(tmp_path):
+    """a1 was released beside its dead letter (an older version's order): the takeover settles it
+    as a tombstone. The listing of leases just after fails once (a 503): the worker knows a1 is
+    finished from its own write, and does not read a1's lease again when it tries once more (the
+    done check's listing of done/ tells a done task apart by itself; only a dead letter needs this)."""
+    store, clock = queue(tmp_path, ["a1"])
+    lease(store, "a1", RELEASED)
+    store.plain.create(layout.failed_object("a1"), b"{}")
+    failed = []
+
+    def the_listing_after_the_settle_fails(op, name):
+        if op == "list" and name.startswith(layout.LEASES) and store.count("write", layout.lease_object("a1")) == 2:
+            if not failed:
+                failed.append(clock.now)
+                raise StoreUnavailable("leases/: 503")
+
+    store.hooks.append(the_listing_after_the_settle_fails)
+    claims = claimer(store, clock)
+    assert list(claims) == [] and claims.exit_reason == "drained" and failed
+    assert stored(store, "a1")["state"] == DEAD and store.count("read", layout.lease_object("a1")) == 1
+
+
 def test_a_done_check_that_fails_gives_the_lease_back_and_raises(tmp_path):
     store, clock = queue(tmp_path, ["a1"])
     lease(store, "a1", RELEASED)
@@ -1140,6 +1162,7 @@ def test_a_store_outage_is_waited_out_with_a_growing_backoff(tmp_path, caplog):
     assert caplog.messages[:2] == ["event=store_unavailable step=_start error=splits/: 503 retry_in_s=1.0",
                                    "event=store_unavailable step=_start error=splits/: 503 retry_in_s=2.0"]  # fmt: skip
     assert caplog.messages[3].endswith("retry_in_s=4.0")
+    assert clock.waits[0] < 1.0  # jittered from 0, not from the shortest wait: workers cut off together spread out
 
 
 def test_a_stop_during_an_outage_ends_the_walk_stopped(tmp_path):
@@ -1162,3 +1185,30 @@ def test_a_stop_while_waiting_ends_the_walk_stopped(tmp_path):
 @pytest.mark.parametrize("poll_min_s, ttl_s, longest", [(1.0, 30.0, 15.0), (1.0, 600.0, 60.0), (20.0, 30.0, 20.0)])
 def test_the_longest_wait_is_half_a_ttl_at_most_a_minute_at_least_the_shortest(poll_min_s, ttl_s, longest):
     assert default_poll_max(poll_min_s, ttl_s) == longest
+
+
+def test_the_start_line_names_the_map_it_listed_and_where_the_walk_starts(tmp_path, caplog):
+    """Seven regions whose split markers come two a page: the start lists one page of the map (three
+    regions, the last of them running on to the keyspace's end as far as the worker knows) and lands."""
+    ids = [f"{c}1" for c in "abcdefg"]
+    store, clock = queue(tmp_path, ids, splits=ids[1:])
+    store.splits_page = 2
+    with caplog.at_level(logging.INFO, logger="taskqueue.claims"):
+        claim = next(iter(claimer(store, clock)))
+    (line,) = [m for m in caplog.messages if m.startswith("event=start ")]
+    assert line == f"event=start regions=3 swept=0 map_complete=False region={claim.task_id!r}", line
+
+
+def test_a_sweep_is_written_as_this_worker_and_its_confirming_wait_is_on_the_workers_clock(tmp_path):
+    """A store that allows one write a second to an object (as GCS): the sweep waits out that gap
+    between its marker's create and its confirming write, on the worker's clock and stop event, and
+    the marker names the worker."""
+    store, clock = queue(tmp_path, ["a1"])
+    store.same_object_write_gap_s = 1.0
+    claims = claimer(store, clock)
+    assert run_all(claims, clock) == ["a1"] and claims.exit_reason == "drained"
+    (marker,) = list_of(store, layout.SWEPT)
+    (created,) = [t for op, name, t in store.requests if op == "create" and name == marker.name]
+    (confirmed,) = [t for op, name, t in store.requests if op == "write" and name == marker.name]
+    assert confirmed == created + 1.0
+    assert json.loads(store.plain.read(marker.name).data)["worker"] == "w1" and marker.metadata["confirmed"] == "1"
