@@ -281,6 +281,12 @@ class Claimer:
         if self._waiting:
             return False  # polls look further, one region at a time
         view.freshen_map()
+        left = self._region
+        if left is not None and left in view.tasks and view.region_finished(left):
+            # The walk leaves a region it knows finished (its last tasks were this worker's): sweep it
+            # now. Otherwise only a poll or the last look would, after waits: a lone worker that ran the
+            # whole queue would wait out its idle timeout and leave `idle`, not `drained`.
+            self.sweeper.sweep(left)
         tries = 0
         while True:
             news = [r for r in view.open_regions() if r in view.news]

@@ -1139,6 +1139,17 @@ def test_a_move_that_gives_up_lists_the_rest_of_the_map_once(tmp_path):
     assert store.count("list", layout.SPLITS) == 1 + 3
 
 
+def test_a_lone_worker_that_ran_every_region_sweeps_each_as_it_leaves_it_and_leaves_drained_at_once(tmp_path):
+    """Five regions of two tasks, one worker. Each region it walks to its end it knows finished (its
+    own tombstones): it sweeps it as it moves on, and leaves `drained` without a wait; not `idle`, as
+    it did when only polls swept those regions, one a poll, and its idle timeout came first."""
+    ids = [f"{c}{k}" for c in "abcde" for k in range(2)]
+    store, clock = queue(tmp_path, ids, splits=["b0", "c0", "d0", "e0"])
+    claims = claimer(store, clock, seed=0, idle_timeout_s=5.0)
+    assert sorted(run_all(claims, clock)) == ids
+    assert claims.exit_reason == "drained" and clock.waits == [] and len(list_of(store, layout.SWEPT)) == 5
+
+
 def test_a_worker_leaves_drained_only_once_every_page_of_the_map_is_swept(tmp_path):
     ids = [f"{c}1" for c in "abcdefg"]
     store, clock = queue(tmp_path, ids, splits=ids[1:])
