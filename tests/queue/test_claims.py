@@ -666,6 +666,7 @@ def test_past_a_held_stretch_a_run_shorter_than_min_run_is_left_for_another_regi
     assert ran_a == ids[ids.index(ran_a[0]):20], ran  # it walked in a up to the held task
     nxt = next(walk).task_id
     assert nxt.startswith("a") == stays, nxt
+    assert not any(op == "list" and name.startswith(layout.DONE) for op, name, t in store.requests)  # nor a sweep tried in a
 
 
 def test_a_walk_goes_on_past_its_own_trail_without_a_move(tmp_path):
