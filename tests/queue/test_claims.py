@@ -517,6 +517,25 @@ def test_a_tombstone_whose_write_failed_leaves_the_task_held_until_a_ttl_after_t
     assert again.task_id == "a1" and writes[-1] >= 140.0 and again.lease.body["takeovers"] == 1
 
 
+def test_a_move_skips_a_region_whose_only_open_task_is_the_workers_own_unconfirmed_lease(tmp_path):
+    """Regions a (a0) and b (b0, b1). The `done` write of a0 goes unanswered: a0 stays held by this
+    worker in its view, live until a TTL after its last confirmed write. The worker runs b, and its
+    move after b does not list a's leases again for a task it knows is its own and live; a is listed
+    again by the poll after the first wait, and not before."""
+    store, clock = queue(tmp_path, ["a0", "b0", "b1"], splits=["b0"])
+    claims = claimer(store, clock, seed=0)
+    store.hooks.insert(0, lambda op, name: clock.waits and claims.stop())
+    walk = iter(claims)
+    first = next(walk)
+    assert first.task_id == "a0"
+    store.hooks.append(failing("write", layout.lease_object("a0"), StoreUnavailable("leases/a0.json: no answer")))
+    with pytest.raises(StoreUnavailable):
+        first.lease.complete([], clock.now)
+    assert sorted(run_all(walk, clock)) == ["b0", "b1"] and claims.exit_reason == "stopped"
+    listed = [name for op, name, t in store.requests if op == "list"]
+    assert listed.count("leases/") == 2 and listed[-2:] == [layout.BATCHES, "leases/"], listed  # the start's, the poll's
+
+
 def test_a_task_the_worker_lost_is_its_thiefs(tmp_path):
     store, clock = queue(tmp_path, ["a1", "a2"])
     walk = iter(claimer(store, clock, seed=3))
