@@ -1220,7 +1220,8 @@ def test_the_longest_wait_is_half_a_ttl_at_most_a_minute_at_least_the_shortest(p
 
 def test_the_start_line_names_the_map_it_listed_and_where_the_walk_starts(tmp_path, caplog):
     """Seven regions whose split markers come two a page: the start lists one page of the map (three
-    regions, the last of them running on to the keyspace's end as far as the worker knows) and lands."""
+    regions, the last of them running on to the keyspace's end as far as the worker knows) and lands
+    (with this seed outside the head region, whose name is "": each other region is named for its one task)."""
     ids = [f"{c}1" for c in "abcdefg"]
     store, clock = queue(tmp_path, ids, splits=ids[1:])
     store.splits_page = 2
