@@ -522,10 +522,16 @@ def test_the_rate_counts_completions_of_the_last_ten_minutes_over_their_span_wit
     store = LocalStore(tmp_path / "q")
     at = now()
     task(store, "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "p1", "p2", "p3")
-    # Seven in the window, its two ends included (600 s ago and now); one a second before it.
-    for i, ago in enumerate((600, 500, 400, 300, 200, 100, 0)):
-        done_at(store, f"d{i}", at - dt.timedelta(seconds=ago), **({"seconds": (1.0, 2.12345, 5.0)[i]} if i < 3 else {}))
-    done_at(store, "d7", at - dt.timedelta(seconds=601))
+    # Seven in the window, its two ends included (600 s ago and now); one a second before it. A worker's
+    # time in another zone is the same instant; one without a zone is UTC. Seconds that are no number, or
+    # infinite, are no task's duration.
+    times = [at - dt.timedelta(seconds=ago) for ago in (600, 500, 400, 300, 200, 100, 0, 601)]
+    texts = [t.isoformat() for t in times]
+    texts[1] = times[1].astimezone(dt.timezone(dt.timedelta(hours=2))).isoformat()
+    texts[2] = times[2].replace(tzinfo=None).isoformat()
+    seconds = [1.0, 2.12345, 5.0, "inf", "inf", "soon"]
+    for i, text in enumerate(texts):
+        done(store, f"d{i}", completed_at=text, **({"seconds": seconds[i]} if i < len(seconds) else {}))
     view = snapshot(store, now=at)
     assert (view["total"], view["done"], view["pending"]) == (11, 8, 3)
     assert view["recent_done"] == 7 and view["rate_window_s"] == 600.0
