@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from objectstore.base import Entry
 from objectstore.local import LocalStore
 from reporting import status
 from reporting.status import SNAPSHOT_TRIES, finished_text, snapshot
@@ -322,11 +323,11 @@ def test_dead_letters_count_in_their_own_region_only_and_by_reason(tmp_path):
     task(store, "a1", "b1", "b2")
     swept(store, layout.HEAD, tasks=1, failed=1, end="b")
     dead(store, "a1", reason="r1")  # counted by the head's marker, not again
-    dead(store, "b1", reason="r2")
+    dead(store, "b1", "b2", reason="r2")
     view = snapshot(store, now=now())
-    assert view["failed"] == 2 and view["total"] == 3
-    assert view["failed_by_reason"] == {"r1": 1, "r2": 1}
-    assert set(view["failed_reasons"]) == {"a1", "b1"}
+    assert view["failed"] == 3 and view["total"] == 3
+    assert view["failed_by_reason"] == {"r1": 1, "r2": 2}
+    assert set(view["failed_reasons"]) == {"a1", "b1", "b2"}
 
 
 def test_a_sample_estimates_the_open_regions_it_did_not_list_and_is_never_complete(tmp_path):
@@ -507,3 +508,212 @@ def test_the_batches_running_after_the_regions_are_those_said_to_be_submitting(t
     assert view["submitting"] == ["z"]
     assert [b["batch"] for b in view["blockers"] if b["kind"] == "batch"] == ["late"]
     assert view["blockers_total"]["batch"] == 1
+
+
+# -- rate, ETA and the completion curve ------------------------------------------------------------
+
+
+def done_at(store, task_id, at, **metadata):
+    """A done marker whose worker says it finished at `at` (its `completed_at`), whatever the store's clock."""
+    done(store, task_id, completed_at=at.isoformat(), **metadata)
+
+
+def test_the_rate_counts_completions_of_the_last_ten_minutes_over_their_span_with_a_two_sigma_range(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    at = now()
+    task(store, "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7", "p1", "p2", "p3")
+    # Seven in the window, its two ends included (600 s ago and now); one a second before it. A worker's
+    # time in another zone is the same instant; one without a zone is UTC. Seconds that are no number, or
+    # infinite, are no task's duration.
+    times = [at - dt.timedelta(seconds=ago) for ago in (600, 500, 400, 300, 200, 100, 0, 601)]
+    texts = [t.isoformat() for t in times]
+    texts[1] = times[1].astimezone(dt.timezone(dt.timedelta(hours=2))).isoformat()
+    texts[2] = times[2].replace(tzinfo=None).isoformat()
+    seconds = [1.0, 2.12345, 5.0, "inf", "inf", "soon"]
+    for i, text in enumerate(texts):
+        done(store, f"d{i}", completed_at=text, **({"seconds": seconds[i]} if i < len(seconds) else {}))
+    view = snapshot(store, now=at)
+    assert (view["total"], view["done"], view["pending"]) == (11, 8, 3)
+    assert view["recent_done"] == 7 and view["rate_window_s"] == 600.0
+    assert view["rate_since"] == (at - dt.timedelta(seconds=600)).isoformat(timespec="seconds")
+    assert view["tasks_per_s"] == 0.0117  # 7 / 600 s
+    assert view["eta_s"] == 257.1  # 3 remaining at 7 / 600 s
+    # 7 +- 2 sqrt(7) completions in 600 s: 3 remaining take 146.4 s at best, 1053.6 s at worst
+    assert view["eta_range_s"] == [146.4, 1053.6]
+    assert view["median_task_s"] == 2.123  # of the markers that say their seconds
+
+
+def test_a_queue_with_nothing_remaining_has_an_eta_of_zero_and_one_without_a_rate_none(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    task(store, "a", "b")
+    done(store, "a")
+    lease(store, "b", worker="w1")
+    waiting = snapshot(store, now=now())
+    assert waiting["tasks_per_s"] is None and waiting["rate_since"] is None  # one completion is no rate
+    assert waiting["eta_s"] is None and waiting["eta_range_s"] is None
+    done(store, "b")
+    finished = snapshot(store, now=now())
+    assert (finished["pending"], finished["eta_s"], finished["eta_range_s"]) == (0, 0.0, [0.0, 0.0])
+
+
+def test_an_estimate_scales_the_listed_regions_completions_and_leases_but_not_the_swept_regions(tmp_path):
+    """Regions b and c alike, so that whichever the sample lists the estimate is the same."""
+    store = LocalStore(tmp_path / "q")
+    at = now()
+    split(store, "b", "c")
+    task(store, "a1", "a2", "b1", "b2", "b3", "c1", "c2", "c3")
+    goodput = {"goodput_ms_steady": 3000, "goodput_ms_weights": 1000, "goodput_attempts": 1}
+    swept(store, layout.HEAD, tasks=2, end="b", counters=json.dumps({"rows": 5, **goodput}))
+    done_at(store, "a1", at)
+    done_at(store, "a2", at - dt.timedelta(seconds=1000))  # before the window: on the curve only
+    for region in "bc":
+        done_at(store, f"{region}1", at - dt.timedelta(seconds=0.5), counters=json.dumps({"rows": 3}))
+        lease(store, f"{region}2", worker="w1")
+    view = snapshot(store, now=at, sample=1, seed=0, history=True)
+    assert view["estimate"] and view["regions"] == {"total": 3, "swept": 1, "open": 2, "listed": 1}
+    assert (view["total"], view["done"], view["leased"], view["pending"]) == (2 + 3 * 2, 2 + 1 * 2, 1 * 2, 2)
+    assert view["holders"] == {"w1": 1}  # of the listed region: not scaled
+    assert view["counters"] == {"rows": 5 + 3} and view["goodput"]["goodput"] == 0.75
+    # One listed completion (counted twice) and one swept (once), 0.5 s apart: a span of at least 1 s.
+    assert view["recent_done"] == 2 and view["tasks_per_s"] == 3.0
+    assert view["rate_since"] == (at - dt.timedelta(seconds=0.5)).isoformat(timespec="seconds")
+    assert view["eta_s"] == 1.3 and view["eta_range_s"] == [0.6, None]  # 3 - 2 sqrt(2) * 1.5 < 0: no latest
+    curve = view["curve"]
+    assert curve["floor"] == 0 and curve["start"] == (at - dt.timedelta(seconds=1000)).isoformat(timespec="seconds")
+    assert curve["points"][0] == [0.0, 1] and curve["points"][-1] == [1000.0, 4]
+
+
+def test_without_history_the_curve_starts_at_what_the_swept_regions_finished_well(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    split(store, "b")
+    task(store, "a1", "a2", "a3", "b1")
+    swept(store, layout.HEAD, tasks=3, failed=1, end="b")
+    done(store, "b1")
+    curve = snapshot(store, now=now())["curve"]
+    assert curve["floor"] == 2 and curve["points"][-1][1] == 3
+
+
+def test_with_history_a_watch_lists_a_swept_regions_done_markers_once_and_only_that_regions(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    split(store, "b")
+    task(store, "a1", "b1")
+    done(store, "a1", "b1")
+    swept(store, layout.HEAD, tasks=1, end="b")
+    cache = status.RegionCache()
+    first, second = (snapshot(store, now=now(), cache=cache, history=True) for _ in range(2))
+    assert [v["requests_by_kind"]["list done/"] for v in (first, second)] == [2, 1]  # the head's, then b's only
+    assert [v["recent_done"] for v in (first, second)] == [2, 2]  # a1 from the head's listing, b1 from b's
+    assert [v["curve"]["points"][-1][1] for v in (first, second)] == [2, 2]
+
+
+def test_the_curve_counts_open_completions_scaled_and_swept_ones_from_the_floor(tmp_path):
+    t0 = dt.datetime(2026, 11, 28, 10, 0, 0, tzinfo=dt.timezone.utc)
+    ago = [t0 + dt.timedelta(seconds=s) for s in (2.5, 10)]
+    swept_times = [t0, t0 + dt.timedelta(seconds=30)]
+    # 60 points 1.25 s apart from t0 to now; an open completion counts 2 (scale), a swept one 1, on a floor of 5.
+    curve = status._curve(ago, swept_times, t0 + dt.timedelta(seconds=73.75), 2.0, 5)
+    assert curve["start"] == "2026-11-28T10:00:00+00:00" and curve["floor"] == 5 and len(curve["points"]) == 60
+    points = curve["points"]
+    assert [points[k] for k in (0, 1, 2, 7, 8, 23, 24, 59)] == [
+        [0.0, 6], [1.2, 6], [2.5, 8], [8.8, 8], [10.0, 10], [28.8, 10], [30.0, 11], [73.8, 11]
+    ]
+    only_open = status._curve([t0], [], t0, 1.0, 0)  # no time between the first completion and now: a span of 1 s
+    assert only_open["points"][-1] == [1.0, 1]
+    assert status._curve([], [t0], t0, 1.0, 0)["points"][0] == [0.0, 1]
+    assert status._curve([], [], t0, 1.0, 0) is None
+
+
+# -- slices, stale leases, dead letters ------------------------------------------------------------
+
+
+def test_a_slice_is_counted_with_its_hosts_when_its_leader_holds_a_lease(tmp_path):
+    from taskqueue.slice import assignment_object
+
+    store = LocalStore(tmp_path / "q")
+    task(store, "a", "b")
+    lease(store, "a", worker="lead-x")
+    lease(store, "b", worker="w9")
+    for slice_id, metadata in {"x": {"leader": "lead-x", "hosts": "4"},
+                               "y": {"leader": "idle-y", "hosts": "2"},  # holds nothing
+                               "z": {"leader": "w9"},  # says no hosts
+                               "v": {"leader": "w9", "hosts": "two"}}.items():  # fmt: skip
+        store.create(assignment_object(slice_id), b"{}", metadata=metadata)
+    view = snapshot(store, now=now())
+    assert view["holders"] == {"lead-x": 1, "w9": 1} and view["slice_hosts"] == {"lead-x": 4}
+
+
+def test_stale_leases_are_named_in_the_order_of_their_task_ids(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    task(store, "a", "a.5")
+    lease(store, "a", ttl_s="0.5")
+    lease(store, "a.5", ttl_s="0.5")  # listed first: `a.5.json` sorts before `a.json`
+    view = snapshot(store, now=now() + dt.timedelta(seconds=5))
+    assert [s["task"] for s in view["stale_leases"]] == ["a", "a.5"]
+
+
+def test_a_dead_letter_of_an_id_before_X_counts_in_the_head_region(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    split(store, "b")
+    task(store, "0", "a1", "b1")
+    dead(store, "0")
+    swept(store, "b", tasks=1)
+    view = snapshot(store, now=now())
+    assert view["regions"]["swept"] == 1 and (view["total"], view["failed"]) == (3, 1)
+
+
+def test_each_dead_letter_read_gives_its_reason_and_the_first_line_of_its_message(tmp_path):
+    store = LocalStore(tmp_path / "q")
+    task(store, "a", "b", "c")
+    dead(store, "a")
+    store.create(layout.failed_object("b"), json.dumps({"task": "b", "message": "disk full\nat /data"}).encode())
+    store.create(layout.failed_object("c"), b"not json")
+    view = snapshot(store, now=now())
+    reasons = view["failed_reasons"]
+    assert (reasons["a"], reasons["b"]) == ("consumer exit 65: bad input", "?")
+    assert reasons["c"].startswith("(unreadable dead letter: ")
+    assert view["failed_details"] == {"a": "boom a", "b": "disk full", "c": None}
+
+
+@pytest.mark.parametrize("letter, line", [
+    ({"message": "disk full\nat /data", "errors": [{"error": "boom"}]}, "disk full"),
+    ({"message": "m" * 600}, "m" * 500),
+    ({"errors": [{"error": "first"}, {"error": "second"},
+                 {"error": "Traceback (most recent call last):\n  File x\n\nValueError: " + "v" * 600}]},
+     ("ValueError: " + "v" * 600)[:500]),
+    ({"errors": [{"error": "first"}, {"error": "start\nevent=bad_input exit=65 error=row 3 of t1: error=null\n"
+                                               "Traceback\nSystemExit: 65"}]}, "row 3 of t1: error=null"),
+    ({"errors": [{"error": "event=bad_input exit=65 error=" + "r" * 600}]}, "r" * 500),
+    ({"errors": [{"error": "event=upload_failed error=timeout"}]}, "event=upload_failed error=timeout"),
+    ({"errors": []}, None),
+    ({"errors": ["not a record"]}, None),
+    ({"errors": [{"attempt": 1}]}, None),
+    ({}, None),
+])  # fmt: skip
+def test_the_first_line_of_a_dead_letter_is_its_message_or_the_last_attempts_bad_input_or_last_line(letter, line):
+    assert status.first_line(letter) == line
+
+
+def test_the_blockers_name_each_running_batch_stale_lease_and_dead_letter_with_the_command_that_clears_it():
+    t0 = dt.datetime(2026, 11, 28, 10, 0, 0, tzinfo=dt.timezone.utc)
+
+    def running(name, first, last, seconds, **metadata):
+        updated = t0 + dt.timedelta(seconds=seconds)
+        return Entry(layout.batch_object(name), 1, 0, updated, {"first": first, "last": last, **metadata})
+
+    # In the order of their names, as listed; named oldest first. `skew` was updated after status's now.
+    batches = [running("aa", "d", "d", 10), running("skew", "e", "e", 20, tasks="1"), running("zz", "a", "c", 0, tasks="3")]
+    view = {"queue": "/q/my queue", "stale_leases": [{"task": "s1", "worker": "w1", "silent_s": 45.0}],
+            "failed_reasons": {"f1": "consumer exit 65: bad input"}}  # fmt: skip
+    found = status.blockers(view, batches, t0 + dt.timedelta(seconds=12.345))
+    finish = "wait for its submit, or run that submit again; if it will never run again: gcs-spawner submit '/q/my queue' --finish-batch "
+    assert found == [
+        {"kind": "batch", "batch": "zz", "first": "a", "last": "c", "tasks": 3, "running_s": 12.3, "clear": finish + "zz"},
+        {"kind": "batch", "batch": "aa", "first": "d", "last": "d", "tasks": None, "running_s": 2.3, "clear": finish + "aa"},
+        {"kind": "batch", "batch": "skew", "first": "e", "last": "e", "tasks": 1, "running_s": 0.0, "clear": finish + "skew"},
+        {"kind": "stale_lease", "task": "s1", "worker": "w1", "silent_s": 45.0,
+         "clear": "any running worker takes it over; with none left, start one: "
+                  "python spawn.py '/q/my queue' --consumer 'python consume.py'"},
+        {"kind": "dead_letter", "task": "f1", "reason": "consumer exit 65: bad input",
+         "clear": "fix the cause, then submit the task again under a new id: gcs-spawner submit '/q/my queue' "
+                  "--tasks FILE (tasks and their outcomes are immutable)"},
+    ]  # fmt: skip
