@@ -701,11 +701,13 @@ def test_the_blockers_name_each_running_batch_stale_lease_and_dead_letter_with_t
         return Entry(layout.batch_object(name), 1, 0, updated, {"first": first, "last": last, **metadata})
 
     # In the order of their names, as listed; named oldest first. `skew` was updated after status's now.
-    batches = [running("aa", "d", "d", 10), running("skew", "e", "e", 20, tasks="1"), running("zz", "a", "c", 0, tasks="3")]
+    batches = [running("aa", "d", "d", 10), running("skew", "e", "e", 20, tasks="1"),
+               running("zz", "a", "c", 0, tasks="3")]  # fmt: skip
     view = {"queue": "/q/my queue", "stale_leases": [{"task": "s1", "worker": "w1", "silent_s": 45.0}],
             "failed_reasons": {"f1": "consumer exit 65: bad input"}}  # fmt: skip
     found = status.blockers(view, batches, t0 + dt.timedelta(seconds=12.345))
-    finish = "wait for its submit, or run that submit again; if it will never run again: gcs-spawner submit '/q/my queue' --finish-batch "
+    finish = ("wait for its submit, or run that submit again; if it will never run again: "
+              "gcs-spawner submit '/q/my queue' --finish-batch ")  # fmt: skip
     assert found == [
         {"kind": "batch", "batch": "zz", "first": "a", "last": "c", "tasks": 3, "running_s": 12.3, "clear": finish + "zz"},
         {"kind": "batch", "batch": "aa", "first": "d", "last": "d", "tasks": None, "running_s": 2.3, "clear": finish + "aa"},
