@@ -438,44 +438,30 @@ def test_a_create_that_collides_leaves_the_task_to_its_holder_and_judges_it_befo
 # -- what a worker did itself --------------------------------------------------------------------
 
 
-def test_after_a_collision_the_worker_re_lists_the_leases_and_lands_beyond_the_other_workers_run(tmp_path):
-    """Region b of sixty untouched tasks (the head region's only task is held); just before the first
-    create another worker takes b00-b29. The create collides; the worker re-lists b's leases (one
-    request, no move) and lands around the middle of b30-b59 (45, give or take 30 // 4), with no
-    second collision."""
-    ids = ids_of("b", 60)
-    store, clock = queue(tmp_path, ["a1"] + ids, splits=["b00"])
-    lease(store, "a1", HELD)
-    taken = []
-
-    def another_worker_takes_the_first_half(op, name):
-        if op == "create" and name.startswith(layout.LEASES) and not taken:
-            taken.extend(lease(store, task_id, HELD) for task_id in ids[:30])
-
-    store.hooks.append(another_worker_takes_the_first_half)
-    claim = next(iter(claimer(store, clock, seed=2)))
-    creates = [name for op, name, t in store.requests if op == "create" and name.startswith(layout.LEASES)]
-    assert taken and len(creates) == 2 and ids.index(creates[0][len(layout.LEASES):-5]) < 30
-    assert 38 <= ids.index(claim.task_id) <= 52, claim.task_id
-    assert store.count("list", "leases/b00.json") == 2  # the start's load, and the one after the collision
-
-
-def test_after_a_collision_a_run_shorter_than_min_run_is_left_for_another_region(tmp_path):
-    """As above, but the other worker takes b00-b49: the ten tasks left in b are fewer than MIN_RUN,
-    so the worker moves on to region c instead of landing among them."""
+@pytest.mark.parametrize("taken, seed, region, low, high", [(30, 2, "b", 38, 52), (50, 1, "c", 5, 15)])
+def test_after_a_collision_the_worker_re_lists_the_leases_and_lands_beyond_the_other_workers_run(
+    tmp_path, taken, seed, region, low, high
+):
+    """Region b of sixty untouched tasks, region c of twenty (the head region's only task is held); just
+    before the first create another worker takes b00 up to b{taken - 1}. The create collides; the worker
+    re-lists b's leases (one request, no move). With thirty tasks left it lands around the middle of
+    b30-b59 (45, give or take 30 // 4), with no second collision; with ten left, fewer than MIN_RUN, it
+    moves on to region c and lands around its middle (10, give or take 20 // 4) instead."""
     ids = ids_of("b", 60)
     store, clock = queue(tmp_path, ["a1"] + ids + ids_of("c", 20), splits=["b00", "c00"])
     lease(store, "a1", HELD)
-    taken = []
+    held = []
 
-    def another_worker_takes_b00_to_b49(op, name):
-        if op == "create" and name.startswith(layout.LEASES) and not taken:
-            taken.extend(lease(store, task_id, HELD) for task_id in ids[:50])
+    def another_worker_takes_the_first_tasks(op, name):
+        if op == "create" and name.startswith(layout.LEASES) and not held:
+            held.extend(lease(store, task_id, HELD) for task_id in ids[:taken])
 
-    store.hooks.append(another_worker_takes_b00_to_b49)
-    claim = next(iter(claimer(store, clock, seed=1)))
+    store.hooks.append(another_worker_takes_the_first_tasks)
+    claim = next(iter(claimer(store, clock, seed=seed)))
     creates = [name for op, name, t in store.requests if op == "create" and name.startswith(layout.LEASES)]
-    assert taken and creates[0].startswith("leases/b") and claim.task_id.startswith("c"), (creates, claim.task_id)
+    assert held and len(creates) == 2 and ids.index(creates[0][len(layout.LEASES):-5]) < taken, creates
+    assert claim.task_id.startswith(region) and low <= int(claim.task_id[1:]) <= high, claim.task_id
+    assert store.count("list", "leases/b00.json") == 2  # the start's load, and the one after the collision
 
 
 def test_after_a_release_the_walk_goes_on_to_the_next_task(tmp_path):
