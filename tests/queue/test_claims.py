@@ -127,6 +127,7 @@ def renewing(store, worker="w0"):
 
     return hook
 
+
 def at_the_last_look(clock, act) -> tuple:
     """A hook that calls `act()` once, just before the last look lists batches/ (the second listing of
     batches/ at one instant, from 120 s on), and the list its answer is appended to."""
