@@ -1146,6 +1146,24 @@ def test_a_move_that_gives_up_lists_the_rest_of_the_map_once(tmp_path):
     assert store.count("list", layout.SPLITS) == 1 + 3
 
 
+def test_a_start_that_found_nothing_on_a_page_of_the_map_lists_the_head_regions_leases_once(tmp_path):
+    """Regions "" (a1, held by a live w0), b1 and c1 (both run and swept by w2), one split marker a
+    page. The start loads the head region and finds nothing; each page it adds holds only a swept
+    region, so it goes on to the end of the map and waits, having listed the head's leases once: the
+    walk is in no region yet, and a region it has not landed in is not visited again as its own."""
+    store, clock = queue(tmp_path, ["a1", "b1", "c1"], splits=["b1", "c1"])
+    lease(store, "a1", HELD)
+    store.hooks.append(renewing(store))
+    assert sorted(run_all(claimer(store, clock, worker="w2", idle_timeout_s=5.0), clock)) == ["b1", "c1"]
+    assert {e.name for e in list_of(store, layout.SWEPT)} == {"swept/b1.json", "swept/c1.json"}
+    store.splits_page, start, since = 1, clock.now, len(store.requests)
+    claims = claimer(store, clock)
+    store.hooks.insert(0, lambda op, name: clock.now > start and claims.stop())
+    assert list(claims) == [] and claims.exit_reason == "stopped"
+    listed = [name for op, name, t in store.requests[since:] if op == "list" and t == start]
+    assert listed.count("leases/") == 1 and listed.count(layout.SPLITS) == 1 + 2, listed  # the start's page, then both
+
+
 def test_a_lone_worker_that_ran_every_region_sweeps_each_as_it_leaves_it_and_leaves_drained_at_once(tmp_path):
     """Five regions of two tasks, one worker. Each region it walks to its end it knows finished (its
     own tombstones): it sweeps it as it moves on, and leaves `drained` without a wait; not `idle`, as
