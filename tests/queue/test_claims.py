@@ -1131,6 +1131,35 @@ def test_a_prune_during_the_drained_check_of_markers_older_than_those_listed_doe
     assert pruned and clock.waits == []
 
 
+def test_a_move_from_a_region_the_cache_dropped_lists_it_once(tmp_path):
+    """Regions "" (a0, and a1 held by a live w0), b1 and d1 (held by w0); the view caches one region.
+    The worker runs a0, and its move loads b and d (nothing there), which drops "" from the cache.
+    News of a batch that cuts region c1 (its task held by w0 already) sends it moving again: the news
+    regions, then "" as a region it has not loaded, once; not again as the walk's own region."""
+    store, clock = queue(tmp_path, ["a0", "a1", "b1", "d1"], splits=["b1", "d1"])
+    for task_id in ("a1", "b1", "d1"):
+        lease(store, task_id, HELD)
+    store.hooks.append(renewing(store))
+    news = []
+
+    def submit_c1(op, name):
+        if op == "list" and name == layout.BATCHES and clock.waits and not news:
+            store.plain.create(layout.task_object("c1"), b'{"id": "c1"}')
+            store.plain.create(layout.split_object("c1"), b"{}")
+            lease(store, "c1", HELD)
+            store.plain.create(layout.batch_object("b"), b"{}", {"state": "done", "first": "c1", "last": "c1", "tasks": "1"})
+            news.append(len(store.requests))
+
+    store.hooks.append(submit_c1)
+    claims = claimer(store, clock, seed=0, max_loaded_regions=1)
+    store.hooks.insert(0, lambda op, name: len(clock.waits) > 1 and claims.stop())
+    assert run_all(claims, clock) == ["a0"] and claims.exit_reason == "stopped" and news
+    at = store.requests[news[0] - 1][2]  # the poll's listing of batches/ that found the news
+    moved = [name for op, name, t in store.requests[news[0]:] if op == "list" and t == at]
+    assert sorted(moved) == sorted(["splits/", "swept/", "tasks/b1.json", "leases/b1.json", "tasks/c1.json",
+                                    "leases/c1.json", "tasks/", "leases/"]), moved  # fmt: skip
+
+
 def test_a_move_that_gives_up_lists_the_rest_of_the_map_once(tmp_path):
     """Seven regions, their six split markers on three pages, each task held: the start lists the
     first page, its move loads JUMP_TRIES regions and gives up, then lists the whole map once (three
