@@ -207,15 +207,27 @@ def _cli(*argv: str, env: dict) -> subprocess.Popen:
 @pytest.mark.parametrize("step", ["submit"])
 def test_a_real_ctrl_c_after_a_step_then_up_again_creates_nothing_twice(world, step: str):
     """The command in its own process, SIGINT sent when it logs the end of `step`: it exits 1 saying it was
-    interrupted, and the same command again finishes the run, creating each resource once."""
+    interrupted, and the same command again finishes the run, creating each resource once. The next step's first
+    create is held by the fake cloud until the signal is sent: otherwise, on a loaded machine, the command could
+    finish before this test has read its line (it did once, the signal landing in the interpreter's exit)."""
     run_file = world.run_file("tpu")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    held, signalled, handle = threading.Event(), threading.Event(), world.cloud.handle
+
+    def hold_the_first_fleet_create(request):
+        if request.method == "POST" and request.path.endswith(("/queuedResources", "/nodes")) and not held.is_set():
+            held.set()
+            signalled.wait(60)
+        return handle(request)
+
+    world.cloud.handle = hold_the_first_fleet_create
     first = _cli("up", str(run_file), "--yes", env=env)
     seen = []
     for line in first.stderr:
         seen.append(line)
         if f"event=step_done step={step} " in line:
             first.send_signal(signal.SIGINT)
+            signalled.set()
             break
     first.stderr.read()
     assert first.wait(timeout=120) == 1, "".join(seen)
